@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Idempotent, self-contained setup: .venv with the pinned stack, and horovod built with
+# TensorFlow + Gloo (only when the installed build lacks either). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+
+say() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
+
+"$PYTHON" -c 'import sys; sys.exit(0 if (3, 9) <= sys.version_info[:2] <= (3, 11) else 1)' \
+  || die "Python 3.9-3.11 is required (TensorFlow 2.15); found $("$PYTHON" --version 2>&1). Set PYTHON=/path/to/python3.11."
+command -v java >/dev/null 2>&1 \
+  || die "Java (11 or 17) is required by Spark. Install it, e.g. 'apt-get install -y openjdk-17-jre-headless', or set JAVA_HOME."
+
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip --disable-pip-version-check)
+
+stamp="$VENV/.stamp-deps-$(cat constraints.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  say "installing the pinned stack (constraints.txt)"
+  "${PIP[@]}" install -q --upgrade "pip<25" wheel "setuptools<70"
+  # TensorFlow first: horovod's build looks for it.
+  "${PIP[@]}" install -q -c constraints.txt "tensorflow-cpu==2.15.1" "cmake<4"
+  "${PIP[@]}" install -q -c constraints.txt --no-build-isolation -e ".[dev]"
+  rm -f "$VENV"/.stamp-deps-* "$VENV"/.stamp-horovod-*
+  touch "$stamp"
+fi
+
+horovod_ok() {
+  local out
+  out=$("$VENV/bin/horovodrun" --check-build 2>/dev/null) || return 1
+  grep -q '\[X\] TensorFlow' <<<"$out" && grep -q '\[X\] Gloo' <<<"$out"
+}
+
+hstamp="$VENV/.stamp-horovod-${stamp##*-}"
+if [ ! -f "$hstamp" ]; then
+  if ! horovod_ok; then
+    say "building horovod 0.28.1 from source with TensorFlow + Gloo (about 3 minutes)"
+    "${PIP[@]}" uninstall -q -y horovod >/dev/null 2>&1 || true
+    HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+      HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j"$(nproc)" \
+      "${PIP[@]}" install -q -c constraints.txt --no-build-isolation "horovod[spark]==0.28.1"
+  fi
+  horovod_ok || die "horovod is installed but 'horovodrun --check-build' does not show both TensorFlow and Gloo. Check the build log above (cmake<4 and a C++17 compiler are required)."
+  touch "$hstamp"
+fi
+say "ready: $("$PY" -c 'import sparkhvd, horovod, tensorflow as tf, pyspark; print(f"sparkhvd {sparkhvd.__version__}, horovod {horovod.__version__}, tensorflow {tf.__version__}, pyspark {pyspark.__version__}")' 2>/dev/null)"

@@ -1,0 +1,171 @@
+"""``HorovodRunner``: run a training function data-parallel on Spark task slots with Horovod."""
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+from typing import Any, Callable, Mapping, Optional
+
+from . import payload as _payload
+from .compat import check_keras
+from .errors import RankFailure, TrainingError
+from .launch import LaunchFailure, launch_local, launch_spark
+from .logs import VERBOSITIES, RankLogRouter
+from .rundir import RunDir
+from .session import check_worker_python, get_or_create_session, is_loopback_master, rank_env
+from .slots import check_slots
+
+log = logging.getLogger(__name__)
+
+DEFAULT_START_TIMEOUT = 120
+
+
+def _validate_np(np: Any) -> int:
+    if isinstance(np, bool) or not isinstance(np, int) or np == 0:
+        raise ValueError(
+            f"np must be a non-zero int; got {np!r}. Use np=N (N > 0) to run N ranks as Spark "
+            "tasks, or np=-N to run N ranks as local processes on the driver (no Spark tasks, "
+            "for quick debugging).")
+    return np
+
+
+class HorovodRunner:
+    """Runs a training function on ``np`` Horovod ranks and returns rank 0's result.
+
+    Args:
+        np: ``N > 0`` runs N ranks in N Spark task slots of the session (checked up front);
+            ``-N`` runs N ranks as local processes on the driver without Spark tasks.
+        spark: the SparkSession to use; default the active one, else a new ``local[np]`` one.
+        driver_log_verbosity: ``"rank0"`` (default) shows rank 0's output and every rank's
+            errors on the driver; ``"all"`` shows every rank's output. Each line is prefixed
+            ``[rank N]``; all lines are kept in the run folder's ``logs/rank-N.log``.
+        start_timeout: seconds horovod may take to start the ranks.
+        env: extra environment variables for the ranks (added to a small allowlist of the
+            driver's variables; the driver's environment is never copied wholesale).
+        output_dir: folder that receives one ``<run-id>/`` folder per run (default ``runs``).
+        verbose: show TensorFlow/Gloo start-up noise and horovod's own debug output.
+        nics: network interfaces for Gloo; default ``{"lo"}`` when every executor is local.
+        slot_wait_s: on a cluster, how long to wait for executors to register before the
+            slot check fails.
+
+    Example::
+
+        hr = HorovodRunner(np=2)
+        model_bytes = hr.run(train_fn, lr=0.1, epochs=3)
+    """
+
+    def __init__(self, np: int, *, spark=None, driver_log_verbosity: str = "rank0",
+                 start_timeout: int = DEFAULT_START_TIMEOUT,
+                 env: Optional[Mapping[str, str]] = None, output_dir: str = "runs",
+                 verbose: bool = False, nics: Optional[set[str]] = None,
+                 slot_wait_s: float = 30.0) -> None:
+        self.np = _validate_np(np)
+        if driver_log_verbosity not in VERBOSITIES:
+            raise ValueError(f"driver_log_verbosity must be one of {VERBOSITIES}; "
+                             f"got {driver_log_verbosity!r}")
+        if not isinstance(start_timeout, (int, float)) or start_timeout <= 0:
+            raise ValueError(f"start_timeout must be a positive number of seconds; "
+                             f"got {start_timeout!r}")
+        self.spark = spark
+        self.driver_log_verbosity = driver_log_verbosity
+        self.start_timeout = int(start_timeout)
+        self.env = dict(env or {})
+        rank_env(self.env)  # validates types now rather than at run()
+        self.output_dir = output_dir
+        self.verbose = verbose
+        self.nics = set(nics) if nics else None
+        self.slot_wait_s = slot_wait_s
+        self.last_run_dir: Optional[RunDir] = None
+
+    # -- public API ----------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        """Run ``fn(**kwargs)`` on every rank and return rank 0's return value.
+
+        Raises:
+            PayloadError: ``fn`` or an argument cannot be sent to the ranks (before launch).
+            NotEnoughSlotsError: the session has fewer task slots than ``np`` (in seconds).
+            TrainingError: a rank failed; names the rank, the exception and its traceback.
+        """
+        return self._execute(fn, kwargs, return_all=False)[0]
+
+    def run_all(self, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
+        """Like :meth:`run`, but return every rank's return value, in rank order."""
+        return self._execute(fn, kwargs, return_all=True)
+
+    # -- internals -----------------------------------------------------------------------
+    def _execute(self, fn: Callable, kwargs: Mapping[str, Any], *, return_all: bool) -> list:
+        blob = _payload.dumps(fn, kwargs)
+        env = rank_env(self.env, verbose=self.verbose)
+        check_keras({**os.environ, **env})
+        run_dir = RunDir(self.output_dir)
+        self.last_run_dir = run_dir
+        size = abs(self.np)
+        run_dir.update(status="starting", np=self.np, mode="spark" if self.np > 0 else "local",
+                       function=getattr(fn, "__qualname__", repr(fn)),
+                       started_at=_dt.datetime.now().isoformat(timespec="seconds"))
+        router = RankLogRouter(self.driver_log_verbosity, log_dir=run_dir.logs,
+                               verbose=self.verbose)
+        options = {"verbose": self.verbose, "return_all": return_all}
+        try:
+            if self.np > 0:
+                spark = get_or_create_session(size, self.spark)
+                sc = spark.sparkContext
+                run_dir.update(spark_master=sc.master, spark_app_id=sc.applicationId)
+                check_worker_python(sc)
+                slots = check_slots(sc, size, wait_s=0 if sc.master.startswith("local")
+                                    else self.slot_wait_s)
+                run_dir.update(slots=slots.slots)
+                nics = self.nics or ({"lo"} if is_loopback_master(sc.master) else None)
+                run_dir.mark("launch")
+                log.info("Launching %d rank(s) on Spark (%s); logs in %s", size, sc.master,
+                         run_dir.logs)
+                results = launch_spark(size, blob, options, env=env, router=router,
+                                       start_timeout=self.start_timeout, nics=nics,
+                                       verbose=self.verbose)
+            else:
+                run_dir.mark("launch")
+                log.info("Launching %d local rank process(es); logs in %s", size, run_dir.logs)
+                results = launch_local(size, blob, options, env=env, router=router,
+                                       start_timeout=self.start_timeout, verbose=self.verbose)
+        except LaunchFailure as failure:
+            error = self._training_error(failure, router, run_dir)
+            self._finish(run_dir, "failed", error)
+            raise error from None
+        except BaseException as exc:
+            self._finish(run_dir, "interrupted" if isinstance(exc, KeyboardInterrupt)
+                         else "failed", exc)
+            raise
+        finally:
+            router.close()
+        run_dir.mark("finished")
+        saved = run_dir.save_result(results[0]) if results else None
+        self._finish(run_dir, "succeeded", None, model=os.path.basename(saved) if saved else None)
+        return results
+
+    @staticmethod
+    def _training_error(failure: LaunchFailure, router: RankLogRouter,
+                        run_dir: RunDir) -> TrainingError:
+        reported = sorted(router.failures.values(), key=lambda f: f.time)
+        if reported:
+            first = reported[0]
+            if failure.rank == first.rank:
+                first.exit_code = failure.exit_code
+            return TrainingError(first, reported, run_dir=run_dir.path)
+        rank = failure.rank if failure.rank is not None else -1
+        how = (f"killed by signal {-failure.exit_code}" if failure.exit_code and
+               failure.exit_code < 0 else f"exited with status {failure.exit_code}")
+        return TrainingError(RankFailure(
+            rank=rank, exc_type=None, exit_code=failure.exit_code,
+            message=f"the rank process {how} without raising a Python exception",
+            traceback=router.tail(rank)), run_dir=run_dir.path)
+
+    @staticmethod
+    def _finish(run_dir: RunDir, status: str, error: Optional[BaseException], **extra: Any) -> None:
+        run_dir.mark("total")
+        fields: dict[str, Any] = {"status": status,
+                                  "finished_at": _dt.datetime.now().isoformat(timespec="seconds")}
+        if error is not None:
+            message = str(error).split("\n", 1)[0]
+            fields["error"] = {"type": type(error).__name__, "message": message}
+        run_dir.update(**fields, **extra)
+        log.debug("run %s %s in %.1fs", run_dir.run_id, status, run_dir.record["timings"]["total"])

@@ -1,0 +1,108 @@
+"""The SparkSession a run uses, and the environment its ranks get.
+
+A run uses the session it is given, else the active one, else a new local-mode session sized for
+``np``. Ranks receive only the variables the user passed plus :data:`ENV_ALLOWLIST` — never a copy
+of the driver's whole environment, which may hold credentials.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import subprocess
+import sys
+from typing import Mapping, Optional
+from urllib.parse import urlparse
+
+log = logging.getLogger(__name__)
+
+#: Driver variables forwarded to the ranks (exact names, or prefixes ending in ``_``).
+ENV_ALLOWLIST = (
+    "PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR",
+    "VIRTUAL_ENV", "JAVA_HOME", "SPARK_HOME", "PYSPARK_PYTHON", "HADOOP_CONF_DIR",
+    "TF_", "HOROVOD_", "NCCL_", "OMP_", "KMP_", "CUDA_", "XLA_FLAGS",
+)
+#: Names that look like credentials are never forwarded implicitly, whatever their prefix.
+SECRET_NAME = re.compile(r"(?i)(KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|CONNECTION_STRING|SAS)")
+
+
+def rank_env(user_env: Optional[Mapping[str, str]] = None, *, verbose: bool = False,
+             environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The environment sent to every rank: the allowlisted driver variables, then ``user_env``."""
+    environ = os.environ if environ is None else environ
+    env = {}
+    for name, value in environ.items():
+        allowed = any(name == a or (a.endswith("_") and name.startswith(a)) for a in ENV_ALLOWLIST)
+        if allowed and not SECRET_NAME.search(name):
+            env[name] = value
+    if not verbose:
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # hide TF's C++ info/warning start-up lines
+    for name, value in (user_env or {}).items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise TypeError(f"env must map str to str; got {name!r}: {type(value).__name__}. "
+                            "Convert values with str().")
+        env[name] = value
+    return env
+
+
+def is_loopback_master(master: str) -> bool:
+    """Whether every executor of this master runs on this machine (local or 127.0.0.1)."""
+    if master.startswith("local"):
+        return True
+    host = urlparse(master).hostname or ""
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+def get_or_create_session(np: int, spark=None):
+    """The given session, else the active one, else a new ``local[np]`` session on 127.0.0.1."""
+    from pyspark.sql import SparkSession
+
+    if spark is not None:
+        return spark
+    active = SparkSession.getActiveSession()
+    if active is None:
+        from pyspark import SparkContext
+
+        if SparkContext._active_spark_context is not None:
+            active = SparkSession(SparkContext._active_spark_context)
+    if active is not None:
+        return active
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    log.info("No active SparkSession: starting local[%d] on 127.0.0.1", np)
+    session = (SparkSession.builder.master(f"local[{np}]").appName("sparkhvd")
+               .config("spark.driver.host", "127.0.0.1")
+               .config("spark.driver.bindAddress", "127.0.0.1")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.pyspark.python", os.environ["PYSPARK_PYTHON"])
+               .config("spark.executorEnv.TF_CPP_MIN_LOG_LEVEL",
+                       os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    return session
+
+
+@functools.lru_cache(maxsize=8)
+def _python_can_import(python: str) -> Optional[str]:
+    try:
+        out = subprocess.run([python, "-c", "import horovod.spark, sparkhvd"],
+                             capture_output=True, text=True, timeout=120)
+    except OSError as exc:
+        return str(exc)
+    return None if out.returncode == 0 else (out.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def check_worker_python(sc) -> None:
+    """On a local master, fail early when Spark's worker Python cannot import horovod/sparkhvd."""
+    if not sc.master.startswith("local"):
+        return
+    python = sc.pythonExec or "python3"
+    problem = _python_can_import(python)
+    if problem:
+        from .errors import EnvironmentMismatchError
+
+        raise EnvironmentMismatchError(
+            f"Spark runs its Python workers with {python!r}, which cannot import horovod and "
+            f"sparkhvd ({problem}). Fix: export PYSPARK_PYTHON={sys.executable} before the "
+            "SparkSession is created (or activate the project's virtual environment), then "
+            "restart the session.")

@@ -1,0 +1,37 @@
+"""Argument checks of HorovodRunner: immediate, specific errors."""
+import pytest
+
+from sparkhvd import HorovodRunner, PayloadError
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, "2", None, True, [2]])
+def test_np_must_be_nonzero_int(bad):
+    with pytest.raises(ValueError, match="np must be a non-zero int") as info:
+        HorovodRunner(np=bad)
+    assert "np=-N" in str(info.value)
+
+
+@pytest.mark.parametrize("np_", [1, 2, -1, -3])
+def test_valid_np(np_):
+    assert HorovodRunner(np=np_).np == np_
+
+
+def test_verbosity_checked():
+    with pytest.raises(ValueError, match="driver_log_verbosity must be one of"):
+        HorovodRunner(np=2, driver_log_verbosity="loud")
+
+
+def test_start_timeout_checked():
+    with pytest.raises(ValueError, match="start_timeout"):
+        HorovodRunner(np=2, start_timeout=0)
+
+
+def test_env_values_must_be_strings():
+    with pytest.raises(TypeError, match="env must map str to str"):
+        HorovodRunner(np=2, env={"EPOCHS": 3})
+
+
+def test_non_callable_fn_rejected_before_launch(tmp_path):
+    with pytest.raises(PayloadError, match="must be callable"):
+        HorovodRunner(np=2, output_dir=str(tmp_path)).run("train")
+    assert not list(tmp_path.iterdir()), "nothing may be started for a bad argument"

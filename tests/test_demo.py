@@ -1,0 +1,23 @@
+"""The main job (make demo) end to end, with fewer epochs: accuracy, saved and reloaded model."""
+import json
+import os
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+
+
+def test_demo_trains_saves_and_reloads(spark, tmp_path, rank_lines, capsys):
+    import demo
+
+    assert demo.main(["--epochs", "15", "--output-dir", str(tmp_path)]) == 0
+    (run,) = list(tmp_path.iterdir())
+    record = json.loads((run / "run.json").read_text())
+    assert record["status"] == "succeeded" and record["model"] == "model.h5"
+    assert record["demo"]["test_accuracy"] >= 0.9
+    assert (run / "logs" / "rank-0.log").exists() and (run / "logs" / "rank-1.log").exists()
+    assert any(line.startswith("[rank 0] Epoch 15/15") for line in rank_lines)
+    assert "DEMO OK" in capsys.readouterr().out

@@ -1,0 +1,66 @@
+"""In-rank bootstrap: thread sharing on CPU, GPU pinning (with a fake TensorFlow)."""
+import types
+
+from sparkhvd.rank import RankPlan, configure_tensorflow, detect_gpus, plan_rank
+
+
+def test_cpu_cores_shared_among_local_ranks():
+    plan = plan_rank(local_rank=1, local_size=2, cpu_count=8, gpus=[], environ={})
+    assert plan.gpu_index is None
+    assert plan.env == {"TF_NUM_INTRAOP_THREADS": "4", "TF_NUM_INTEROP_THREADS": "2",
+                        "OMP_NUM_THREADS": "4"}
+    assert plan_rank(0, 4, 2, [], environ={}).env["TF_NUM_INTRAOP_THREADS"] == "1"
+
+
+def test_user_settings_are_not_overridden():
+    plan = plan_rank(0, 2, 8, [], environ={"OMP_NUM_THREADS": "3"})
+    assert "OMP_NUM_THREADS" not in plan.env
+
+
+def test_gpu_pinned_by_local_rank_with_memory_growth():
+    plan = plan_rank(local_rank=1, local_size=2, cpu_count=16, gpus=["0", "1"], environ={})
+    assert plan.gpu_index == 1 and plan.memory_growth
+    assert plan.env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+    assert plan_rank(3, 4, 16, ["0", "1"], environ={}).gpu_index == 1
+
+
+def test_detect_gpus_from_cuda_visible_devices():
+    assert detect_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]
+    assert detect_gpus({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    assert detect_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+class _FakeConfig:
+    def __init__(self, n):
+        self.devices = [types.SimpleNamespace(name=f"/physical_device:GPU:{i}") for i in range(n)]
+        self.growth = {}
+        self.visible = None
+
+    def list_physical_devices(self, kind):
+        return self.devices if kind == "GPU" else []
+
+    def set_memory_growth(self, dev, on):
+        self.growth[dev.name] = on
+
+    def set_visible_devices(self, dev, kind):
+        self.visible = (dev.name, kind)
+
+
+def _fake_tf(n):
+    experimental = _FakeConfig(n)
+    return types.SimpleNamespace(config=types.SimpleNamespace(experimental=experimental))
+
+
+def test_configure_tensorflow_pins_one_gpu():
+    tf = _fake_tf(2)
+    name = configure_tensorflow(tf, RankPlan(gpu_index=1, memory_growth=True))
+    assert name == "/physical_device:GPU:1"
+    assert tf.config.experimental.visible == ("/physical_device:GPU:1", "GPU")
+    assert tf.config.experimental.growth == {"/physical_device:GPU:0": True,
+                                             "/physical_device:GPU:1": True}
+
+
+def test_configure_tensorflow_cpu_plan_touches_nothing():
+    tf = _fake_tf(2)
+    assert configure_tensorflow(tf, RankPlan()) is None
+    assert tf.config.experimental.visible is None

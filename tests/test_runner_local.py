@@ -1,0 +1,58 @@
+"""np < 0: ranks as local processes on the driver, no Spark tasks."""
+import pytest
+
+from sparkhvd import HorovodRunner, TrainingError
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_local_ranks_return_rank0_result(tmp_path):
+    def train(k):
+        import os
+
+        return int(os.environ["HOROVOD_RANK"]) * 10 + k, int(os.environ["HOROVOD_SIZE"])
+
+    runner = HorovodRunner(np=-2, output_dir=str(tmp_path))
+    assert runner.run(train, k=1) == (1, 2)
+    assert runner.run_all(train, k=2) == [(2, 2), (12, 2)]
+
+
+def test_local_allreduce_with_horovod(tmp_path):
+    def train():
+        import horovod.tensorflow as hvd
+        import tensorflow as tf
+
+        hvd.init()
+        return float(hvd.allreduce(tf.constant(float(hvd.rank())), op=hvd.Sum).numpy())
+
+    assert HorovodRunner(np=-2, output_dir=str(tmp_path)).run(train) == 1.0
+
+
+def test_local_rank_exception(tmp_path):
+    def train():
+        import os
+
+        if os.environ["HOROVOD_RANK"] == "0":
+            raise KeyError("missing column")
+        import time
+        time.sleep(30)
+
+    with pytest.raises(TrainingError) as info:
+        HorovodRunner(np=-2, output_dir=str(tmp_path)).run(train)
+    assert info.value.rank == 0 and info.value.exc_type == "KeyError"
+
+
+def test_local_rank_process_dies(tmp_path):
+    def train():
+        import os
+        import time
+
+        if os.environ["HOROVOD_RANK"] == "1":
+            os._exit(3)
+        time.sleep(30)
+
+    with pytest.raises(TrainingError) as info:
+        HorovodRunner(np=-2, output_dir=str(tmp_path)).run(train)
+    err = info.value
+    assert (err.rank, err.exit_code, err.exc_type) == (1, 3, None)
+    assert "exited with status 3" in str(err)

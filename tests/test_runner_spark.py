@@ -1,0 +1,144 @@
+"""HorovodRunner on real local-mode Spark (local[2]) with real horovod/Gloo ranks."""
+import hashlib
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from sparkhvd import HorovodRunner, NotEnoughSlotsError, PayloadError, TrainingError
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
+
+WEIGHTS = np.linspace(0, 1, 11)
+
+
+class Config:
+    def __init__(self, base):
+        self.base = base
+
+
+def test_closures_globals_numpy_and_instances(spark, tmp_path):
+    offset = 100
+    square = lambda v: v * v  # noqa: E731
+
+    def train(cfg, extra):
+        import os
+
+        rank = int(os.environ["HOROVOD_RANK"])
+        return {"rank": rank, "value": square(cfg.base) + offset + float(WEIGHTS.sum()) + extra,
+                "threads": os.environ.get("TF_NUM_INTRAOP_THREADS")}
+
+    results = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path)).run_all(
+        train, cfg=Config(3), extra=np.float64(0.5))
+    assert [r["rank"] for r in results] == [0, 1]
+    assert results[0]["value"] == pytest.approx(9 + 100 + 5.5 + 0.5)
+    assert results[0]["threads"] == "1"  # 2 local ranks share the 2 cores of local[2]
+
+
+def test_plain_horovod_code_runs_unchanged(spark, tmp_path):
+    """Seed-004 style: the function does its own hvd.init() and collective ops."""
+    def train_hvd():
+        import horovod.tensorflow.keras as hvd
+        import tensorflow as tf
+
+        hvd.init()
+        total = hvd.allreduce(tf.constant(float(hvd.rank() + 1)), op=hvd.Sum)
+        return hvd.size(), float(total.numpy())
+
+    assert HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path)).run(train_hvd) == (2, 3.0)
+
+
+def test_rank_error_is_training_error_and_session_stays_usable(spark, tmp_path, rank_lines):
+    def fails_on_rank_1():
+        import os
+        import time
+
+        if os.environ["HOROVOD_RANK"] == "1":
+            raise ValueError("bad shard on rank 1")
+        time.sleep(30)  # rank 0 would wait; the launcher must stop it
+
+    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path))
+    with pytest.raises(TrainingError) as info:
+        runner.run(fails_on_rank_1)
+    err = info.value
+    assert (err.rank, err.exc_type, err.remote_message) == (1, "ValueError", "bad shard on rank 1")
+    assert "fails_on_rank_1" in err.remote_traceback
+    assert "Training failed on rank 1: ValueError: bad shard on rank 1" in str(err)
+    record = json.loads(open(os.path.join(runner.last_run_dir.path, "run.json")).read())
+    assert record["status"] == "failed" and record["error"]["type"] == "TrainingError"
+    assert any(line.startswith("[rank 1] ValueError: bad shard") for line in rank_lines)
+    # the session is still usable
+    assert runner.run(lambda: "again") == "again"
+
+
+def test_large_return_value(spark, tmp_path):
+    def big():
+        import os
+
+        return os.urandom(1) * 0 + bytes(range(256)) * (100 * 2**20 // 256 + 1)
+
+    data = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path)).run(big)
+    assert len(data) >= 100 * 2**20
+    expected = bytes(range(256)) * (100 * 2**20 // 256 + 1)
+    assert hashlib.sha256(data).digest() == hashlib.sha256(expected).digest()
+
+
+def test_logs_are_rank_prefixed_and_kept_per_rank(spark, tmp_path, rank_lines):
+    def chatty():
+        import os
+        import sys
+
+        rank = os.environ["HOROVOD_RANK"]
+        print(f"hello from {rank}")
+        print(f"note on stderr from {rank}", file=sys.stderr)
+
+    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path))
+    runner.run(chatty)
+    assert "[rank 0] hello from 0" in rank_lines
+    assert "[rank 0] note on stderr from 0" in rank_lines
+    assert not any(line.startswith("[rank 1]") for line in rank_lines), "rank0 verbosity"
+    logs = runner.last_run_dir.logs
+    assert "hello from 1" in open(os.path.join(logs, "rank-1.log")).read()
+    assert "hello from 0" in open(os.path.join(logs, "rank-0.log")).read()
+
+    rank_lines.clear()
+    HorovodRunner(np=2, spark=spark, driver_log_verbosity="all",
+                  output_dir=str(tmp_path)).run(chatty)
+    assert "[rank 1] hello from 1" in rank_lines and "[rank 0] hello from 0" in rank_lines
+
+
+def test_np_above_slots_fails_in_seconds(spark, tmp_path):
+    started = time.monotonic()
+    with pytest.raises(NotEnoughSlotsError, match=r"np=3 needs 3 .* has 2"):
+        HorovodRunner(np=3, spark=spark, output_dir=str(tmp_path)).run(lambda: None)
+    assert time.monotonic() - started < 60  # generous bound: a hang would be 600 s
+
+
+def test_spark_objects_refused_before_any_job(spark, tmp_path):
+    tracker = spark.sparkContext.statusTracker()
+    jobs_before = set(tracker.getJobIdsForGroup(None))
+    df = spark.range(3)
+    with pytest.raises(PayloadError) as info:
+        HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path)).run(lambda df: None, df=df)
+    assert "argument 'df'" in str(info.value) and "DataFrameDataset" in str(info.value)
+
+    def uses_session():
+        return spark.range(1).count()
+
+    with pytest.raises(PayloadError, match="closure variable 'spark'"):
+        HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path)).run(uses_session)
+    assert set(tracker.getJobIdsForGroup(None)) == jobs_before
+
+
+def test_run_record(spark, tmp_path):
+    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path))
+    assert runner.run(lambda: b"\x89HDF\r\n\x1a\nfake-model") == b"\x89HDF\r\n\x1a\nfake-model"
+    run_dir = runner.last_run_dir
+    record = json.loads(open(run_dir.file("run.json")).read())
+    assert record["status"] == "succeeded" and record["np"] == 2
+    assert record["spark_master"] == "local[2]" and record["model"] == "model.h5"
+    assert record["versions"]["horovod"] == "0.28.1"
+    assert {"launch", "finished", "total"} <= set(record["timings"])
+    assert open(run_dir.file("model.h5"), "rb").read().endswith(b"fake-model")
