@@ -50,4 +50,14 @@ if [ ! -f "$hstamp" ]; then
   horovod_ok || die "horovod is installed but 'horovodrun --check-build' does not show both TensorFlow and Gloo. Check the build log above (cmake<4 and a C++17 compiler are required)."
   touch "$hstamp"
 fi
+# Azurite (the Azure Blob emulator) for the storage tests: real adlfs against 127.0.0.1.
+if [ ! -x .tools/node_modules/.bin/azurite-blob ]; then
+  if command -v npm >/dev/null 2>&1; then
+    say "installing Azurite into .tools/ (npm)"
+    npm install --silent --no-audit --no-fund --prefix .tools azurite@3 >/dev/null \
+      || die "npm could not install azurite; the storage tests need it."
+  else
+    say "WARNING: Node.js/npm not found: the abfss:// storage tests need Azurite. Install Node.js 18+ (e.g. 'apt-get install -y nodejs npm') and run 'make setup' again."
+  fi
+fi
 say "ready: $("$PY" -c 'import sparkhvd, horovod, tensorflow as tf, pyspark; print(f"sparkhvd {sparkhvd.__version__}, horovod {horovod.__version__}, tensorflow {tf.__version__}, pyspark {pyspark.__version__}")' 2>/dev/null)"

@@ -7,14 +7,18 @@ Public API::
 """
 from .errors import (EnvironmentMismatchError, NotEnoughSlotsError, PayloadError, RankFailure,
                      SparkhvdError, TrainingError)
+from . import storage
+from .models import load_model
 from .rundir import RunDir
 from .runner import HorovodRunner
 from .session import ENV_ALLOWLIST
+from .storage import StorageError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HorovodRunner", "TrainingError", "NotEnoughSlotsError", "PayloadError",
     "EnvironmentMismatchError", "SparkhvdError", "RankFailure", "RunDir", "ENV_ALLOWLIST",
+    "StorageError", "load_model", "storage",
     "__version__",
 ]

@@ -17,6 +17,7 @@ from typing import IO, Optional
 
 from .errors import RankFailure
 from .rank import ERROR_MARKER, RANK_MARKER
+from .storage import redact
 
 VERBOSITIES = ("rank0", "all")
 
@@ -135,9 +136,10 @@ class RankLogRouter:
             idx, tag, text = -1, channel_tag, raw
         if text.startswith(RANK_MARKER):
             try:
-                self._index_to_rank[idx] = int(text[len(RANK_MARKER):].strip())
+                rank = self._index_to_rank[idx] = int(text[len(RANK_MARKER):].strip())
             except ValueError:
-                pass
+                return
+            self._open_file(rank)  # every rank gets its log file, even a silent one
             return
         rank = self._index_to_rank.get(idx, idx)
         if text.startswith(ERROR_MARKER):
@@ -158,6 +160,7 @@ class RankLogRouter:
     # -- routing -------------------------------------------------------------------------
     def handle_line(self, rank: int, tag: str, text: str) -> None:
         """Record one line of a rank's output and show it if it should be shown."""
+        text = redact(text)
         self._write_file(rank, text)
         tail = self._tail.setdefault(rank, [])
         tail.append(text)
@@ -183,15 +186,20 @@ class RankLogRouter:
                 return True
         return bool(_ERRORISH.search(text))
 
-    def _write_file(self, rank: int, text: str) -> None:
+    def _open_file(self, rank: int) -> Optional[IO[str]]:
         if not self.log_dir:
-            return
+            return None
         f = self._files.get(rank)
         if f is None:
             name = f"rank-{rank}.log" if rank >= 0 else "launcher.log"
             f = self._files[rank] = open(os.path.join(self.log_dir, name), "a", encoding="utf-8")
-        f.write(text + "\n")
-        f.flush()
+        return f
+
+    def _write_file(self, rank: int, text: str) -> None:
+        f = self._open_file(rank)
+        if f is not None:
+            f.write(text + "\n")
+            f.flush()
 
     def tail(self, rank: int, lines: int = 20) -> str:
         """The last lines a rank printed (for errors without a traceback)."""

@@ -65,7 +65,8 @@ def _try_pickle(obj: Any) -> Exception | None:
     return None
 
 
-def _referenced_names(fn: Callable) -> Iterator[tuple[str, str, Any]]:
+def _referenced_names(fn: Callable, include_modules: bool = False
+                      ) -> Iterator[tuple[str, str, Any]]:
     """(kind, name, value) of what a function drags along: closure cells, globals, defaults."""
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -79,7 +80,7 @@ def _referenced_names(fn: Callable) -> Iterator[tuple[str, str, Any]]:
     for name in _global_names(code):
         if name in fn_globals:
             value = fn_globals[name]
-            if inspect.ismodule(value):
+            if inspect.ismodule(value) and not include_modules:
                 continue
             yield "global variable", name, value
     for name, value in zip(code.co_varnames, fn.__defaults__ or ()):
@@ -186,9 +187,12 @@ def _by_value_modules(fn: Callable, kwargs: Mapping[str, Any]) -> list[ModuleTyp
     """
     found: dict[str, ModuleType] = {}
     candidates = [fn, *kwargs.values()]
-    candidates += [v for _, _, v in _referenced_names(fn)]
+    candidates += [v for _, _, v in _referenced_names(fn, include_modules=True)]
     for obj in candidates:
-        name = getattr(obj, "__module__", None) or getattr(type(obj), "__module__", None)
+        if inspect.ismodule(obj):
+            name = obj.__name__
+        else:
+            name = getattr(obj, "__module__", None) or getattr(type(obj), "__module__", None)
         if not name or name == "__main__" or name.startswith("_") or name in sys.builtin_module_names:
             continue
         module = sys.modules.get(name)

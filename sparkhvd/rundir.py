@@ -64,27 +64,48 @@ def versions() -> dict[str, Optional[str]]:
     return found
 
 
-class RunDir:
-    """A run's folder on local disk (``root/<run-id>``), with its ``run.json`` record."""
+def staging_root() -> str:
+    """Where runs bound for remote storage are staged locally (``SPARKHVD_STAGING_DIR``)."""
+    return os.environ.get("SPARKHVD_STAGING_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "sparkhvd", "runs")
 
-    def __init__(self, root: str = "runs", run_id: Optional[str] = None) -> None:
+
+class RunDir:
+    """A run's folder: ``root/<run-id>`` on local disk, or staged locally and published to a
+    storage URL (``abfss://...``) when ``root`` is one.
+
+    Everything is written locally first (``path``); :meth:`publish` copies it to ``url``. If
+    publishing fails, the local copy stays and the error says where: nothing is lost.
+    """
+
+    def __init__(self, root: str = "runs", run_id: Optional[str] = None,
+                 storage_options: Optional[dict] = None) -> None:
+        from . import storage
+
         self.run_id = run_id or new_run_id()
-        self.path = os.path.abspath(os.path.join(root, self.run_id))
+        root_loc = storage.resolve(root, storage_options)
+        self.remote = None if root_loc.is_local else root_loc.child(self.run_id)
+        local_root = root_loc.path if root_loc.is_local else staging_root()
+        self.path = os.path.abspath(os.path.join(local_root, self.run_id))
+        self.url = self.remote.url if self.remote else self.path
         self.logs = os.path.join(self.path, "logs")
         os.makedirs(self.logs, exist_ok=True)
         self.record: dict[str, Any] = {"run_id": self.run_id, "status": "created",
+                                       "output": storage.public_url(self.url),
                                        "versions": versions(), "timings": {}}
         self._t0 = time.monotonic()
 
     def file(self, name: str) -> str:
-        """Absolute path of a file inside the run folder."""
+        """Absolute local path of a file inside the run folder."""
         return os.path.join(self.path, name)
 
     def update(self, **fields: Any) -> None:
         """Merge ``fields`` into the record and rewrite ``run.json`` atomically."""
+        from .storage import redact
+
         self.record.update(fields)
-        atomic_write(self.file("run.json"),
-                     json.dumps(self.record, indent=2, default=str).encode())
+        text = redact(json.dumps(self.record, indent=2, default=str))
+        atomic_write(self.file("run.json"), text.encode())
 
     def mark(self, timing: str) -> None:
         """Record seconds since the run started under ``timings[timing]``."""
@@ -97,3 +118,39 @@ class RunDir:
             atomic_write(self.file(name), bytes(result))
             return self.file(name)
         return None
+
+    def preflight(self) -> None:
+        """Check the destination is writable before training (remote runs only)."""
+        from .storage import preflight
+
+        if self.remote is not None:
+            preflight(self.remote)
+
+    def publish(self, *, keep_local: bool = False) -> None:
+        """Copy the local run folder to its storage URL (no-op for local runs).
+
+        Raises:
+            StorageError: with ``spilled_to`` = the local folder that keeps everything.
+        """
+        from .storage import StorageError, public_url, write_bytes
+
+        if self.remote is None:
+            return
+        try:
+            # run.json last: its presence says the folder is complete.
+            names = sorted((os.path.relpath(os.path.join(d, f), self.path)
+                            for d, _, files in os.walk(self.path) for f in files),
+                           key=lambda n: (n == "run.json", n))
+            for name in names:
+                with open(os.path.join(self.path, name), "rb") as f:
+                    write_bytes(self.remote.child(name.replace(os.sep, "/")), f.read())
+        except Exception as exc:  # noqa: BLE001
+            raise StorageError(f"Could not publish run {self.run_id} to "
+                               f"{public_url(self.remote.url)}: {exc}. Nothing is lost: the "
+                               f"whole run folder is kept at {self.path}.",
+                               spilled_to=self.path) from None
+        if not keep_local:
+            import shutil
+
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = self.url

@@ -12,6 +12,7 @@ from .errors import RankFailure, TrainingError
 from .launch import LaunchFailure, launch_local, launch_spark
 from .logs import VERBOSITIES, RankLogRouter
 from .rundir import RunDir
+from .storage import StorageError
 from .session import check_worker_python, get_or_create_session, is_loopback_master, rank_env
 from .slots import check_slots
 
@@ -42,7 +43,14 @@ class HorovodRunner:
         start_timeout: seconds horovod may take to start the ranks.
         env: extra environment variables for the ranks (added to a small allowlist of the
             driver's variables; the driver's environment is never copied wholesale).
-        output_dir: folder that receives one ``<run-id>/`` folder per run (default ``runs``).
+        output_dir: folder or storage URL (``abfss://container@account.dfs.core.windows.net/
+            path``, ``az://``, ``file://``) that receives one ``<run-id>/`` folder per run
+            (default ``runs``). A remote destination is checked by a pre-flight write before
+            training; the run is staged locally and published at the end.
+        storage_options: credentials and options for ``output_dir`` (adlfs keywords such as
+            ``connection_string``, ``account_key``, ``sas_token``); default: the
+            ``AZURE_STORAGE_*`` environment variables, then adlfs' credential chain. They are
+            used on the driver only and never recorded.
         verbose: show TensorFlow/Gloo start-up noise and horovod's own debug output.
         nics: network interfaces for Gloo; default ``{"lo"}`` when every executor is local.
         slot_wait_s: on a cluster, how long to wait for executors to register before the
@@ -57,7 +65,7 @@ class HorovodRunner:
     def __init__(self, np: int, *, spark=None, driver_log_verbosity: str = "rank0",
                  start_timeout: int = DEFAULT_START_TIMEOUT,
                  env: Optional[Mapping[str, str]] = None, output_dir: str = "runs",
-                 verbose: bool = False, nics: Optional[set[str]] = None,
+                 storage_options: Optional[Mapping[str, Any]] = None, verbose: bool = False, nics: Optional[set[str]] = None,
                  slot_wait_s: float = 30.0) -> None:
         self.np = _validate_np(np)
         if driver_log_verbosity not in VERBOSITIES:
@@ -72,6 +80,7 @@ class HorovodRunner:
         self.env = dict(env or {})
         rank_env(self.env)  # validates types now rather than at run()
         self.output_dir = output_dir
+        self.storage_options = dict(storage_options or {})
         self.verbose = verbose
         self.nics = set(nics) if nics else None
         self.slot_wait_s = slot_wait_s
@@ -97,8 +106,13 @@ class HorovodRunner:
         blob = _payload.dumps(fn, kwargs)
         env = rank_env(self.env, verbose=self.verbose)
         check_keras({**os.environ, **env})
-        run_dir = RunDir(self.output_dir)
+        run_dir = RunDir(self.output_dir, storage_options=self.storage_options)
         self.last_run_dir = run_dir
+        try:
+            run_dir.preflight()
+        except StorageError as exc:
+            self._finish(run_dir, "failed", exc)
+            raise
         size = abs(self.np)
         run_dir.update(status="starting", np=self.np, mode="spark" if self.np > 0 else "local",
                        function=getattr(fn, "__qualname__", repr(fn)),
@@ -140,6 +154,11 @@ class HorovodRunner:
         run_dir.mark("finished")
         saved = run_dir.save_result(results[0]) if results else None
         self._finish(run_dir, "succeeded", None, model=os.path.basename(saved) if saved else None)
+        try:
+            run_dir.publish()
+        except StorageError as exc:
+            exc.result = results[0] if not return_all else results  # type: ignore[attr-defined]
+            raise
         return results
 
     @staticmethod

@@ -37,3 +37,81 @@ def rank_lines():
     rank_logger.addHandler(handler)
     yield handler.lines
     rank_logger.removeHandler(handler)
+
+
+AZURITE_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
+               "KBHBeksoGMGw==")  # Azurite's well-known development key (public, not a secret)
+AZURITE_BIN = os.path.join(os.path.dirname(__file__), "..", ".tools", "node_modules", ".bin",
+                           "azurite-blob")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Azurite:
+    """A running Azurite blob service on 127.0.0.1 and how to reach it through adlfs."""
+
+    account = "devstoreaccount1"
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.endpoint = f"http://127.0.0.1:{port}/{self.account}"
+
+    def connection_string(self, key: str = AZURITE_KEY) -> str:
+        return (f"DefaultEndpointsProtocol=http;AccountName={self.account};AccountKey={key};"
+                f"BlobEndpoint={self.endpoint};")
+
+    def url(self, container: str, path: str = "") -> str:
+        return f"abfss://{container}@{self.account}.dfs.core.windows.net/{path}".rstrip("/")
+
+    def options(self, **kw) -> dict:
+        return {"connection_string": self.connection_string(**kw)}
+
+    def make_container(self, name: str) -> None:
+        from azure.storage.blob import BlobServiceClient
+
+        client = BlobServiceClient.from_connection_string(self.connection_string())
+        if not client.get_container_client(name).exists():
+            client.create_container(name)
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory):
+    """A real Azurite blob service, started on a free port and stopped by PID."""
+    import socket
+    import subprocess
+    import time
+
+    if not os.path.exists(AZURITE_BIN):
+        pytest.fail("Azurite is not installed in .tools/: install Node.js and run 'make setup'.")
+    port = _free_port()
+    data = tmp_path_factory.mktemp("azurite")
+    proc = subprocess.Popen([AZURITE_BIN, "--blobHost", "127.0.0.1", "--blobPort", str(port),
+                             "--location", str(data), "--silent", "--skipApiVersionCheck",
+                             "--loose"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"Azurite did not start: {proc.stderr.read()!r}")
+                time.sleep(0.2)
+        service = Azurite(port)
+        service.make_container("models")
+        yield service
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -99,3 +99,26 @@ def test_local_module_is_pickled_by_value(tmp_path):
                          capture_output=True, text=True, cwd="/", env={**os.environ, "PYTHONPATH": ""})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "42"
+
+
+def test_local_module_used_as_global_is_pickled_by_value(tmp_path):
+    """`import mymod` at the top of the notebook/script, `mymod.fn()` inside the function."""
+    (tmp_path / "myhelpers_mod.py").write_text("def triple(x):\n    return 3 * x\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import myhelpers_mod
+
+        def train(x):
+            return myhelpers_mod.triple(x)
+
+        blob = dumps(train, {"x": 5})
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("myhelpers_mod", None)
+    (tmp_path / "blob.pkl").write_bytes(blob)
+    code = ("import sys; from sparkhvd.payload import loads; "
+            "fn, kw = loads(open(sys.argv[1], 'rb').read()); print(fn(**kw))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "blob.pkl")],
+                         capture_output=True, text=True, cwd="/", env={**os.environ, "PYTHONPATH": ""})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "15"

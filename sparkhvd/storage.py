@@ -1,0 +1,358 @@
+"""One small API over fsspec for local paths, ``file://``, ``abfss://`` and ``az://``.
+
+- Credentials: ``storage_options`` first, then ``AZURE_STORAGE_CONNECTION_STRING``, then
+  ``AZURE_STORAGE_ACCOUNT_NAME`` + ``AZURE_STORAGE_ACCOUNT_KEY`` / ``AZURE_STORAGE_SAS_TOKEN``, then
+  adlfs' default credential chain (managed identity, Azure CLI, ...).
+- Writes are atomic: a temporary object is written, its size verified, then renamed/copied into
+  place; a reader sees the old object or the whole new one.
+- :func:`preflight` writes and deletes a small object so that a bad account, key, container or
+  permission fails in seconds, before training.
+- :func:`write_or_spill` keeps the bytes in a local spill folder when an upload fails.
+- Secrets never appear in messages: see :func:`redact`.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from typing import IO, Any, Iterator, Mapping, Optional
+from urllib.parse import urlparse
+
+import fsspec
+
+from .errors import SparkhvdError
+
+log = logging.getLogger(__name__)
+
+AZURE_SCHEMES = ("abfss", "abfs", "az")
+PREFLIGHT_TIMEOUT_S = 60.0
+
+_SECRET_PATTERNS = [
+    re.compile(r"(?i)(AccountKey=)[^;\s\"']+"),
+    re.compile(r"(?i)(SharedAccessSignature=)[^;\s\"']+"),
+    re.compile(r"(?i)([?&]sig=)[^&\s\"']+"),
+    re.compile(r"(?i)(Bearer\s+)[A-Za-z0-9\-._~+/]+=*"),
+    re.compile(r"(?i)((?:account_key|sas_token|credential|client_secret|password)['\"]?\s*[:=]\s*['\"]?)"
+               r"[^'\"\s,}]+"),
+]
+_known_secrets: set[str] = set()
+
+
+class StorageError(SparkhvdError, OSError):
+    """Storage could not be reached or written; the message names the URL and the likely cause."""
+
+    def __init__(self, message: str, *, spilled_to: Optional[str] = None) -> None:
+        super().__init__(redact(message))
+        self.spilled_to = spilled_to
+
+
+def remember_secret(value: Optional[str]) -> None:
+    """Register a secret value so that :func:`redact` removes it wherever it appears."""
+    if value and len(value) >= 6:
+        _known_secrets.add(value)
+
+
+def redact(text: str) -> str:
+    """``text`` with account keys, SAS signatures, connection strings and tokens replaced."""
+    for secret in sorted(_known_secrets, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    for pattern in _SECRET_PATTERNS:
+        text = pattern.sub(lambda m: m.group(1) + "***", text)
+    return text
+
+
+def public_url(url: str) -> str:
+    """A URL safe to print and record: no query string (SAS tokens), no user info."""
+    parsed = urlparse(url)
+    if not parsed.scheme or len(parsed.scheme) == 1:  # plain path (or a Windows drive)
+        return url
+    netloc = parsed.netloc.rsplit("@", 1)
+    host = netloc[-1]
+    user = netloc[0].split(":", 1)[0] if len(netloc) == 2 else None
+    if parsed.scheme in AZURE_SCHEMES and user is not None:  # container@account is not a secret
+        host = f"{user}@{host}"
+    return f"{parsed.scheme}://{host}{parsed.path}"
+
+
+@dataclass
+class Location:
+    """A resolved URL: the filesystem to use and the path inside it."""
+
+    url: str
+    fs: Any
+    path: str
+    account: Optional[str] = None
+    container: Optional[str] = None
+
+    @property
+    def is_local(self) -> bool:
+        """Whether this location is on the local disk."""
+        return self.account is None and self.container is None
+
+    def child(self, name: str) -> "Location":
+        """The location of ``name`` below this one."""
+        return Location(self.url.rstrip("/") + "/" + name, self.fs,
+                        self.path.rstrip("/") + "/" + name, self.account, self.container)
+
+    def __repr__(self) -> str:
+        return f"Location({public_url(self.url)!r})"
+
+
+def _azure_options(account: Optional[str], storage_options: Mapping[str, Any],
+                   environ: Mapping[str, str]) -> dict[str, Any]:
+    opts = dict(storage_options)
+    if not any(k in opts for k in ("connection_string", "account_key", "sas_token", "credential",
+                                   "anon", "client_secret")):
+        if environ.get("AZURE_STORAGE_CONNECTION_STRING"):
+            opts["connection_string"] = environ["AZURE_STORAGE_CONNECTION_STRING"]
+        elif environ.get("AZURE_STORAGE_ACCOUNT_KEY"):
+            opts["account_key"] = environ["AZURE_STORAGE_ACCOUNT_KEY"]
+        elif environ.get("AZURE_STORAGE_SAS_TOKEN"):
+            opts["sas_token"] = environ["AZURE_STORAGE_SAS_TOKEN"]
+        else:
+            opts.setdefault("anon", False)  # adlfs' DefaultAzureCredential chain
+    if "connection_string" not in opts:
+        name = opts.get("account_name") or account or environ.get("AZURE_STORAGE_ACCOUNT_NAME")
+        if not name:
+            raise ValueError("No Azure storage account given: use "
+                             "abfss://container@ACCOUNT.dfs.core.windows.net/path, "
+                             "storage_options={'account_name': ...} or AZURE_STORAGE_ACCOUNT_NAME.")
+        opts["account_name"] = name
+    for key in ("connection_string", "account_key", "sas_token", "client_secret"):
+        remember_secret(opts.get(key) if isinstance(opts.get(key), str) else None)
+        if key == "connection_string" and opts.get(key):
+            for part in opts[key].split(";"):
+                if part.lower().startswith(("accountkey=", "sharedaccesssignature=")):
+                    remember_secret(part.split("=", 1)[1])
+    return opts
+
+
+def resolve(url: str, storage_options: Optional[Mapping[str, Any]] = None,
+            environ: Optional[Mapping[str, str]] = None) -> Location:
+    """Turn a path or URL into a :class:`Location` with credentials resolved (see module doc)."""
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"A storage URL or path is required; got {url!r}.")
+    environ = os.environ if environ is None else environ
+    parsed = urlparse(url)
+    scheme = parsed.scheme.lower()
+    if scheme in ("", "file") or len(scheme) == 1:
+        path = os.path.abspath(os.path.expanduser(parsed.path if scheme == "file" else url))
+        return Location(url, fsspec.filesystem("file"), path)
+    if scheme not in AZURE_SCHEMES:
+        raise ValueError(f"Unsupported storage URL scheme {scheme!r} in {public_url(url)!r}: use a "
+                         "local path, file://, abfss://container@account.dfs.core.windows.net/"
+                         "path or az://container/path.")
+    if "@" in parsed.netloc:
+        container, host = parsed.netloc.split("@", 1)
+        account = host.split(".", 1)[0]
+    else:
+        container, account = parsed.netloc, None
+    if not container:
+        raise ValueError(f"No container in {public_url(url)!r}: use "
+                         "abfss://CONTAINER@account.dfs.core.windows.net/path.")
+    opts = _azure_options(account, storage_options or {}, environ)
+    fs = fsspec.filesystem("abfs", skip_instance_cache=True, **opts)
+    path = f"{container}/{parsed.path.lstrip('/')}".rstrip("/")
+    return Location(url, fs, path, account=opts.get("account_name") or account,
+                    container=container)
+
+
+def _loc(target: "Location | str", storage_options: Optional[Mapping[str, Any]]) -> Location:
+    return target if isinstance(target, Location) else resolve(target, storage_options)
+
+
+def read_bytes(target: "Location | str", storage_options: Optional[Mapping[str, Any]] = None) -> bytes:
+    """The whole content of a file or blob."""
+    loc = _loc(target, storage_options)
+    with _explained(loc, "read"):
+        return loc.fs.cat_file(loc.path)
+
+
+def exists(target: "Location | str", storage_options: Optional[Mapping[str, Any]] = None) -> bool:
+    """Whether a file, blob or folder exists."""
+    loc = _loc(target, storage_options)
+    with _explained(loc, "check"):
+        return bool(loc.fs.exists(loc.path))
+
+
+def listdir(target: "Location | str", storage_options: Optional[Mapping[str, Any]] = None) -> list[str]:
+    """Names (not paths) of the entries directly below a folder."""
+    loc = _loc(target, storage_options)
+    with _explained(loc, "list"):
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in loc.fs.ls(loc.path, detail=False))
+
+
+def delete(target: "Location | str", storage_options: Optional[Mapping[str, Any]] = None, *,
+           recursive: bool = False) -> None:
+    """Remove a file/blob (or a whole folder with ``recursive=True``); missing is not an error."""
+    loc = _loc(target, storage_options)
+    with _explained(loc, "delete"):
+        if loc.fs.exists(loc.path):
+            loc.fs.rm(loc.path, recursive=recursive)
+
+
+def _tmp_sibling(loc: Location) -> Location:
+    folder, _, name = loc.path.rpartition("/")
+    tmp_name = f".tmp-{uuid.uuid4().hex[:12]}-{name}"
+    return Location(loc.url, loc.fs, f"{folder}/{tmp_name}" if folder else tmp_name,
+                    loc.account, loc.container)
+
+
+@contextlib.contextmanager
+def open_atomic(target: "Location | str",
+                storage_options: Optional[Mapping[str, Any]] = None) -> Iterator[IO[bytes]]:
+    """A binary file to write; it replaces ``target`` only if the block finishes without error.
+
+    Locally: temp file in the same folder + fsync + rename. On Azure: temp blob, size verified,
+    then moved into place. On error (or interrupt) the temp object is removed and the old
+    content of ``target`` is untouched. Exceptions raised by the block propagate unchanged.
+    """
+    loc = _loc(target, storage_options)
+    tmp = _tmp_sibling(loc)
+    folder = loc.path.rpartition("/")[0]
+    with _explained(loc, "write"):
+        if loc.is_local and folder:
+            os.makedirs(folder, exist_ok=True)
+        f = loc.fs.open(tmp.path, "wb")
+    writer = _CountingWriter(f, loc)
+    try:
+        yield writer  # type: ignore[misc]
+        with _explained(loc, "write"):
+            if loc.is_local:
+                f.flush()
+                os.fsync(f.fileno())
+            f.close()
+            size = loc.fs.size(tmp.path)
+            if size != writer.count:
+                raise OSError(f"size check failed after upload ({size} != {writer.count} bytes)")
+            if loc.is_local:
+                os.replace(tmp.path, loc.path)
+            else:
+                loc.fs.mv(tmp.path, loc.path)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if not f.closed:
+                f.close()
+        with contextlib.suppress(Exception):
+            if loc.fs.exists(tmp.path):
+                loc.fs.rm(tmp.path)
+        raise
+
+
+class _CountingWriter:
+    def __init__(self, f: IO[bytes], loc: Location) -> None:
+        self._f = f
+        self._loc = loc
+        self.count = 0
+
+    def write(self, data: bytes) -> int:
+        with _explained(self._loc, "write"):
+            self._f.write(data)
+        self.count += len(data)
+        return len(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+def write_bytes(target: "Location | str", data: bytes,
+                storage_options: Optional[Mapping[str, Any]] = None) -> None:
+    """Write ``data`` atomically (see :func:`open_atomic`)."""
+    with open_atomic(target, storage_options) as f:
+        f.write(data)
+
+
+def write_or_spill(target: "Location | str", data: bytes, spill_dir: str,
+                   storage_options: Optional[Mapping[str, Any]] = None) -> str:
+    """Write ``data``; if that fails, keep it under ``spill_dir`` and raise a StorageError that
+    says where. Returns the URL written."""
+    loc = _loc(target, storage_options)
+    try:
+        write_bytes(loc, data)
+        return loc.url
+    except Exception as exc:  # noqa: BLE001 - whatever failed, the bytes must not be lost
+        name = loc.path.rstrip("/").rsplit("/", 1)[-1] or "data.bin"
+        os.makedirs(spill_dir, exist_ok=True)
+        spilled = os.path.join(os.path.abspath(spill_dir), name)
+        write_bytes(spilled, data)
+        raise StorageError(f"Could not write {public_url(loc.url)}: {_cause(exc)}. Nothing is "
+                           f"lost: the {len(data)} bytes are kept at {spilled}.",
+                           spilled_to=spilled) from None
+
+
+def _cause(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    code = getattr(exc, "error_code", None) or ""
+    first = text.split("\n", 1)[0]
+    return redact(f"{first} [{code}]" if code and str(code) not in first else first)
+
+
+def diagnose(loc: Location, exc: BaseException) -> str:
+    """A one-line likely cause of a storage failure, naming the URL without secrets."""
+    text = f"{exc} {getattr(exc, 'error_code', '')}"
+    where = public_url(loc.url)
+    if re.search(r"ContainerNotFound|container does not exist", text):
+        return (f"container {loc.container!r} does not exist in account {loc.account!r} "
+                f"({where}): create it, or fix the container in the URL")
+    if re.search(r"AuthorizationFailure|AuthenticationFailed|failed to authenticate|"
+                 r"AuthorizationPermissionMismatch|not authorized|403", text, re.I):
+        return (f"the credentials were rejected for {where}: check the account key / SAS token "
+                "/ identity, and that it may write and delete (e.g. 'Storage Blob Data "
+                "Contributor')")
+    if re.search(r"Failed to resolve|Name or service not known|nodename nor servname|"
+                 r"getaddrinfo|Connection refused|Cannot connect|ServiceRequestError|"
+                 r"Max retries|timed out", text, re.I):
+        return (f"cannot reach the storage endpoint of account {loc.account!r} ({where}): check "
+                "the account name, the endpoint/connection string and the network")
+    if isinstance(exc, (PermissionError,)):
+        return f"permission denied writing {where}: choose a folder you may write to"
+    return f"{where}: {_cause(exc)}"
+
+
+@contextlib.contextmanager
+def _explained(loc: Location, action: str) -> Iterator[None]:
+    try:
+        yield
+    except (StorageError, KeyboardInterrupt, FileNotFoundError):
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise StorageError(f"Could not {action} {public_url(loc.url)}: {diagnose(loc, exc)}. "
+                           f"({_cause(exc)})") from None
+
+
+def preflight(target: "Location | str", storage_options: Optional[Mapping[str, Any]] = None, *,
+              timeout_s: float = PREFLIGHT_TIMEOUT_S) -> Location:
+    """Write and delete a small object under ``target`` (a folder URL) before training.
+
+    Raises:
+        StorageError: naming the URL (without secrets) and the likely cause, within
+            ``timeout_s`` seconds.
+    """
+    loc = _loc(target, storage_options)
+    probe = loc.child(f".sparkhvd-preflight-{uuid.uuid4().hex[:12]}")
+
+    def attempt() -> None:
+        if loc.is_local:
+            os.makedirs(loc.path, exist_ok=True)
+        probe.fs.pipe_file(probe.path, b"sparkhvd preflight")
+        probe.fs.rm(probe.path)
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparkhvd-preflight")
+    try:
+        pool.submit(attempt).result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise StorageError(f"Storage pre-flight for {public_url(loc.url)} got no answer in "
+                           f"{timeout_s:.0f} s: cannot reach the storage endpoint of account "
+                           f"{loc.account!r}; check the account name, endpoint and network.") from None
+    except Exception as exc:  # noqa: BLE001
+        raise StorageError(f"Storage pre-flight failed for {public_url(loc.url)}: "
+                           f"{diagnose(loc, exc)}. ({_cause(exc)})") from None
+    finally:
+        pool.shutdown(wait=False)
+    return loc
