@@ -29,18 +29,23 @@ def load_digits_split(seed: int = 0):
 
 def train_hvd(x_train, y_train, x_val, y_val, epochs: int = 30, batch_size: int = 32,
               lr: float = 0.002):
-    """Single-node Keras code plus the four Horovod lines (seed 004's recipe)."""
+    """Single-node Keras code made distributed with sparkhvd.keras (seed 004's recipe)."""
     import tempfile
 
-    import horovod.tensorflow.keras as hvd
     import tensorflow as tf
 
-    hvd.init()
+    from sparkhvd.keras import KerasDistributed
+
+    # hvd.init(); LR scaled by size + DistributedOptimizer; broadcast, metric averaging,
+    # warm-up, rank-0 progress lines and checkpoints into the run folder.
+    kd = KerasDistributed(epochs=epochs, batch_size=batch_size, warmup_epochs=1)
     tf.keras.utils.set_random_seed(42)
     # Each rank trains on its own, equally sized, slice (equal steps keep allreduce in step).
-    per_rank = len(x_train) // hvd.size()
-    x = x_train[hvd.rank()::hvd.size()][:per_rank]
-    y = y_train[hvd.rank()::hvd.size()][:per_rank]
+    per_rank = len(x_train) // kd.size
+    x = x_train[kd.rank::kd.size][:per_rank]
+    y = y_train[kd.rank::kd.size][:per_rank]
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(per_rank, seed=kd.rank) \
+        .repeat().batch(batch_size)
 
     model = tf.keras.Sequential([
         tf.keras.layers.Input((8, 8, 1)),
@@ -49,13 +54,11 @@ def train_hvd(x_train, y_train, x_val, y_val, epochs: int = 30, batch_size: int 
         tf.keras.layers.Dense(64, activation="relu"),
         tf.keras.layers.Dense(10, activation="softmax"),
     ])
-    opt = hvd.DistributedOptimizer(tf.keras.optimizers.Adam(lr * hvd.size()))
-    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    model.fit(x, y, batch_size=batch_size, epochs=epochs,
-              validation_data=(x_val, y_val) if hvd.rank() == 0 else None,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
-              verbose=2 if hvd.rank() == 0 else 0)
-    if hvd.rank() == 0:
+    model.compile(optimizer=kd.optimizer(tf.keras.optimizers.Adam(lr)),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(dataset, steps_per_epoch=per_rank // batch_size, validation_data=(x_val, y_val),
+              **kd.fit_kwargs(model))
+    if kd.rank == 0:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "model.h5")
             model.save(path)

@@ -8,6 +8,7 @@ Public API::
 from .errors import (EnvironmentMismatchError, NotEnoughSlotsError, PayloadError, RankFailure,
                      SparkhvdError, TrainingError)
 from . import storage
+from .data import DataFrameDataset
 from .models import load_model
 from .rundir import RunDir
 from .runner import HorovodRunner
@@ -19,6 +20,6 @@ __version__ = "0.1.0"
 __all__ = [
     "HorovodRunner", "TrainingError", "NotEnoughSlotsError", "PayloadError",
     "EnvironmentMismatchError", "SparkhvdError", "RankFailure", "RunDir", "ENV_ALLOWLIST",
-    "StorageError", "load_model", "storage",
+    "StorageError", "load_model", "storage", "DataFrameDataset",
     "__version__",
 ]

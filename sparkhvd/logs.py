@@ -7,6 +7,7 @@ first), writes every line to ``logs/rank-N.log`` and shows the interesting ones 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ import threading
 from typing import IO, Optional
 
 from .errors import RankFailure
-from .rank import ERROR_MARKER, RANK_MARKER
+from .rank import ERROR_MARKER, METRICS_MARKER, RANK_MARKER
 from .storage import redact
 
 VERBOSITIES = ("rank0", "all")
@@ -116,6 +117,7 @@ class RankLogRouter:
         self.log_dir = log_dir
         self.logger = logger or rank_logger
         self.failures: dict[int, RankFailure] = {}
+        self.metrics: list[dict] = []  # rank 0's per-epoch records (sparkhvd.keras)
         self._index_to_rank: dict[int, int] = {}
         self._in_traceback: dict[int, bool] = {}
         self._tail: dict[int, list[str]] = {}
@@ -144,6 +146,11 @@ class RankLogRouter:
         rank = self._index_to_rank.get(idx, idx)
         if text.startswith(ERROR_MARKER):
             self._record_failure(rank, text[len(ERROR_MARKER):])
+            return
+        if text.startswith(METRICS_MARKER):
+            if rank == 0:
+                with contextlib.suppress(ValueError):
+                    self.metrics.append(json.loads(text[len(METRICS_MARKER):]))
             return
         self.handle_line(rank, tag, text)
 

@@ -19,6 +19,8 @@ from typing import Any, Optional
 RANK_MARKER = "@@sparkhvd-rank@@"
 #: Line a failing rank prints on stderr with a JSON record of its exception.
 ERROR_MARKER = "@@sparkhvd-error@@"
+#: Line rank 0 prints per epoch with the (averaged) metrics (see sparkhvd.keras).
+METRICS_MARKER = "@@sparkhvd-metrics@@"
 
 _NOISY_MODULES = r"(petastorm|pyarrow|tensorflow|keras|horovod|numpy|pandas|google|absl)(\..*)?"
 

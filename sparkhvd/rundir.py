@@ -64,6 +64,24 @@ def versions() -> dict[str, Optional[str]]:
     return found
 
 
+def latest_checkpointed_run(root: str, storage_options: Optional[dict] = None,
+                            exclude: Optional[str] = None) -> Optional[str]:
+    """URL of the newest run folder under ``root`` that has ``checkpoints/latest.json``."""
+    from . import storage
+
+    root = root.rstrip("/")
+    loc = storage.resolve(root, storage_options)
+    if not storage.exists(loc):
+        return None
+    base = loc.path if loc.is_local else root
+    for run_id in sorted(storage.listdir(loc), reverse=True):
+        if run_id == exclude or run_id.startswith("."):
+            continue
+        if storage.exists(f"{base}/{run_id}/checkpoints/latest.json", storage_options):
+            return f"{base}/{run_id}"
+    return None
+
+
 def staging_root() -> str:
     """Where runs bound for remote storage are staged locally (``SPARKHVD_STAGING_DIR``)."""
     return os.environ.get("SPARKHVD_STAGING_DIR") or os.path.join(

@@ -11,14 +11,33 @@ from .compat import check_keras
 from .errors import RankFailure, TrainingError
 from .launch import LaunchFailure, launch_local, launch_spark
 from .logs import VERBOSITIES, RankLogRouter
-from .rundir import RunDir
+from .rundir import RunDir, latest_checkpointed_run
 from .storage import StorageError
 from .session import check_worker_python, get_or_create_session, is_loopback_master, rank_env
 from .slots import check_slots
 
 log = logging.getLogger(__name__)
 
+RUN_URL_ENV = "SPARKHVD_RUN_URL"  # read by sparkhvd.keras.KerasDistributed
+RESUME_URL_ENV = "SPARKHVD_RESUME_URL"
+
 DEFAULT_START_TIMEOUT = 120
+
+
+def _prepared_arguments(kwargs: Mapping[str, Any]) -> list[Any]:
+    """Call ``_sparkhvd_prepare()`` on arguments that need driver-side work before pickling
+    (e.g. a DataFrameDataset materialising its Parquet); return them for clean-up."""
+    prepared = []
+    try:
+        for value in kwargs.values():
+            if hasattr(type(value), "_sparkhvd_prepare"):
+                value._sparkhvd_prepare()
+                prepared.append(value)
+    except BaseException:
+        for value in prepared:
+            value._sparkhvd_cleanup()
+        raise
+    return prepared
 
 
 def _validate_np(np: Any) -> int:
@@ -51,6 +70,11 @@ class HorovodRunner:
             ``connection_string``, ``account_key``, ``sas_token``); default: the
             ``AZURE_STORAGE_*`` environment variables, then adlfs' credential chain. They are
             used on the driver only and never recorded.
+        resume_from: resume Keras training (``sparkhvd.keras.KerasDistributed(resume=True)``)
+            from a run's checkpoints: ``True`` for the latest run under ``output_dir`` that has
+            checkpoints, or a run folder / checkpoints URL.
+        timeline: record a Horovod timeline (``HOROVOD_TIMELINE``) into the run folder as
+            ``timeline.json`` (open it in chrome://tracing or Perfetto).
         verbose: show TensorFlow/Gloo start-up noise and horovod's own debug output.
         nics: network interfaces for Gloo; default ``{"lo"}`` when every executor is local.
         slot_wait_s: on a cluster, how long to wait for executors to register before the
@@ -65,7 +89,8 @@ class HorovodRunner:
     def __init__(self, np: int, *, spark=None, driver_log_verbosity: str = "rank0",
                  start_timeout: int = DEFAULT_START_TIMEOUT,
                  env: Optional[Mapping[str, str]] = None, output_dir: str = "runs",
-                 storage_options: Optional[Mapping[str, Any]] = None, verbose: bool = False, nics: Optional[set[str]] = None,
+                 storage_options: Optional[Mapping[str, Any]] = None,
+                 resume_from: Any = None, timeline: bool = False, verbose: bool = False, nics: Optional[set[str]] = None,
                  slot_wait_s: float = 30.0) -> None:
         self.np = _validate_np(np)
         if driver_log_verbosity not in VERBOSITIES:
@@ -81,6 +106,8 @@ class HorovodRunner:
         rank_env(self.env)  # validates types now rather than at run()
         self.output_dir = output_dir
         self.storage_options = dict(storage_options or {})
+        self.resume_from = resume_from
+        self.timeline = timeline
         self.verbose = verbose
         self.nics = set(nics) if nics else None
         self.slot_wait_s = slot_wait_s
@@ -103,7 +130,17 @@ class HorovodRunner:
 
     # -- internals -----------------------------------------------------------------------
     def _execute(self, fn: Callable, kwargs: Mapping[str, Any], *, return_all: bool) -> list:
-        blob = _payload.dumps(fn, kwargs)
+        if not callable(fn):
+            _payload.dumps(fn, {})  # raises the PayloadError that explains it
+        prepared = _prepared_arguments(kwargs)
+        try:
+            blob = _payload.dumps(fn, kwargs)
+            return self._launch(fn, blob, return_all=return_all)
+        finally:
+            for value in prepared:
+                value._sparkhvd_cleanup()
+
+    def _launch(self, fn: Callable, blob: bytes, *, return_all: bool) -> list:
         env = rank_env(self.env, verbose=self.verbose)
         check_keras({**os.environ, **env})
         run_dir = RunDir(self.output_dir, storage_options=self.storage_options)
@@ -121,10 +158,12 @@ class HorovodRunner:
                                verbose=self.verbose)
         options = {"verbose": self.verbose, "return_all": return_all}
         try:
+            self._resume_env(env, run_dir)
             if self.np > 0:
                 spark = get_or_create_session(size, self.spark)
                 sc = spark.sparkContext
                 run_dir.update(spark_master=sc.master, spark_app_id=sc.applicationId)
+                self._run_dir_env(env, run_dir, shared=is_loopback_master(sc.master))
                 check_worker_python(sc)
                 slots = check_slots(sc, size, wait_s=0 if sc.master.startswith("local")
                                     else self.slot_wait_s)
@@ -137,6 +176,7 @@ class HorovodRunner:
                                        start_timeout=self.start_timeout, nics=nics,
                                        verbose=self.verbose)
             else:
+                self._run_dir_env(env, run_dir, shared=True)
                 run_dir.mark("launch")
                 log.info("Launching %d local rank process(es); logs in %s", size, run_dir.logs)
                 results = launch_local(size, blob, options, env=env, router=router,
@@ -151,6 +191,7 @@ class HorovodRunner:
             raise
         finally:
             router.close()
+            self._write_curves(run_dir, router.metrics)
         run_dir.mark("finished")
         saved = run_dir.save_result(results[0]) if results else None
         self._finish(run_dir, "succeeded", None, model=os.path.basename(saved) if saved else None)
@@ -160,6 +201,51 @@ class HorovodRunner:
             exc.result = results[0] if not return_all else results  # type: ignore[attr-defined]
             raise
         return results
+
+    def _run_dir_env(self, env: dict, run_dir: RunDir, *, shared: bool) -> None:
+        """Tell the ranks where the run folder is (for checkpoints) and where the timeline goes.
+
+        When the ranks run on this machine they write into the local (staged) folder, which is
+        published with the rest; on a cluster they write to the run's URL directly.
+        """
+        env[RUN_URL_ENV] = run_dir.path if shared else run_dir.url
+        if self.timeline:
+            if shared:
+                env["HOROVOD_TIMELINE"] = run_dir.file("timeline.json")
+            else:
+                env["HOROVOD_TIMELINE"] = f"/tmp/sparkhvd-timeline-{run_dir.run_id}.json"
+                log.warning("timeline=True on a cluster: rank 0 writes the timeline to %s on its "
+                            "executor host", env["HOROVOD_TIMELINE"])
+            run_dir.update(timeline=env["HOROVOD_TIMELINE"])
+
+    def _resume_env(self, env: dict, run_dir: RunDir) -> None:
+        if self.resume_from is None or self.resume_from is False:
+            return
+        if self.resume_from is True:
+            source = latest_checkpointed_run(self.output_dir, self.storage_options,
+                                             exclude=run_dir.run_id)
+            if source is None:
+                raise FileNotFoundError(
+                    f"resume_from=True, but no earlier run under {self.output_dir} has "
+                    "checkpoints (checkpoints/latest.json). Train with "
+                    "sparkhvd.keras.KerasDistributed(checkpoint=True) first, or pass "
+                    "resume_from=<run folder URL>.")
+        else:
+            source = str(self.resume_from).rstrip("/")
+        env[RESUME_URL_ENV] = source
+        run_dir.update(resumed_from=source)
+
+    @staticmethod
+    def _write_curves(run_dir: RunDir, records: list) -> None:
+        if not records:
+            return
+        from .curves import plot_curves, write_metrics_csv
+
+        try:
+            write_metrics_csv(run_dir.file("metrics.csv"), records)
+            plot_curves(run_dir.file("curves.png"), records)
+        except Exception as exc:  # noqa: BLE001 - curves must never hide the run's outcome
+            log.warning("could not write the training curves: %s", exc)
 
     @staticmethod
     def _training_error(failure: LaunchFailure, router: RankLogRouter,

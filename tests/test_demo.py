@@ -19,5 +19,7 @@ def test_demo_trains_saves_and_reloads(spark, tmp_path, rank_lines, capsys):
     assert record["status"] == "succeeded" and record["model"] == "model.h5"
     assert record["demo"]["test_accuracy"] >= 0.9
     assert (run / "logs" / "rank-0.log").exists() and (run / "logs" / "rank-1.log").exists()
-    assert any(line.startswith("[rank 0] Epoch 15/15") for line in rank_lines)
+    assert any(line.startswith("[rank 0] epoch 15/15 - loss") for line in rank_lines)
+    assert (run / "curves.png").exists() and (run / "metrics.csv").exists()
+    assert (run / "checkpoints" / "epoch-0015.h5").exists()
     assert "DEMO OK" in capsys.readouterr().out

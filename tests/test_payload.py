@@ -77,6 +77,17 @@ def test_payload_size_limit_names_largest_argument():
         dumps(lambda big: None, {"big": np.zeros(300_000)}, max_bytes=1_000_000)
 
 
+def _call_in_fresh_process(blob: bytes, tmp_path) -> str:
+    """Unpickle and call the payload where the driver's local modules are not importable."""
+    (tmp_path / "blob.pkl").write_bytes(blob)
+    code = ("import sys; from sparkhvd.payload import loads; "
+            "fn, kw = loads(open(sys.argv[1], 'rb').read()); print(fn(**kw))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "blob.pkl")],
+                         capture_output=True, text=True, cwd="/", env={**os.environ, "PYTHONPATH": ""})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 def test_local_module_is_pickled_by_value(tmp_path):
     """A function imported from a module that exists only beside the driver still travels."""
     (tmp_path / "mytrain_mod.py").write_text(textwrap.dedent("""
@@ -92,13 +103,7 @@ def test_local_module_is_pickled_by_value(tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("mytrain_mod", None)
-    (tmp_path / "blob.pkl").write_bytes(blob)
-    code = ("import sys; from sparkhvd.payload import loads; "
-            "fn, kw = loads(open(sys.argv[1], 'rb').read()); print(fn(**kw))")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "blob.pkl")],
-                         capture_output=True, text=True, cwd="/", env={**os.environ, "PYTHONPATH": ""})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "42"
+    assert _call_in_fresh_process(blob, tmp_path) == "42"
 
 
 def test_local_module_used_as_global_is_pickled_by_value(tmp_path):
@@ -115,10 +120,4 @@ def test_local_module_used_as_global_is_pickled_by_value(tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("myhelpers_mod", None)
-    (tmp_path / "blob.pkl").write_bytes(blob)
-    code = ("import sys; from sparkhvd.payload import loads; "
-            "fn, kw = loads(open(sys.argv[1], 'rb').read()); print(fn(**kw))")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "blob.pkl")],
-                         capture_output=True, text=True, cwd="/", env={**os.environ, "PYTHONPATH": ""})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "15"
+    assert _call_in_fresh_process(blob, tmp_path) == "15"

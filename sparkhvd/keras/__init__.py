@@ -1,0 +1,15 @@
+"""Keras integration: the distributed optimizer, our callbacks, rank-0 checkpoints and resume.
+
+    from sparkhvd.keras import KerasDistributed
+
+    def train_fn(epochs):
+        kd = KerasDistributed(epochs=epochs, batch_size=64, warmup_epochs=2)   # hvd.init()
+        model.compile(optimizer=kd.optimizer(tf.keras.optimizers.Adam(1e-3)), loss=..., metrics=[...])
+        model.fit(ds, steps_per_epoch=..., **kd.fit_kwargs(model))
+"""
+from .callbacks import (BroadcastInitialState, EpochProgress, LearningRateWarmup, MetricAverage,
+                        RankZeroCheckpoint, latest_checkpoint, warmup_lr)
+from .distributed import KerasDistributed
+
+__all__ = ["KerasDistributed", "BroadcastInitialState", "MetricAverage", "LearningRateWarmup",
+           "EpochProgress", "RankZeroCheckpoint", "latest_checkpoint", "warmup_lr"]

@@ -1,0 +1,251 @@
+"""Keras callbacks for Horovod training that work on TF 2.15 and tf-keras 2.18.
+
+Horovod's own metric-average and learning-rate callbacks crash on some of the versions we can
+build, so these are ours (built on ``hvd.allreduce``/``hvd.broadcast_variables``, which work).
+Each callback takes the module whose collectives it uses (``horovod.tensorflow``), so they can be
+unit-tested with a fake.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from typing import Any, Optional
+
+import tensorflow as tf
+
+log = logging.getLogger(__name__)
+
+from ..rank import METRICS_MARKER
+
+
+def uses_schedule(optimizer: Any) -> bool:
+    """Whether the optimizer's learning rate is a schedule (which overwrites any assignment)."""
+    schedule_type = tf.keras.optimizers.schedules.LearningRateSchedule
+    raw = getattr(optimizer, "_learning_rate", None)
+    return isinstance(raw, schedule_type) or isinstance(optimizer.learning_rate, schedule_type)
+
+
+def _set_lr(optimizer: Any, value: float) -> None:
+    lr = optimizer.learning_rate
+    if uses_schedule(optimizer) or not hasattr(lr, "assign"):
+        raise TypeError("Learning-rate warm-up needs a plain float learning rate, not a "
+                        f"{type(lr).__name__} schedule: set warmup_epochs=0, or fold the warm-up "
+                        "into your schedule.")
+    lr.assign(value)
+
+
+def _get_lr(optimizer: Any) -> float:
+    lr = optimizer.learning_rate
+    return float(lr.numpy() if hasattr(lr, "numpy") else lr)
+
+
+class BroadcastInitialState(tf.keras.callbacks.Callback):
+    """Make every rank start from rank 0's state.
+
+    Model variables are broadcast when training begins (so a checkpoint restored on rank 0 is
+    what every rank's first step uses); optimizer variables, which Keras creates lazily at the
+    first step, are broadcast after the first batch.
+    """
+
+    def __init__(self, hvd: Any, root_rank: int = 0) -> None:
+        super().__init__()
+        self.hvd = hvd
+        self.root_rank = root_rank
+        self._done = False
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        if self.model.built and self.model.variables:
+            self.hvd.broadcast_variables(self.model.variables, root_rank=self.root_rank)
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        if self._done:
+            return
+        self.hvd.broadcast_variables(self.model.variables, root_rank=self.root_rank)
+        opt_vars = self.model.optimizer.variables
+        opt_vars = opt_vars() if callable(opt_vars) else opt_vars
+        if opt_vars:
+            self.hvd.broadcast_variables(opt_vars, root_rank=self.root_rank)
+        self._done = True
+
+
+class MetricAverage(tf.keras.callbacks.Callback):
+    """Average every epoch metric over the ranks, in place, so all ranks report the same values.
+
+    Only metrics every rank has are averaged (a metric only rank 0 computes is left as it is).
+    Put it before any callback that logs or checkpoints on a metric.
+    """
+
+    def __init__(self, hvd: Any) -> None:
+        super().__init__()
+        self.hvd = hvd
+        self._common: Optional[list[str]] = None
+        self.history: list[dict[str, float]] = []
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        if logs is None:
+            return
+        if self._common is None:
+            keys = sorted(k for k, v in logs.items() if _is_number(v))
+            all_keys = self.hvd.allgather_object(keys)
+            self._common = sorted(set.intersection(*map(set, all_keys)))
+        if self._common:
+            values = tf.constant([float(logs[k]) for k in self._common], dtype=tf.float64)
+            averaged = self.hvd.allreduce(values, op=self.hvd.Average,
+                                          name="sparkhvd.metric_average")
+            for key, value in zip(self._common, averaged.numpy().tolist()):
+                logs[key] = value
+        self.history.append({k: float(v) for k, v in logs.items() if _is_number(v)})
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def warmup_lr(step: int, warmup_steps: int, target_lr: float, size: int) -> float:
+    """The documented warm-up schedule (Goyal et al., as in horovod's recipe).
+
+    The learning rate rises linearly from ``target_lr / size`` (the single-worker rate) at step 0
+    to ``target_lr`` (already scaled by ``size``) at ``warmup_steps``, and stays there:
+    ``lr(step) = target_lr * (1/size + (1 - 1/size) * min(1, step / warmup_steps))``.
+    """
+    if warmup_steps <= 0:
+        return target_lr
+    progress = min(1.0, step / warmup_steps)
+    return target_lr * (1.0 / size + (1.0 - 1.0 / size) * progress)
+
+
+class LearningRateWarmup(tf.keras.callbacks.Callback):
+    """Ramp the learning rate over the first ``warmup_epochs`` epochs (see :func:`warmup_lr`).
+
+    ``recorded`` keeps ``(epoch, batch, lr)`` for every step of the warm-up and the first step
+    after it.
+    """
+
+    def __init__(self, hvd: Any, warmup_epochs: float, steps_per_epoch: Optional[int] = None,
+                 target_lr: Optional[float] = None) -> None:
+        super().__init__()
+        self.hvd = hvd
+        self.warmup_epochs = warmup_epochs
+        self.steps_per_epoch = steps_per_epoch
+        self.target_lr = target_lr
+        self.recorded: list[tuple[int, int, float]] = []
+        self._epoch = 0
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        if uses_schedule(self.model.optimizer):
+            _set_lr(self.model.optimizer, 0.0)  # raises the explanatory TypeError
+        if self.target_lr is None:
+            self.target_lr = _get_lr(self.model.optimizer)
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+        if not self.steps_per_epoch:
+            raise ValueError("Learning-rate warm-up needs the number of steps per epoch: pass "
+                             "steps_per_epoch to model.fit (or to the warm-up).")
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+        warmup_steps = int(round(self.warmup_epochs * self.steps_per_epoch))
+        step = self._epoch * self.steps_per_epoch + batch
+        if step > warmup_steps:
+            return
+        lr = warmup_lr(step, warmup_steps, self.target_lr, self.hvd.size())
+        _set_lr(self.model.optimizer, lr)
+        self.recorded.append((self._epoch, batch, lr))
+
+
+class EpochProgress(tf.keras.callbacks.Callback):
+    """Rank 0 prints one line per epoch: epoch/total, (averaged) metrics, samples/s and ETA.
+
+    It also prints the metrics as a :data:`METRICS_MARKER` JSON line, which the driver turns into
+    ``metrics.csv`` and ``curves.png`` in the run folder.
+    """
+
+    def __init__(self, epochs: int, global_batch_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.epochs = epochs
+        self.global_batch_size = global_batch_size
+        self._start = 0.0
+        self._first_epoch: Optional[int] = None
+        self._train_start = 0.0
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        self._train_start = time.monotonic()
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self._start = time.monotonic()
+        if self._first_epoch is None:
+            self._first_epoch = epoch
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        logs = logs or {}
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        done = epoch + 1 - (self._first_epoch or 0)
+        per_epoch = (time.monotonic() - self._train_start) / max(done, 1)
+        eta = per_epoch * (self.epochs - epoch - 1)
+        steps = (self.params or {}).get("steps") or 0
+        parts = [f"epoch {epoch + 1}/{self.epochs}"]
+        parts += [f"{k} {float(v):.4f}" for k, v in logs.items() if _is_number(v)]
+        if self.global_batch_size and steps:
+            parts.append(f"{steps * self.global_batch_size / elapsed:,.0f} samples/s")
+        elif steps:
+            parts.append(f"{steps / elapsed:,.1f} steps/s")
+        parts.append(f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+        print(" - ".join(parts), flush=True)
+        record = {"epoch": epoch + 1, "seconds": round(elapsed, 3)}
+        record.update({k: float(v) for k, v in logs.items() if _is_number(v)})
+        print(f"{METRICS_MARKER} {json.dumps(record)}", flush=True)
+
+
+class RankZeroCheckpoint(tf.keras.callbacks.Callback):
+    """Rank 0 saves the model after every ``every`` epochs to ``url`` (local or abfss), atomically.
+
+    Files: ``epoch-0003.h5`` ... and ``latest.json`` (``{"epoch": 3, "file": "epoch-0003.h5"}``),
+    written after the checkpoint itself, so it never names a partial file.
+    """
+
+    def __init__(self, url: str, every: int = 1, storage_options: Optional[dict] = None,
+                 keep: Optional[int] = None) -> None:
+        super().__init__()
+        self.url = url.rstrip("/")
+        self.every = max(1, every)
+        self.storage_options = storage_options
+        self.keep = keep
+        self.saved: list[str] = []
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        if (epoch + 1) % self.every:
+            return
+        from .. import storage
+
+        name = f"epoch-{epoch + 1:04d}.h5"
+        with tempfile.TemporaryDirectory(prefix="sparkhvd-ckpt-") as tmp:
+            path = os.path.join(tmp, name)
+            self.model.save(path, include_optimizer=False)
+            with open(path, "rb") as f:
+                storage.write_bytes(f"{self.url}/{name}", f.read(), self.storage_options)
+        storage.write_bytes(f"{self.url}/latest.json",
+                            json.dumps({"epoch": epoch + 1, "file": name}).encode(),
+                            self.storage_options)
+        self.saved.append(name)
+        if self.keep and len(self.saved) > self.keep:
+            storage.delete(f"{self.url}/{self.saved.pop(0)}", self.storage_options)
+
+
+def latest_checkpoint(url: str, storage_options: Optional[dict] = None) -> Optional[tuple[int, str]]:
+    """``(epoch, checkpoint url)`` of the newest checkpoint under ``url``, or ``None``."""
+    from .. import storage
+
+    marker = f"{url.rstrip('/')}/latest.json"
+    if not storage.exists(marker, storage_options):
+        return None
+    info = json.loads(storage.read_bytes(marker, storage_options))
+    return int(info["epoch"]), f"{url.rstrip('/')}/{info['file']}"

@@ -1,0 +1,62 @@
+"""Digits + a small Keras model, trained through sparkhvd.keras (shared by the Keras tests)."""
+import hashlib
+
+import numpy as np
+
+
+def digits_split():
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    d = load_digits()
+    x = (d.images / 16.0).astype("float32")[..., None]
+    return train_test_split(x, d.target.astype("int64"), test_size=0.2, random_state=0,
+                            stratify=d.target)
+
+
+def weights_hash(model):
+    h = hashlib.sha256()
+    for w in model.get_weights():
+        h.update(np.ascontiguousarray(w).tobytes())
+    return h.hexdigest()
+
+
+def train(x_train, y_train, x_val, y_val, epochs, batch_size=32, warmup_epochs=0, resume=False,
+          lr=0.002):
+    """Returns a dict per rank: weights hash, averaged metrics, warm-up record, start state."""
+    import tensorflow as tf
+
+    from sparkhvd.keras import KerasDistributed
+
+    kd = KerasDistributed(epochs=epochs, batch_size=batch_size, warmup_epochs=warmup_epochs,
+                          resume=resume)
+    tf.keras.utils.set_random_seed(1234 + kd.rank)  # different init per rank: broadcast must fix
+    per_rank = len(x_train) // kd.size
+    x = x_train[kd.rank::kd.size][:per_rank]
+    y = y_train[kd.rank::kd.size][:per_rank]
+    model = tf.keras.Sequential([
+        tf.keras.layers.Input((8, 8, 1)),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(64, activation="relu"),
+        tf.keras.layers.Dense(10, activation="softmax"),
+    ])
+    model.compile(optimizer=kd.optimizer(tf.keras.optimizers.Adam(lr)),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    start = {}
+
+    class StartState(tf.keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            start["hash"] = weights_hash(self.model)
+
+    fit = kd.fit_kwargs(model, callbacks=[StartState()])
+    fit["callbacks"].insert(1, fit["callbacks"].pop())  # right after the broadcast
+    steps = per_rank // batch_size
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=kd.rank).repeat() \
+        .batch(batch_size)
+    model.fit(ds, steps_per_epoch=steps, validation_data=(x_val, y_val), **fit)
+    _, accuracy = model.evaluate(x_val, y_val, verbose=0)
+    return {"hash": weights_hash(model), "accuracy": float(accuracy),
+            "metrics": kd.metric_average.history, "start_hash": start.get("hash"),
+            "initial_epoch": kd.initial_epoch,
+            "warmup": kd.warmup.recorded if kd.warmup else [],
+            "target_lr": kd.warmup.target_lr if kd.warmup else None, "size": kd.size}

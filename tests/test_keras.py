@@ -1,0 +1,101 @@
+"""sparkhvd.keras on real 2-rank Horovod over local Spark: the recipe's proofs."""
+import json
+import os
+
+import pytest
+
+import digits_keras
+from sparkhvd import HorovodRunner
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def data():
+    x_train, x_val, y_train, y_val = digits_keras.digits_split()
+    return dict(x_train=x_train, y_train=y_train, x_val=x_val, y_val=y_val)
+
+
+@pytest.fixture(scope="module")
+def four_epochs(spark, data, tmp_path_factory):
+    """One uninterrupted 2-rank, 4-epoch run with warm-up and the timeline on."""
+    out = tmp_path_factory.mktemp("runs")
+    runner = HorovodRunner(np=2, spark=spark, output_dir=str(out), timeline=True)
+    results = runner.run_all(digits_keras.train, **data, epochs=4, warmup_epochs=1)
+    return runner.last_run_dir, results
+
+
+def test_ranks_end_with_identical_weights(four_epochs):
+    _, (r0, r1) = four_epochs
+    assert r0["hash"] == r1["hash"]
+    assert r0["start_hash"] == r1["start_hash"], "every rank starts from rank 0's weights"
+
+
+def test_averaged_metrics_identical_on_every_rank(four_epochs):
+    _, (r0, r1) = four_epochs
+    assert len(r0["metrics"]) == 4
+    assert r0["metrics"] == r1["metrics"]
+
+
+def test_warmup_follows_documented_schedule(four_epochs):
+    from sparkhvd.keras import warmup_lr
+
+    _, (r0, r1) = four_epochs
+    steps = (len(digits_keras.digits_split()[0]) // 2) // 32
+    assert r0["target_lr"] == pytest.approx(0.002 * 2)
+    expected = [warmup_lr(s, steps, r0["target_lr"], 2) for s in range(steps + 1)]
+    assert [lr for *_, lr in r0["warmup"]] == pytest.approx(expected)
+    assert r1["warmup"] == r0["warmup"]
+    assert r0["warmup"][0][2] == pytest.approx(0.002)  # starts at the single-worker rate
+
+
+def test_run_folder_has_checkpoints_curves_timeline(four_epochs):
+    run_dir, _ = four_epochs
+    ckpts = sorted(os.listdir(run_dir.file("checkpoints")))
+    assert ckpts == ["epoch-0001.h5", "epoch-0002.h5", "epoch-0003.h5", "epoch-0004.h5",
+                     "latest.json"]
+    assert json.loads(open(run_dir.file("checkpoints/latest.json")).read()) == \
+        {"epoch": 4, "file": "epoch-0004.h5"}
+    lines = open(run_dir.file("metrics.csv")).read().splitlines()
+    assert lines[0].startswith("epoch,") and "val_accuracy" in lines[0] and len(lines) == 5
+    assert open(run_dir.file("curves.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    timeline = open(run_dir.file("timeline.json")).read()
+    assert timeline.lstrip().startswith("[") and "ALLREDUCE" in timeline.upper()
+
+
+def test_progress_line_per_epoch(spark, data, tmp_path, rank_lines):
+    HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path)).run(
+        digits_keras.train, **data, epochs=2)
+    progress = [line for line in rank_lines if line.startswith("[rank 0] epoch ")]
+    assert len(progress) == 2
+    assert progress[1].startswith("[rank 0] epoch 2/2 - loss ")
+    assert "samples/s" in progress[0] and "ETA" in progress[0] and "val_accuracy" in progress[0]
+    assert not any("@@sparkhvd" in line for line in rank_lines)
+
+
+def test_resume_continues_from_rank0_checkpoint(spark, data, tmp_path, four_epochs):
+    import tensorflow as tf
+
+    first = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path))
+    first.run(digits_keras.train, **data, epochs=2)
+    checkpoint = first.last_run_dir.file("checkpoints/epoch-0002.h5")
+
+    resumed = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path), resume_from=True)
+    r0, r1 = resumed.run_all(digits_keras.train, **data, epochs=4, resume=True)
+    assert r0["initial_epoch"] == r1["initial_epoch"] == 2  # fit starts at epoch 3
+    expected = digits_keras.weights_hash(tf.keras.models.load_model(checkpoint))
+    assert r0["start_hash"] == r1["start_hash"] == expected
+    assert len(r0["metrics"]) == 2  # epochs 3 and 4 only
+    record = json.loads(open(resumed.last_run_dir.file("run.json")).read())
+    assert record["resumed_from"] == first.last_run_dir.path
+    uninterrupted = four_epochs[1][0]["accuracy"]
+    assert abs(r0["accuracy"] - uninterrupted) <= 0.05
+
+
+def test_two_ranks_match_one_rank_with_same_global_batch(spark, data, tmp_path):
+    one = HorovodRunner(np=1, spark=spark, output_dir=str(tmp_path)).run(
+        digits_keras.train, **data, epochs=8, batch_size=64, lr=0.004)
+    two = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path)).run(
+        digits_keras.train, **data, epochs=8, batch_size=32, lr=0.002)
+    assert one["accuracy"] >= 0.9 and two["accuracy"] >= 0.9
+    assert abs(one["accuracy"] - two["accuracy"]) <= 0.02
