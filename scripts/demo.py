@@ -27,6 +27,19 @@ def load_digits_split(seed: int = 0):
     return train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
 
 
+def build_model():
+    """A small CNN for 8x8 digit images (plain single-node Keras)."""
+    import tensorflow as tf
+
+    return tf.keras.Sequential([
+        tf.keras.layers.Input((8, 8, 1)),
+        tf.keras.layers.Conv2D(16, 3, activation="relu", padding="same"),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(64, activation="relu"),
+        tf.keras.layers.Dense(10, activation="softmax"),
+    ])
+
+
 def train_hvd(x_train, y_train, x_val, y_val, epochs: int = 30, batch_size: int = 32,
               lr: float = 0.002):
     """Single-node Keras code made distributed with sparkhvd.keras (seed 004's recipe)."""
@@ -47,13 +60,7 @@ def train_hvd(x_train, y_train, x_val, y_val, epochs: int = 30, batch_size: int 
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(per_rank, seed=kd.rank) \
         .repeat().batch(batch_size)
 
-    model = tf.keras.Sequential([
-        tf.keras.layers.Input((8, 8, 1)),
-        tf.keras.layers.Conv2D(16, 3, activation="relu", padding="same"),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(64, activation="relu"),
-        tf.keras.layers.Dense(10, activation="softmax"),
-    ])
+    model = build_model()
     model.compile(optimizer=kd.optimizer(tf.keras.optimizers.Adam(lr)),
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     model.fit(dataset, steps_per_epoch=per_rank // batch_size, validation_data=(x_val, y_val),

@@ -1,5 +1,6 @@
 """DataFrameDataset: Spark DataFrame -> each rank's shard, on real local Spark and horovod ranks."""
 import os
+import sys
 import warnings
 
 import numpy as np
@@ -8,6 +9,9 @@ import pytest
 from sparkhvd import DataFrameDataset, HorovodRunner
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+import demo  # noqa: E402  (the demo's model)
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +53,7 @@ def train_fn(train, val, epochs):
 
     hvd.init()
     tf.keras.utils.set_random_seed(7)
-    model = tf.keras.Sequential([
-        tf.keras.layers.Input((8, 8, 1)),
-        tf.keras.layers.Conv2D(16, 3, activation="relu", padding="same"),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(64, activation="relu"),
-        tf.keras.layers.Dense(10, activation="softmax"),
-    ])
+    model = demo.build_model()
     model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.002 * hvd.size())),
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     with train.tf_dataset(batch_size=32, shuffle=True, seed=1) as ds, \
