@@ -1,10 +1,17 @@
 # The two commands a newcomer types: `make demo` and `make test` (each sets up first if needed).
+# PROFILE=tf218 selects the TF 2.18 + tf-keras profile (.venv-tf218), see README.
+PROFILE ?= tf215
+ifeq ($(PROFILE),tf218)
+PY := .venv-tf218/bin/python
+export TF_USE_LEGACY_KERAS := 1
+else
 PY := .venv/bin/python
+endif
 
-.PHONY: setup demo test unit clean
+.PHONY: setup demo test unit test-keras clean
 
 setup:
-	@bash scripts/setup.sh
+	@PROFILE=$(PROFILE) bash scripts/setup.sh
 
 demo: setup
 	$(PY) scripts/demo.py
@@ -14,6 +21,10 @@ test: setup
 
 unit: setup
 	$(PY) -m pytest -m "not spark"
+
+# The Keras tests (unit + 2-rank integration), e.g. `make test-keras PROFILE=tf218`.
+test-keras: setup
+	$(PY) -m pytest tests/test_keras_unit.py tests/test_keras.py tests/test_env_compat.py
 
 clean:
 	rm -rf runs .pytest_cache spark-warehouse

@@ -4,7 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-VENV=.venv
+# PROFILE=tf215 (default): tensorflow-cpu 2.15.1, Keras 2 built in.
+# PROFILE=tf218: tensorflow-cpu 2.18.1 + tf-keras, used with TF_USE_LEGACY_KERAS=1.
+PROFILE=${PROFILE:-tf215}
+case "$PROFILE" in
+  tf215) VENV=.venv; CONSTRAINTS=constraints.txt; TF_PKGS=("tensorflow-cpu==2.15.1") ;;
+  tf218) VENV=.venv-tf218; CONSTRAINTS=constraints-tf218.txt
+         TF_PKGS=("tensorflow-cpu==2.18.1" "tf-keras==2.18.0"); export TF_USE_LEGACY_KERAS=1 ;;
+  *) printf '[setup] ERROR: unknown PROFILE=%s (use tf215 or tf218)\n' "$PROFILE" >&2; exit 1 ;;
+esac
 
 say() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -21,13 +29,13 @@ fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip --disable-pip-version-check)
 
-stamp="$VENV/.stamp-deps-$(cat constraints.txt pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+stamp="$VENV/.stamp-deps-$(cat "$CONSTRAINTS" pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
-  say "installing the pinned stack (constraints.txt)"
+  say "installing the pinned stack ($CONSTRAINTS) into $VENV"
   "${PIP[@]}" install -q --upgrade "pip<25" wheel "setuptools<70"
   # TensorFlow first: horovod's build looks for it.
-  "${PIP[@]}" install -q -c constraints.txt "tensorflow-cpu==2.15.1" "cmake<4"
-  "${PIP[@]}" install -q -c constraints.txt --no-build-isolation -e ".[dev]"
+  "${PIP[@]}" install -q -c "$CONSTRAINTS" "${TF_PKGS[@]}" "cmake<4"
+  "${PIP[@]}" install -q -c "$CONSTRAINTS" --no-build-isolation -e ".[dev]"
   rm -f "$VENV"/.stamp-deps-* "$VENV"/.stamp-horovod-*
   touch "$stamp"
 fi
@@ -45,7 +53,7 @@ if [ ! -f "$hstamp" ]; then
     "${PIP[@]}" uninstall -q -y horovod >/dev/null 2>&1 || true
     HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
       HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j"$(nproc)" \
-      "${PIP[@]}" install -q -c constraints.txt --no-build-isolation "horovod[spark]==0.28.1"
+      "${PIP[@]}" install -q -c "$CONSTRAINTS" --no-build-isolation --no-cache-dir "horovod[spark]==0.28.1"
   fi
   horovod_ok || die "horovod is installed but 'horovodrun --check-build' does not show both TensorFlow and Gloo. Check the build log above (cmake<4 and a C++17 compiler are required)."
   touch "$hstamp"

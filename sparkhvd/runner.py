@@ -73,6 +73,9 @@ class HorovodRunner:
         resume_from: resume Keras training (``sparkhvd.keras.KerasDistributed(resume=True)``)
             from a run's checkpoints: ``True`` for the latest run under ``output_dir`` that has
             checkpoints, or a run folder / checkpoints URL.
+        preset: a session preset name (``conf/<name>.json``) or :class:`~sparkhvd.presets.Preset`:
+            ``np`` is checked against it at once, and a session is created from it when none is
+            active.
         timeline: record a Horovod timeline (``HOROVOD_TIMELINE``) into the run folder as
             ``timeline.json`` (open it in chrome://tracing or Perfetto).
         verbose: show TensorFlow/Gloo start-up noise and horovod's own debug output.
@@ -90,7 +93,8 @@ class HorovodRunner:
                  start_timeout: int = DEFAULT_START_TIMEOUT,
                  env: Optional[Mapping[str, str]] = None, output_dir: str = "runs",
                  storage_options: Optional[Mapping[str, Any]] = None,
-                 resume_from: Any = None, timeline: bool = False, verbose: bool = False, nics: Optional[set[str]] = None,
+                 resume_from: Any = None, timeline: bool = False, preset: Any = None,
+                 verbose: bool = False, nics: Optional[set[str]] = None,
                  slot_wait_s: float = 30.0) -> None:
         self.np = _validate_np(np)
         if driver_log_verbosity not in VERBOSITIES:
@@ -107,6 +111,13 @@ class HorovodRunner:
         self.output_dir = output_dir
         self.storage_options = dict(storage_options or {})
         self.resume_from = resume_from
+        if isinstance(preset, str):
+            from .presets import load_preset
+
+            preset = load_preset(preset)
+        if preset is not None:
+            preset.check_np(self.np)
+        self.preset = preset
         self.timeline = timeline
         self.verbose = verbose
         self.nics = set(nics) if nics else None
@@ -160,7 +171,7 @@ class HorovodRunner:
         try:
             self._resume_env(env, run_dir)
             if self.np > 0:
-                spark = get_or_create_session(size, self.spark)
+                spark = get_or_create_session(size, self.spark, self.preset)
                 sc = spark.sparkContext
                 run_dir.update(spark_master=sc.master, spark_app_id=sc.applicationId)
                 self._run_dir_env(env, run_dir, shared=is_loopback_master(sc.master))

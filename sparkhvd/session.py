@@ -54,8 +54,9 @@ def is_loopback_master(master: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1")
 
 
-def get_or_create_session(np: int, spark=None):
-    """The given session, else the active one, else a new ``local[np]`` session on 127.0.0.1."""
+def get_or_create_session(np: int, spark=None, preset=None):
+    """The given session, else the active one, else a new one: from ``preset`` when given
+    (its own master, or ``local[np]``), otherwise ``local[np]`` on 127.0.0.1."""
     from pyspark.sql import SparkSession
 
     if spark is not None:
@@ -69,6 +70,16 @@ def get_or_create_session(np: int, spark=None):
     if active is not None:
         return active
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    master = (preset.master if preset is not None else None) or f"local[{np}]"
+    if is_loopback_master(master):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # keep Spark off other interfaces
+    if preset is not None:
+        master = preset.master or f"local[{np}]"
+        log.info("No active SparkSession: starting one from preset %r (%s)", preset.name, master)
+        session = preset.builder().master(master).config(
+            "spark.pyspark.python", os.environ["PYSPARK_PYTHON"]).getOrCreate()
+        session.sparkContext.setLogLevel("ERROR")
+        return session
     log.info("No active SparkSession: starting local[%d] on 127.0.0.1", np)
     session = (SparkSession.builder.master(f"local[{np}]").appName("sparkhvd")
                .config("spark.driver.host", "127.0.0.1")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import pytest
 
@@ -115,3 +116,77 @@ def azurite(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+class StandaloneCluster:
+    """A real Spark standalone master + workers on 127.0.0.1 (processes of pip's pyspark)."""
+
+    def __init__(self, workdir, workers: int = 2, cores: int = 1) -> None:
+        import pyspark
+
+        self.home = os.path.dirname(pyspark.__file__)
+        self.workdir = workdir
+        self.port = _free_port()
+        self.master_url = f"spark://127.0.0.1:{self.port}"
+        self.procs: dict[str, "subprocess.Popen"] = {}
+        self.env = {**os.environ, "SPARK_HOME": self.home, "SPARK_LOCAL_IP": "127.0.0.1",
+                    "PYSPARK_PYTHON": sys.executable, "SPARK_NO_DAEMONIZE": "1"}
+        self._start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                    "--port", str(self.port), "--webui-port", str(_free_port()))
+        for i in range(workers):
+            self.start_worker(f"worker{i}", cores)
+
+    def _start(self, name: str, cls: str, *args: str) -> None:
+        import subprocess
+
+        log = open(os.path.join(self.workdir, f"{name}.log"), "wb")
+        self.procs[name] = subprocess.Popen(
+            [os.path.join(self.home, "bin", "spark-class"), cls, *args], env=self.env,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start_worker(self, name: str, cores: int = 1) -> None:
+        work = os.path.join(self.workdir, name)
+        os.makedirs(work, exist_ok=True)
+        self._start(name, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
+                    "--cores", str(cores), "--memory", "2g", "--work-dir", work,
+                    "--port", str(_free_port()), "--webui-port", str(_free_port()),
+                    self.master_url)
+
+    def wait_for_workers(self, n: int, timeout: float = 90) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        log = os.path.join(self.workdir, "master.log")
+        while time.monotonic() < deadline:
+            text = open(log, errors="replace").read() if os.path.exists(log) else ""
+            if text.count("Registering worker") >= n:
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"{n} worker(s) did not register with {self.master_url}: {text[-2000:]}")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a process and its whole process group (the worker and its executors)."""
+        import signal
+
+        proc = self.procs.get(name)
+        if proc and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(30)
+
+    def stop(self) -> None:
+        for name in list(self.procs)[::-1]:
+            self.kill(name)
+
+
+@pytest.fixture(scope="session")
+def standalone(tmp_path_factory):
+    """Master + two one-core workers on 127.0.0.1; every process stopped by PID at the end."""
+    cluster = StandaloneCluster(str(tmp_path_factory.mktemp("standalone")), workers=2, cores=1)
+    try:
+        cluster.wait_for_workers(2)
+        yield cluster
+    finally:
+        cluster.stop()

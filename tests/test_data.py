@@ -1,6 +1,5 @@
 """DataFrameDataset: Spark DataFrame -> each rank's shard, on real local Spark and horovod ranks."""
 import os
-import sys
 import warnings
 
 import numpy as np
@@ -10,8 +9,7 @@ from sparkhvd import DataFrameDataset, HorovodRunner
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-import demo  # noqa: E402  (the demo's model)
+from sparkhvd.examples import digits as demo  # noqa: E402  (the demo's model)
 
 
 @pytest.fixture(scope="module")

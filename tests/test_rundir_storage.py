@@ -1,14 +1,12 @@
 """Run folders on abfss:// (Azurite): pre-flight, publish, load_model, spill, no secret anywhere."""
 import json
 import os
-import sys
 
 import pytest
 
 from sparkhvd import HorovodRunner, StorageError, load_model, storage
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
 PLANTED_SAS = "sv=2024-01-01&sig=PLANTEDsasSIGNATURE0123456789"
 
@@ -21,7 +19,7 @@ def _everything_under(root):
 
 
 def test_run_lands_in_azurite_and_loads_back(spark, azurite, tmp_path, monkeypatch, capfd):
-    import demo
+    from sparkhvd.examples import digits as demo
 
     # Planted secrets through the documented ways: driver env and storage_options.
     monkeypatch.setenv("AZURE_STORAGE_SAS_TOKEN", PLANTED_SAS)

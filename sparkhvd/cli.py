@@ -1,0 +1,240 @@
+"""The ``sparkhvd`` command: presets, doctor, run a training script, spark-submit a job."""
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from typing import Callable, Optional
+
+import click
+
+from .presets import PresetError, list_preset_names, load_preset
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="sparkhvd")
+def main() -> None:
+    """Horovod data-parallel TensorFlow/Keras training on Spark."""
+
+
+# -- presets ------------------------------------------------------------------------------------
+@main.group(invoke_without_command=True)
+@click.pass_context
+def presets(ctx: click.Context) -> None:
+    """List session presets (conf/*.json, %%configure format) with their largest np."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rich.table import Table
+
+    table = Table("preset", "max np", "executors x cores", "memory (driver/executor)", "file")
+    for name in list_preset_names():
+        try:
+            p = load_preset(name)
+        except PresetError as exc:
+            table.add_row(name, "invalid", str(exc), "", "")
+            continue
+        b = p.body
+        table.add_row(name, str(p.max_np()),
+                      f"{b.get('numExecutors', 1)} x {b.get('executorCores', 1)}"
+                      + (f" ({p.master})" if p.master else ""),
+                      f"{b.get('driverMemory', '-')}/{b.get('executorMemory', '-')}",
+                      p.path or "")
+    _console().print(table)
+
+
+@presets.command("show")
+@click.argument("name")
+@click.option("--as", "fmt", type=click.Choice(["configure", "spark-submit", "json", "conf"]),
+              default="configure", show_default=True, help="How to render the preset.")
+@click.option("--master", default=None, help="Master URL for --as spark-submit.")
+def presets_show(name: str, fmt: str, master: Optional[str]) -> None:
+    """Show preset NAME as a %%configure cell, spark-submit flags, JSON, or Spark settings."""
+    try:
+        p = load_preset(name)
+    except PresetError as exc:
+        raise click.ClickException(str(exc)) from None
+    import json
+
+    if fmt == "configure":
+        click.echo(p.configure_cell())
+    elif fmt == "spark-submit":
+        click.echo(shlex.join(p.spark_submit_args(master)))
+    elif fmt == "json":
+        click.echo(json.dumps(p.body, indent=4))
+    else:
+        for key, value in p.spark_conf().items():
+            click.echo(f"{key}={value}")
+
+
+# -- doctor -------------------------------------------------------------------------------------
+Check = tuple[str, bool, str, str]
+
+
+def _check(name: str, fn: Callable[[], str], fix: str) -> Check:
+    try:
+        return name, True, fn(), ""
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a row with its fix
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return name, False, message, fix
+
+
+def _horovod() -> str:
+    import horovod
+
+    try:
+        import horovod.tensorflow as hvd  # fails unless the TensorFlow extension was built
+    except ImportError as exc:
+        raise RuntimeError(f"horovod {horovod.__version__} lacks TensorFlow support ({exc})") \
+            from None
+    if not hvd.gloo_built():
+        raise RuntimeError(f"horovod {horovod.__version__} was built without Gloo")
+    return f"horovod {horovod.__version__}: TensorFlow + Gloo"
+
+
+def _keras() -> str:
+    from .compat import check_keras, package_version
+
+    check_keras()
+    tf = package_version("tensorflow-cpu") or package_version("tensorflow")
+    return f"tensorflow {tf}, keras {package_version('keras')}"
+
+
+def _java() -> str:
+    java = shutil.which("java") or (os.path.join(os.environ["JAVA_HOME"], "bin", "java")
+                                    if os.environ.get("JAVA_HOME") else None)
+    if not java:
+        raise RuntimeError("java not found on PATH or in JAVA_HOME")
+    out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
+    return (out.stderr or out.stdout).splitlines()[0]
+
+
+@main.command()
+@click.option("--preset", default="local-cpu", show_default=True,
+              help="Preset whose session is started and whose max np is checked.")
+@click.option("--np", "np_", type=int, default=None, help="Ranks you plan to run (default: 2).")
+@click.option("--storage-url", default=None, help="Also pre-flight this output URL.")
+def doctor(preset: str, np_: Optional[int], storage_url: Optional[str]) -> None:
+    """Check the stack, Java, a Spark session, its slots and (optionally) storage."""
+    from rich.table import Table
+
+    logging.getLogger("py4j").setLevel(logging.ERROR)
+    rows: list[Check] = [
+        _check("horovod build", _horovod,
+               "run `make setup` (builds horovod with HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1)"),
+        _check("TensorFlow/Keras", _keras,
+               "use tensorflow 2.15, or tf-keras with TF_USE_LEGACY_KERAS=1 (Keras 3 is unsupported)"),
+        _check("Java", _java, "install Java 17 (apt-get install -y openjdk-17-jre-headless) or set JAVA_HOME"),
+    ]
+    session: dict = {}
+    needed = np_ or 2
+
+    def start() -> str:
+        from .session import get_or_create_session
+
+        p = load_preset(preset)
+        session["spark"] = get_or_create_session(needed, preset=p)
+        return f"{session['spark'].sparkContext.master} (Spark {session['spark'].version})"
+
+    rows.append(_check("Spark session", start,
+                       "check Java and pyspark; for a cluster preset, check the master URL"))
+
+    def slots() -> str:
+        from .slots import check_slots
+
+        if "spark" not in session:
+            raise RuntimeError("no session")
+        found = check_slots(session["spark"].sparkContext, needed)
+        return f"{found.slots} slot(s) >= np={needed} ({found.detail})"
+
+    rows.append(_check("task slots", slots, "use a larger preset or lower np"))
+    if storage_url:
+        def probe() -> str:
+            from .storage import preflight, public_url
+
+            preflight(storage_url)
+            return f"{public_url(storage_url)} writable"
+
+        rows.append(_check("storage", probe,
+                           "check the URL, AZURE_STORAGE_* credentials and permissions"))
+    table = Table("check", "status", "detail", "fix")
+    for name, ok, detail, fix in rows:
+        table.add_row(name, "[green]ok[/]" if ok else "[red]FAIL[/]", detail, fix)
+    _console().print(table)
+    if "spark" in session:
+        session["spark"].stop()
+    failed = [r for r in rows if not r[1]]
+    if failed:
+        raise SystemExit(1)
+
+
+# -- run / submit -------------------------------------------------------------------------------
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("script", type=click.Path(exists=True, dir_okay=False))
+@click.option("--np", "np_", type=int, required=True, help="Ranks (negative: local processes).")
+@click.option("--preset", default=None, help="Session preset for the Spark session.")
+@click.option("--output-dir", default="runs", show_default=True, help="Run folders go here.")
+@click.option("--verbosity", type=click.Choice(["rank0", "all"]), default="rank0",
+              show_default=True, help="Which ranks' output the console shows.")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def run(script: str, np_: int, preset: Optional[str], output_dir: str, verbosity: str,
+        script_args: tuple[str, ...]) -> None:
+    """Run a plain Horovod training SCRIPT (as for horovodrun) on Spark: sparkhvd run train.py --np 2 -- ARGS."""
+    from .errors import SparkhvdError
+    from .runner import HorovodRunner
+    from .script import read_script, run_script
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("sparkhvd").setLevel(logging.INFO)
+    try:
+        runner = HorovodRunner(np=np_, preset=preset, output_dir=output_dir,
+                               driver_log_verbosity=verbosity)
+        runner.run(run_script, source=read_script(script), path=script, argv=list(script_args))
+    except (SparkhvdError, ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"run folder: {runner.last_run_dir.url}")
+
+
+def spark_submit_command(preset: str, master: Optional[str], job: str,
+                         job_args: tuple[str, ...] = ()) -> list[str]:
+    """The full ``spark-submit`` command line for a job under a preset."""
+    import pyspark
+
+    p = load_preset(preset)
+    submit = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit")
+    return [submit, *p.spark_submit_args(master),
+            "--conf", f"spark.pyspark.python={sys.executable}",
+            "--conf", f"spark.pyspark.driver.python={sys.executable}",
+            job, *job_args]
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--preset", required=True, help="Session preset (conf/NAME.json).")
+@click.option("--master", default=None, help="Master URL, e.g. spark://127.0.0.1:7077.")
+@click.option("--dry-run", is_flag=True, help="Print the spark-submit command and exit.")
+@click.argument("job", type=click.Path(exists=True, dir_okay=False))
+@click.argument("job_args", nargs=-1, type=click.UNPROCESSED)
+def submit(preset: str, master: Optional[str], dry_run: bool, job: str,
+           job_args: tuple[str, ...]) -> None:
+    """spark-submit JOB with a preset's resources: sparkhvd submit --preset standalone-cpu --master spark://HOST:7077 job.py ARGS."""
+    try:
+        command = spark_submit_command(preset, master, job, job_args)
+    except PresetError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(shlex.join(command))
+    if dry_run:
+        return
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    raise SystemExit(subprocess.call(command, env=env))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

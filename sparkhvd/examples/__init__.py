@@ -1,0 +1,1 @@
+"""Runnable examples (digits) shared by the demo, jobs/ and notebooks/."""
