@@ -45,7 +45,7 @@ def test_keras_problem(versions, environ, bad):
 
 
 def test_installed_stack_passes_keras_check():
-    check_keras({})  # the pinned TF 2.15 stack
+    check_keras()  # the installed profile, with this environment (tf218 sets TF_USE_LEGACY_KERAS)
 
 
 def test_check_keras_raises(monkeypatch):
