@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -17,17 +18,16 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import cloudpickle
-import logging
 
 from .logs import RankLogRouter
 from .rank import rank_main
 
 log = logging.getLogger(__name__)
 
-_PROCESS_FAILED = re.compile(r"Process name: (?P<rank>\d+)\s+Exit code: (?P<code>-?\d+)")
+_PROCESS_FAILED = re.compile(r"Process name: (?P<rank>\d+)\s+Exit code: (?P<code>-?\d+|None)")
 
 
 @dataclass
@@ -46,41 +46,134 @@ def _parse_failure(exc: BaseException) -> Optional[LaunchFailure]:
     m = _PROCESS_FAILED.search(str(exc))
     if not m:
         return None
-    return LaunchFailure(int(m.group("rank")), int(m.group("code")), str(exc))
+    code = None if m.group("code") == "None" else int(m.group("code"))
+    return LaunchFailure(int(m.group("rank")), code, str(exc))
+
+
+def _send_one_live(self, addr, req, stream=None):
+    """horovod's ``BasicClient._send_one``, but streamed output is passed on as it arrives.
+
+    horovod copies a rank's output with ``shutil.copyfileobj``, whose 64 KiB blocking reads hold
+    every line back until 64 KiB piled up or the rank exited. ``read1`` returns what is there.
+    """
+    import codecs
+    import socket
+
+    from horovod.runner.common.util.network import AckStreamResponse
+
+    for attempt in range(self._attempts):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.connect(addr)
+            rfile = sock.makefile("rb")
+            wfile = sock.makefile("wb")
+            try:
+                self._wire.write(req, wfile)
+                resp = self._wire.read(rfile)
+                if stream and isinstance(resp, AckStreamResponse):
+                    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+                    while True:
+                        chunk = rfile.read1(65536)
+                        text = decoder.decode(chunk, final=not chunk)
+                        if text:
+                            stream.write(text)
+                        if not chunk:
+                            break
+                return resp
+            finally:
+                rfile.close()
+                wfile.close()
+        except Exception:  # noqa: BLE001 - same retry policy as horovod's
+            if attempt == self._attempts - 1:
+                raise
+        finally:
+            sock.close()
 
 
 @contextlib.contextmanager
-def preserved_signal_handlers() -> Iterator[None]:
-    """Restore SIGINT/SIGTERM handlers that horovod's launcher replaces for good.
+def horovod_launch_hooks() -> Iterator[dict]:
+    """Take over two things horovod's launcher does by itself.
 
-    ``horovod.runner.gloo_run.launch_gloo`` installs handlers that only set an event; left in
-    place, a notebook's stop button would never raise ``KeyboardInterrupt`` again.
+    - ``launch_gloo`` installs SIGINT/SIGTERM handlers that only set an event (so a notebook's
+      stop button would never raise ``KeyboardInterrupt`` again, and it fails outside the main
+      thread). We hand it *our* event instead: setting it makes horovod abort every rank's command
+      through the task services, on whatever executor the rank runs.
+    - The Spark job group name is recorded, so we can cancel exactly that job group.
+    - Rank output is streamed to the driver as it is printed (see :func:`_send_one_live`).
+    - When one rank exits non-zero the others are aborted at once (horovod's Spark path would
+      wait for them to finish by themselves).
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    from horovod.runner import gloo_run
+    from horovod.runner.common.util import network
+    from horovod.spark.driver import job_id
+
+    hooks: dict = {"stop": threading.Event(), "job_group": None}
+    original_event, original_next = gloo_run.register_shutdown_event, job_id.next_job_id
+
+    def next_job_id() -> int:
+        value = original_next()
+        hooks["job_group"] = f"horovod.spark.run.{value}"
+        return value
+
+    from horovod.spark import gloo_run as spark_gloo_run
+
+    original_exec_fn = spark_gloo_run._exec_command_fn
+
+    def exec_command_fn(*args: Any, **kwargs: Any):
+        run_one = original_exec_fn(*args, **kwargs)
+
+        def run_and_watch(command, slot_info, events):
+            exit_code, when = run_one(command, slot_info, events)
+            if exit_code != 0:
+                hooks["stop"].set()  # one rank failed: stop the others now, not when they finish
+            return exit_code, when
+
+        return run_and_watch
+
+    original_send = network.BasicClient._send_one
+    spark_gloo_run._exec_command_fn = exec_command_fn
+    gloo_run.register_shutdown_event = lambda: hooks["stop"]
+    job_id.next_job_id = next_job_id
+    network.BasicClient._send_one = _send_one_live
     try:
-        yield
+        yield hooks
     finally:
-        for sig, handler in saved.items():
-            if handler is not None:
-                signal.signal(sig, handler)
+        gloo_run.register_shutdown_event = original_event
+        job_id.next_job_id = original_next
+        network.BasicClient._send_one = original_send
+        spark_gloo_run._exec_command_fn = original_exec_fn
+
+
+def kill_local_pids(pids: Iterable[int], grace_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL, the given processes if they run on this machine and still live."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
 
 
 @contextlib.contextmanager
 def quiet_cancelled_spark_thread() -> Iterator[None]:
     """Silence horovod's Spark thread when *we* cancelled its job group.
 
-    When a rank fails, horovod cancels the Spark job group and its thread dies with a
-    Py4JJavaError ("cancelled job group horovod.spark.run") printed with a Java stack trace;
+    When a rank fails (or the driver is interrupted), the Spark job is cancelled and horovod's
+    thread dies with a Py4JJavaError ("... cancelled ...") printed with a Java stack trace;
     the user gets the real error from us instead. Any other thread exception is reported as usual.
     """
     previous = threading.excepthook
 
     def hook(args) -> None:
         name = getattr(args.thread, "name", "") or ""
-        if name.endswith("(run_spark)") and "cancelled job group" in str(args.exc_value):
+        if name.endswith("(run_spark)") and "cancel" in str(args.exc_value):
             log.debug("horovod's Spark job group was cancelled: %s", args.exc_value)
             return
         previous(args)
@@ -94,24 +187,56 @@ def quiet_cancelled_spark_thread() -> Iterator[None]:
 
 def launch_spark(np: int, payload: bytes, options: Mapping[str, Any], *, env: Mapping[str, str],
                  router: RankLogRouter, start_timeout: int, nics: Optional[set[str]],
-                 verbose: bool) -> list[Any]:
-    """Run ``np`` ranks as Spark tasks of the active SparkContext; results in rank order."""
-    import horovod.spark
+                 verbose: bool, timeout: Optional[float] = None) -> list[Any]:
+    """Run ``np`` ranks as Spark tasks of the active SparkContext; results in rank order.
 
-    with preserved_signal_handlers(), quiet_cancelled_spark_thread():
+    horovod runs in a helper thread while this thread watches the clock and stays interruptible:
+    on ``timeout`` (``TimeoutError``) or ``KeyboardInterrupt`` the ranks are aborted through
+    horovod's task services, the Spark job group is cancelled, leftover local rank processes are
+    killed, and the exception propagates. The SparkSession stays usable.
+    """
+    import horovod.spark
+    from pyspark import SparkContext
+
+    outcome: dict = {}
+
+    def target() -> None:
         try:
-            return horovod.spark.run(
+            outcome["results"] = horovod.spark.run(
                 rank_main, args=(payload, dict(options)), num_proc=np,
                 start_timeout=start_timeout, use_gloo=True, env=dict(env),
                 stdout=router.stdout, stderr=router.stderr, verbose=2 if verbose else 0,
                 nics=nics, prefix_output_with_timestamp=False)
-        except RuntimeError as exc:
-            failure = _parse_failure(exc)
-            if failure is None:
-                raise
-            raise failure from exc
+        except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
+            outcome["error"] = exc
+
+    with horovod_launch_hooks() as hooks, quiet_cancelled_spark_thread():
+        thread = threading.Thread(target=target, name="sparkhvd-horovod", daemon=True)
+        started = time.monotonic()
+        thread.start()
+        try:
+            while thread.is_alive():
+                thread.join(0.2)
+                if timeout is not None and time.monotonic() - started > timeout:
+                    raise TimeoutError(f"The training did not finish within {timeout:g} s; the "
+                                       "ranks were stopped and the Spark job cancelled.")
+        except BaseException:
+            hooks["stop"].set()
+            sc = SparkContext._active_spark_context
+            if sc is not None and hooks["job_group"]:
+                sc.cancelJobGroup(hooks["job_group"])
+            thread.join(60)
+            kill_local_pids(router.pids.values())
+            raise
         finally:
             router.close()
+    if "error" in outcome:
+        exc = outcome["error"]
+        failure = _parse_failure(exc) if isinstance(exc, RuntimeError) else None
+        if failure is not None:
+            raise failure from exc
+        raise exc
+    return outcome["results"]
 
 
 def _pump(pipe, channel, rank: int, tag: str) -> None:
@@ -134,7 +259,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def launch_local(n: int, payload: bytes, options: Mapping[str, Any], *, env: Mapping[str, str],
-                 router: RankLogRouter, start_timeout: int, verbose: bool) -> list[Any]:
+                 router: RankLogRouter, start_timeout: int, verbose: bool,
+                 timeout: Optional[float] = None) -> list[Any]:
     """Run ``n`` ranks as processes on this machine (no Spark); results in rank order.
 
     Uses horovod's rendezvous server and Gloo, with plain subprocesses (each in its own process
@@ -172,7 +298,11 @@ def launch_local(n: int, payload: bytes, options: Mapping[str, Any], *, env: Map
                                          daemon=True)
                     t.start()
                     pumps.append(t)
+            started = time.monotonic()
             while len(exit_times) < n:
+                if timeout is not None and time.monotonic() - started > timeout:
+                    raise TimeoutError(f"The training did not finish within {timeout:g} s; the "
+                                       "rank processes were stopped.")
                 for rank, proc in enumerate(procs):
                     if rank not in exit_times and proc.poll() is not None:
                         exit_times[rank] = time.monotonic()

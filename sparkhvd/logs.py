@@ -118,6 +118,7 @@ class RankLogRouter:
         self.logger = logger or rank_logger
         self.failures: dict[int, RankFailure] = {}
         self.metrics: list[dict] = []  # rank 0's per-epoch records (sparkhvd.keras)
+        self.pids: dict[int, int] = {}  # rank -> process id, as each rank reported it
         self._index_to_rank: dict[int, int] = {}
         self._in_traceback: dict[int, bool] = {}
         self._tail: dict[int, list[str]] = {}
@@ -138,8 +139,11 @@ class RankLogRouter:
             idx, tag, text = -1, channel_tag, raw
         if text.startswith(RANK_MARKER):
             try:
-                rank = self._index_to_rank[idx] = int(text[len(RANK_MARKER):].strip())
-            except ValueError:
+                fields = text[len(RANK_MARKER):].split()
+                rank = self._index_to_rank[idx] = int(fields[0])
+                if len(fields) > 1:
+                    self.pids[rank] = int(fields[1])
+            except (ValueError, IndexError):
                 return
             self._open_file(rank)  # every rank gets its log file, even a silent one
             return

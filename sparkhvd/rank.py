@@ -153,7 +153,7 @@ def rank_main(payload: bytes, options: dict) -> Any:
     """
     rank, size, local_rank, local_size = current_rank()
     for stream in (sys.stdout, sys.stderr):
-        print(f"{RANK_MARKER} {rank}", file=stream, flush=True)
+        print(f"{RANK_MARKER} {rank} {os.getpid()}", file=stream, flush=True)
     if not options.get("verbose"):
         _quiet_warnings()
     try:

@@ -125,33 +125,43 @@ class HorovodRunner:
         self.last_run_dir: Optional[RunDir] = None
 
     # -- public API ----------------------------------------------------------------------
-    def run(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
+    def run(self, fn: Callable[..., Any], *, timeout: Optional[float] = None, **kwargs: Any) -> Any:
         """Run ``fn(**kwargs)`` on every rank and return rank 0's return value.
+
+        ``timeout`` (seconds, reserved keyword): stop the ranks, cancel the Spark job and raise
+        ``TimeoutError`` if the training runs longer. ``KeyboardInterrupt`` (a notebook's stop
+        button) likewise stops everything and propagates; the session stays usable.
 
         Raises:
             PayloadError: ``fn`` or an argument cannot be sent to the ranks (before launch).
             NotEnoughSlotsError: the session has fewer task slots than ``np`` (in seconds).
             TrainingError: a rank failed; names the rank, the exception and its traceback.
+            TimeoutError: ``timeout`` passed.
         """
-        return self._execute(fn, kwargs, return_all=False)[0]
+        return self._execute(fn, kwargs, return_all=False, timeout=timeout)[0]
 
-    def run_all(self, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
+    def run_all(self, fn: Callable[..., Any], *, timeout: Optional[float] = None,
+                **kwargs: Any) -> list[Any]:
         """Like :meth:`run`, but return every rank's return value, in rank order."""
-        return self._execute(fn, kwargs, return_all=True)
+        return self._execute(fn, kwargs, return_all=True, timeout=timeout)
 
     # -- internals -----------------------------------------------------------------------
-    def _execute(self, fn: Callable, kwargs: Mapping[str, Any], *, return_all: bool) -> list:
+    def _execute(self, fn: Callable, kwargs: Mapping[str, Any], *, return_all: bool,
+                 timeout: Optional[float] = None) -> list:
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
         if not callable(fn):
             _payload.dumps(fn, {})  # raises the PayloadError that explains it
         prepared = _prepared_arguments(kwargs)
         try:
             blob = _payload.dumps(fn, kwargs)
-            return self._launch(fn, blob, return_all=return_all)
+            return self._launch(fn, blob, return_all=return_all, timeout=timeout)
         finally:
             for value in prepared:
                 value._sparkhvd_cleanup()
 
-    def _launch(self, fn: Callable, blob: bytes, *, return_all: bool) -> list:
+    def _launch(self, fn: Callable, blob: bytes, *, return_all: bool,
+                timeout: Optional[float]) -> list:
         env = rank_env(self.env, verbose=self.verbose)
         check_keras({**os.environ, **env})
         run_dir = RunDir(self.output_dir, storage_options=self.storage_options)
@@ -185,27 +195,30 @@ class HorovodRunner:
                          run_dir.logs)
                 results = launch_spark(size, blob, options, env=env, router=router,
                                        start_timeout=self.start_timeout, nics=nics,
-                                       verbose=self.verbose)
+                                       verbose=self.verbose, timeout=timeout)
             else:
                 self._run_dir_env(env, run_dir, shared=True)
                 run_dir.mark("launch")
                 log.info("Launching %d local rank process(es); logs in %s", size, run_dir.logs)
                 results = launch_local(size, blob, options, env=env, router=router,
-                                       start_timeout=self.start_timeout, verbose=self.verbose)
+                                       start_timeout=self.start_timeout, verbose=self.verbose,
+                                       timeout=timeout)
         except LaunchFailure as failure:
             error = self._training_error(failure, router, run_dir)
-            self._finish(run_dir, "failed", error)
+            self._finish(run_dir, "failed", error, rank_pids=router.pids)
             raise error from None
         except BaseException as exc:
-            self._finish(run_dir, "interrupted" if isinstance(exc, KeyboardInterrupt)
-                         else "failed", exc)
+            status = ("interrupted" if isinstance(exc, KeyboardInterrupt) else
+                      "timed out" if isinstance(exc, TimeoutError) else "failed")
+            self._finish(run_dir, status, exc, rank_pids=router.pids)
             raise
         finally:
             router.close()
             self._write_curves(run_dir, router.metrics)
         run_dir.mark("finished")
         saved = run_dir.save_result(results[0]) if results else None
-        self._finish(run_dir, "succeeded", None, model=os.path.basename(saved) if saved else None)
+        self._finish(run_dir, "succeeded", None, model=os.path.basename(saved) if saved else None,
+                     rank_pids=router.pids)
         try:
             run_dir.publish()
         except StorageError as exc:
@@ -268,8 +281,16 @@ class HorovodRunner:
                 first.exit_code = failure.exit_code
             return TrainingError(first, reported, run_dir=run_dir.path)
         rank = failure.rank if failure.rank is not None else -1
-        how = (f"killed by signal {-failure.exit_code}" if failure.exit_code and
-               failure.exit_code < 0 else f"exited with status {failure.exit_code}")
+        code = failure.exit_code
+        if code is None:
+            how = ("vanished without an exit status (its executor or worker was lost, or the "
+                   "connection to it broke)")
+        elif code < 0:
+            how = f"was killed by signal {-code}"
+        elif code is not None and code > 128:  # a shell's way of reporting a signal
+            how = f"was killed by signal {code - 128} (exit status {code})"
+        else:
+            how = f"exited with status {code}"
         return TrainingError(RankFailure(
             rank=rank, exc_type=None, exit_code=failure.exit_code,
             message=f"the rank process {how} without raising a Python exception",

@@ -142,3 +142,39 @@ def test_run_record(spark, tmp_path):
     assert record["versions"]["horovod"] == "0.28.1"
     assert {"launch", "finished", "total"} <= set(record["timings"])
     assert open(run_dir.file("model.h5"), "rb").read().endswith(b"fake-model")
+
+
+def test_rank_output_reaches_the_driver_while_the_rank_runs(spark, tmp_path, rank_lines):
+    """Rank 0 waits for a file that the driver creates only after seeing rank 0's line."""
+    import logging
+
+    from sparkhvd.logs import rank_logger
+
+    flag = tmp_path / "go"
+
+    class CreateFlag(logging.Handler):
+        def emit(self, record):
+            if "waiting for the driver" in record.getMessage():
+                flag.write_text("seen")
+
+    handler = CreateFlag()
+    rank_logger.addHandler(handler)
+
+    def wait_for_driver(flag):
+        import os
+        import time
+
+        if os.environ["HOROVOD_RANK"] != "0":
+            return None
+        print("waiting for the driver", flush=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not os.path.exists(flag):
+            time.sleep(0.1)
+        return os.path.exists(flag)
+
+    try:
+        seen = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "runs")).run(
+            wait_for_driver, flag=str(flag))
+    finally:
+        rank_logger.removeHandler(handler)
+    assert seen is True, "the line reached the driver only after the rank finished"

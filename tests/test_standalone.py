@@ -28,3 +28,35 @@ def test_submit_digits_job_to_standalone_cluster(standalone, tmp_path):
     _, x_test, _, y_test = load_digits_split()
     _, accuracy = tf.keras.models.load_model(model).evaluate(x_test, y_test, verbose=0)
     assert accuracy >= 0.9
+
+
+def test_killing_a_worker_mid_run_is_an_error_not_a_hang(standalone, tmp_path):
+    """SIGKILL one worker (and its executor) while the ranks train: the job fails, promptly."""
+    import time
+
+    proc = subprocess.Popen(
+        [SPARKHVD, "submit", "--preset", "standalone-cpu", "--master", standalone.master_url,
+         JOB, "--output-url", str(tmp_path / "model.h5"), "--epochs", "500",
+         "--runs-dir", str(tmp_path / "runs")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("[rank 0] epoch 2/500"):
+                break
+        assert any(line.startswith("[rank 0] epoch 2/500") for line in seen), "".join(seen[-30:])
+        killed_at = time.monotonic()
+        standalone.kill("worker1")
+        rest, _ = proc.communicate(timeout=300)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        standalone.start_worker("worker1")
+        standalone.wait_for_workers(3)  # the master logs one registration per worker start
+    assert proc.returncode != 0
+    assert elapsed < 240, "the failure must surface well before the 600 s horovod start timeout"
+    assert "JOB OK" not in rest
+    assert "TrainingError" in rest or "Training failed" in rest or "SparkException" in rest, rest[-3000:]
+    assert not (tmp_path / "model.h5").exists()

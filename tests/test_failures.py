@@ -1,0 +1,112 @@
+"""Failure matrix on real Spark and local ranks: clear errors, no hangs, no orphans, session usable.
+
+After each failure, no rank process the run started may be alive (PIDs from the run's run.json).
+"""
+import json
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from sparkhvd import HorovodRunner, TrainingError
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
+
+
+def assert_no_rank_left(runner, grace=20.0):
+    record = json.loads(open(runner.last_run_dir.file("run.json")).read())
+    pids = [int(p) for p in record["rank_pids"].values()]
+    assert pids, "the run recorded its rank PIDs"
+    deadline = time.monotonic() + grace
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and
+                 psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.5)
+    assert not alive, f"rank processes still alive: {alive}"
+    return record
+
+
+def _session_works(spark, tmp_path):
+    assert HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path)).run(lambda: "ok") == "ok"
+    assert spark.sparkContext.statusTracker().getActiveJobsIds() == []
+
+
+@pytest.mark.parametrize("how,code", [("exit", 3), ("sigkill", -9)])
+def test_rank_process_dies(spark, tmp_path, how, code):
+    def dies(how):
+        import os
+        import signal
+        import time
+
+        if os.environ["HOROVOD_RANK"] == "1":
+            if how == "exit":
+                os._exit(3)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+
+    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(TrainingError) as info:
+        runner.run(dies, how=how)
+    assert time.monotonic() - started < 120
+    err = info.value
+    assert err.rank == 1 and err.exc_type is None
+    assert err.exit_code in (code, 128 - code if code < 0 else code, 137 if code == -9 else code)
+    assert ("signal 9" in str(err)) if how == "sigkill" else ("status 3" in str(err))
+    assert_no_rank_left(runner)
+    _session_works(spark, tmp_path)
+
+
+def test_hanging_rank_times_out(spark, tmp_path):
+    def hangs():
+        import time
+
+        time.sleep(3600)
+
+    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within 15 s"):
+        runner.run(hangs, timeout=15)
+    assert time.monotonic() - started < 90
+    record = assert_no_rank_left(runner)
+    assert record["status"] == "timed out"
+    _session_works(spark, tmp_path)
+
+
+def test_driver_interrupt_cancels_everything(spark, tmp_path, rank_lines):
+    def hangs():
+        import time
+
+        print("started", flush=True)
+        time.sleep(3600)
+
+    def interrupt_when_started():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any("started" in l for l in rank_lines):
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)  # what a notebook's stop button does
+
+    threading.Thread(target=interrupt_when_started, daemon=True).start()
+    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(hangs)
+    record = assert_no_rank_left(runner)
+    assert record["status"] == "interrupted"
+    _session_works(spark, tmp_path)
+
+
+def test_local_ranks_timeout_and_interrupt_leave_nothing(tmp_path):
+    def hangs():
+        import time
+
+        time.sleep(3600)
+
+    runner = HorovodRunner(np=-2, output_dir=str(tmp_path))
+    with pytest.raises(TimeoutError):
+        runner.run(hangs, timeout=10)
+    assert_no_rank_left(runner)
+    assert runner.run(lambda: 5) == 5
