@@ -8,7 +8,7 @@ else
 PY := .venv/bin/python
 endif
 
-.PHONY: setup demo test unit test-keras clean
+.PHONY: setup demo test unit test-keras bench clean
 
 setup:
 	@PROFILE=$(PROFILE) bash scripts/setup.sh
@@ -25,6 +25,11 @@ unit: setup
 # The Keras tests (unit + 2-rank integration), e.g. `make test-keras PROFILE=tf218`.
 test-keras: setup
 	$(PY) -m pytest tests/test_keras_unit.py tests/test_keras.py tests/test_env_compat.py
+
+# Benchmarks (never part of `make test`): `make bench` or `make bench CASE=B1`.
+CASE ?=
+bench: setup
+	$(PY) bench/bench.py $(foreach c,$(CASE),--case $(c))
 
 clean:
 	rm -rf runs .pytest_cache spark-warehouse

@@ -80,42 +80,57 @@ class Azurite:
         if not client.get_container_client(name).exists():
             client.create_container(name)
 
+    @classmethod
+    def start(cls, data_dir: str) -> "Azurite":
+        """Start azurite-blob on a free 127.0.0.1 port; stop it with :meth:`stop` (by PID)."""
+        import socket
+        import subprocess
+        import time
+
+        if not os.path.exists(AZURITE_BIN):
+            raise RuntimeError("Azurite is not installed in .tools/: install Node.js and run "
+                               "'make setup'.")
+        service = cls(_free_port())
+        service.proc = subprocess.Popen(
+            [AZURITE_BIN, "--blobHost", "127.0.0.1", "--blobPort", str(service.port),
+             "--location", str(data_dir), "--silent", "--skipApiVersionCheck", "--loose"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", service.port), timeout=1).close()
+                return service
+            except OSError:
+                if service.proc.poll() is not None or time.monotonic() > deadline:
+                    service.stop()
+                    raise RuntimeError(f"Azurite did not start: {service.proc.stderr.read()!r}")
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        import subprocess
+
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
 
 @pytest.fixture(scope="session")
 def azurite(tmp_path_factory):
     """A real Azurite blob service, started on a free port and stopped by PID."""
-    import socket
-    import subprocess
-    import time
-
-    if not os.path.exists(AZURITE_BIN):
-        pytest.fail("Azurite is not installed in .tools/: install Node.js and run 'make setup'.")
-    port = _free_port()
-    data = tmp_path_factory.mktemp("azurite")
-    proc = subprocess.Popen([AZURITE_BIN, "--blobHost", "127.0.0.1", "--blobPort", str(port),
-                             "--location", str(data), "--silent", "--skipApiVersionCheck",
-                             "--loose"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"Azurite did not start: {proc.stderr.read()!r}")
-                time.sleep(0.2)
-        service = Azurite(port)
+        service = Azurite.start(str(tmp_path_factory.mktemp("azurite")))
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    try:
         service.make_container("models")
         yield service
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        service.stop()
 
 
 class StandaloneCluster:

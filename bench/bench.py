@@ -1,0 +1,354 @@
+"""sparkhvd benchmarks (``make bench``, ``make bench CASE=B1``): JSON, a Markdown table, a chart.
+
+Cases (each run ``--repeat`` times; median, min and max are reported):
+
+- B1 launch overhead: a no-op at np=2 on a warm local[2] session, sparkhvd vs raw
+  ``horovod.spark.run`` vs the floor (a plain 2-task Spark job that starts a Python process per
+  task); also with a function that imports TensorFlow.
+- B2 data throughput: rows/s of one rank (rank 0 of 2) feeding tf.data from a Spark DataFrame of
+  784-float rows: sparkhvd's DataFrameDataset vs petastorm's ``make_tf_dataset`` (defaults) vs
+  the ceiling of pyarrow reading the same Parquet in-process.
+- B3 scaling: training samples/s of a fixed CNN on synthetic data, np=1 vs np=2 (one TF thread
+  per rank); efficiency = thr(2) / (2 x thr(1)); and the time from run() to the first step.
+- B4 storage: a 200 MB model written and read back on Azurite through sparkhvd.storage vs the
+  Azure blob SDK directly.
+- B5 GPU: ResNet-50 images/s through sparkhvd vs plain Keras — needs a GPU machine; recorded as
+  skipped when there is none.
+
+No benchmark runs in the test suite; tests/test_bench.py runs every case on tiny inputs.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import click
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the Azurite launcher shared with the tests
+
+
+def _stats(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "runs": [round(v, 4) for v in values]}
+
+
+def _timed(fn: Callable[[], object], repeat: int) -> dict:
+    values = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        values.append(time.perf_counter() - t0)
+    return _stats(values)
+
+
+def _spark():
+    from sparkhvd.session import get_or_create_session
+
+    return get_or_create_session(2)
+
+
+# -- B1 ----------------------------------------------------------------------------------------
+def _noop():
+    return 0
+
+
+def _import_tf():
+    import tensorflow  # noqa: F401
+
+    return 0
+
+
+def case_b1(repeat: int, tiny: bool) -> list[dict]:
+    import horovod.spark
+
+    from sparkhvd import HorovodRunner
+
+    spark = _spark()
+    sc = spark.sparkContext
+    out = tempfile.mkdtemp(prefix="bench-b1-")
+    python = sys.executable
+
+    def floor():
+        sc.parallelize(range(2), 2).map(
+            lambda _: subprocess.run([python, "-c", "pass"]).returncode).collect()
+
+    def raw(fn):
+        return lambda: horovod.spark.run(fn, num_proc=2, use_gloo=True, nics={"lo"}, verbose=0,
+                                         stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))
+
+    def ours(fn):
+        return lambda: HorovodRunner(np=2, spark=spark, output_dir=out).run(fn)
+
+    raw(_noop)()  # warm the session and horovod's imports
+    rows = [{"case": "B1", "variant": "floor: 2-task Spark job + python", "unit": "s",
+             **_timed(floor, repeat)}]
+    fns = [("no-op", _noop)] + ([] if tiny else [("imports TF", _import_tf)])
+    for label, fn in fns:
+        rows.append({"case": "B1", "variant": f"raw horovod.spark.run, {label}", "unit": "s",
+                     **_timed(raw(fn), repeat)})
+        rows.append({"case": "B1", "variant": f"sparkhvd HorovodRunner, {label}", "unit": "s",
+                     **_timed(ours(fn), repeat)})
+    return rows
+
+
+# -- B2 ----------------------------------------------------------------------------------------
+def case_b2(repeat: int, tiny: bool) -> list[dict]:
+    import numpy as np
+    import pyarrow.parquet as pq
+    from pyspark.sql import functions as F
+
+    from sparkhvd import DataFrameDataset
+
+    rows_n, width, batch = (4_000, 784, 256) if tiny else (1_000_000, 784, 256)
+    spark = _spark()
+    df = spark.range(rows_n, numPartitions=8).select(
+        F.array(*[F.rand(i).cast("float") for i in range(width)]).alias("x"),
+        (F.col("id") % 10).alias("y"))
+    ds = DataFrameDataset(df, "x", "y", keep_cache=True).materialize()
+    files = [f.replace("file://", "") for f in ds.files]
+    os.environ.update(HOROVOD_RANK="0", HOROVOD_SIZE="2")
+    half = rows_n // 2
+    try:
+        def ours():
+            ds._shard_cache = None  # include the read, as a fresh rank would
+            with ds.tf_dataset(batch, epochs=1) as tfds:
+                for _ in tfds:
+                    pass
+
+        def petastorm_defaults():
+            with ds._converter.make_tf_dataset(batch_size=batch, num_epochs=1, cur_shard=0,
+                                               shard_count=2) as tfds:
+                for _ in tfds:
+                    pass
+
+        def ceiling():
+            got = 0
+            for f in files:
+                if got >= half:
+                    break
+                t = pq.read_table(f, columns=["x", "y"])
+                flat = t.column("x").combine_chunks().flatten().to_numpy()
+                flat.reshape(t.num_rows, width)
+                np.asarray(t.column("y"))
+                got += t.num_rows
+
+        results = []
+        for variant, fn in (("pyarrow in-process (ceiling)", ceiling),
+                            ("sparkhvd DataFrameDataset.tf_dataset", ours),
+                            ("petastorm make_tf_dataset (defaults)", petastorm_defaults)):
+            timing = _timed(fn, repeat)
+            rate = [half / v for v in timing["runs"]]
+            results.append({"case": "B2", "variant": variant, "unit": "rows/s per rank",
+                            **_stats(rate), "rows": rows_n, "floats_per_row": width})
+        return results
+    finally:
+        for key in ("HOROVOD_RANK", "HOROVOD_SIZE"):
+            os.environ.pop(key, None)
+        ds.keep_cache = False
+        ds.cleanup()
+
+
+# -- B3 ----------------------------------------------------------------------------------------
+def _train_synthetic(steps, batch, t_start):
+    import time as _time
+
+    import numpy as _np
+    import tensorflow as tf
+
+    from sparkhvd.keras import KerasDistributed
+
+    kd = KerasDistributed(epochs=1, progress=False, checkpoint=False, average_metrics=False)
+    first = {}
+
+    class Clock(tf.keras.callbacks.Callback):
+        def on_train_batch_begin(self, b, logs=None):
+            if b == 5:
+                first.setdefault("t5", _time.time())
+            first.setdefault("first", _time.time())
+
+        def on_train_end(self, logs=None):
+            first["end"] = _time.time()
+
+    rng = _np.random.default_rng(kd.rank)
+    x = rng.random((batch * 8, 28, 28, 1), dtype=_np.float32)
+    y = rng.integers(0, 10, batch * 8)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
+    model = tf.keras.Sequential([
+        tf.keras.layers.Input((28, 28, 1)),
+        tf.keras.layers.Conv2D(32, 3, activation="relu"),
+        tf.keras.layers.Conv2D(64, 3, activation="relu"),
+        tf.keras.layers.MaxPooling2D(),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(128, activation="relu"),
+        tf.keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer=kd.optimizer(tf.keras.optimizers.SGD(0.01)),
+                  loss="sparse_categorical_crossentropy")
+    fit = kd.fit_kwargs(model, callbacks=[Clock()])
+    model.fit(ds, steps_per_epoch=steps, **fit)
+    timed_steps = steps - 5
+    return {"samples_per_s": timed_steps * batch / (first["end"] - first["t5"]),
+            "to_first_step_s": first["first"] - t_start}
+
+
+def case_b3(repeat: int, tiny: bool) -> list[dict]:
+    from sparkhvd import HorovodRunner
+
+    spark = _spark()
+    steps, batch = (10, 16) if tiny else (60, 64)
+    out = tempfile.mkdtemp(prefix="bench-b3-")
+    env = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    thr, first = {}, {}
+    for np_ in (1, 2):
+        runs, starts = [], []
+        for _ in range(repeat):
+            res = HorovodRunner(np=np_, spark=spark, output_dir=out, env=env).run_all(
+                _train_synthetic, steps=steps, batch=batch, t_start=time.time())
+            runs.append(sum(r["samples_per_s"] for r in res))
+            starts.append(max(r["to_first_step_s"] for r in res))
+        thr[np_], first[np_] = runs, starts
+    rows = [{"case": "B3", "variant": f"np={n} training", "unit": "samples/s", **_stats(thr[n])}
+            for n in (1, 2)]
+    eff = [t2 / (2 * t1) for t1, t2 in zip(thr[1], thr[2])]
+    rows.append({"case": "B3", "variant": "scaling efficiency thr(2)/(2*thr(1))", "unit": "ratio",
+                 **_stats(eff)})
+    rows += [{"case": "B3", "variant": f"np={n} run() to first step", "unit": "s",
+              **_stats(first[n])} for n in (1, 2)]
+    return rows
+
+
+# -- B4 ----------------------------------------------------------------------------------------
+def case_b4(repeat: int, tiny: bool) -> list[dict]:
+    from azure.storage.blob import BlobServiceClient
+    from conftest import Azurite
+
+    from sparkhvd import storage
+
+    size = (4 << 20) if tiny else (200 << 20)
+    data = os.urandom(1 << 20) * (size >> 20)
+    az = Azurite.start(tempfile.mkdtemp(prefix="bench-azurite-"))
+    try:
+        az.make_container("bench")
+        client = BlobServiceClient.from_connection_string(az.connection_string())
+        blob = client.get_blob_client("bench", "sdk/model.bin")
+        url = az.url("bench", "sparkhvd/model.bin")
+        opts = az.options()
+
+        def sdk_write():
+            blob.upload_blob(data, overwrite=True, max_concurrency=4)
+
+        def sdk_read():
+            assert len(blob.download_blob(max_concurrency=4).readall()) == size
+
+        def ours_write():
+            storage.write_bytes(url, data, opts)
+
+        def ours_read():
+            assert len(storage.read_bytes(url, opts)) == size
+
+        rows = []
+        for variant, fn in (("Azure SDK upload", sdk_write),
+                            ("sparkhvd.storage write_bytes (atomic)", ours_write),
+                            ("Azure SDK download", sdk_read),
+                            ("sparkhvd.storage read_bytes", ours_read)):
+            timing = _timed(fn, repeat)
+            rows.append({"case": "B4", "variant": variant, "unit": "MB/s",
+                         **_stats([size / 1e6 / v for v in timing["runs"]]), "bytes": size})
+        return rows
+    finally:
+        az.stop()
+
+
+def case_b5(repeat: int, tiny: bool) -> list[dict]:
+    return [{"case": "B5", "variant": "ResNet-50 images/s (GPU)", "unit": "images/s",
+             "skipped": "no GPU on this machine; run `make bench CASE=B5` on a GPU host"}]
+
+
+CASES = {"B1": case_b1, "B2": case_b2, "B3": case_b3, "B4": case_b4, "B5": case_b5}
+
+
+def environment() -> dict:
+    from sparkhvd.rundir import versions
+
+    return {"date": _dt.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(),
+            "machine": platform.machine(), "spark_master": "local[2]", "np": 2,
+            "versions": versions()}
+
+
+def write_markdown(path: Path, env: dict, rows: list[dict]) -> None:
+    lines = ["# Benchmark results", "",
+             f"Measured {env['date']} on {env['cores']} cores ({env['machine']}), Spark "
+             f"{env['spark_master']}, np={env['np']}; versions: "
+             + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".", "",
+             "| case | variant | unit | median | min | max |", "|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['case']} | {r['variant']} | {r['unit']} | skipped: {r['skipped']} | | |")
+        else:
+            lines.append(f"| {r['case']} | {r['variant']} | {r['unit']} | {r['median']:.4g} | "
+                         f"{r['min']:.4g} | {r['max']:.4g} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_chart(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [c for c in CASES if any(r["case"] == c and "median" in r for r in rows)]
+    fig, axes = plt.subplots(len(cases), 1, figsize=(9, 2.4 * len(cases)), squeeze=False)
+    for ax, case in zip(axes[:, 0], cases):
+        sel = [r for r in rows if r["case"] == case and "median" in r and r["unit"] != "ratio"]
+        ax.barh([r["variant"] for r in sel], [r["median"] for r in sel],
+                xerr=[[r["median"] - r["min"] for r in sel], [r["max"] - r["median"] for r in sel]],
+                color="tab:blue")
+        ax.set_title(f"{case} ({sel[0]['unit'] if sel else ''})", fontsize=9)
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+@click.command()
+@click.option("--case", "cases", multiple=True, type=click.Choice(list(CASES)),
+              help="Run only these cases (default: all).")
+@click.option("--repeat", default=3, show_default=True)
+@click.option("--tiny", is_flag=True, help="Tiny inputs: checks that the code runs (tests).")
+@click.option("--out", "out_dir", default=str(ROOT / "bench"), show_default=True)
+def main(cases: tuple[str, ...], repeat: int, tiny: bool, out_dir: str) -> None:
+    """Run the benchmarks and write results/<date>.json, RESULTS.md and results.png."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    rows: list[dict] = []
+    for name in cases or CASES:
+        click.echo(f"== {name}", err=True)
+        rows += CASES[name](repeat, tiny)
+        for r in rows:
+            if r["case"] == name:
+                click.echo(f"   {r['variant']}: " + (f"{r['median']:.4g} {r['unit']}"
+                                                      if "median" in r else r["skipped"]), err=True)
+    env = environment()
+    out = Path(out_dir)
+    (out / "results").mkdir(parents=True, exist_ok=True)
+    stamp = env["date"].replace(":", "-")
+    (out / "results" / f"{stamp}.json").write_text(json.dumps({"env": env, "results": rows},
+                                                              indent=2))
+    write_markdown(out / "RESULTS.md", env, rows)
+    write_chart(out / "results.png", rows)
+    click.echo(f"wrote {out / 'RESULTS.md'}", err=True)
+
+
+if __name__ == "__main__":
+    main()
