@@ -91,7 +91,7 @@ def _send_one_live(self, addr, req, stream=None):
 
 
 @contextlib.contextmanager
-def horovod_launch_hooks() -> Iterator[dict]:
+def horovod_launch_hooks(elastic: bool = False) -> Iterator[dict]:
     """Take over two things horovod's launcher does by itself.
 
     - ``launch_gloo`` installs SIGINT/SIGTERM handlers that only set an event (so a notebook's
@@ -100,8 +100,11 @@ def horovod_launch_hooks() -> Iterator[dict]:
       through the task services, on whatever executor the rank runs.
     - The Spark job group name is recorded, so we can cancel exactly that job group.
     - Rank output is streamed to the driver as it is printed (see :func:`_send_one_live`).
+    - Spark tasks keep a finished command for 1 s instead of 3 s (see
+      :func:`sparkhvd.rank.spark_task_mapper`).
     - When one rank exits non-zero the others are aborted at once (horovod's Spark path would
-      wait for them to finish by themselves).
+      wait for them to finish by themselves) -- except in ``elastic`` mode, where horovod's
+      elastic driver decides whether the remaining ranks carry on.
     """
     from horovod.runner import gloo_run
     from horovod.runner.common.util import network
@@ -124,12 +127,24 @@ def horovod_launch_hooks() -> Iterator[dict]:
 
         def run_and_watch(command, slot_info, events):
             exit_code, when = run_one(command, slot_info, events)
-            if exit_code != 0:
+            if exit_code != 0 and not elastic:
                 hooks["stop"].set()  # one rank failed: stop the others now, not when they finish
             return exit_code, when
 
         return run_and_watch
 
+    import functools
+
+    from horovod.spark import runner as spark_runner
+
+    from .rank import spark_task_mapper
+
+    def make_mapper(driver_addresses, settings, use_gloo, is_elastic):
+        return functools.partial(spark_task_mapper, driver_addresses, settings.key, settings,
+                                 use_gloo, is_elastic)
+
+    original_mapper = spark_runner._make_mapper
+    spark_runner._make_mapper = make_mapper
     original_send = network.BasicClient._send_one
     spark_gloo_run._exec_command_fn = exec_command_fn
     gloo_run.register_shutdown_event = lambda: hooks["stop"]
@@ -142,6 +157,7 @@ def horovod_launch_hooks() -> Iterator[dict]:
         job_id.next_job_id = original_next
         network.BasicClient._send_one = original_send
         spark_gloo_run._exec_command_fn = original_exec_fn
+        spark_runner._make_mapper = original_mapper
 
 
 def kill_local_pids(pids: Iterable[int], grace_s: float = 5.0) -> None:
@@ -187,8 +203,12 @@ def quiet_cancelled_spark_thread() -> Iterator[None]:
 
 def launch_spark(np: int, payload: bytes, options: Mapping[str, Any], *, env: Mapping[str, str],
                  router: RankLogRouter, start_timeout: int, nics: Optional[set[str]],
-                 verbose: bool, timeout: Optional[float] = None) -> list[Any]:
+                 verbose: bool, timeout: Optional[float] = None,
+                 elastic: Optional[tuple[int, int]] = None) -> list[Any]:
     """Run ``np`` ranks as Spark tasks of the active SparkContext; results in rank order.
+
+    With ``elastic=(min_np, max_np)`` horovod's elastic mode is used (``run_elastic``): ranks
+    may leave and join; the training function must use ``hvd.elastic`` state.
 
     horovod runs in a helper thread while this thread watches the clock and stays interruptible:
     on ``timeout`` (``TimeoutError``) or ``KeyboardInterrupt`` the ranks are aborted through
@@ -200,17 +220,22 @@ def launch_spark(np: int, payload: bytes, options: Mapping[str, Any], *, env: Ma
 
     outcome: dict = {}
 
+    common = dict(args=(payload, dict(options)), num_proc=np, start_timeout=start_timeout,
+                  env=dict(env), stdout=router.stdout, stderr=router.stderr,
+                  verbose=2 if verbose else 0, nics=nics, prefix_output_with_timestamp=False)
+
     def target() -> None:
         try:
-            outcome["results"] = horovod.spark.run(
-                rank_main, args=(payload, dict(options)), num_proc=np,
-                start_timeout=start_timeout, use_gloo=True, env=dict(env),
-                stdout=router.stdout, stderr=router.stderr, verbose=2 if verbose else 0,
-                nics=nics, prefix_output_with_timestamp=False)
+            if elastic:
+                outcome["results"] = horovod.spark.run_elastic(
+                    rank_main, min_num_proc=elastic[0], max_num_proc=elastic[1],
+                    elastic_timeout=start_timeout, **common)
+            else:
+                outcome["results"] = horovod.spark.run(rank_main, use_gloo=True, **common)
         except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
             outcome["error"] = exc
 
-    with horovod_launch_hooks() as hooks, quiet_cancelled_spark_thread():
+    with horovod_launch_hooks(elastic=bool(elastic)) as hooks, quiet_cancelled_spark_thread():
         thread = threading.Thread(target=target, name="sparkhvd-horovod", daemon=True)
         started = time.monotonic()
         thread.start()
@@ -226,7 +251,7 @@ def launch_spark(np: int, payload: bytes, options: Mapping[str, Any], *, env: Ma
             if sc is not None and hooks["job_group"]:
                 sc.cancelJobGroup(hooks["job_group"])
             thread.join(60)
-            kill_local_pids(router.pids.values())
+            kill_local_pids(router.all_pids)
             raise
         finally:
             router.close()
@@ -236,6 +261,10 @@ def launch_spark(np: int, payload: bytes, options: Mapping[str, Any], *, env: Ma
         if failure is not None:
             raise failure from exc
         raise exc
+    if elastic:
+        from .rank import elastic_result
+
+        return elastic_result(outcome["results"])
     return outcome["results"]
 
 

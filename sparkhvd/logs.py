@@ -119,6 +119,7 @@ class RankLogRouter:
         self.failures: dict[int, RankFailure] = {}
         self.metrics: list[dict] = []  # rank 0's per-epoch records (sparkhvd.keras)
         self.pids: dict[int, int] = {}  # rank -> process id, as each rank reported it
+        self.all_pids: set[int] = set()  # every rank process seen (elastic ranks renumber)
         self._index_to_rank: dict[int, int] = {}
         self._in_traceback: dict[int, bool] = {}
         self._tail: dict[int, list[str]] = {}
@@ -128,6 +129,10 @@ class RankLogRouter:
         self.stderr = _Channel(self, "stderr")
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
+
+    def pid_record(self) -> dict:
+        """The rank processes for ``run.json``: ``rank_pids`` (rank -> pid) and all ``pids``."""
+        return {"rank_pids": dict(self.pids), "pids": sorted(self.all_pids)}
 
     # -- parsing -------------------------------------------------------------------------
     def _route(self, raw: str, channel_tag: str) -> None:
@@ -143,6 +148,7 @@ class RankLogRouter:
                 rank = self._index_to_rank[idx] = int(fields[0])
                 if len(fields) > 1:
                     self.pids[rank] = int(fields[1])
+                    self.all_pids.add(int(fields[1]))
             except (ValueError, IndexError):
                 return
             self._open_file(rank)  # every rank gets its log file, even a silent one

@@ -142,18 +142,61 @@ def error_record(rank: int, exc: BaseException) -> str:
     })
 
 
+#: What an elastic rank returns: (ELASTIC_RESULT, final rank, value-or-None).
+ELASTIC_RESULT = "@@sparkhvd-elastic-result@@"
+_elastic_rank: dict[str, int] = {}
+
+
+def announce_rank(rank: int) -> None:
+    """Tell the driver which rank this process is (again, after an elastic reset)."""
+    _elastic_rank["rank"] = rank
+    for stream in (sys.stdout, sys.stderr):
+        print(f"{RANK_MARKER} {rank} {os.getpid()}", file=stream, flush=True)
+
+
+def _follow_elastic_resets() -> None:
+    """Re-announce the rank after each elastic reset (horovod renumbers the survivors)."""
+    try:
+        from horovod.common.elastic import State
+    except ImportError:  # pragma: no cover - horovod is there wherever ranks run
+        return
+    if getattr(State.on_reset, "_sparkhvd", False):
+        return
+    original = State.on_reset
+
+    def on_reset(self: Any) -> None:
+        original(self)
+        announce_rank(int(self._rank()))
+
+    on_reset._sparkhvd = True  # type: ignore[attr-defined]
+    State.on_reset = on_reset
+
+
+def elastic_result(results: list[Any]) -> list[Any]:
+    """The driver's view of elastic ranks' returns: values in final-rank order.
+
+    Spark tasks return in launch order, and a task of a lost executor may have been retried
+    as an empty task; each elastic rank tags its return with the rank it ended as.
+    """
+    tagged = [r for r in results if isinstance(r, tuple) and len(r) == 3
+              and r[0] == ELASTIC_RESULT]
+    return [value for _, _, value in sorted(tagged, key=lambda r: r[1])]
+
+
 def rank_main(payload: bytes, options: dict) -> Any:
     """Entry point executed once per rank by horovod (Spark tasks or local processes).
 
     Args:
         payload: :func:`sparkhvd.payload.dumps` of the user's function and kwargs.
-        options: ``verbose`` (bool), ``return_all`` (bool).
+        options: ``verbose`` (bool), ``return_all`` (bool), ``elastic`` (bool).
     Returns:
-        The function's return value on rank 0 (every rank with ``return_all``), else ``None``.
+        The function's return value on rank 0 (every rank with ``return_all``), else ``None``;
+        elastic ranks tag it with their final rank (see :func:`elastic_result`).
     """
     rank, size, local_rank, local_size = current_rank()
-    for stream in (sys.stdout, sys.stderr):
-        print(f"{RANK_MARKER} {rank} {os.getpid()}", file=stream, flush=True)
+    announce_rank(rank)
+    if options.get("elastic"):
+        _follow_elastic_resets()
     if not options.get("verbose"):
         _quiet_warnings()
     try:
@@ -170,6 +213,25 @@ def rank_main(payload: bytes, options: dict) -> Any:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+    if options.get("elastic"):
+        rank = _elastic_rank.get("rank", rank)
+        keep = rank == 0 or options.get("return_all")
+        return (ELASTIC_RESULT, rank, result if keep else None)
     if rank == 0 or options.get("return_all"):
         return result
     return None
+
+
+#: How long a Spark task keeps a finished rank's command around for the driver to collect its
+#: exit code; horovod uses 3 s from the command's start, which a short run pays in full. The
+#: driver is already waiting for the exit code while the command runs, so 1 s is ample.
+COMMAND_LIFETIME_S = 1.0
+
+
+def spark_task_mapper(driver_addresses: Any, key: Any, settings: Any, use_gloo: bool,
+                      is_elastic: bool, index: int, _rows: Any) -> Any:
+    """horovod's Spark task (``horovod.spark.runner._task_fn``) with a shorter command lifetime."""
+    import horovod.spark.runner as hvd_runner
+
+    hvd_runner.MINIMUM_COMMAND_LIFETIME_S = COMMAND_LIFETIME_S
+    yield hvd_runner._task_fn(index, driver_addresses, key, settings, use_gloo, is_elastic)

@@ -73,6 +73,9 @@ class HorovodRunner:
         resume_from: resume Keras training (``sparkhvd.keras.KerasDistributed(resume=True)``)
             from a run's checkpoints: ``True`` for the latest run under ``output_dir`` that has
             checkpoints, or a run folder / checkpoints URL.
+        min_np, max_np: elastic training (``horovod.spark.run_elastic``): the run goes on while
+            between ``min_np`` and ``max_np`` ranks are alive; the function must keep its
+            progress in ``hvd.elastic`` state (see the README).
         preset: a session preset name (``conf/<name>.json``) or :class:`~sparkhvd.presets.Preset`:
             ``np`` is checked against it at once, and a session is created from it when none is
             active.
@@ -94,9 +97,18 @@ class HorovodRunner:
                  env: Optional[Mapping[str, str]] = None, output_dir: str = "runs",
                  storage_options: Optional[Mapping[str, Any]] = None,
                  resume_from: Any = None, timeline: bool = False, preset: Any = None,
+                 min_np: Optional[int] = None, max_np: Optional[int] = None,
                  verbose: bool = False, nics: Optional[set[str]] = None,
                  slot_wait_s: float = 30.0) -> None:
         self.np = _validate_np(np)
+        self.elastic = None
+        if min_np is not None or max_np is not None:
+            lo = np if min_np is None else min_np
+            hi = np if max_np is None else max_np
+            if np < 0 or not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= np <= hi):
+                raise ValueError(f"Elastic training needs 1 <= min_np <= np <= max_np with np > 0; "
+                                 f"got min_np={min_np}, np={np}, max_np={max_np}.")
+            self.elastic = (lo, hi)
         if driver_log_verbosity not in VERBOSITIES:
             raise ValueError(f"driver_log_verbosity must be one of {VERBOSITIES}; "
                              f"got {driver_log_verbosity!r}")
@@ -177,7 +189,8 @@ class HorovodRunner:
                        started_at=_dt.datetime.now().isoformat(timespec="seconds"))
         router = RankLogRouter(self.driver_log_verbosity, log_dir=run_dir.logs,
                                verbose=self.verbose)
-        options = {"verbose": self.verbose, "return_all": return_all}
+        options = {"verbose": self.verbose, "return_all": return_all,
+                   "elastic": bool(self.elastic)}
         try:
             self._resume_env(env, run_dir)
             if self.np > 0:
@@ -195,7 +208,8 @@ class HorovodRunner:
                          run_dir.logs)
                 results = launch_spark(size, blob, options, env=env, router=router,
                                        start_timeout=self.start_timeout, nics=nics,
-                                       verbose=self.verbose, timeout=timeout)
+                                       verbose=self.verbose, timeout=timeout,
+                                       elastic=self.elastic)
             else:
                 self._run_dir_env(env, run_dir, shared=True)
                 run_dir.mark("launch")
@@ -205,12 +219,12 @@ class HorovodRunner:
                                        timeout=timeout)
         except LaunchFailure as failure:
             error = self._training_error(failure, router, run_dir)
-            self._finish(run_dir, "failed", error, rank_pids=router.pids)
+            self._finish(run_dir, "failed", error, **router.pid_record())
             raise error from None
         except BaseException as exc:
             status = ("interrupted" if isinstance(exc, KeyboardInterrupt) else
                       "timed out" if isinstance(exc, TimeoutError) else "failed")
-            self._finish(run_dir, status, exc, rank_pids=router.pids)
+            self._finish(run_dir, status, exc, **router.pid_record())
             raise
         finally:
             router.close()
@@ -218,7 +232,7 @@ class HorovodRunner:
         run_dir.mark("finished")
         saved = run_dir.save_result(results[0]) if results else None
         self._finish(run_dir, "succeeded", None, model=os.path.basename(saved) if saved else None,
-                     rank_pids=router.pids)
+                     **router.pid_record())
         try:
             run_dir.publish()
         except StorageError as exc:

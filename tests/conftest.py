@@ -146,8 +146,9 @@ class StandaloneCluster:
         self.procs: dict[str, "subprocess.Popen"] = {}
         self.env = {**os.environ, "SPARK_HOME": self.home, "SPARK_LOCAL_IP": "127.0.0.1",
                     "PYSPARK_PYTHON": sys.executable, "SPARK_NO_DAEMONIZE": "1"}
+        self.webui = _free_port()
         self._start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                    "--port", str(self.port), "--webui-port", str(_free_port()))
+                    "--port", str(self.port), "--webui-port", str(self.webui))
         for i in range(workers):
             self.start_worker(f"worker{i}", cores)
 
@@ -167,17 +168,27 @@ class StandaloneCluster:
                     "--port", str(_free_port()), "--webui-port", str(_free_port()),
                     self.master_url)
 
+    def alive_workers(self) -> int:
+        """Workers the master currently sees as ALIVE (from its /json status page)."""
+        import json
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.webui}/json/", timeout=5) as r:
+                return int(json.load(r).get("aliveworkers", 0))
+        except OSError:
+            return 0
+
     def wait_for_workers(self, n: int, timeout: float = 90) -> None:
         import time
 
         deadline = time.monotonic() + timeout
-        log = os.path.join(self.workdir, "master.log")
         while time.monotonic() < deadline:
-            text = open(log, errors="replace").read() if os.path.exists(log) else ""
-            if text.count("Registering worker") >= n:
+            if self.alive_workers() >= n:
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"{n} worker(s) did not register with {self.master_url}: {text[-2000:]}")
+        raise RuntimeError(f"{n} worker(s) are not alive at {self.master_url} "
+                           f"(alive: {self.alive_workers()})")
 
     def kill(self, name: str) -> None:
         """SIGKILL a process and its whole process group (the worker and its executors)."""

@@ -35,3 +35,14 @@ def test_non_callable_fn_rejected_before_launch(tmp_path):
     with pytest.raises(PayloadError, match="must be callable"):
         HorovodRunner(np=2, output_dir=str(tmp_path)).run("train")
     assert not list(tmp_path.iterdir()), "nothing may be started for a bad argument"
+
+
+@pytest.mark.parametrize("kwargs", [dict(np=2, min_np=3), dict(np=3, max_np=2),
+                                    dict(np=-2, min_np=1), dict(np=2, min_np=0)])
+def test_elastic_bounds_checked(kwargs):
+    with pytest.raises(ValueError, match="min_np <= np <= max_np"):
+        HorovodRunner(**kwargs)
+
+
+def test_elastic_bounds_default_to_np():
+    assert HorovodRunner(np=3, min_np=2).elastic == (2, 3)

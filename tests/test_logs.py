@@ -87,3 +87,13 @@ def test_error_records_are_collected_not_shown(shown):
 def test_bad_verbosity():
     with pytest.raises(ValueError, match="rank0"):
         RankLogRouter("some")
+
+
+def test_rank_reannounced_after_elastic_reset_follows_the_new_rank(tmp_path, shown):
+    logger, lines = shown
+    router = RankLogRouter("rank0", log_dir=str(tmp_path), logger=logger)
+    router.stdout.write(f"[0]<stdout>:{RANK_MARKER} 0 100\n[1]<stdout>:{RANK_MARKER} 1 101\n")
+    router.stdout.write("[1]<stdout>:hidden: rank 1\n")
+    router.stdout.write(f"[1]<stdout>:{RANK_MARKER} 0 101\n[1]<stdout>:step 6 size 1\n")
+    assert lines == ["[rank 0] step 6 size 1"]
+    assert router.pid_record() == {"rank_pids": {0: 101, 1: 101}, "pids": [100, 101]}

@@ -12,7 +12,8 @@ BASE = {"driverMemory": "2g", "driverCores": 1, "executorMemory": "2g", "executo
 
 def test_shipped_presets_load_with_expected_max_np():
     assert set(list_preset_names()) >= {"gpu-large", "gpu-small", "local-cpu", "standalone-cpu"}
-    expected = {"gpu-large": 3, "gpu-small": 2, "local-cpu": 2, "standalone-cpu": 2}
+    expected = {"gpu-large": 3, "gpu-small": 2, "local-cpu": 2, "standalone-cpu": 2,
+                "standalone-elastic": 3}
     for name, max_np in expected.items():
         assert load_preset(name).max_np() == max_np, name
 

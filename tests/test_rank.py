@@ -64,3 +64,10 @@ def test_configure_tensorflow_cpu_plan_touches_nothing():
     tf = _fake_tf(2)
     assert configure_tensorflow(tf, RankPlan()) is None
     assert tf.config.experimental.visible is None
+
+
+def test_elastic_results_ordered_by_final_rank_and_retried_tasks_dropped():
+    from sparkhvd.rank import ELASTIC_RESULT, elastic_result
+
+    launch_order = [None, (ELASTIC_RESULT, 1, None), (ELASTIC_RESULT, 0, b"model")]
+    assert elastic_result(launch_order) == [b"model", None]

@@ -63,3 +63,66 @@ def train_hvd(x_train, y_train, x_val, y_val, epochs: int = 30, batch_size: int 
             with open(path, "rb") as f:
                 return f.read()
     return None
+
+
+def train_elastic(x_train, y_train, x_val, y_val, steps: int = 60, batch_size: int = 32,
+                  lr: float = 0.002, pause: float = 0.0):
+    """Elastic Horovod training (``HorovodRunner(min_np=..., max_np=...)``), horovod's recipe.
+
+    A custom loop whose progress lives in ``hvd.elastic.TensorFlowState``: when a rank is lost,
+    the survivors roll back to the last commit, re-shard by the new size and go on. Rank 0
+    returns ``{"model": <.h5 bytes>, "sizes": [world size at each step], "val_accuracy": ...}``.
+    """
+    import tempfile
+    import time
+
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    hvd.init()
+    tf.keras.utils.set_random_seed(42)
+    model = build_model()
+    optimizer = tf.keras.optimizers.Adam(lr)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy()
+
+    @tf.function
+    def train_step(x, y, allreduce=True):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        if allreduce:
+            tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    # Create the optimizer's slots with one local step, so the state holds every variable
+    # (the broadcast in TensorFlowState's constructor then makes all ranks equal).
+    train_step(x_train[:1], y_train[:1], allreduce=False)
+    opt_vars = optimizer.variables() if callable(optimizer.variables) else optimizer.variables
+    state = hvd.elastic.TensorFlowState(variables=model.variables + list(opt_vars),
+                                        step=0, sizes=[])
+
+    @hvd.elastic.run
+    def loop(state):
+        while state.step < steps:
+            size, rank = hvd.size(), hvd.rank()
+            per_rank = len(x_train) // size  # re-sharded whenever the world changes
+            start = rank * per_rank + (state.step * batch_size) % max(per_rank - batch_size, 1)
+            train_step(x_train[start:start + batch_size], y_train[start:start + batch_size])
+            state.sizes.append(size)
+            state.step += 1
+            if rank == 0 and state.step % 5 == 0:
+                print(f"step {state.step}/{steps} size {size}", flush=True)
+            time.sleep(pause)
+            state.commit()
+
+    loop(state)
+    if hvd.rank() != 0:
+        return None
+    model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    _, accuracy = model.evaluate(x_val, y_val, verbose=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.h5")
+        model.save(path)
+        with open(path, "rb") as f:
+            return {"model": f.read(), "sizes": list(state.sizes), "val_accuracy": float(accuracy)}
