@@ -7,6 +7,7 @@ import os
 from typing import Any, Callable, Mapping, Optional
 
 from . import payload as _payload
+from .barrier import LAUNCHERS, choose_launcher, driver_host, launch_barrier
 from .compat import check_keras
 from .errors import RankFailure, TrainingError
 from .launch import LaunchFailure, launch_local, launch_spark
@@ -76,6 +77,11 @@ class HorovodRunner:
         min_np, max_np: elastic training (``horovod.spark.run_elastic``): the run goes on while
             between ``min_np`` and ``max_np`` ranks are alive; the function must keep its
             progress in ``hvd.elastic`` state (see the README).
+        launcher: how ranks start on Spark. ``"auto"`` (default): ``"barrier"`` -- sparkhvd's
+            own launcher, one Spark barrier stage with a Gloo rank process per task (about a
+            second to start, see ``sparkhvd.barrier``) -- unless the run is elastic or the
+            session uses dynamic allocation (barrier stages cannot), then ``"horovod"``:
+            ``horovod.spark.run`` / ``run_elastic``.
         preset: a session preset name (``conf/<name>.json``) or :class:`~sparkhvd.presets.Preset`:
             ``np`` is checked against it at once, and a session is created from it when none is
             active.
@@ -98,7 +104,7 @@ class HorovodRunner:
                  storage_options: Optional[Mapping[str, Any]] = None,
                  resume_from: Any = None, timeline: bool = False, preset: Any = None,
                  min_np: Optional[int] = None, max_np: Optional[int] = None,
-                 verbose: bool = False, nics: Optional[set[str]] = None,
+                 launcher: str = "auto", verbose: bool = False, nics: Optional[set[str]] = None,
                  slot_wait_s: float = 30.0) -> None:
         self.np = _validate_np(np)
         self.elastic = None
@@ -109,6 +115,12 @@ class HorovodRunner:
                 raise ValueError(f"Elastic training needs 1 <= min_np <= np <= max_np with np > 0; "
                                  f"got min_np={min_np}, np={np}, max_np={max_np}.")
             self.elastic = (lo, hi)
+        if launcher not in LAUNCHERS:
+            raise ValueError(f"launcher must be one of {LAUNCHERS}; got {launcher!r}")
+        if launcher == "barrier" and self.elastic:
+            raise ValueError("Elastic training (min_np/max_np) runs on horovod.spark.run_elastic; "
+                             "use launcher='auto' or 'horovod'.")
+        self.launcher = launcher
         if driver_log_verbosity not in VERBOSITIES:
             raise ValueError(f"driver_log_verbosity must be one of {VERBOSITIES}; "
                              f"got {driver_log_verbosity!r}")
@@ -206,10 +218,18 @@ class HorovodRunner:
                 run_dir.mark("launch")
                 log.info("Launching %d rank(s) on Spark (%s); logs in %s", size, sc.master,
                          run_dir.logs)
-                results = launch_spark(size, blob, options, env=env, router=router,
-                                       start_timeout=self.start_timeout, nics=nics,
-                                       verbose=self.verbose, timeout=timeout,
-                                       elastic=self.elastic)
+                launcher = choose_launcher(self.launcher, sc, self.elastic)
+                run_dir.update(launcher=launcher)
+                if launcher == "barrier":
+                    results = launch_barrier(
+                        size, blob, options, env=env, router=router,
+                        start_timeout=self.start_timeout, nics=nics, verbose=self.verbose,
+                        timeout=timeout, driver_host=driver_host(sc))
+                else:
+                    results = launch_spark(size, blob, options, env=env, router=router,
+                                           start_timeout=self.start_timeout, nics=nics,
+                                           verbose=self.verbose, timeout=timeout,
+                                           elastic=self.elastic)
             else:
                 self._run_dir_env(env, run_dir, shared=True)
                 run_dir.mark("launch")

@@ -10,6 +10,12 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+@pytest.fixture(params=["barrier", "horovod"])
+def launcher(request):
+    """Both Spark launchers: sparkhvd's barrier stage and horovod.spark.run."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def spark():
     """A real local[2] SparkSession on 127.0.0.1, created the way HorovodRunner creates one."""

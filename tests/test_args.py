@@ -46,3 +46,34 @@ def test_elastic_bounds_checked(kwargs):
 
 def test_elastic_bounds_default_to_np():
     assert HorovodRunner(np=3, min_np=2).elastic == (2, 3)
+
+
+def test_launcher_checked():
+    with pytest.raises(ValueError, match="launcher must be one of"):
+        HorovodRunner(np=2, launcher="mpi")
+    with pytest.raises(ValueError, match="run_elastic"):
+        HorovodRunner(np=2, min_np=1, launcher="barrier")
+
+
+class _Conf(dict):
+    def get(self, key, default=None):
+        return super().get(key, default)
+
+
+class _SC:
+    def __init__(self, **conf):
+        self._conf = _Conf(conf)
+
+    def getConf(self):
+        return self._conf
+
+
+def test_auto_launcher_falls_back_to_horovod_for_elastic_and_dynamic_allocation():
+    from sparkhvd.barrier import choose_launcher
+
+    assert choose_launcher("auto", _SC()) == "barrier"
+    assert choose_launcher("auto", _SC(), elastic=(1, 2)) == "horovod"
+    dynamic = _SC(**{"spark.dynamicAllocation.enabled": "true"})
+    assert choose_launcher("auto", dynamic) == "horovod"
+    with pytest.raises(ValueError, match="dynamicAllocation"):
+        choose_launcher("barrier", dynamic)

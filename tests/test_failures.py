@@ -36,7 +36,7 @@ def _session_works(spark, tmp_path):
 
 
 @pytest.mark.parametrize("how,code", [("exit", 3), ("sigkill", -9)])
-def test_rank_process_dies(spark, tmp_path, how, code):
+def test_rank_process_dies(spark, launcher, tmp_path, how, code):
     def dies(how):
         import os
         import signal
@@ -48,7 +48,7 @@ def test_rank_process_dies(spark, tmp_path, how, code):
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
 
-    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path))
+    runner = HorovodRunner(np=2, spark=spark, launcher=launcher, output_dir=str(tmp_path))
     started = time.monotonic()
     with pytest.raises(TrainingError) as info:
         runner.run(dies, how=how)
@@ -61,13 +61,13 @@ def test_rank_process_dies(spark, tmp_path, how, code):
     _session_works(spark, tmp_path)
 
 
-def test_hanging_rank_times_out(spark, tmp_path):
+def test_hanging_rank_times_out(spark, launcher, tmp_path):
     def hangs():
         import time
 
         time.sleep(3600)
 
-    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path))
+    runner = HorovodRunner(np=2, spark=spark, launcher=launcher, output_dir=str(tmp_path))
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish within 15 s"):
         runner.run(hangs, timeout=15)
@@ -77,7 +77,7 @@ def test_hanging_rank_times_out(spark, tmp_path):
     _session_works(spark, tmp_path)
 
 
-def test_driver_interrupt_cancels_everything(spark, tmp_path, rank_lines):
+def test_driver_interrupt_cancels_everything(spark, launcher, tmp_path, rank_lines):
     def hangs():
         import time
 
@@ -91,7 +91,7 @@ def test_driver_interrupt_cancels_everything(spark, tmp_path, rank_lines):
         os.kill(os.getpid(), signal.SIGINT)  # what a notebook's stop button does
 
     threading.Thread(target=interrupt_when_started, daemon=True).start()
-    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path))
+    runner = HorovodRunner(np=2, spark=spark, launcher=launcher, output_dir=str(tmp_path))
     with pytest.raises(KeyboardInterrupt):
         runner.run(hangs)
     record = assert_no_rank_left(runner)

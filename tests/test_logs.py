@@ -97,3 +97,24 @@ def test_rank_reannounced_after_elastic_reset_follows_the_new_rank(tmp_path, sho
     router.stdout.write(f"[1]<stdout>:{RANK_MARKER} 0 101\n[1]<stdout>:step 6 size 1\n")
     assert lines == ["[rank 0] step 6 size 1"]
     assert router.pid_record() == {"rank_pids": {0: 101, 1: 101}, "pids": [100, 101]}
+
+
+def test_control_server_ignores_a_connection_with_a_wrong_token(shown):
+    import socket
+
+    from sparkhvd.barrier import ControlServer
+
+    logger, _ = shown
+    server = ControlServer("127.0.0.1", 1, "right-token", RankLogRouter("all", logger=logger),
+                           {}, rendezvous=None)
+    import threading
+    threading.Thread(target=server.serve_forever, args=(0.1,), daemon=True).start()
+    try:
+        with socket.create_connection(server.server_address, timeout=5) as sock:
+            sock.sendall(json.dumps({"token": "wrong", "partition": 0, "host": "h"}).encode()
+                         + b"\n")
+            assert sock.recv(100) == b""  # closed without an answer
+        assert server.tasks == {}
+    finally:
+        server.shutdown()
+        server.server_close()

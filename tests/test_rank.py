@@ -71,3 +71,15 @@ def test_elastic_results_ordered_by_final_rank_and_retried_tasks_dropped():
 
     launch_order = [None, (ELASTIC_RESULT, 1, None), (ELASTIC_RESULT, 0, b"model")]
     assert elastic_result(launch_order) == [b"model", None]
+
+
+def test_barrier_ranks_are_contiguous_per_host_in_partition_order():
+    from sparkhvd.barrier import assign_ranks
+
+    slots, envs = assign_ranks({0: "b", 1: "a", 2: "b", 3: "a"})
+    ranks = {p: (e["HOROVOD_RANK"], e["HOROVOD_LOCAL_RANK"], e["HOROVOD_CROSS_RANK"])
+             for p, e in envs.items()}
+    assert ranks == {0: ("0", "0", "0"), 2: ("1", "1", "0"), 1: ("2", "0", "1"),
+                     3: ("3", "1", "1")}
+    assert {e["HOROVOD_SIZE"] for e in envs.values()} == {"4"}
+    assert len(slots) == 4

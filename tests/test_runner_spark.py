@@ -37,7 +37,7 @@ def test_closures_globals_numpy_and_instances(spark, tmp_path):
     assert results[0]["threads"] == "1"  # 2 local ranks share the 2 cores of local[2]
 
 
-def test_plain_horovod_code_runs_unchanged(spark, tmp_path):
+def test_plain_horovod_code_runs_unchanged(spark, launcher, tmp_path):
     """Seed-004 style: the function does its own hvd.init() and collective ops."""
     def train_hvd():
         import horovod.tensorflow.keras as hvd
@@ -47,10 +47,12 @@ def test_plain_horovod_code_runs_unchanged(spark, tmp_path):
         total = hvd.allreduce(tf.constant(float(hvd.rank() + 1)), op=hvd.Sum)
         return hvd.size(), float(total.numpy())
 
-    assert HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path)).run(train_hvd) == (2, 3.0)
+    assert HorovodRunner(np=2, spark=spark, launcher=launcher,
+                         output_dir=str(tmp_path)).run(train_hvd) == (2, 3.0)
 
 
-def test_rank_error_is_training_error_and_session_stays_usable(spark, tmp_path, rank_lines):
+def test_rank_error_is_training_error_and_session_stays_usable(spark, launcher, tmp_path,
+                                                              rank_lines):
     def fails_on_rank_1():
         import os
         import time
@@ -59,7 +61,7 @@ def test_rank_error_is_training_error_and_session_stays_usable(spark, tmp_path, 
             raise ValueError("bad shard on rank 1")
         time.sleep(30)  # rank 0 would wait; the launcher must stop it
 
-    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path))
+    runner = HorovodRunner(np=2, spark=spark, launcher=launcher, output_dir=str(tmp_path))
     with pytest.raises(TrainingError) as info:
         runner.run(fails_on_rank_1)
     err = info.value
@@ -132,8 +134,8 @@ def test_spark_objects_refused_before_any_job(spark, tmp_path):
     assert set(tracker.getJobIdsForGroup(None)) == jobs_before
 
 
-def test_run_record(spark, tmp_path):
-    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path))
+def test_run_record(spark, launcher, tmp_path):
+    runner = HorovodRunner(np=2, spark=spark, launcher=launcher, output_dir=str(tmp_path))
     assert runner.run(lambda: b"\x89HDF\r\n\x1a\nfake-model") == b"\x89HDF\r\n\x1a\nfake-model"
     run_dir = runner.last_run_dir
     record = json.loads(open(run_dir.file("run.json")).read())
@@ -141,10 +143,12 @@ def test_run_record(spark, tmp_path):
     assert record["spark_master"] == "local[2]" and record["model"] == "model.h5"
     assert record["versions"]["horovod"] == "0.28.1"
     assert {"launch", "finished", "total"} <= set(record["timings"])
+    assert record["launcher"] == launcher
     assert open(run_dir.file("model.h5"), "rb").read().endswith(b"fake-model")
 
 
-def test_rank_output_reaches_the_driver_while_the_rank_runs(spark, tmp_path, rank_lines):
+def test_rank_output_reaches_the_driver_while_the_rank_runs(spark, launcher, tmp_path,
+                                                           rank_lines):
     """Rank 0 waits for a file that the driver creates only after seeing rank 0's line."""
     import logging
 
@@ -173,7 +177,8 @@ def test_rank_output_reaches_the_driver_while_the_rank_runs(spark, tmp_path, ran
         return os.path.exists(flag)
 
     try:
-        seen = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "runs")).run(
+        seen = HorovodRunner(np=2, spark=spark, launcher=launcher,
+                             output_dir=str(tmp_path / "runs")).run(
             wait_for_driver, flag=str(flag))
     finally:
         rank_logger.removeHandler(handler)
