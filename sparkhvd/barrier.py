@@ -38,8 +38,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from .launch import LaunchFailure, kill_local_pids
+from .launch import LaunchFailure, kill_local_pids, watch_thread
 from .logs import RankLogRouter
+from .rank import TASK_GPUS_ENV
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,8 @@ class ControlServer(socketserver.ThreadingTCPServer):
     def register(self, task: _Task) -> Optional[dict[str, str]]:
         """Block until all ``np`` tasks registered; the task's rank env, or None when aborted."""
         with self.cond:
+            if task.partition in self.tasks:  # a Spark retry of a started task: never twice
+                return None
             self.tasks[task.partition] = task
             if len(self.tasks) == self.np and self.plan is None:
                 slots, self.plan = assign_ranks({p: t.host for p, t in self.tasks.items()})
@@ -185,13 +188,17 @@ class _ControlHandler(socketserver.StreamRequestHandler):
         self.wfile.write((json.dumps({"env": env}) + "\n").encode())
         self.wfile.flush()
         code: Optional[int] = None
-        for raw in self.rfile:
-            msg = json.loads(raw)
-            if "exit" in msg:
-                code = int(msg["exit"])
-                break
-            server.line(task, msg.get("tag", "stdout"), msg.get("text", ""))
-        server.ended(task, code)
+        try:
+            for raw in self.rfile:
+                msg = json.loads(raw)
+                if "exit" in msg:
+                    code = int(msg["exit"])
+                    break
+                server.line(task, msg.get("tag", "stdout"), msg.get("text", ""))
+        except (OSError, ValueError) as exc:  # a broken connection: the rank is lost
+            log.debug("control connection of partition %d broke: %s", task.partition, exc)
+        finally:
+            server.ended(task, code)
 
 
 # -- executor side ------------------------------------------------------------------------
@@ -221,7 +228,9 @@ def barrier_task(payload: bytes, options: Mapping[str, Any], env: Mapping[str, s
     """One Spark barrier task: register, run one rank process, stream it, return its result."""
     from pyspark import BarrierTaskContext
 
-    partition = BarrierTaskContext.get().partitionId()
+    context = BarrierTaskContext.get()
+    partition = context.partitionId()
+    gpus = context.resources().get("gpu")
     sock = socket.create_connection(driver, timeout=start_timeout)
     sock.settimeout(None)
     rfile, lock = sock.makefile("rb"), threading.Lock()
@@ -238,6 +247,8 @@ def barrier_task(payload: bytes, options: Mapping[str, Any], env: Mapping[str, s
         yield (partition, None)  # the driver gave up on this run before it started
         return
     rank_env = {**os.environ, **env, **reply["env"], "PYTHONUNBUFFERED": "1"}
+    if gpus is not None and gpus.addresses:
+        rank_env[TASK_GPUS_ENV] = ",".join(gpus.addresses)
     if not rank_env.get("HOROVOD_GLOO_IFACE"):  # no nics given: the one that reaches the driver
         iface = _iface_towards(driver[0]) or "lo"
         rank_env["HOROVOD_GLOO_IFACE"] = rank_env["NCCL_SOCKET_IFNAME"] = iface
@@ -323,26 +334,19 @@ def launch_barrier(np: int, payload: bytes, options: Mapping[str, Any], *,
         except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
             outcome["error"] = exc
 
-    thread = threading.Thread(target=target, name="sparkhvd-barrier", daemon=True)
-    started = time.monotonic()
-    thread.start()
-    try:
-        while thread.is_alive():
-            thread.join(0.1)
-            failed = server.first_failure()
-            if failed is not None:
-                raise _failure(failed)
-            elapsed = time.monotonic() - started
-            if server.plan is None and elapsed > start_timeout:
-                raise TimeoutError(f"The {np} Spark task(s) did not all start within "
-                                   f"start_timeout={start_timeout} s; check the cluster's free "
-                                   "task slots, or raise start_timeout.")
-            if timeout is not None and elapsed > timeout:
-                raise TimeoutError(f"The training did not finish within {timeout:g} s; the "
-                                   "ranks were stopped and the Spark job cancelled.")
+    def check(elapsed: float) -> None:
         failed = server.first_failure()
         if failed is not None:
             raise _failure(failed)
+        if server.plan is None and elapsed > start_timeout:
+            raise TimeoutError(f"The {np} Spark task(s) did not all start within "
+                               f"start_timeout={start_timeout} s; check the cluster's free "
+                               "task slots, or raise start_timeout.")
+
+    thread = threading.Thread(target=target, name="sparkhvd-barrier", daemon=True)
+    try:
+        watch_thread(thread, timeout=timeout, check=check)
+        check(0.0)  # a rank that failed as the stage ended
     except BaseException:
         server.abort()
         sc.cancelJobGroup(group)

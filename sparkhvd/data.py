@@ -370,12 +370,12 @@ class DataFrameDataset:
         if shuffle:
             r = current_rank()[0] if rank is None else rank
             order = np.random.default_rng([seed, epoch, r]).permutation(n)
-        else:
-            order = np.arange(n)
         for step in range(steps):
-            idx = order[step * batch_size:(step + 1) * batch_size]
             if shuffle:
-                idx = np.sort(idx)  # sorted gathers are faster; order within a batch is moot
+                # sorted gathers are faster; the order within a batch does not matter
+                idx: Any = np.sort(order[step * batch_size:(step + 1) * batch_size])
+            else:
+                idx = slice(step * batch_size, (step + 1) * batch_size)  # views, no copy
             x = {c: arrays[c][idx] for c in self.features}
             x = x[self.features[0]] if len(self.features) == 1 else x
             yield (x, arrays[self.label][idx]) if self.label else x

@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import cloudpickle
 
@@ -201,6 +201,25 @@ def quiet_cancelled_spark_thread() -> Iterator[None]:
         threading.excepthook = previous
 
 
+def watch_thread(thread: threading.Thread, *, timeout: Optional[float],
+                 check: Optional[Callable[[float], None]] = None, poll_s: float = 0.1) -> None:
+    """Start ``thread`` and wait for it, staying interruptible.
+
+    ``check(elapsed_s)`` runs at every poll and may raise; past ``timeout`` a ``TimeoutError``
+    is raised. The caller cleans up (abort, cancel, join) on any exception.
+    """
+    started = time.monotonic()
+    thread.start()
+    while thread.is_alive():
+        thread.join(poll_s)
+        elapsed = time.monotonic() - started
+        if check is not None:
+            check(elapsed)
+        if timeout is not None and elapsed > timeout:
+            raise TimeoutError(f"The training did not finish within {timeout:g} s; the "
+                               "ranks were stopped and the Spark job cancelled.")
+
+
 def launch_spark(np: int, payload: bytes, options: Mapping[str, Any], *, env: Mapping[str, str],
                  router: RankLogRouter, start_timeout: int, nics: Optional[set[str]],
                  verbose: bool, timeout: Optional[float] = None,
@@ -237,14 +256,8 @@ def launch_spark(np: int, payload: bytes, options: Mapping[str, Any], *, env: Ma
 
     with horovod_launch_hooks(elastic=bool(elastic)) as hooks, quiet_cancelled_spark_thread():
         thread = threading.Thread(target=target, name="sparkhvd-horovod", daemon=True)
-        started = time.monotonic()
-        thread.start()
         try:
-            while thread.is_alive():
-                thread.join(0.2)
-                if timeout is not None and time.monotonic() - started > timeout:
-                    raise TimeoutError(f"The training did not finish within {timeout:g} s; the "
-                                       "ranks were stopped and the Spark job cancelled.")
+            watch_thread(thread, timeout=timeout, poll_s=0.2)
         except BaseException:
             hooks["stop"].set()
             sc = SparkContext._active_spark_context

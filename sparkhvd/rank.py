@@ -25,6 +25,10 @@ METRICS_MARKER = "@@sparkhvd-metrics@@"
 _NOISY_MODULES = r"(petastorm|pyarrow|tensorflow|keras|horovod|numpy|pandas|google|absl)(\..*)?"
 
 
+#: GPU addresses Spark assigned to the rank's task (set by the barrier launcher).
+TASK_GPUS_ENV = "SPARKHVD_TASK_GPUS"
+
+
 @dataclass
 class RankPlan:
     """How one rank process should use the machine it shares with its local peers."""
@@ -38,8 +42,10 @@ def plan_rank(local_rank: int, local_size: int, cpu_count: int, gpus: list[str],
               environ: Optional[dict] = None) -> RankPlan:
     """Decide GPU pinning and thread counts for one rank (pure; unit-tested).
 
-    - GPUs present: rank ``local_rank`` is pinned to GPU ``local_rank % len(gpus)`` and TF
-      memory growth is turned on, so local ranks do not grab each other's memory.
+    - GPUs present: the rank is pinned to the GPU Spark assigned to its task (``spark.task.
+      resource.gpu.amount``, passed as :data:`TASK_GPUS_ENV`), else to GPU
+      ``local_rank % len(gpus)``; TF memory growth is turned on, so local ranks do not grab
+      each other's memory.
     - CPU only: the cores are shared among the local ranks through TF's intra/inter-op thread
       pools and OpenMP, so two ranks on a 2-core executor do not each spawn 2+ threads.
     Settings the user already exported are never overridden.
@@ -53,7 +59,10 @@ def plan_rank(local_rank: int, local_size: int, cpu_count: int, gpus: list[str],
             plan.env[key] = value
 
     if gpus:
-        plan.gpu_index = local_rank % len(gpus)
+        # The GPU Spark assigned to this rank's task (barrier launcher), else by local rank.
+        assigned = [a.strip() for a in environ.get(TASK_GPUS_ENV, "").split(",") if a.strip()]
+        plan.gpu_index = (gpus.index(assigned[0]) if assigned and assigned[0] in gpus
+                          else local_rank % len(gpus))
         plan.memory_growth = True
         setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
         threads = max(1, cpu_count // local_size)

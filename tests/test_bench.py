@@ -25,3 +25,9 @@ def test_every_case_runs_on_tiny_inputs(tmp_path):
     table = (tmp_path / "RESULTS.md").read_text()
     assert "| B1 |" in table and "| B4 |" in table
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "## Goals" in table and "B1 no-op ≤ ½ × raw horovod" in table
+    (tmp_path / "RESULTS.md").unlink()
+    again = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--report",
+                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (tmp_path / "RESULTS.md").read_text() == table

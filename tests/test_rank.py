@@ -83,3 +83,12 @@ def test_barrier_ranks_are_contiguous_per_host_in_partition_order():
                      3: ("3", "1", "1")}
     assert {e["HOROVOD_SIZE"] for e in envs.values()} == {"4"}
     assert len(slots) == 4
+
+
+def test_gpu_assigned_by_spark_wins_over_local_rank():
+    from sparkhvd.rank import TASK_GPUS_ENV
+
+    plan = plan_rank(0, 2, 16, ["0", "1", "2", "3"], environ={TASK_GPUS_ENV: "2"})
+    assert plan.gpu_index == 2
+    # An address this process cannot see falls back to the local rank.
+    assert plan_rank(1, 2, 16, ["0", "1"], environ={TASK_GPUS_ENV: "7"}).gpu_index == 1
