@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import click
 
@@ -177,7 +177,7 @@ def case_b2(repeat: int, tiny: bool) -> list[dict]:
 
 
 # -- B3 ----------------------------------------------------------------------------------------
-def _train_synthetic(steps, batch, t_start):
+def _train_synthetic(steps, batch, t_start, allreduce=True):
     import time as _time
 
     import numpy as _np
@@ -209,7 +209,8 @@ def _train_synthetic(steps, batch, t_start):
         tf.keras.layers.Flatten(),
         tf.keras.layers.Dense(128, activation="relu"),
         tf.keras.layers.Dense(10, activation="softmax")])
-    model.compile(optimizer=kd.optimizer(tf.keras.optimizers.SGD(0.01)),
+    optimizer = tf.keras.optimizers.SGD(0.01)
+    model.compile(optimizer=kd.optimizer(optimizer) if allreduce else optimizer,
                   loss="sparse_categorical_crossentropy")
     fit = kd.fit_kwargs(model, callbacks=[Clock()])
     model.fit(ds, steps_per_epoch=steps, **fit)
@@ -229,18 +230,25 @@ def case_b3(repeat: int, tiny: bool) -> list[dict]:
     for batch in ((16,) if tiny else (64, 256)):
         how = f"batch {batch}/rank"
         thr, first = {}, {}
-        for np_ in (1, 2):
+        # "ceiling": 2 ranks training independently (no allreduce): what 2 cores give here.
+        for key, np_, allreduce in ((1, 1, True), (2, 2, True), ("ceiling", 2, False)):
             runs, starts = [], []
             for _ in range(repeat):
                 res = HorovodRunner(np=np_, spark=spark, output_dir=out, env=env).run_all(
-                    _train_synthetic, steps=steps, batch=batch, t_start=time.time())
+                    _train_synthetic, steps=steps, batch=batch, t_start=time.time(),
+                    allreduce=allreduce)
                 runs.append(sum(r["samples_per_s"] for r in res))
                 starts.append(max(r["to_first_step_s"] for r in res))
-            thr[np_], first[np_] = runs, starts
+            thr[key], first[key] = runs, starts
         rows += [{"case": "B3", "variant": f"np={n} training, {how}", "unit": "samples/s",
                   **_stats(thr[n])} for n in (1, 2)]
+        rows.append({"case": "B3", "variant": f"2 independent ranks, no allreduce, {how}",
+                     "unit": "samples/s", **_stats(thr["ceiling"])})
         eff = [t2 / (2 * t1) for t1, t2 in zip(thr[1], thr[2])]
         rows.append({"case": "B3", "variant": f"scaling efficiency thr(2)/(2*thr(1)), {how}",
+                     "unit": "ratio", **_stats(eff)})
+        eff = [t1 / (2 * t2) for t1, t2 in zip(thr["ceiling"], thr[1])]
+        rows.append({"case": "B3", "variant": f"machine ceiling of the efficiency, {how}",
                      "unit": "ratio", **_stats(eff)})
         rows += [{"case": "B3", "variant": f"np={n} run() to first step, {how}", "unit": "s",
                   **_stats(first[n])} for n in (1, 2)]
@@ -324,12 +332,14 @@ NOTES = """\
   pyarrow (one `flatten()` per column, no per-row Python) and serves tf.data from memory;
   petastorm's reader pool with its defaults decodes row groups through Python workers.
 - **B3** runs one TF thread per rank, so np=2 puts one rank on each of the 2 cores (pinning
-  each rank to its own core changed nothing measurable, so it is not kept). The gap is the
-  gradient allreduce: 1.18 M float32 (4.7 MB) per step over Gloo on loopback takes ~8.6 ms
-  on this machine, against ~37 ms of compute for a batch of 64 — and both ranks share the
-  2 cores with the driver and the Spark JVM. With 256 rows per rank per step the same
-  allreduce is amortised over 4x the compute. "run() to first step" includes TF import and
-  model build in every rank.
+  each rank to its own core changed nothing measurable, so it is not kept). Two things keep
+  the efficiency under 0.9 here. The machine: two ranks training *independently* (no
+  allreduce) reach only the "machine ceiling" ratio of 2 x thr(1), because the 2 vCPUs share
+  caches and memory bandwidth, and the driver and Spark JVM run beside them. The gradient
+  allreduce: 1.18 M float32 (4.7 MB) per step over Gloo on loopback takes ~8.6 ms here,
+  against ~37 ms of compute for a batch of 64 (so 256 rows per rank amortise it 4x). Neither
+  is launcher overhead: sparkhvd is not on the training path once the ranks run.
+  "run() to first step" includes TF import and model build in every rank.
 - **B2, non-shuffled batches** are slices (views) of the shard's arrays; shuffled batches
   are one sorted gather each.
 - **B4.** `write_bytes` to Azure used to write a temporary blob and then move it into place
@@ -344,9 +354,18 @@ NOTES = """\
 def goals(rows: list[dict]) -> list[str]:
     """The issue's goals, checked against the measured medians."""
     med = {(r["case"], r["variant"]): r["median"] for r in rows if "median" in r}
+    runs = {(r["case"], r["variant"]): r.get("runs", []) for r in rows if "median" in r}
 
-    def get(case: str, start: str):
-        return next((v for (c, n), v in med.items() if c == case and n.startswith(start)), None)
+    def get(case: str, start: str, table: dict = med):
+        return next((v for (c, n), v in table.items() if c == case and n.startswith(start)), None)
+
+    def paired(case: str, ours: str, ref: str) -> Optional[float]:
+        """Median of the per-round ratios (variants that took turns share each round's
+        conditions, so this is steadier than a ratio of medians)."""
+        a, b = get(case, ours, runs), get(case, ref, runs)
+        if not a or not b or len(a) != len(b):
+            return None
+        return statistics.median(x / y for x, y in zip(a, b))
 
     out = ["## Goals", "", "| goal | measured | met |", "|---|---|---|"]
     ours, raw = get("B1", "sparkhvd HorovodRunner, no-op"), get("B1", "raw horovod.spark.run, no-op")
@@ -356,10 +375,10 @@ def goals(rows: list[dict]) -> list[str]:
                    f"({ours / raw:.2f}×) | {'yes' if ours <= raw / 2 else 'no'} |")
         out.append(f"| B1 no-op within 2 s of the floor | {ours - floor:+.2f} s over "
                    f"{floor:.2f} s | {'yes' if ours - floor <= 2 else 'no'} |")
-    ours, ceil = get("B2", "sparkhvd"), get("B2", "pyarrow")
-    if None not in (ours, ceil):
-        out.append(f"| B2 ≥ 0.8 × pyarrow ceiling | {ours / ceil:.2f}× | "
-                   f"{'yes' if ours >= 0.8 * ceil else 'no'} |")
+    ratio = paired("B2", "sparkhvd", "pyarrow")
+    if ratio is not None:
+        out.append(f"| B2 ≥ 0.8 × pyarrow ceiling (per-round ratio) | {ratio:.2f}× | "
+                   f"{'yes' if ratio >= 0.8 else 'no'} |")
     for how in ("batch 64/rank", "batch 256/rank"):
         eff = get("B3", f"scaling efficiency thr(2)/(2*thr(1)), {how}")
         if eff is not None:
@@ -367,10 +386,10 @@ def goals(rows: list[dict]) -> list[str]:
                        f"{'yes' if eff >= 0.9 else 'no'} |")
     for op, a, b in (("write", "sparkhvd.storage write", "Azure SDK upload"),
                      ("read", "sparkhvd.storage read", "Azure SDK download")):
-        ours, sdk = get("B4", a), get("B4", b)
-        if None not in (ours, sdk):
-            out.append(f"| B4 {op} ≥ 0.9 × SDK | {ours / sdk:.2f}× | "
-                       f"{'yes' if ours >= 0.9 * sdk else 'no'} |")
+        ratio = paired("B4", a, b)
+        if ratio is not None:
+            out.append(f"| B4 {op} ≥ 0.9 × SDK (per-round ratio) | {ratio:.2f}× | "
+                       f"{'yes' if ratio >= 0.9 else 'no'} |")
     return out + [""]
 
 

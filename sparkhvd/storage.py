@@ -171,7 +171,9 @@ def read_bytes(target: "Location | str", storage_options: Optional[Mapping[str, 
     """The whole content of a file or blob."""
     loc = _loc(target, storage_options)
     with _explained(loc, "read"):
-        return loc.fs.cat_file(loc.path)
+        if loc.is_local:
+            return loc.fs.cat_file(loc.path)
+        return loc.fs.cat_file(loc.path, max_concurrency=TRANSFER_CONCURRENCY)
 
 
 def exists(target: "Location | str", storage_options: Optional[Mapping[str, Any]] = None) -> bool:
@@ -261,8 +263,8 @@ class _CountingWriter:
         return getattr(self._f, name)
 
 
-#: Parallel block uploads for one blob (the Azure SDK's ``max_concurrency``).
-UPLOAD_CONCURRENCY = 4
+#: Parallel block transfers for one blob (the Azure SDK's ``max_concurrency``).
+TRANSFER_CONCURRENCY = 4
 
 
 def write_bytes(target: "Location | str", data: bytes,
@@ -280,7 +282,7 @@ def write_bytes(target: "Location | str", data: bytes,
             f.write(data)
         return
     with _explained(loc, "write"):
-        loc.fs.pipe_file(loc.path, data, max_concurrency=UPLOAD_CONCURRENCY)
+        loc.fs.pipe_file(loc.path, data, max_concurrency=TRANSFER_CONCURRENCY)
         size = loc.fs.size(loc.path)
         if size != len(data):
             raise OSError(f"size check failed after upload ({size} != {len(data)} bytes)")
