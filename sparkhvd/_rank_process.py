@@ -30,5 +30,38 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """Run Python's exit handlers and flush, then leave without C++ static destructors.
+
+    Third-party native libraries (pyarrow's and TensorFlow's thread pools, Gloo) can abort
+    with "terminate called without an active exception" while the interpreter tears down,
+    turning a finished rank into a SIGABRT.
+    """
+    import atexit
+    import logging
+    import traceback
+
+    try:
+        atexit._run_exitfuncs()
+        logging.shutdown()
+    except BaseException:  # noqa: BLE001 - exit handlers must not change the outcome
+        traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        status = main(sys.argv[1:])
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported by rank_main; the traceback goes to stderr
+        import traceback
+
+        traceback.print_exc()
+        status = 1
+    _exit(status)
