@@ -5,15 +5,40 @@ Public API::
     from sparkhvd import HorovodRunner, TrainingError
     model_bytes = HorovodRunner(np=2).run(train_fn, lr=0.1, epochs=3)
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .errors import (EnvironmentMismatchError, NotEnoughSlotsError, PayloadError, RankFailure,
                      SparkhvdError, TrainingError)
-from . import storage
-from .data import DataFrameDataset
-from .models import load_model
-from .rundir import RunDir
-from .runner import HorovodRunner
-from .session import ENV_ALLOWLIST
-from .storage import StorageError
+
+# The rest is imported on first use: every rank process imports this package, and numpy,
+# fsspec and friends would add ~0.2 s to each rank's start for nothing.
+_LAZY = {
+    "DataFrameDataset": ("data", "DataFrameDataset"),
+    "load_model": ("models", "load_model"),
+    "RunDir": ("rundir", "RunDir"),
+    "HorovodRunner": ("runner", "HorovodRunner"),
+    "ENV_ALLOWLIST": ("session", "ENV_ALLOWLIST"),
+    "StorageError": ("storage", "StorageError"),
+    "storage": ("storage", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'sparkhvd' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(f".{module_name}", __name__)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

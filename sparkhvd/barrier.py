@@ -354,9 +354,9 @@ def launch_barrier(np: int, payload: bytes, options: Mapping[str, Any], *,
         kill_local_pids(router.all_pids)
         raise
     finally:
-        server.shutdown()
-        server.server_close()
-        rendezvous.stop()
+        # Both servers poll for shutdown (horovod's every 0.5 s): stop them off the return path.
+        threading.Thread(target=_stop_servers, args=(server, rendezvous), daemon=True,
+                         name="sparkhvd-stop-servers").start()
         router.close()
     if "error" in outcome:
         raise outcome["error"]
@@ -367,6 +367,12 @@ def launch_barrier(np: int, payload: bytes, options: Mapping[str, Any], *,
         if task.rank is not None and blob is not None:
             results[task.rank] = cloudpickle.loads(blob)
     return results
+
+
+def _stop_servers(server: ControlServer, rendezvous: Any) -> None:
+    server.shutdown()
+    server.server_close()
+    rendezvous.stop()
 
 
 def _mapper(payload: bytes, options: Mapping[str, Any], env: Mapping[str, str],
