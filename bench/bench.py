@@ -334,6 +334,9 @@ NOTES = """\
 - **B2 data.** Each rank reads its row-exact shard of the materialised Parquet once with
   pyarrow (one `flatten()` per column, no per-row Python) and serves tf.data from memory;
   petastorm's reader pool with its defaults decodes row groups through Python workers.
+  The "ceiling" row is a plain pyarrow loop (read each file by path, convert it, stop at
+  half the rows); the shard reader measures above it here, so it is a reference point,
+  not a tight upper bound.
 - **B3** runs one TF thread per rank, so np=2 puts one rank on each of the 2 cores (pinning
   each rank to its own core changed nothing measurable, so it is not kept). Two things keep
   the efficiency under 0.9 here. The machine: two ranks training *independently* (no
