@@ -152,6 +152,20 @@ class ControlServer(socketserver.ThreadingTCPServer):
             self.cond.notify_all()
 
     # -- called from the driver's watch loop ----------------------------------------------
+    def wait_ended(self, timeout_s: float) -> None:
+        """Wait until every registered task's connection has delivered its last line.
+
+        ``collect()`` returns as soon as the tasks do, which can be before the handler threads
+        have read the rest of what the ranks printed.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while any(t.ended_at is None for t in self.tasks.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cond.wait(left)
+
     def first_failure(self) -> Optional[_Task]:
         with self.cond:
             failed = [t for t in self.tasks.values()
@@ -315,7 +329,10 @@ def launch_barrier(np: int, payload: bytes, options: Mapping[str, Any], *,
     rendezvous = RendezvousServer(verbose=1 if verbose else 0)
     port = rendezvous.start()
     run_env = {k: str(v) for k, v in
-               create_run_env_vars(driver_host, nics or {""}, port).items()}
+               create_run_env_vars(driver_host, nics or {"lo"}, port).items()}
+    if not nics:  # each task finds the interface that reaches the driver (barrier_task)
+        for key in ("HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME"):
+            run_env.pop(key)
     token = secrets.token_hex(16)
     bind = "127.0.0.1" if driver_host == "127.0.0.1" else ""
     server = ControlServer(bind, np, token, router, run_env, rendezvous)
@@ -346,6 +363,7 @@ def launch_barrier(np: int, payload: bytes, options: Mapping[str, Any], *,
     thread = threading.Thread(target=target, name="sparkhvd-barrier", daemon=True)
     try:
         watch_thread(thread, timeout=timeout, check=check)
+        server.wait_ended(10.0)
         check(0.0)  # a rank that failed as the stage ended
     except BaseException:
         server.abort()

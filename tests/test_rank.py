@@ -92,3 +92,9 @@ def test_gpu_assigned_by_spark_wins_over_local_rank():
     assert plan.gpu_index == 2
     # An address this process cannot see falls back to the local rank.
     assert plan_rank(1, 2, 16, ["0", "1"], environ={TASK_GPUS_ENV: "7"}).gpu_index == 1
+
+
+def test_barrier_task_finds_the_interface_that_reaches_the_driver():
+    from sparkhvd.barrier import _iface_towards
+
+    assert _iface_towards("127.0.0.1") == "lo"

@@ -32,8 +32,6 @@ def test_submit_digits_job_to_standalone_cluster(standalone, tmp_path):
 
 def test_killing_a_worker_mid_run_is_an_error_not_a_hang(standalone, tmp_path):
     """SIGKILL one worker (and its executor) while the ranks train: the job fails, promptly."""
-    import time
-
     proc = subprocess.Popen(
         [SPARKHVD, "submit", "--preset", "standalone-cpu", "--master", standalone.master_url,
          JOB, "--output-url", str(tmp_path / "model.h5"), "--epochs", "500",
@@ -46,17 +44,15 @@ def test_killing_a_worker_mid_run_is_an_error_not_a_hang(standalone, tmp_path):
             if line.startswith("[rank 0] epoch 2/500"):
                 break
         assert any(line.startswith("[rank 0] epoch 2/500") for line in seen), "".join(seen[-30:])
-        killed_at = time.monotonic()
         standalone.kill("worker1")
-        rest, _ = proc.communicate(timeout=300)
-        elapsed = time.monotonic() - killed_at
+        # A hang guard, well before horovod's 600 s start timeout: TimeoutExpired fails the test.
+        rest, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
         standalone.start_worker("worker1")
         standalone.wait_for_workers(2)
     assert proc.returncode != 0
-    assert elapsed < 240, "the failure must surface well before the 600 s horovod start timeout"
     assert "JOB OK" not in rest
     assert "TrainingError" in rest or "Training failed" in rest or "SparkException" in rest, rest[-3000:]
     assert not (tmp_path / "model.h5").exists()
