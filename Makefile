@@ -8,7 +8,7 @@ else
 PY := .venv/bin/python
 endif
 
-.PHONY: setup demo test unit test-keras bench clean
+.PHONY: setup demo test unit test-keras bench clean cluster-up cluster-down
 
 setup:
 	@PROFILE=$(PROFILE) bash scripts/setup.sh
@@ -20,7 +20,7 @@ test: setup
 	$(PY) -m pytest
 
 unit: setup
-	$(PY) -m pytest -m "not spark"
+	$(PY) -m pytest -m "not (spark or ranks or azurite or cluster or netns or notebook)"
 
 # The Keras tests (unit + 2-rank integration), e.g. `make test-keras PROFILE=tf218`.
 test-keras: setup
@@ -30,6 +30,13 @@ test-keras: setup
 CASE ?=
 bench: setup
 	$(PY) bench/bench.py $(foreach c,$(CASE),--case $(c))
+
+# The multi-host test cluster (network namespaces, root only), by hand for debugging.
+cluster-up: setup
+	$(PY) scripts/cluster.py up
+
+cluster-down:
+	$(PY) scripts/cluster.py down
 
 clean:
 	rm -rf runs .pytest_cache spark-warehouse

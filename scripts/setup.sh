@@ -62,7 +62,7 @@ fi
 if [ ! -x .tools/node_modules/.bin/azurite-blob ]; then
   if command -v npm >/dev/null 2>&1; then
     say "installing Azurite into .tools/ (npm)"
-    npm install --silent --no-audit --no-fund --prefix .tools azurite@3 >/dev/null \
+    npm install --silent --no-audit --no-fund --prefix .tools azurite@3.35.0 >/dev/null \
       || die "npm could not install azurite; the storage tests need it."
   else
     say "WARNING: Node.js/npm not found: the abfss:// storage tests need Azurite. Install Node.js 18+ (e.g. 'apt-get install -y nodejs npm') and run 'make setup' again."

@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 from .errors import (EnvironmentMismatchError, NotEnoughSlotsError, PayloadError, RankFailure,
-                     SparkhvdError, TrainingError)
+                     SessionError, SparkhvdError, StorageError, TrainingError)
 
 # The rest is imported on first use: every rank process imports this package, and numpy,
 # fsspec and friends would add ~0.2 s to each rank's start for nothing.
@@ -20,8 +20,7 @@ _LAZY = {
     "load_model": ("models", "load_model"),
     "RunDir": ("rundir", "RunDir"),
     "HorovodRunner": ("runner", "HorovodRunner"),
-    "ENV_ALLOWLIST": ("session", "ENV_ALLOWLIST"),
-    "StorageError": ("storage", "StorageError"),
+    "ENV_ALLOWLIST": ("environment", "ENV_ALLOWLIST"),
     "storage": ("storage", None),
 }
 
@@ -44,7 +43,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HorovodRunner", "TrainingError", "NotEnoughSlotsError", "PayloadError",
-    "EnvironmentMismatchError", "SparkhvdError", "RankFailure", "RunDir", "ENV_ALLOWLIST",
+    "EnvironmentMismatchError", "SessionError", "SparkhvdError", "RankFailure", "RunDir",
+    "ENV_ALLOWLIST",
     "StorageError", "load_model", "storage", "DataFrameDataset",
     "__version__",
 ]

@@ -1,4 +1,15 @@
-"""``python -m sparkhvd._rank_process PAYLOAD RESULT_DIR OPTIONS_JSON``: one driver-local rank.
+"""``python -m sparkhvd._rank_process PAYLOAD WORK_DIR OPTIONS_JSON``: one rank, supervised.
+
+The process forks at once: the child runs the rank (:func:`sparkhvd.rank.rank_main`) and stores
+its return value as ``WORK_DIR/rank-N.pkl``; the parent stays a small supervisor that
+
+- is a *child subreaper*, so whatever the rank starts -- even daemonised helpers -- stays its
+  descendant;
+- ends every such descendant as soon as the rank ends, however it ends (return, exception,
+  ``os._exit``, a signal), so no helper outlives the run or holds its output pipes open;
+- on SIGTERM (the launcher aborting, or -- through ``PR_SET_PDEATHSIG`` -- the process that
+  started it dying) kills the rank and everything below it, then leaves;
+- exits with the rank's status (re-raising a fatal signal, so the launcher sees ``-9``).
 
 Kept apart from :mod:`sparkhvd.rank` so that ``-m`` does not re-execute a module the package
 already imported.
@@ -7,26 +18,61 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
-import cloudpickle
 
-from sparkhvd.rank import current_rank, rank_main
+def _prctl(option: int, value: int) -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, value)
+    except Exception:  # noqa: BLE001 - Linux only; elsewhere the launcher's group kill remains
+        pass
 
 
-def main(argv: list[str]) -> int:
-    """Run one rank and store its return value as ``RESULT_DIR/rank-N.pkl`` (atomically)."""
-    payload_path, result_dir, options_json = argv
-    options = json.loads(options_json)
+def _descendants() -> list:
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _kill_descendants() -> None:
+    import psutil
+
+    for _ in range(3):  # a dying process may have started another one meanwhile
+        procs = _descendants()
+        if not procs:
+            return
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=2)
+
+
+def run_rank(payload_path: str, work: str, options: dict) -> int:
+    """The rank itself (the forked child): run, store the result, return an exit status."""
+    from sparkhvd.errors import PayloadError
+    from sparkhvd.fileio import atomic_write
+    from sparkhvd.rank import current_rank, emit, error_event, pickled_result, rank_main
+
     with open(payload_path, "rb") as f:
         payload = f.read()
     result = rank_main(payload, options)
     rank = current_rank()[0]
     if rank == 0 or options.get("return_all"):
-        final = os.path.join(result_dir, f"rank-{rank}.pkl")
-        with open(final + ".tmp", "wb") as f:
-            cloudpickle.dump(result, f)
-        os.replace(final + ".tmp", final)
+        try:
+            data = pickled_result(rank, result)
+        except PayloadError as exc:
+            emit(error_event(rank, exc))
+            print(f"PayloadError: {exc}", file=sys.stderr, flush=True)
+            return 1
+        atomic_write(os.path.join(work, f"rank-{rank}.pkl"), data)
     return 0
 
 
@@ -54,9 +100,13 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-if __name__ == "__main__":
+def _child(argv: list[str], supervisor: int) -> None:
+    _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the rank dies with its supervisor
+    if os.getppid() != supervisor:
+        os._exit(1)
+    payload_path, work, options_json = argv
     try:
-        status = main(sys.argv[1:])
+        status = run_rank(payload_path, work, json.loads(options_json))
     except SystemExit as exc:
         status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - reported by rank_main; the traceback goes to stderr
@@ -65,3 +115,47 @@ if __name__ == "__main__":
         traceback.print_exc()
         status = 1
     _exit(status)
+
+
+def supervise(argv: list[str]) -> None:
+    """Fork the rank, wait for it, end its descendants, exit like it."""
+    _prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    me = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        _child(argv, me)
+
+    def on_term(signum, _frame):
+        # Ignore repeats while ending the tree (a dying parent may signal more than once, and a
+        # second run of this handler would leave before the first had killed everything).
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        _kill_descendants()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    status = 1 << 8
+    while True:
+        try:
+            done, st = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if done == pid:
+            status = st
+            break
+    _kill_descendants()
+    code = os.waitstatus_to_exitcode(status)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0:  # die the same way, so the launcher sees the signal
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+if __name__ == "__main__":
+    supervise(sys.argv[1:])

@@ -4,10 +4,9 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import shutil
 import subprocess
 import sys
-from typing import Callable, Optional
+from typing import Optional
 
 import click
 
@@ -76,86 +75,48 @@ def presets_show(name: str, fmt: str, master: Optional[str]) -> None:
 
 
 # -- doctor -------------------------------------------------------------------------------------
-Check = tuple[str, bool, str, str]
-
-
-def _check(name: str, fn: Callable[[], str], fix: str) -> Check:
-    try:
-        return name, True, fn(), ""
-    except Exception as exc:  # noqa: BLE001 - every failure becomes a row with its fix
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return name, False, message, fix
-
-
-def _horovod() -> str:
-    import horovod
-
-    try:
-        import horovod.tensorflow as hvd  # fails unless the TensorFlow extension was built
-    except ImportError as exc:
-        raise RuntimeError(f"horovod {horovod.__version__} lacks TensorFlow support ({exc})") \
-            from None
-    if not hvd.gloo_built():
-        raise RuntimeError(f"horovod {horovod.__version__} was built without Gloo")
-    return f"horovod {horovod.__version__}: TensorFlow + Gloo"
-
-
-def _keras() -> str:
-    from .compat import check_keras, package_version
-
-    check_keras()
-    tf = package_version("tensorflow-cpu") or package_version("tensorflow")
-    return f"tensorflow {tf}, keras {package_version('keras')}"
-
-
-def _java() -> str:
-    java = shutil.which("java") or (os.path.join(os.environ["JAVA_HOME"], "bin", "java")
-                                    if os.environ.get("JAVA_HOME") else None)
-    if not java:
-        raise RuntimeError("java not found on PATH or in JAVA_HOME")
-    out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
-    return (out.stderr or out.stdout).splitlines()[0]
-
-
 @main.command()
 @click.option("--preset", default="local-cpu", show_default=True,
-              help="Preset whose session is started and whose max np is checked.")
+              help="Preset whose session is started (when none is active).")
+@click.option("--master", default=None, help="Spark master URL to check, e.g. spark://HOST:7077 "
+              "(overrides the preset's).")
 @click.option("--np", "np_", type=int, default=None, help="Ranks you plan to run (default: 2).")
 @click.option("--storage-url", default=None, help="Also pre-flight this output URL.")
-def doctor(preset: str, np_: Optional[int], storage_url: Optional[str]) -> None:
-    """Check the stack, Java, a Spark session, its slots and (optionally) storage."""
+def doctor(preset: str, master: Optional[str], np_: Optional[int],
+           storage_url: Optional[str]) -> None:
+    """Check the stack, Java, a Spark session, its slots, the cluster's network and storage.
+
+    With a cluster session, one barrier stage of NP tasks reports each host, the interface Gloo
+    will use there, and whether it reaches the driver.
+    """
     from rich.table import Table
 
+    from . import doctor as doc
+
     logging.getLogger("py4j").setLevel(logging.ERROR)
-    rows: list[Check] = [
-        _check("horovod build", _horovod,
-               "run `make setup` (builds horovod with HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1)"),
-        _check("TensorFlow/Keras", _keras,
-               "use tensorflow 2.15, or tf-keras with TF_USE_LEGACY_KERAS=1 (Keras 3 is unsupported)"),
-        _check("Java", _java, "install Java 17 (apt-get install -y openjdk-17-jre-headless) or set JAVA_HOME"),
-    ]
-    session: dict = {}
+    rows = doc.stack_checks()
     needed = np_ or 2
+    session: dict = {}
 
     def start() -> str:
+        from pyspark.sql import SparkSession
+
         from .session import get_or_create_session
 
+        active = SparkSession.getActiveSession()
         p = load_preset(preset)
-        session["spark"] = get_or_create_session(needed, preset=p)
+        if master:
+            p.conf["spark.master"] = master
+        session["spark"] = active or get_or_create_session(needed, preset=p)
+        session["created"] = active is None
         return f"{session['spark'].sparkContext.master} (Spark {session['spark'].version})"
 
-    rows.append(_check("Spark session", start,
-                       "check Java and pyspark; for a cluster preset, check the master URL"))
-
-    def slots() -> str:
-        from .slots import check_slots
-
-        if "spark" not in session:
-            raise RuntimeError("no session")
-        found = check_slots(session["spark"].sparkContext, needed)
-        return f"{found.slots} slot(s) >= np={needed} ({found.detail})"
-
-    rows.append(_check("task slots", slots, "use a larger preset or lower np"))
+    rows.append(doc.check("Spark session", start,
+                          "check Java and pyspark; for a cluster, check the master URL"))
+    hosts = None
+    if "spark" in session:
+        more, hosts = doc.cluster_checks(session["spark"], needed)
+        rows += more
     if storage_url:
         def probe() -> str:
             from .storage import preflight, public_url
@@ -163,16 +124,21 @@ def doctor(preset: str, np_: Optional[int], storage_url: Optional[str]) -> None:
             preflight(storage_url)
             return f"{public_url(storage_url)} writable"
 
-        rows.append(_check("storage", probe,
-                           "check the URL, AZURE_STORAGE_* credentials and permissions"))
+        rows.append(doc.check("storage", probe,
+                              "check the URL, AZURE_STORAGE_* credentials and permissions"))
     table = Table("check", "status", "detail", "fix")
-    for name, ok, detail, fix in rows:
-        table.add_row(name, "[green]ok[/]" if ok else "[red]FAIL[/]", detail, fix)
-    _console().print(table)
-    if "spark" in session:
+    for row in rows:
+        table.add_row(row.name, "[green]ok[/]" if row.ok else "[red]FAIL[/]", row.detail, row.fix)
+    console = _console()
+    console.print(table)
+    if hosts:
+        tasks = Table("task", "host", "Gloo interface", "reaches the driver", "Spark driver port")
+        for r in hosts:
+            tasks.add_row(str(r["partition"]), r["host"], r["iface"], r["driver"], r["spark"])
+        console.print(tasks)
+    if session.get("created"):
         session["spark"].stop()
-    failed = [r for r in rows if not r[1]]
-    if failed:
+    if any(not r.ok for r in rows):
         raise SystemExit(1)
 
 

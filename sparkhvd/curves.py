@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import csv
-import os
 from typing import Sequence
+
+from .fileio import atomic_open
 
 
 def write_metrics_csv(path: str, records: Sequence[dict]) -> None:
@@ -11,13 +12,11 @@ def write_metrics_csv(path: str, records: Sequence[dict]) -> None:
     columns: list[str] = ["epoch"]
     for record in records:
         columns += [k for k in record if k not in columns]
-    tmp = path + ".tmp"
-    with open(tmp, "w", newline="") as f:
+    with atomic_open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for record in records:
             writer.writerow(record)
-    os.replace(tmp, path)
 
 
 def plot_curves(path: str, records: Sequence[dict]) -> None:
@@ -42,7 +41,6 @@ def plot_curves(path: str, records: Sequence[dict]) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
+    with atomic_open(path) as f:
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
-    os.replace(tmp, path)

@@ -1,11 +1,14 @@
-"""Exceptions raised by sparkhvd.
+"""Every exception sparkhvd raises on purpose, in one place.
 
-Every error names the problem and the fix; none of them carries a secret.
+Every error names the problem and the fix; none of them carries a secret (messages that may
+quote a rank's output or a storage failure go through :func:`sparkhvd.redaction.redact`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from .redaction import redact
 
 
 class SparkhvdError(Exception):
@@ -22,6 +25,7 @@ class RankFailure:
     traceback: str = ""
     exit_code: Optional[int] = None
     time: float = 0.0
+    host: Optional[str] = None
 
 
 class TrainingError(SparkhvdError, RuntimeError):
@@ -34,6 +38,7 @@ class TrainingError(SparkhvdError, RuntimeError):
         remote_message: the remote exception's message.
         remote_traceback: the traceback printed on that rank.
         exit_code: the rank process' exit status, when known.
+        host: the host the rank ran on, when known.
         failures: every rank failure that was reported, first one first.
     """
 
@@ -41,9 +46,10 @@ class TrainingError(SparkhvdError, RuntimeError):
                  run_dir: Optional[str] = None):
         self.rank = failure.rank
         self.exc_type = failure.exc_type
-        self.remote_message = failure.message
-        self.remote_traceback = failure.traceback
+        self.remote_message = redact(failure.message)
+        self.remote_traceback = redact(failure.traceback)
         self.exit_code = failure.exit_code
+        self.host = failure.host
         self.failures = failures or [failure]
         self.run_dir = run_dir
         super().__init__(self._compose())
@@ -54,6 +60,8 @@ class TrainingError(SparkhvdError, RuntimeError):
         else:
             head = f"Training failed on rank {self.rank}: {self.remote_message}"
         parts = [head]
+        if self.host:
+            parts.append(f"(rank {self.rank} ran on host {self.host})")
         others = sorted({f.rank for f in self.failures} - {self.rank})
         if others:
             parts.append(f"(ranks {', '.join(map(str, others))} failed after it)")
@@ -69,8 +77,41 @@ class NotEnoughSlotsError(SparkhvdError, RuntimeError):
 
 
 class PayloadError(SparkhvdError, TypeError):
-    """The training function or one of its arguments cannot be sent to the ranks."""
+    """The training function, one of its arguments, or a rank's return value cannot travel."""
 
 
 class EnvironmentMismatchError(SparkhvdError, RuntimeError):
-    """The installed stack cannot run Horovod training (e.g. Keras 3, horovod without Gloo)."""
+    """The installed stack cannot run the chosen backend (e.g. Keras 3 under Horovod)."""
+
+
+class SessionError(SparkhvdError, RuntimeError):
+    """The SparkSession cannot be used (stopped before or during the run)."""
+
+
+class StorageError(SparkhvdError, OSError):
+    """Storage could not be reached or written; the message names the URL and the likely cause.
+
+    Attributes:
+        spilled_to: the local path that keeps what could not be written, when there is one.
+        result: (publishing a run) rank 0's return value, so that nothing is lost.
+    """
+
+    def __init__(self, message: str, *, spilled_to: Optional[str] = None) -> None:
+        super().__init__(redact(message))
+        self.spilled_to = spilled_to
+        self.result = None
+
+
+class LaunchFailure(SparkhvdError):
+    """A launcher saw a rank fail (non-zero exit, vanished, lost host); the runner turns it into
+    a :class:`TrainingError` with whatever the rank reported (see :mod:`sparkhvd.outcome`)."""
+
+    def __init__(self, rank: Optional[int], exit_code: Optional[int], detail: str, *,
+                 host: Optional[str] = None, vanished: bool = False, lost: bool = False) -> None:
+        super().__init__(detail)
+        self.rank = rank
+        self.exit_code = exit_code
+        self.detail = detail
+        self.host = host
+        self.vanished = vanished
+        self.lost = lost

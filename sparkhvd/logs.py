@@ -1,14 +1,15 @@
-"""Rank output on the driver: parse, tag with ``[rank N]``, filter noise, keep per-rank files.
+"""Rank output on the driver: ``[rank N]`` lines on the console, everything in per-rank files.
 
-Horovod hands the driver each rank's output as text chunks of lines shaped
-``[index]<stdout>:text``. :class:`RankLogRouter` is the stream given to horovod: it splits the
-chunks into lines, maps the launcher index to the Horovod rank (from the marker each rank prints
-first), writes every line to ``logs/rank-N.log`` and shows the interesting ones on the driver.
+:class:`RankLogRouter` only shows and files lines (:class:`sparkhvd.protocol.Line`); what a rank
+*reports* (exceptions, metrics, its PID) is kept by :class:`sparkhvd.outcome.RunOutcome`.
+
+- Every line goes, redacted, to ``logs/rank-N.log``, whole, however long.
+- The console shows rank 0's lines and every rank's errors (``driver_log_verbosity="rank0"``),
+  or every line (``"all"``); TensorFlow/Gloo start-up noise only with ``verbose=True``; a line
+  longer than :data:`~sparkhvd.protocol.MAX_SHOWN_CHARS` is cut there, with a note saying so.
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import re
@@ -16,13 +17,10 @@ import sys
 import threading
 from typing import IO, Optional
 
-from .errors import RankFailure
-from .rank import ERROR_MARKER, METRICS_MARKER, RANK_MARKER
-from .storage import redact
+from .protocol import MAX_SHOWN_CHARS, Line
+from .redaction import redact
 
 VERBOSITIES = ("rank0", "all")
-
-_PREFIX = re.compile(r"^(?:[^\[]*?)\[(?P<idx>\d+)\]<(?P<tag>stdout|stderr)>:(?P<text>.*)$", re.S)
 
 #: Start-up chatter of TensorFlow, Gloo, Horovod and friends, hidden unless verbose.
 NOISE = [re.compile(p) for p in (
@@ -70,38 +68,18 @@ def is_noise(text: str) -> bool:
     return any(p.search(text) for p in NOISE)
 
 
-class _Channel:
-    """A write()-able text stream for one tag (stdout or stderr)."""
-
-    def __init__(self, router: "RankLogRouter", tag: str) -> None:
-        self._router = router
-        self._tag = tag
-        self._buffer = ""
-
-    def write(self, text: str) -> int:
-        with self._router._lock:
-            self._buffer += text
-            *lines, self._buffer = self._buffer.split("\n")
-            for line in lines:
-                self._router._route(line, self._tag)
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def drain(self) -> None:
-        with self._router._lock:
-            if self._buffer:
-                line, self._buffer = self._buffer, ""
-                self._router._route(line, self._tag)
+def check_verbosity(verbosity: str) -> str:
+    """``verbosity`` if it is one of :data:`VERBOSITIES`, else a ValueError naming them."""
+    if verbosity not in VERBOSITIES:
+        raise ValueError(f"driver_log_verbosity must be one of {VERBOSITIES}; got {verbosity!r}")
+    return verbosity
 
 
 class RankLogRouter:
-    """Receives horovod's prefixed rank output and routes it (see module docstring).
+    """Shows and files rank output lines (see the module docstring).
 
     Args:
-        verbosity: ``"rank0"`` shows rank 0's lines and every rank's errors on the driver;
-            ``"all"`` shows every rank's lines.
+        verbosity: ``"rank0"`` or ``"all"``.
         log_dir: folder for ``rank-N.log`` files (all lines, unfiltered); ``None`` for none.
         verbose: show start-up noise too.
         logger: where shown lines go (default :data:`rank_logger`).
@@ -109,76 +87,43 @@ class RankLogRouter:
 
     def __init__(self, verbosity: str = "rank0", log_dir: Optional[str] = None,
                  verbose: bool = False, logger: Optional[logging.Logger] = None) -> None:
-        if verbosity not in VERBOSITIES:
-            raise ValueError(f"driver_log_verbosity must be one of {VERBOSITIES}; "
-                             f"got {verbosity!r}")
-        self.verbosity = verbosity
+        self.verbosity = check_verbosity(verbosity)
         self.verbose = verbose
         self.log_dir = log_dir
         self.logger = logger or rank_logger
-        self.failures: dict[int, RankFailure] = {}
-        self.metrics: list[dict] = []  # rank 0's per-epoch records (sparkhvd.keras)
-        self.pids: dict[int, int] = {}  # rank -> process id, as each rank reported it
-        self.all_pids: set[int] = set()  # every rank process seen (elastic ranks renumber)
-        self._index_to_rank: dict[int, int] = {}
         self._in_traceback: dict[int, bool] = {}
         self._tail: dict[int, list[str]] = {}
         self._files: dict[int, IO[str]] = {}
+        self._pending: dict[tuple[int, str], list] = {}  # (rank, tag) -> [shown, total chars]
         self._lock = threading.RLock()
-        self.stdout = _Channel(self, "stdout")
-        self.stderr = _Channel(self, "stderr")
+        self._closed = False
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
 
-    def pid_record(self) -> dict:
-        """The rank processes for ``run.json``: ``rank_pids`` (rank -> pid) and all ``pids``."""
-        return {"rank_pids": dict(self.pids), "pids": sorted(self.all_pids)}
-
-    # -- parsing -------------------------------------------------------------------------
-    def _route(self, raw: str, channel_tag: str) -> None:
-        raw = raw.rstrip("\r")
-        m = _PREFIX.match(raw)
-        if m:
-            idx, tag, text = int(m.group("idx")), m.group("tag"), m.group("text")
-        else:
-            idx, tag, text = -1, channel_tag, raw
-        if text.startswith(RANK_MARKER):
-            try:
-                fields = text[len(RANK_MARKER):].split()
-                rank = self._index_to_rank[idx] = int(fields[0])
-                if len(fields) > 1:
-                    self.pids[rank] = int(fields[1])
-                    self.all_pids.add(int(fields[1]))
-            except (ValueError, IndexError):
+    def line(self, msg: Line) -> None:
+        """Record one line (or one piece of a long line) of a rank's output."""
+        text = redact(msg.text.rstrip("\r"))
+        rank, key = msg.rank, (msg.rank, msg.tag)
+        with self._lock:
+            if self._closed:
                 return
-            self._open_file(rank)  # every rank gets its log file, even a silent one
-            return
-        rank = self._index_to_rank.get(idx, idx)
-        if text.startswith(ERROR_MARKER):
-            self._record_failure(rank, text[len(ERROR_MARKER):])
-            return
-        if text.startswith(METRICS_MARKER):
-            if rank == 0:
-                with contextlib.suppress(ValueError):
-                    self.metrics.append(json.loads(text[len(METRICS_MARKER):]))
-            return
-        self.handle_line(rank, tag, text)
+            f = self.open(rank)
+            if f is not None:
+                f.write(text if msg.partial else text + "\n")
+                f.flush()
+            shown, total = self._pending.pop(key, ["", 0])
+            shown = (shown + text)[:MAX_SHOWN_CHARS + 1]
+            total += len(text)
+            if msg.partial:
+                self._pending[key] = [shown, total]
+                return
+            if total > MAX_SHOWN_CHARS:
+                where = f"logs/rank-{rank}.log" if self.log_dir else "the rank log"
+                shown = (f"{shown[:MAX_SHOWN_CHARS]} ... [line cut: {total:,} characters; "
+                         f"whole in {where}]")
+            self._show(rank, msg.tag, shown)
 
-    def _record_failure(self, rank: int, record: str) -> None:
-        try:
-            data = json.loads(record)
-        except ValueError:
-            return
-        rank = int(data.get("rank", rank))
-        self.failures.setdefault(rank, RankFailure(
-            rank=rank, exc_type=data.get("type"), message=data.get("message", ""),
-            traceback=data.get("traceback", ""), time=float(data.get("time", 0.0))))
-
-    # -- routing -------------------------------------------------------------------------
-    def handle_line(self, rank: int, tag: str, text: str) -> None:
-        """Record one line of a rank's output and show it if it should be shown."""
-        text = redact(text)
-        self._write_file(rank, text)
+    def _show(self, rank: int, tag: str, text: str) -> None:
         tail = self._tail.setdefault(rank, [])
         tail.append(text)
         del tail[:-40]
@@ -203,30 +148,28 @@ class RankLogRouter:
                 return True
         return bool(_ERRORISH.search(text))
 
-    def _open_file(self, rank: int) -> Optional[IO[str]]:
-        if not self.log_dir:
+    def open(self, rank: int) -> Optional[IO[str]]:
+        """The rank's log file (created on first use; ``launcher.log`` for rank -1)."""
+        if not self.log_dir or self._closed:
             return None
-        f = self._files.get(rank)
-        if f is None:
-            name = f"rank-{rank}.log" if rank >= 0 else "launcher.log"
-            f = self._files[rank] = open(os.path.join(self.log_dir, name), "a", encoding="utf-8")
-        return f
-
-    def _write_file(self, rank: int, text: str) -> None:
-        f = self._open_file(rank)
-        if f is not None:
-            f.write(text + "\n")
-            f.flush()
+        with self._lock:
+            f = self._files.get(rank)
+            if f is None:
+                name = f"rank-{rank}.log" if rank >= 0 else "launcher.log"
+                f = self._files[rank] = open(os.path.join(self.log_dir, name), "a",
+                                             encoding="utf-8")
+            return f
 
     def tail(self, rank: int, lines: int = 20) -> str:
         """The last lines a rank printed (for errors without a traceback)."""
         return "\n".join(self._tail.get(rank, [])[-lines:])
 
     def close(self) -> None:
-        """Flush partial lines and close the per-rank files."""
-        self.stdout.drain()
-        self.stderr.drain()
+        """Show what is left of unfinished lines and close the per-rank files."""
         with self._lock:
+            for (rank, tag) in list(self._pending):
+                self.line(Line(rank, tag, "", partial=False))
             for f in self._files.values():
                 f.close()
             self._files.clear()
+            self._closed = True

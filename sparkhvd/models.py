@@ -3,25 +3,54 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any, Mapping, Optional
 
 from . import storage
+from .kerasio import local_file, suffix_of
+
+MODEL_SUFFIXES = (".h5", ".keras", ".hdf5")
+
+
+def _newest_run(loc: storage.Location) -> Optional[str]:
+    """The newest run folder directly under ``loc`` (one holding ``run.json``), if any."""
+    try:
+        names = storage.listdir(loc)
+    except (FileNotFoundError, storage.StorageError, NotADirectoryError):
+        return None
+    for name in sorted(names, reverse=True):
+        if not name.startswith(".") and storage.exists(loc.child(name).child("run.json")):
+            return name
+    return None
 
 
 def model_url(url: str, storage_options: Optional[Mapping[str, Any]] = None) -> storage.Location:
-    """The model file's location: ``url`` itself, or the model a run folder's run.json names."""
+    """The model file's location: ``url`` itself, or the model a run folder's run.json names.
+
+    Raises:
+        FileNotFoundError: naming the URL as given, what was looked for, and -- for a folder of
+            run folders -- the newest run in it.
+    """
     loc = storage.resolve(url, storage_options)
+    shown = storage.public_url(url)
     record_loc = loc.child("run.json")
     if storage.exists(record_loc):
         record = json.loads(storage.read_bytes(record_loc))
         name = record.get("model")
         if not name:
             raise FileNotFoundError(
-                f"Run {record.get('run_id')} at {storage.public_url(url)} has no model "
-                f"(status {record.get('status')!r}); rank 0 must return the model's bytes.")
+                f"Run {record.get('run_id')} at {shown} has no model (status "
+                f"{record.get('status')!r}); rank 0 must return the model's bytes.")
         return loc.child(name)
-    return loc
+    if loc.path.lower().endswith(MODEL_SUFFIXES):
+        if not storage.exists(loc):
+            raise FileNotFoundError(f"No model file at {shown}.")
+        return loc
+    newest = _newest_run(loc)
+    hint = (f" It is a folder of runs: pass one of them, e.g. the newest, "
+            f"{shown.rstrip('/')}/{newest}." if newest else
+            " Pass a run folder (it holds run.json) or a model file (.h5 / .keras).")
+    raise FileNotFoundError(f"No model at {shown}: looked for {shown.rstrip('/')}/run.json (a "
+                            f"run folder) or a model file (.h5 / .keras).{hint}")
 
 
 def load_model(url: str, storage_options: Optional[Mapping[str, Any]] = None, **load_kwargs: Any):
@@ -32,19 +61,9 @@ def load_model(url: str, storage_options: Optional[Mapping[str, Any]] = None, **
         model = sparkhvd.load_model("abfss://models@acct.dfs.core.windows.net/runs/20260101-...")
     """
     loc = model_url(url, storage_options)
+    import tensorflow as tf
+
     if loc.is_local:
-        path = loc.path
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"No model at {path}")
-        import tensorflow as tf
-
-        return tf.keras.models.load_model(path, **load_kwargs)
-    data = storage.read_bytes(loc)
-    suffix = os.path.splitext(loc.path)[1] or ".h5"
-    with tempfile.TemporaryDirectory(prefix="sparkhvd-model-") as tmp:
-        path = os.path.join(tmp, "model" + suffix)
-        with open(path, "wb") as f:
-            f.write(data)
-        import tensorflow as tf
-
+        return tf.keras.models.load_model(loc.path, **load_kwargs)
+    with local_file(storage.read_bytes(loc), suffix_of(loc.path)) as path:
         return tf.keras.models.load_model(path, **load_kwargs)

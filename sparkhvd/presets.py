@@ -178,11 +178,11 @@ class Preset:
         return count_slots(master, self.spark_conf(), cpu_count=os.cpu_count() or 1,
                            executor_cores=executors).slots
 
-    def check_np(self, np: int) -> None:
-        """Raise :class:`PresetError` if ``np`` ranks do not fit this preset's sessions."""
+    def check_np(self, size: int) -> None:
+        """Raise :class:`PresetError` if ``size`` Spark ranks do not fit this preset's sessions."""
         limit = self.max_np()
-        if abs(np) > limit and np > 0:
-            raise PresetError(f"np={np} does not fit preset {self.name!r}: it gives at most "
+        if size > limit:
+            raise PresetError(f"np={size} does not fit preset {self.name!r}: it gives at most "
                               f"{limit} task slot(s). Lower np, or use a larger preset "
                               f"(see `sparkhvd presets`).")
 

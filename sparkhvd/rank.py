@@ -1,32 +1,29 @@
-"""Inside each rank: prepare the process, run the user's function, report failures.
+"""Inside each rank: prepare the process, run the user's function, report what happened.
 
-This module is what executes on the Spark executors (or the driver's local processes). It must
-stay cheap to import: TensorFlow is imported only when a GPU has to be pinned.
+This module runs on the Spark executors (or in the driver's local rank processes) and imports
+nothing from the driver side: only :mod:`sparkhvd.protocol`, :mod:`sparkhvd.environment` and the
+exception types. It must stay cheap to import: TensorFlow is imported only to pin a GPU.
+
+What a rank reports travels as typed events (:func:`emit`), separate from its printed output.
 """
 from __future__ import annotations
 
-import json
+import contextlib
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-#: First line each rank prints on stdout and stderr, so the driver maps output to ranks.
-RANK_MARKER = "@@sparkhvd-rank@@"
-#: Line a failing rank prints on stderr with a JSON record of its exception.
-ERROR_MARKER = "@@sparkhvd-error@@"
-#: Line rank 0 prints per epoch with the (averaged) metrics (see sparkhvd.keras).
-METRICS_MARKER = "@@sparkhvd-metrics@@"
+from . import protocol
+from .protocol import TASK_GPUS_ENV
 
 _NOISY_MODULES = r"(petastorm|pyarrow|tensorflow|keras|horovod|numpy|pandas|google|absl)(\..*)?"
-
-
-#: GPU addresses Spark assigned to the rank's task (set by the barrier launcher).
-TASK_GPUS_ENV = "SPARKHVD_TASK_GPUS"
 
 
 @dataclass
@@ -43,7 +40,7 @@ def plan_rank(local_rank: int, local_size: int, cpu_count: int, gpus: list[str],
     """Decide GPU pinning and thread counts for one rank (pure; unit-tested).
 
     - GPUs present: the rank is pinned to the GPU Spark assigned to its task (``spark.task.
-      resource.gpu.amount``, passed as :data:`TASK_GPUS_ENV`), else to GPU
+      resource.gpu.amount``, passed as :data:`~sparkhvd.protocol.TASK_GPUS_ENV`), else to GPU
       ``local_rank % len(gpus)``; TF memory growth is turned on, so local ranks do not grab
       each other's memory.
     - CPU only: the cores are shared among the local ranks through TF's intra/inter-op thread
@@ -58,17 +55,15 @@ def plan_rank(local_rank: int, local_size: int, cpu_count: int, gpus: list[str],
         if key not in environ:
             plan.env[key] = value
 
+    threads = max(1, cpu_count // local_size)
     if gpus:
-        # The GPU Spark assigned to this rank's task (barrier launcher), else by local rank.
         assigned = [a.strip() for a in environ.get(TASK_GPUS_ENV, "").split(",") if a.strip()]
         plan.gpu_index = (gpus.index(assigned[0]) if assigned and assigned[0] in gpus
                           else local_rank % len(gpus))
         plan.memory_growth = True
         setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
-        threads = max(1, cpu_count // local_size)
         setdefault("OMP_NUM_THREADS", str(threads))
     else:
-        threads = max(1, cpu_count // local_size)
         setdefault("TF_NUM_INTRAOP_THREADS", str(threads))
         setdefault("TF_NUM_INTEROP_THREADS", str(min(2, threads)))
         setdefault("OMP_NUM_THREADS", str(threads))
@@ -120,11 +115,6 @@ def apply_plan(plan: RankPlan) -> None:
         configure_tensorflow(tf, plan)
 
 
-def _quiet_warnings() -> None:
-    for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning, UserWarning):
-        warnings.filterwarnings("ignore", category=category, module=_NOISY_MODULES)
-
-
 def _env_int(*names: str, default: int = 0) -> int:
     for name in names:
         if name in os.environ:
@@ -134,51 +124,136 @@ def _env_int(*names: str, default: int = 0) -> int:
 
 def current_rank() -> tuple[int, int, int, int]:
     """(rank, size, local_rank, local_size) from the launcher's environment."""
-    return (_env_int("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"),
-            _env_int("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", default=1),
-            _env_int("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
-            _env_int("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", default=1))
+    return (_env_int("SPARKHVD_RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"),
+            _env_int("SPARKHVD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", default=1),
+            _env_int("SPARKHVD_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
+            _env_int("SPARKHVD_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                     default=1))
 
 
-def error_record(rank: int, exc: BaseException) -> str:
-    """The one-line JSON record a failing rank prints after :data:`ERROR_MARKER`."""
-    return json.dumps({
-        "rank": rank,
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        "time": time.time(),
-    })
+# -- events ---------------------------------------------------------------------------------
+class _Events:
+    """Where :func:`emit` writes: the launcher's event pipe, else marker lines on stderr."""
+
+    def __init__(self) -> None:
+        self.fd: Optional[int] = None
+        self.lock = threading.Lock()
+        self.rank = 0
+
+    def take_from_env(self) -> None:
+        # Taken out of the environment at once: a child process the user starts must not
+        # inherit the number and write into whatever file it names there.
+        raw = os.environ.pop(protocol.EVENTS_FD_ENV, None)
+        if raw and self.fd is None:
+            with contextlib.suppress(ValueError):
+                self.fd = int(raw)
+
+    def send(self, msg: Any) -> None:
+        if self.fd is not None:
+            data = protocol.encode(msg)
+            try:
+                with self.lock:
+                    while data:
+                        data = data[os.write(self.fd, data):]
+                return
+            except OSError:
+                self.fd = None
+        with contextlib.suppress(OSError, ValueError):
+            print(protocol.as_text(msg), file=sys.__stderr__, flush=True)
+
+
+_events = _Events()
+
+
+def emit(msg: Any) -> None:
+    """Send an event (a :mod:`sparkhvd.protocol` message) to the driver."""
+    _events.send(msg)
+
+
+def error_event(rank: int, exc: BaseException) -> protocol.Error:
+    """The :class:`~sparkhvd.protocol.Error` event for an exception that ended a rank."""
+    return protocol.Error(
+        rank=rank, exc_type=type(exc).__name__, message=str(exc),
+        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        time=time.time())
+
+
+def announce(rank: int) -> None:
+    """Tell the driver which rank this process is (again, after an elastic reset)."""
+    _events.rank = rank
+    emit(protocol.Started(rank=rank, pid=os.getpid(), host=socket.gethostname()))
+
+
+# -- the rank's own process tree -------------------------------------------------------------
+def become_subreaper() -> None:
+    """Linux: orphaned descendants (daemonised helpers) are re-parented to this process, so
+    :func:`end_children` finds them too."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+
+
+def end_children(grace_s: float = 1.0) -> None:
+    """Stop every process this rank started (data loaders, tools, multiprocessing workers).
+
+    A leftover child would keep the rank's output pipes open (so nothing downstream sees the
+    end of its output) and multiprocessing's exit handler would wait for it forever.
+    """
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - a dependency
+        return
+    with contextlib.suppress(psutil.Error):
+        children = psutil.Process().children(recursive=True)
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                child.terminate()
+        _, alive = psutil.wait_procs(children, timeout=grace_s)
+        for child in alive:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        psutil.wait_procs(alive, timeout=grace_s)
+
+
+def scrub_environment(keep: list[str]) -> None:
+    """Drop inherited variables a rank may not see (see :mod:`sparkhvd.environment`).
+
+    The barrier and local launchers build the rank's environment that way already; horovod's
+    own launcher copies the executor's whole environment, so this is where it is enforced there.
+    """
+    from .environment import allowed
+
+    keep_set = set(keep)
+    for name in list(os.environ):
+        if not (name in keep_set or name.startswith("SPARKHVD_") or allowed(name)):
+            del os.environ[name]
+
+
+def pickled_result(rank: int, result: Any) -> bytes:
+    """``result`` pickled for the driver, or a PayloadError that names the type and the fix."""
+    import cloudpickle
+
+    from .errors import PayloadError
+
+    try:
+        return cloudpickle.dumps(result)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure is the same problem
+        kind = f"{type(result).__module__}.{type(result).__qualname__}"
+        raise PayloadError(
+            f"rank {rank} returned a {kind}, which cannot be sent to the driver "
+            f"({type(exc).__name__}: {exc}). Return bytes or plain data (numbers, strings, "
+            "lists, dicts, numpy arrays); for a Keras model, return its saved bytes "
+            "(model.save(path), then open(path, 'rb').read()).") from None
+
+
+def _quiet_warnings() -> None:
+    for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category, module=_NOISY_MODULES)
 
 
 #: What an elastic rank returns: (ELASTIC_RESULT, final rank, value-or-None).
 ELASTIC_RESULT = "@@sparkhvd-elastic-result@@"
-_elastic_rank: dict[str, int] = {}
-
-
-def announce_rank(rank: int) -> None:
-    """Tell the driver which rank this process is (again, after an elastic reset)."""
-    _elastic_rank["rank"] = rank
-    for stream in (sys.stdout, sys.stderr):
-        print(f"{RANK_MARKER} {rank} {os.getpid()}", file=stream, flush=True)
-
-
-def _follow_elastic_resets() -> None:
-    """Re-announce the rank after each elastic reset (horovod renumbers the survivors)."""
-    try:
-        from horovod.common.elastic import State
-    except ImportError:  # pragma: no cover - horovod is there wherever ranks run
-        return
-    if getattr(State.on_reset, "_sparkhvd", False):
-        return
-    original = State.on_reset
-
-    def on_reset(self: Any) -> None:
-        original(self)
-        announce_rank(int(self._rank()))
-
-    on_reset._sparkhvd = True  # type: ignore[attr-defined]
-    State.on_reset = on_reset
 
 
 def elastic_result(results: list[Any]) -> list[Any]:
@@ -193,54 +268,52 @@ def elastic_result(results: list[Any]) -> list[Any]:
 
 
 def rank_main(payload: bytes, options: dict) -> Any:
-    """Entry point executed once per rank by horovod (Spark tasks or local processes).
+    """Run the user's function in this rank (every launcher ends up here).
 
     Args:
         payload: :func:`sparkhvd.payload.dumps` of the user's function and kwargs.
-        options: ``verbose`` (bool), ``return_all`` (bool), ``elastic`` (bool).
+        options: ``verbose``, ``return_all``, ``elastic`` (bools), ``env_keep`` (names of the
+            variables the driver sent on purpose), ``check_result`` (validate the return value
+            here: on launchers that pickle it themselves).
     Returns:
         The function's return value on rank 0 (every rank with ``return_all``), else ``None``;
         elastic ranks tag it with their final rank (see :func:`elastic_result`).
     """
-    rank, size, local_rank, local_size = current_rank()
-    announce_rank(rank)
+    rank, _, local_rank, local_size = current_rank()
+    _events.take_from_env()
+    scrub_environment(list(options.get("env_keep", ())))
+    become_subreaper()
+    announce(rank)
     if options.get("elastic"):
-        _follow_elastic_resets()
+        from ._compat import follow_elastic_resets
+
+        follow_elastic_resets(announce)
     if not options.get("verbose"):
         _quiet_warnings()
     try:
         cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else (os.cpu_count() or 1)
         apply_plan(plan_rank(local_rank, local_size, cpu_count, detect_gpus()))
-        from .payload import loads
+        import cloudpickle
 
-        fn, kwargs = loads(payload)
+        fn, kwargs = cloudpickle.loads(payload)  # made by sparkhvd.payload.dumps on the driver
         result = fn(**kwargs)
+        rank = _events.rank
+        keep = rank == 0 or options.get("return_all")
+        if keep and options.get("check_result"):
+            pickled_result(rank, result)
     except BaseException as exc:
-        print(f"{ERROR_MARKER} {error_record(rank, exc)}", file=sys.stderr, flush=True)
+        emit(error_event(_events.rank, exc))
         raise
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        with contextlib.suppress(Exception):
+            from .runfiles import publish_timeline
+
+            publish_timeline(_events.rank)
+        end_children()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
     if options.get("elastic"):
-        rank = _elastic_rank.get("rank", rank)
-        keep = rank == 0 or options.get("return_all")
         return (ELASTIC_RESULT, rank, result if keep else None)
-    if rank == 0 or options.get("return_all"):
-        return result
-    return None
-
-
-#: How long a Spark task keeps a finished rank's command around for the driver to collect its
-#: exit code; horovod uses 3 s from the command's start, which a short run pays in full. The
-#: driver is already waiting for the exit code while the command runs, so 1 s is ample.
-COMMAND_LIFETIME_S = 1.0
-
-
-def spark_task_mapper(driver_addresses: Any, key: Any, settings: Any, use_gloo: bool,
-                      is_elastic: bool, index: int, _rows: Any) -> Any:
-    """horovod's Spark task (``horovod.spark.runner._task_fn``) with a shorter command lifetime."""
-    import horovod.spark.runner as hvd_runner
-
-    hvd_runner.MINIMUM_COMMAND_LIFETIME_S = COMMAND_LIFETIME_S
-    yield hvd_runner._task_fn(index, driver_addresses, key, settings, use_gloo, is_elastic)
+    return result if keep else None

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import platform
 import secrets
-import tempfile
 import time
 from typing import Any, Optional
 
 from .compat import package_version
+from .fileio import atomic_write
+
+log = logging.getLogger(__name__)
 
 MODEL_NAMES = {b"\x89HDF\r\n\x1a\n": "model.h5", b"PK\x03\x04": "model.keras"}
 
@@ -26,23 +29,6 @@ MODEL_NAMES = {b"\x89HDF\r\n\x1a\n": "model.h5", b"PK\x03\x04": "model.keras"}
 def new_run_id() -> str:
     """A sortable, unique run id: ``YYYYmmdd-HHMMSS-xxxx``."""
     return _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
-
-
-def atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix="-" + os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def model_filename(data: bytes) -> Optional[str]:
@@ -82,6 +68,36 @@ def latest_checkpointed_run(root: str, storage_options: Optional[dict] = None,
     return None
 
 
+def resolve_resume_source(resume_from: Any, output_dir: str,
+                          storage_options: Optional[dict] = None,
+                          exclude: Optional[str] = None) -> str:
+    """The checkpoints folder (holding ``latest.json``) that ``resume_from`` points to.
+
+    ``True``: the newest run under ``output_dir`` with checkpoints. A URL: a run folder or a
+    checkpoints folder. Raises FileNotFoundError naming what was looked for and the fix.
+    """
+    from . import storage
+
+    if resume_from is True:
+        source = latest_checkpointed_run(output_dir, storage_options, exclude=exclude)
+        if source is None:
+            raise FileNotFoundError(
+                f"resume_from=True, but no earlier run under {storage.public_url(output_dir)} has "
+                "checkpoints (checkpoints/latest.json). Train with "
+                "sparkhvd.keras.KerasDistributed first (it checkpoints every epoch), or pass "
+                "resume_from=<run folder URL>.")
+        return f"{source}/checkpoints"
+    url = str(resume_from).rstrip("/")
+    for candidate in (f"{url}/checkpoints", url):
+        if storage.exists(f"{candidate}/latest.json", storage_options):
+            return candidate
+    raise FileNotFoundError(
+        f"resume_from={storage.public_url(url)!r} has no checkpoints: looked for "
+        f"{storage.public_url(url)}/checkpoints/latest.json and {storage.public_url(url)}/"
+        "latest.json. Pass a run folder trained with sparkhvd.keras.KerasDistributed, its "
+        "checkpoints/ folder, or resume_from=True for the newest run under output_dir.")
+
+
 def staging_root() -> str:
     """Where runs bound for remote storage are staged locally (``SPARKHVD_STAGING_DIR``)."""
     return os.environ.get("SPARKHVD_STAGING_DIR") or os.path.join(
@@ -113,13 +129,20 @@ class RunDir:
                                        "versions": versions(), "timings": {}}
         self._t0 = time.monotonic()
 
+    @property
+    def location(self) -> str:
+        """Where the run folder is now, safe to print (the URL once published)."""
+        from .storage import public_url
+
+        return public_url(self.path)
+
     def file(self, name: str) -> str:
         """Absolute local path of a file inside the run folder."""
         return os.path.join(self.path, name)
 
     def update(self, **fields: Any) -> None:
         """Merge ``fields`` into the record and rewrite ``run.json`` atomically."""
-        from .storage import redact
+        from .redaction import redact
 
         self.record.update(fields)
         text = redact(json.dumps(self.record, indent=2, default=str))
@@ -172,3 +195,11 @@ class RunDir:
 
             shutil.rmtree(self.path, ignore_errors=True)
             self.path = self.url
+
+    def publish_quietly(self) -> None:
+        """Publish a failed or interrupted run too (its logs and checkpoints matter most then);
+        if that fails as well, say where the local copy is and go on with the run's own error."""
+        try:
+            self.publish()
+        except Exception as exc:  # noqa: BLE001 - the run's own error is what the user gets
+            log.warning("%s", exc)

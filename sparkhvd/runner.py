@@ -1,33 +1,104 @@
-"""``HorovodRunner``: run a training function data-parallel on Spark task slots with Horovod."""
+"""``HorovodRunner``: run a training function data-parallel on Spark task slots with Horovod.
+
+The runner is the driver's whole story of a run, in order: validate, serialise, check the
+cluster, prepare the run folder, build one :class:`~sparkhvd.launchers.LaunchSpec`, hand it to
+a launcher, collect the :class:`~sparkhvd.outcome.RunOutcome`, record and publish.
+"""
 from __future__ import annotations
 
 import datetime as _dt
+import inspect
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from . import payload as _payload
-from .barrier import LAUNCHERS, choose_launcher, driver_host, launch_barrier
+from . import protocol
 from .compat import check_keras
-from .errors import RankFailure, TrainingError
-from .launch import LaunchFailure, launch_local, launch_spark
-from .logs import VERBOSITIES, RankLogRouter
-from .rundir import RunDir, latest_checkpointed_run
-from .storage import StorageError
-from .session import check_worker_python, get_or_create_session, is_loopback_master, rank_env
-from .slots import check_slots
+from .environment import rank_env
+from .errors import LaunchFailure, PayloadError, StorageError
+from .launchers import LAUNCHERS, LaunchSpec, choose_launcher, driver_host, get_launcher
+from .logs import RankLogRouter, check_verbosity
+from .outcome import RunOutcome
+from .redaction import remember_environment
+from .rundir import RunDir, resolve_resume_source
 
 log = logging.getLogger(__name__)
 
-RUN_URL_ENV = "SPARKHVD_RUN_URL"  # read by sparkhvd.keras.KerasDistributed
-RESUME_URL_ENV = "SPARKHVD_RESUME_URL"
-
 DEFAULT_START_TIMEOUT = 120
+#: Keyword arguments of ``run()``/``run_all()`` themselves: a training function cannot take them.
+RESERVED_KWARGS = ("timeout",)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """``np`` decoded once, at the boundary: how many ranks, and where they run."""
+
+    size: int
+    spark: bool
+
+    @classmethod
+    def from_np(cls, np: Any) -> "Mode":
+        if isinstance(np, bool) or not isinstance(np, int) or np == 0:
+            raise ValueError(
+                f"np must be a non-zero int; got {np!r}. Use np=N (N > 0) to run N ranks as Spark "
+                "tasks, or np=-N to run N ranks as local processes on the driver (no Spark tasks, "
+                "for quick debugging).")
+        return cls(size=abs(np), spark=np > 0)
+
+    @property
+    def name(self) -> str:
+        return "spark" if self.spark else "local"
+
+
+def check_arguments(fn: Callable, kwargs: Mapping[str, Any]) -> None:
+    """Bind ``kwargs`` to ``fn``'s signature on the driver, before anything starts.
+
+    Raises:
+        PayloadError: naming the missing/unexpected argument, or a required parameter whose
+            name ``run()`` reserves for itself.
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins and some C callables: nothing to check
+        return
+    name = getattr(fn, "__qualname__", repr(fn))
+    for param in signature.parameters.values():
+        if param.name in RESERVED_KWARGS and param.default is param.empty and \
+                param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            raise PayloadError(
+                f"{name}() has a required parameter {param.name!r}, but run() reserves that "
+                f"keyword for itself (run(fn, {param.name}=...) is run()'s own "
+                f"{param.name}). Fix: rename the parameter, or give it a default. Reserved: "
+                f"{', '.join(RESERVED_KWARGS)}.")
+    params = signature.parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        unexpected = [k for k in kwargs if k not in params or
+                      params[k].kind in (params[k].POSITIONAL_ONLY, params[k].VAR_POSITIONAL)]
+        if unexpected:
+            import difflib
+
+            close = difflib.get_close_matches(unexpected[0], list(params), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise PayloadError(
+                f"run() cannot call {name}{signature}: unexpected keyword argument "
+                f"{unexpected[0]!r}{hint}. Fix: pass the function's own parameter names. "
+                f"Reserved by run(): {', '.join(RESERVED_KWARGS)}.")
+    try:
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        raise PayloadError(
+            f"run() cannot call {name}{signature} with the arguments given "
+            f"({', '.join(kwargs) or 'none'}): {exc}. Fix: pass the function's parameters by "
+            f"name, e.g. run({getattr(fn, '__name__', 'fn')}, "
+            f"{', '.join(f'{p}=...' for p in list(signature.parameters)[:2])}). "
+            f"Reserved by run(): {', '.join(RESERVED_KWARGS)}.") from None
 
 
 def _prepared_arguments(kwargs: Mapping[str, Any]) -> list[Any]:
     """Call ``_sparkhvd_prepare()`` on arguments that need driver-side work before pickling
-    (e.g. a DataFrameDataset materialising its Parquet); return them for clean-up."""
+    (a DataFrameDataset materialises its Parquet); return them for :func:`_finish_arguments`."""
     prepared = []
     try:
         for value in kwargs.values():
@@ -35,19 +106,17 @@ def _prepared_arguments(kwargs: Mapping[str, Any]) -> list[Any]:
                 value._sparkhvd_prepare()
                 prepared.append(value)
     except BaseException:
-        for value in prepared:
-            value._sparkhvd_cleanup()
+        _finish_arguments(prepared, succeeded=False)
         raise
     return prepared
 
 
-def _validate_np(np: Any) -> int:
-    if isinstance(np, bool) or not isinstance(np, int) or np == 0:
-        raise ValueError(
-            f"np must be a non-zero int; got {np!r}. Use np=N (N > 0) to run N ranks as Spark "
-            "tasks, or np=-N to run N ranks as local processes on the driver (no Spark tasks, "
-            "for quick debugging).")
-    return np
+def _finish_arguments(prepared: list[Any], *, succeeded: bool) -> None:
+    for value in prepared:
+        try:
+            value._sparkhvd_finish(succeeded)
+        except Exception as exc:  # noqa: BLE001 - clean-up must not hide the run's outcome
+            log.warning("could not clean up %r: %s", value, exc)
 
 
 class HorovodRunner:
@@ -60,37 +129,40 @@ class HorovodRunner:
         driver_log_verbosity: ``"rank0"`` (default) shows rank 0's output and every rank's
             errors on the driver; ``"all"`` shows every rank's output. Each line is prefixed
             ``[rank N]``; all lines are kept in the run folder's ``logs/rank-N.log``.
-        start_timeout: seconds horovod may take to start the ranks.
-        env: extra environment variables for the ranks (added to a small allowlist of the
-            driver's variables; the driver's environment is never copied wholesale).
+        start_timeout: seconds the ranks may take to start.
+        env: extra environment variables for the ranks (added to the rank's own machine basics
+            and the driver's ``TF_*``/``HOROVOD_*``/... settings; the driver's environment is
+            never copied wholesale, see :mod:`sparkhvd.environment`).
         output_dir: folder or storage URL (``abfss://container@account.dfs.core.windows.net/
             path``, ``az://``, ``file://``) that receives one ``<run-id>/`` folder per run
             (default ``runs``). A remote destination is checked by a pre-flight write before
             training; the run is staged locally and published at the end.
         storage_options: credentials and options for ``output_dir`` (adlfs keywords such as
-            ``connection_string``, ``account_key``, ``sas_token``); default: the
-            ``AZURE_STORAGE_*`` environment variables, then adlfs' credential chain. They are
-            used on the driver only and never recorded.
-        resume_from: resume Keras training (``sparkhvd.keras.KerasDistributed(resume=True)``)
-            from a run's checkpoints: ``True`` for the latest run under ``output_dir`` that has
-            checkpoints, or a run folder / checkpoints URL.
+            ``connection_string``, ``account_key``, ``sas_token``; and sparkhvd's retry budget,
+            see :mod:`sparkhvd.storage`); default: the ``AZURE_STORAGE_*`` environment
+            variables, then adlfs' credential chain. Used on the driver only, never recorded.
+        resume_from: continue Keras training from a run's checkpoints: ``True`` for the latest
+            run under ``output_dir`` that has checkpoints, or a run folder / checkpoints URL.
+            ``sparkhvd.keras.KerasDistributed`` then restores them (unless ``resume=False``);
+            a run asked to resume that restores nothing says so (warning, ``run.json``).
         min_np, max_np: elastic training (``horovod.spark.run_elastic``): the run goes on while
             between ``min_np`` and ``max_np`` ranks are alive; the function must keep its
             progress in ``hvd.elastic`` state (see the README).
-        launcher: how ranks start on Spark. ``"auto"`` (default): ``"barrier"`` -- sparkhvd's
-            own launcher, one Spark barrier stage with a Gloo rank process per task (about a
-            second to start, see ``sparkhvd.barrier``) -- unless the run is elastic or the
-            session uses dynamic allocation (barrier stages cannot), then ``"horovod"``:
-            ``horovod.spark.run`` / ``run_elastic``.
+        launcher: how ranks start on Spark: ``"auto"`` (default: ``"barrier"`` -- one Spark
+            barrier stage, about a second to start -- unless the run is elastic or the session
+            uses dynamic allocation, then ``"horovod"``: ``horovod.spark.run``/``run_elastic``).
         preset: a session preset name (``conf/<name>.json``) or :class:`~sparkhvd.presets.Preset`:
             ``np`` is checked against it at once, and a session is created from it when none is
             active.
-        timeline: record a Horovod timeline (``HOROVOD_TIMELINE``) into the run folder as
-            ``timeline.json`` (open it in chrome://tracing or Perfetto).
+        timeline: record a Horovod timeline into the run folder as ``timeline.json`` (open it
+            in chrome://tracing or Perfetto), wherever rank 0 runs.
         verbose: show TensorFlow/Gloo start-up noise and horovod's own debug output.
-        nics: network interfaces for Gloo; default ``{"lo"}`` when every executor is local.
+        nics: network interfaces for Gloo; default: ``{"lo"}`` when every executor is local,
+            else each task uses the interface that reaches the driver.
         slot_wait_s: on a cluster, how long to wait for executors to register before the
             slot check fails.
+        heartbeat_timeout: (barrier launcher) a Spark task silent this long -- its host lost or
+            cut off the network -- fails the run, naming the rank and host.
 
     Example::
 
@@ -105,13 +177,15 @@ class HorovodRunner:
                  resume_from: Any = None, timeline: bool = False, preset: Any = None,
                  min_np: Optional[int] = None, max_np: Optional[int] = None,
                  launcher: str = "auto", verbose: bool = False, nics: Optional[set[str]] = None,
-                 slot_wait_s: float = 30.0) -> None:
-        self.np = _validate_np(np)
+                 slot_wait_s: float = 30.0, heartbeat_timeout: float = 15.0) -> None:
+        self.mode = Mode.from_np(np)
+        self.np = np
         self.elastic = None
         if min_np is not None or max_np is not None:
             lo = np if min_np is None else min_np
             hi = np if max_np is None else max_np
-            if np < 0 or not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= np <= hi):
+            if not self.mode.spark or not (isinstance(lo, int) and isinstance(hi, int)
+                                           and 1 <= lo <= np <= hi):
                 raise ValueError(f"Elastic training needs 1 <= min_np <= np <= max_np with np > 0; "
                                  f"got min_np={min_np}, np={np}, max_np={max_np}.")
             self.elastic = (lo, hi)
@@ -121,15 +195,14 @@ class HorovodRunner:
             raise ValueError("Elastic training (min_np/max_np) runs on horovod.spark.run_elastic; "
                              "use launcher='auto' or 'horovod'.")
         self.launcher = launcher
-        if driver_log_verbosity not in VERBOSITIES:
-            raise ValueError(f"driver_log_verbosity must be one of {VERBOSITIES}; "
-                             f"got {driver_log_verbosity!r}")
-        if not isinstance(start_timeout, (int, float)) or start_timeout <= 0:
-            raise ValueError(f"start_timeout must be a positive number of seconds; "
-                             f"got {start_timeout!r}")
+        self.driver_log_verbosity = check_verbosity(driver_log_verbosity)
+        for name, value in (("start_timeout", start_timeout),
+                            ("heartbeat_timeout", heartbeat_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds; got {value!r}")
         self.spark = spark
-        self.driver_log_verbosity = driver_log_verbosity
         self.start_timeout = int(start_timeout)
+        self.heartbeat_timeout = float(heartbeat_timeout)
         self.env = dict(env or {})
         rank_env(self.env)  # validates types now rather than at run()
         self.output_dir = output_dir
@@ -139,8 +212,8 @@ class HorovodRunner:
             from .presets import load_preset
 
             preset = load_preset(preset)
-        if preset is not None:
-            preset.check_np(self.np)
+        if preset is not None and self.mode.spark:
+            preset.check_np(self.mode.size)
         self.preset = preset
         self.timeline = timeline
         self.verbose = verbose
@@ -157,9 +230,10 @@ class HorovodRunner:
         button) likewise stops everything and propagates; the session stays usable.
 
         Raises:
-            PayloadError: ``fn`` or an argument cannot be sent to the ranks (before launch).
+            PayloadError: ``fn`` or an argument cannot be sent to the ranks, or ``kwargs`` do not
+                fit ``fn``'s parameters (before launch).
             NotEnoughSlotsError: the session has fewer task slots than ``np`` (in seconds).
-            TrainingError: a rank failed; names the rank, the exception and its traceback.
+            TrainingError: a rank failed; names the rank, its host, the exception and traceback.
             TimeoutError: ``timeout`` passed.
         """
         return self._execute(fn, kwargs, return_all=False, timeout=timeout)[0]
@@ -172,20 +246,32 @@ class HorovodRunner:
     # -- internals -----------------------------------------------------------------------
     def _execute(self, fn: Callable, kwargs: Mapping[str, Any], *, return_all: bool,
                  timeout: Optional[float] = None) -> list:
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        if timeout is not None and (isinstance(timeout, bool) or
+                                    not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
         if not callable(fn):
             _payload.dumps(fn, {})  # raises the PayloadError that explains it
+        check_arguments(fn, kwargs)
+        spark = self._session() if self.mode.spark else None
         prepared = _prepared_arguments(kwargs)
+        succeeded = False
         try:
             blob = _payload.dumps(fn, kwargs)
-            return self._launch(fn, blob, return_all=return_all, timeout=timeout)
+            results = self._launch(fn, blob, spark, return_all=return_all, timeout=timeout,
+                                   env_keep=sorted(self.env))
+            succeeded = True
+            return results
         finally:
-            for value in prepared:
-                value._sparkhvd_cleanup()
+            _finish_arguments(prepared, succeeded=succeeded)
 
-    def _launch(self, fn: Callable, blob: bytes, *, return_all: bool,
-                timeout: Optional[float]) -> list:
+    def _session(self) -> Any:
+        from .session import get_or_create_session
+
+        return get_or_create_session(self.mode.size, self.spark, self.preset)
+
+    def _launch(self, fn: Callable, blob: bytes, spark: Any, *, return_all: bool,
+                timeout: Optional[float], env_keep: list[str]) -> list:
+        remember_environment(os.environ)
         env = rank_env(self.env, verbose=self.verbose)
         check_keras({**os.environ, **env})
         run_dir = RunDir(self.output_dir, storage_options=self.storage_options)
@@ -195,103 +281,104 @@ class HorovodRunner:
         except StorageError as exc:
             self._finish(run_dir, "failed", exc)
             raise
-        size = abs(self.np)
-        run_dir.update(status="starting", np=self.np, mode="spark" if self.np > 0 else "local",
+        run_dir.update(status="starting", np=self.np, mode=self.mode.name,
                        function=getattr(fn, "__qualname__", repr(fn)),
                        started_at=_dt.datetime.now().isoformat(timespec="seconds"))
         router = RankLogRouter(self.driver_log_verbosity, log_dir=run_dir.logs,
                                verbose=self.verbose)
-        options = {"verbose": self.verbose, "return_all": return_all,
-                   "elastic": bool(self.elastic)}
+        outcome = RunOutcome(router)
+        files = None
+        results: list = []
         try:
-            self._resume_env(env, run_dir)
-            if self.np > 0:
-                spark = get_or_create_session(size, self.spark, self.preset)
-                sc = spark.sparkContext
-                run_dir.update(spark_master=sc.master, spark_app_id=sc.applicationId)
-                self._run_dir_env(env, run_dir, shared=is_loopback_master(sc.master))
-                check_worker_python(sc)
-                slots = check_slots(sc, size, wait_s=0 if sc.master.startswith("local")
-                                    else self.slot_wait_s)
-                run_dir.update(slots=slots.slots)
-                nics = self.nics or ({"lo"} if is_loopback_master(sc.master) else None)
-                run_dir.mark("launch")
-                log.info("Launching %d rank(s) on Spark (%s); logs in %s", size, sc.master,
-                         run_dir.logs)
-                launcher = choose_launcher(self.launcher, sc, self.elastic)
-                run_dir.update(launcher=launcher)
-                if launcher == "barrier":
-                    results = launch_barrier(
-                        size, blob, options, env=env, router=router,
-                        start_timeout=self.start_timeout, nics=nics, verbose=self.verbose,
-                        timeout=timeout, driver_host=driver_host(sc))
-                else:
-                    results = launch_spark(size, blob, options, env=env, router=router,
-                                           start_timeout=self.start_timeout, nics=nics,
-                                           verbose=self.verbose, timeout=timeout,
-                                           elastic=self.elastic)
-            else:
-                self._run_dir_env(env, run_dir, shared=True)
-                run_dir.mark("launch")
-                log.info("Launching %d local rank process(es); logs in %s", size, run_dir.logs)
-                results = launch_local(size, blob, options, env=env, router=router,
-                                       start_timeout=self.start_timeout, verbose=self.verbose,
-                                       timeout=timeout)
+            spec = LaunchSpec(np=self.mode.size, payload=blob, env=env,
+                              options={"verbose": self.verbose, "return_all": return_all,
+                                       "elastic": bool(self.elastic)},
+                              start_timeout=self.start_timeout, timeout=timeout,
+                              verbose=self.verbose, elastic=self.elastic,
+                              heartbeat_timeout=self.heartbeat_timeout)
+            launcher_name, shared_disk = self._place(spec, spark, run_dir)
+            resume = self._resume_source(run_dir)
+            files = self._start_files(spec, run_dir, resume, shared_disk)
+            spec.options["env_keep"] = sorted(set(env_keep) | set(spec.env))
+            run_dir.mark("launch")
+            log.info("Launching %d rank(s) %s; logs in %s", spec.np,
+                     f"on Spark ({spark.sparkContext.master})" if spark else "as local processes",
+                     run_dir.logs)
+            results = get_launcher(launcher_name).launch(spec, outcome)
         except LaunchFailure as failure:
-            error = self._training_error(failure, router, run_dir)
-            self._finish(run_dir, "failed", error, **router.pid_record())
-            raise error from None
+            self._finish(run_dir, "failed", outcome.training_error(failure, None), outcome)
+            # Built again now that the run folder is where it stays (published if remote).
+            raise outcome.training_error(failure, run_dir.location) from None
         except BaseException as exc:
             status = ("interrupted" if isinstance(exc, KeyboardInterrupt) else
                       "timed out" if isinstance(exc, TimeoutError) else "failed")
-            self._finish(run_dir, status, exc, **router.pid_record())
+            self._finish(run_dir, status, exc, outcome)
             raise
         finally:
+            if files is not None:
+                files.stop()
             router.close()
-            self._write_curves(run_dir, router.metrics)
+            self._write_curves(run_dir, outcome.metrics)
         run_dir.mark("finished")
         saved = run_dir.save_result(results[0]) if results else None
-        self._finish(run_dir, "succeeded", None, model=os.path.basename(saved) if saved else None,
-                     **router.pid_record())
+        self._finish(run_dir, "succeeded", None, outcome,
+                     model=os.path.basename(saved) if saved else None)
         try:
             run_dir.publish()
         except StorageError as exc:
-            exc.result = results[0] if not return_all else results  # type: ignore[attr-defined]
+            exc.result = results[0] if not return_all else results
             raise
         return results
 
-    def _run_dir_env(self, env: dict, run_dir: RunDir, *, shared: bool) -> None:
-        """Tell the ranks where the run folder is (for checkpoints) and where the timeline goes.
+    def _place(self, spec: LaunchSpec, spark: Any, run_dir: RunDir) -> tuple[str, bool]:
+        """Which launcher, where the driver is reached, and whether the ranks share its disk."""
+        if not self.mode.spark:
+            run_dir.update(launcher="local")
+            return "local", True
+        from .session import check_worker_python, is_loopback_master
+        from .slots import check_slots
 
-        When the ranks run on this machine they write into the local (staged) folder, which is
-        published with the rest; on a cluster they write to the run's URL directly.
-        """
-        env[RUN_URL_ENV] = run_dir.path if shared else run_dir.url
-        if self.timeline:
-            if shared:
-                env["HOROVOD_TIMELINE"] = run_dir.file("timeline.json")
-            else:
-                env["HOROVOD_TIMELINE"] = f"/tmp/sparkhvd-timeline-{run_dir.run_id}.json"
-                log.warning("timeline=True on a cluster: rank 0 writes the timeline to %s on its "
-                            "executor host", env["HOROVOD_TIMELINE"])
-            run_dir.update(timeline=env["HOROVOD_TIMELINE"])
+        sc = spark.sparkContext
+        run_dir.update(spark_master=sc.master, spark_app_id=sc.applicationId)
+        check_worker_python(sc)
+        slots = check_slots(sc, spec.np, wait_s=0 if sc.master.startswith("local")
+                            else self.slot_wait_s)
+        run_dir.update(slots=slots.slots)
+        shared = is_loopback_master(sc.master)
+        spec.nics = self.nics or ({"lo"} if shared else None)
+        spec.driver_host = driver_host(sc)
+        name = choose_launcher(self.launcher, sc, self.elastic)
+        run_dir.update(launcher=name)
+        return name, shared
 
-    def _resume_env(self, env: dict, run_dir: RunDir) -> None:
+    def _resume_source(self, run_dir: RunDir) -> Optional[str]:
+        """The checkpoints folder to resume from (or None), recorded as *requested*."""
         if self.resume_from is None or self.resume_from is False:
-            return
-        if self.resume_from is True:
-            source = latest_checkpointed_run(self.output_dir, self.storage_options,
-                                             exclude=run_dir.run_id)
-            if source is None:
-                raise FileNotFoundError(
-                    f"resume_from=True, but no earlier run under {self.output_dir} has "
-                    "checkpoints (checkpoints/latest.json). Train with "
-                    "sparkhvd.keras.KerasDistributed(checkpoint=True) first, or pass "
-                    "resume_from=<run folder URL>.")
-        else:
-            source = str(self.resume_from).rstrip("/")
-        env[RESUME_URL_ENV] = source
-        run_dir.update(resumed_from=source)
+            return None
+        source = resolve_resume_source(self.resume_from, self.output_dir, self.storage_options,
+                                       exclude=run_dir.run_id)
+        run_dir.update(resume={"requested": source, "restored": None})
+        return source
+
+    def _start_files(self, spec: LaunchSpec, run_dir: RunDir, resume: Optional[str],
+                     shared_disk: bool) -> Any:
+        """Start the run-folder service and tell the ranks where their run folder is."""
+        from .fileservice import RunFileService
+        from .storage import public_url
+
+        files = RunFileService(spec.driver_host, run_dir.path,
+                               (resume, self.storage_options) if resume else None).start()
+        spec.env.update(files.env())
+        if shared_disk:
+            spec.env[protocol.RUN_URL_ENV] = run_dir.path
+        if resume:
+            spec.env[protocol.RESUME_URL_ENV] = public_url(resume)
+        if self.timeline:
+            spec.env[protocol.TIMELINE_ENV] = (
+                run_dir.file("timeline.json") if shared_disk else
+                os.path.join("/tmp", f"sparkhvd-timeline-{run_dir.run_id}.json"))
+            run_dir.update(timeline="timeline.json")
+        return files
 
     @staticmethod
     def _write_curves(run_dir: RunDir, records: list) -> None:
@@ -306,37 +393,34 @@ class HorovodRunner:
             log.warning("could not write the training curves: %s", exc)
 
     @staticmethod
-    def _training_error(failure: LaunchFailure, router: RankLogRouter,
-                        run_dir: RunDir) -> TrainingError:
-        reported = sorted(router.failures.values(), key=lambda f: f.time)
-        if reported:
-            first = reported[0]
-            if failure.rank == first.rank:
-                first.exit_code = failure.exit_code
-            return TrainingError(first, reported, run_dir=run_dir.path)
-        rank = failure.rank if failure.rank is not None else -1
-        code = failure.exit_code
-        if code is None:
-            how = ("vanished without an exit status (its executor or worker was lost, or the "
-                   "connection to it broke)")
-        elif code < 0:
-            how = f"was killed by signal {-code}"
-        elif code is not None and code > 128:  # a shell's way of reporting a signal
-            how = f"was killed by signal {code - 128} (exit status {code})"
-        else:
-            how = f"exited with status {code}"
-        return TrainingError(RankFailure(
-            rank=rank, exc_type=None, exit_code=failure.exit_code,
-            message=f"the rank process {how} without raising a Python exception",
-            traceback=router.tail(rank)), run_dir=run_dir.path)
+    def _resume_record(run_dir: RunDir, outcome: Optional[RunOutcome]) -> dict:
+        requested = (run_dir.record.get("resume") or {}).get("requested")
+        if not requested:
+            return {}
+        resumed = outcome.resumed if outcome is not None else None
+        if resumed is not None and resumed.source:
+            return {"resume": {"requested": requested, "restored": resumed.source,
+                               "epoch": resumed.epoch}, "resumed_from": requested}
+        warning = (f"resume_from asked to resume from {requested}, but no checkpoint was "
+                   "restored: the ranks trained from scratch. Use "
+                   "sparkhvd.keras.KerasDistributed in the training function (it restores "
+                   "unless resume=False), or restore the checkpoint yourself.")
+        log.warning(warning)
+        return {"resume": {"requested": requested, "restored": None, "warning": warning}}
 
-    @staticmethod
-    def _finish(run_dir: RunDir, status: str, error: Optional[BaseException], **extra: Any) -> None:
+    def _finish(self, run_dir: RunDir, status: str, error: Optional[BaseException],
+                outcome: Optional[RunOutcome] = None, **extra: Any) -> None:
         run_dir.mark("total")
         fields: dict[str, Any] = {"status": status,
                                   "finished_at": _dt.datetime.now().isoformat(timespec="seconds")}
         if error is not None:
             message = str(error).split("\n", 1)[0]
             fields["error"] = {"type": type(error).__name__, "message": message}
+        if outcome is not None:
+            fields.update(outcome.pid_record())
+            if status == "succeeded":
+                fields.update(self._resume_record(run_dir, outcome))
         run_dir.update(**fields, **extra)
+        if status != "succeeded":
+            run_dir.publish_quietly()
         log.debug("run %s %s in %.1fs", run_dir.run_id, status, run_dir.record["timings"]["total"])

@@ -1,50 +1,19 @@
-"""The SparkSession a run uses, and the environment its ranks get.
+"""The SparkSession a run uses, and whether Spark's worker Python can run ranks.
 
 A run uses the session it is given, else the active one, else a new local-mode session sized for
-``np``. Ranks receive only the variables the user passed plus :data:`ENV_ALLOWLIST` — never a copy
-of the driver's whole environment, which may hold credentials.
+``np``. (What environment the ranks get is :mod:`sparkhvd.environment`'s one rule.)
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
-import re
 import subprocess
 import sys
-from typing import Mapping, Optional
+from typing import Optional
 from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
-
-#: Driver variables forwarded to the ranks (exact names, or prefixes ending in ``_``).
-ENV_ALLOWLIST = (
-    "PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR",
-    "VIRTUAL_ENV", "JAVA_HOME", "SPARK_HOME", "PYSPARK_PYTHON", "HADOOP_CONF_DIR",
-    "TF_", "HOROVOD_", "NCCL_", "OMP_", "KMP_", "CUDA_", "XLA_FLAGS",
-)
-#: Names that look like credentials are never forwarded implicitly, whatever their prefix.
-SECRET_NAME = re.compile(r"(?i)(KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|CONNECTION_STRING|SAS)")
-
-
-def rank_env(user_env: Optional[Mapping[str, str]] = None, *, verbose: bool = False,
-             environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-    """The environment sent to every rank: the allowlisted driver variables, then ``user_env``."""
-    environ = os.environ if environ is None else environ
-    env = {}
-    for name, value in environ.items():
-        allowed = any(name == a or (a.endswith("_") and name.startswith(a)) for a in ENV_ALLOWLIST)
-        if allowed and not SECRET_NAME.search(name):
-            env[name] = value
-    if not verbose:
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # hide TF's C++ info/warning start-up lines
-    for name, value in (user_env or {}).items():
-        if not isinstance(name, str) or not isinstance(value, str):
-            raise TypeError(f"env must map str to str; got {name!r}: {type(value).__name__}. "
-                            "Convert values with str().")
-        env[name] = value
-    return env
-
 
 def is_loopback_master(master: str) -> bool:
     """Whether every executor of this master runs on this machine (local or 127.0.0.1)."""
@@ -60,6 +29,10 @@ def get_or_create_session(np: int, spark=None, preset=None):
     from pyspark.sql import SparkSession
 
     if spark is not None:
+        if getattr(spark.sparkContext, "_jsc", None) is None:
+            from .launchers.base import stopped_session_error
+
+            raise stopped_session_error(during=False)
         return spark
     active = SparkSession.getActiveSession()
     if active is None:

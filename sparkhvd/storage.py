@@ -8,7 +8,10 @@
 - :func:`preflight` writes and deletes a small object so that a bad account, key, container or
   permission fails in seconds, before training.
 - :func:`write_or_spill` keeps the bytes in a local spill folder when an upload fails.
-- Secrets never appear in messages: see :func:`redact`.
+- Retries are bounded (:data:`RETRIES`): a refused or unreachable endpoint is reported within
+  seconds, throttling and server errors (429/5xx) are retried. Set per call in
+  ``storage_options``: ``retry_total``, ``retry_connect``, ``retry_backoff_s``.
+- Secrets never appear in messages: see :func:`sparkhvd.redaction.redact`.
 """
 from __future__ import annotations
 
@@ -24,46 +27,24 @@ from urllib.parse import urlparse
 
 import fsspec
 
-from .errors import SparkhvdError
+from .errors import StorageError
+from .redaction import redact, remember_secret
 
 log = logging.getLogger(__name__)
 
 AZURE_SCHEMES = ("abfss", "abfs", "az")
 PREFLIGHT_TIMEOUT_S = 60.0
 
-_SECRET_PATTERNS = [
-    re.compile(r"(?i)(AccountKey=)[^;\s\"']+"),
-    re.compile(r"(?i)(SharedAccessSignature=)[^;\s\"']+"),
-    re.compile(r"(?i)([?&]sig=)[^&\s\"']+"),
-    re.compile(r"(?i)(Bearer\s+)[A-Za-z0-9\-._~+/]+=*"),
-    re.compile(r"(?i)((?:account_key|sas_token|credential|client_secret|password)['\"]?\s*[:=]\s*['\"]?)"
-               r"[^'\"\s,}]+"),
-]
-_known_secrets: set[str] = set()
+#: The default retry budget of every Azure operation (``storage_options`` keys override it):
+#: ``retry_total`` attempts in all, of which ``retry_connect`` for a refused/unreachable
+#: endpoint, waiting ``retry_backoff_s`` (growing) between them.
+RETRIES = {"retry_total": 4, "retry_connect": 1, "retry_backoff_s": 1.0}
+#: storage_options keys that are sparkhvd's own (never passed to adlfs).
+_OWN_KEYS = frozenset(RETRIES) | {"delegate_expiry_s"}
 
-
-class StorageError(SparkhvdError, OSError):
-    """Storage could not be reached or written; the message names the URL and the likely cause."""
-
-    def __init__(self, message: str, *, spilled_to: Optional[str] = None) -> None:
-        super().__init__(redact(message))
-        self.spilled_to = spilled_to
-
-
-def remember_secret(value: Optional[str]) -> None:
-    """Register a secret value so that :func:`redact` removes it wherever it appears."""
-    if value and len(value) >= 6:
-        _known_secrets.add(value)
-
-
-def redact(text: str) -> str:
-    """``text`` with account keys, SAS signatures, connection strings and tokens replaced."""
-    for secret in sorted(_known_secrets, key=len, reverse=True):
-        text = text.replace(secret, "***")
-    for pattern in _SECRET_PATTERNS:
-        text = pattern.sub(lambda m: m.group(1) + "***", text)
-    return text
-
+__all__ = ["StorageError", "redact", "remember_secret", "resolve", "read_bytes", "write_bytes",
+           "open_atomic", "exists", "listdir", "delete", "preflight", "write_or_spill",
+           "public_url", "Location", "RETRIES"]
 
 def public_url(url: str) -> str:
     """A URL safe to print and record: no query string (SAS tokens), no user info."""
@@ -104,7 +85,7 @@ class Location:
 
 def _azure_options(account: Optional[str], storage_options: Mapping[str, Any],
                    environ: Mapping[str, str]) -> dict[str, Any]:
-    opts = dict(storage_options)
+    opts = {k: v for k, v in storage_options.items() if k not in _OWN_KEYS}
     if not any(k in opts for k in ("connection_string", "account_key", "sas_token", "credential",
                                    "anon", "client_secret")):
         if environ.get("AZURE_STORAGE_CONNECTION_STRING"):
@@ -158,6 +139,12 @@ def resolve(url: str, storage_options: Optional[Mapping[str, Any]] = None,
                          "abfss://CONTAINER@account.dfs.core.windows.net/path.")
     opts = _azure_options(account, storage_options or {}, environ)
     fs = fsspec.filesystem("abfs", skip_instance_cache=True, **opts)
+    retries = {**RETRIES, **{k: v for k, v in (storage_options or {}).items() if k in RETRIES}}
+    from ._compat import set_storage_retries
+
+    set_storage_retries(fs, total=int(retries["retry_total"]),
+                        connect=int(retries["retry_connect"]),
+                        backoff_s=float(retries["retry_backoff_s"]))
     path = f"{container}/{parsed.path.lstrip('/')}".rstrip("/")
     return Location(url, fs, path, account=opts.get("account_name") or account,
                     container=container)
@@ -211,32 +198,30 @@ def open_atomic(target: "Location | str",
                 storage_options: Optional[Mapping[str, Any]] = None) -> Iterator[IO[bytes]]:
     """A binary file to write; it replaces ``target`` only if the block finishes without error.
 
-    Locally: temp file in the same folder + fsync + rename. On Azure: temp blob, size verified,
-    then moved into place. On error (or interrupt) the temp object is removed and the old
-    content of ``target`` is untouched. Exceptions raised by the block propagate unchanged.
+    Locally: :func:`sparkhvd.fileio.atomic_open` (temp file, fsync, rename). On Azure: a temp
+    blob, its size verified, then moved into place. On error (or interrupt) the temp object is
+    removed and the old content of ``target`` is untouched. Exceptions raised by the block
+    propagate unchanged.
     """
     loc = _loc(target, storage_options)
+    if loc.is_local:
+        from .fileio import atomic_open
+
+        with atomic_open(loc.path) as f:
+            yield f
+        return
     tmp = _tmp_sibling(loc)
-    folder = loc.path.rpartition("/")[0]
     with _explained(loc, "write"):
-        if loc.is_local and folder:
-            os.makedirs(folder, exist_ok=True)
         f = loc.fs.open(tmp.path, "wb")
     writer = _CountingWriter(f, loc)
     try:
         yield writer  # type: ignore[misc]
         with _explained(loc, "write"):
-            if loc.is_local:
-                f.flush()
-                os.fsync(f.fileno())
             f.close()
             size = loc.fs.size(tmp.path)
             if size != writer.count:
                 raise OSError(f"size check failed after upload ({size} != {writer.count} bytes)")
-            if loc.is_local:
-                os.replace(tmp.path, loc.path)
-            else:
-                loc.fs.mv(tmp.path, loc.path)
+            loc.fs.mv(tmp.path, loc.path)
     except BaseException:
         with contextlib.suppress(Exception):
             if not f.closed:
@@ -376,3 +361,84 @@ def preflight(target: "Location | str", storage_options: Optional[Mapping[str, A
     finally:
         pool.shutdown(wait=False)
     return loc
+
+
+#: How long a delegated credential stays valid (long runs may set storage_options
+#: ``delegate_expiry_s``): the SAS tokens sparkhvd mints for executors and ranks.
+DELEGATE_EXPIRY_S = 24 * 3600
+
+
+def delegate(url: str, storage_options: Optional[Mapping[str, Any]] = None, *, write: bool,
+             expiry_s: Optional[float] = None) -> dict[str, Any]:
+    """Storage options for *another* process (an executor, a rank) to reach ``url``'s container,
+    without the credentials the driver holds.
+
+    Local paths need none (``{}``). For Azure, a SAS token scoped to the container, valid for
+    ``expiry_s``, allowing read+list (and write/create/add/delete with ``write=True``): minted
+    from the account key (service SAS) or, with an Azure AD credential, from a user delegation
+    key. A SAS token the user passed is passed on as is. The token is registered for redaction.
+
+    Raises:
+        StorageError: no credential that can mint a SAS (naming the fix).
+    """
+    import datetime as _dt
+
+    loc = resolve(url, storage_options)
+    if loc.is_local:
+        return {}
+    given = dict(storage_options or {})
+    opts = _azure_options(loc.account, given, os.environ)
+    retry = {k: v for k, v in (storage_options or {}).items() if k in RETRIES}
+    endpoint = None
+    key = opts.get("account_key")
+    if opts.get("connection_string"):
+        parts = dict(p.split("=", 1) for p in opts["connection_string"].split(";") if "=" in p)
+        endpoint = parts.get("BlobEndpoint")
+        key = key or parts.get("AccountKey")
+        account = parts.get("AccountName") or loc.account
+        sas = parts.get("SharedAccessSignature")
+    else:
+        account = opts.get("account_name") or loc.account
+        sas = opts.get("sas_token")
+    if not sas:
+        from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+
+        now = _dt.datetime.now(_dt.timezone.utc)
+        expiry = now + _dt.timedelta(seconds=expiry_s or
+                                     float(given.get("delegate_expiry_s", DELEGATE_EXPIRY_S)))
+        permission = ContainerSasPermissions(read=True, list=True, write=write, create=write,
+                                             add=write, delete=write)
+        if key:
+            sas = generate_container_sas(account, loc.container, account_key=key,
+                                         permission=permission, expiry=expiry,
+                                         start=now - _dt.timedelta(minutes=5))
+        elif opts.get("credential") is not None or opts.get("anon") is False:
+            from azure.storage.blob import BlobServiceClient
+
+            credential = opts.get("credential")
+            if credential is None:
+                from azure.identity import DefaultAzureCredential
+
+                credential = DefaultAzureCredential()
+            service = BlobServiceClient(endpoint or f"https://{account}.blob.core.windows.net",
+                                        credential=credential)
+            with _explained(loc, "get a user delegation key for"):
+                delegation = service.get_user_delegation_key(now - _dt.timedelta(minutes=5),
+                                                             expiry)
+            sas = generate_container_sas(account, loc.container, user_delegation_key=delegation,
+                                         permission=permission, expiry=expiry,
+                                         start=now - _dt.timedelta(minutes=5))
+        else:
+            raise StorageError(f"Cannot hand {public_url(url)} to the executors: no account key, "
+                               "SAS token or Azure AD credential to derive a scoped token from. "
+                               "Pass storage_options with account_key, connection_string, "
+                               "sas_token or credential.")
+    sas = sas.lstrip("?")
+    remember_secret(sas)
+    for part in sas.split("&"):
+        if part.startswith("sig="):
+            remember_secret(part[4:])
+    if endpoint:
+        return {"connection_string": f"BlobEndpoint={endpoint};SharedAccessSignature={sas}",
+                **retry}
+    return {"account_name": account, "sas_token": sas, **retry}

@@ -10,6 +10,24 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+#: fixture -> the marker of what it starts (see pyproject.toml's markers).
+_STARTS = {"spark": "spark", "azurite": "azurite", "standalone": "cluster",
+           "netns_cluster": "netns", "cluster_spark": "netns"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test by what its fixtures start (so `make unit` really starts nothing), and
+    run the multi-host tests last: they replace this process' SparkContext with the cluster's."""
+    for item in items:
+        for fixture, marker in _STARTS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(getattr(pytest.mark, marker))
+        if item.get_closest_marker("spark") or item.get_closest_marker("cluster") or \
+                item.get_closest_marker("netns"):
+            item.add_marker(pytest.mark.ranks)
+    items.sort(key=lambda item: item.get_closest_marker("netns") is not None)
+
+
 @pytest.fixture(params=["barrier", "horovod"])
 def launcher(request):
     """Both Spark launchers: sparkhvd's barrier stage and horovod.spark.run."""
@@ -52,11 +70,11 @@ AZURITE_BIN = os.path.join(os.path.dirname(__file__), "..", ".tools", "node_modu
                            "azurite-blob")
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -65,9 +83,10 @@ class Azurite:
 
     account = "devstoreaccount1"
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
         self.port = port
-        self.endpoint = f"http://127.0.0.1:{port}/{self.account}"
+        self.host = host
+        self.endpoint = f"http://{host}:{port}/{self.account}"
 
     def connection_string(self, key: str = AZURITE_KEY) -> str:
         return (f"DefaultEndpointsProtocol=http;AccountName={self.account};AccountKey={key};"
@@ -87,8 +106,9 @@ class Azurite:
             client.create_container(name)
 
     @classmethod
-    def start(cls, data_dir: str) -> "Azurite":
-        """Start azurite-blob on a free 127.0.0.1 port; stop it with :meth:`stop` (by PID)."""
+    def start(cls, data_dir: str, host: str = "127.0.0.1") -> "Azurite":
+        """Start azurite-blob on a free port of ``host`` (127.0.0.1, or the test cluster's bridge
+        address); stop it with :meth:`stop` (by PID). Telemetry is off: nothing leaves the host."""
         import socket
         import subprocess
         import time
@@ -96,15 +116,17 @@ class Azurite:
         if not os.path.exists(AZURITE_BIN):
             raise RuntimeError("Azurite is not installed in .tools/: install Node.js and run "
                                "'make setup'.")
-        service = cls(_free_port())
+        service = cls(_free_port(host), host)
         service.proc = subprocess.Popen(
-            [AZURITE_BIN, "--blobHost", "127.0.0.1", "--blobPort", str(service.port),
-             "--location", str(data_dir), "--silent", "--skipApiVersionCheck", "--loose"],
+            [AZURITE_BIN, "--blobHost", host, "--blobPort", str(service.port),
+             "--location", str(data_dir), "--silent", "--loose", "--disableTelemetry",
+             # the Azure SDK speaks a newer API version than Azurite 3.35 knows:
+             "--skipApiVersionCheck"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + 60
         while True:
             try:
-                socket.create_connection(("127.0.0.1", service.port), timeout=1).close()
+                socket.create_connection((host, service.port), timeout=1).close()
                 return service
             except OSError:
                 if service.proc.poll() is not None or time.monotonic() > deadline:
@@ -222,3 +244,59 @@ def standalone(tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def netns_cluster(tmp_path_factory):
+    """Three "hosts" (network namespaces) with a Spark standalone cluster; torn down by PID and
+    by the names created, also after a failure (see tests/netns_cluster.py)."""
+    from netns_cluster import NetnsCluster, check_permitted
+
+    try:
+        check_permitted()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    cluster = NetnsCluster(str(tmp_path_factory.mktemp("netns")), hosts=3)
+    cluster.up()
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+@pytest.fixture(scope="session")
+def cluster_spark(netns_cluster):
+    """The driver's SparkSession on the namespace cluster (replaces the local one)."""
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        active.stop()
+    session = (SparkSession.builder.master(netns_cluster.master_url).appName("sparkhvd-netns")
+               .config("spark.driver.host", netns_cluster.driver_ip)
+               .config("spark.driver.bindAddress", netns_cluster.driver_ip)
+               .config("spark.executor.cores", "1").config("spark.cores.max", "3")
+               .config("spark.executor.memory", "1g")
+               .config("spark.pyspark.python", sys.executable)
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.executorEnv.TF_CPP_MIN_LOG_LEVEL", "2")
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    from sparkhvd.slots import check_slots
+
+    check_slots(session.sparkContext, 3, wait_s=90)
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster_azurite(netns_cluster, tmp_path_factory):
+    """Azurite on the cluster's bridge address (reachable from every host namespace)."""
+    service = Azurite.start(str(tmp_path_factory.mktemp("azurite-netns")),
+                            host=netns_cluster.driver_ip)
+    try:
+        service.make_container("models")
+        service.make_container("cache")
+        yield service
+    finally:
+        service.stop()

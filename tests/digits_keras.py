@@ -21,15 +21,20 @@ def weights_hash(model):
     return h.hexdigest()
 
 
-def train(x_train, y_train, x_val, y_val, epochs, batch_size=32, warmup_epochs=0, resume=False,
-          lr=0.002):
-    """Returns a dict per rank: weights hash, averaged metrics, warm-up record, start state."""
+def train(x_train, y_train, x_val, y_val, epochs, batch_size=32, warmup_epochs=0, resume=None,
+          lr=0.002, shuffle=True, weights=False):
+    """Returns a dict per rank: weights hash, averaged metrics, warm-up record, start state.
+
+    ``shuffle=False``: every epoch sees the same batches in the same order, so a resumed run can
+    be compared with an uninterrupted one; ``weights=True`` also returns the final weights.
+    """
     import tensorflow as tf
 
     from sparkhvd.keras import KerasDistributed
 
+    kw = {} if resume is None else {"resume": resume}
     kd = KerasDistributed(epochs=epochs, batch_size=batch_size, warmup_epochs=warmup_epochs,
-                          resume=resume)
+                          **kw)
     tf.keras.utils.set_random_seed(1234 + kd.rank)  # different init per rank: broadcast must fix
     per_rank = len(x_train) // kd.size
     x = x_train[kd.rank::kd.size][:per_rank]
@@ -51,11 +56,16 @@ def train(x_train, y_train, x_val, y_val, epochs, batch_size=32, warmup_epochs=0
     fit = kd.fit_kwargs(model, callbacks=[StartState()])
     fit["callbacks"].insert(1, fit["callbacks"].pop())  # right after the broadcast
     steps = per_rank // batch_size
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=kd.rank).repeat() \
-        .batch(batch_size)
+    if shuffle:
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=kd.rank).repeat() \
+            .batch(batch_size)
+    else:
+        n = steps * batch_size
+        ds = tf.data.Dataset.from_tensor_slices((x[:n], y[:n])).repeat().batch(batch_size)
     model.fit(ds, steps_per_epoch=steps, validation_data=(x_val, y_val), **fit)
     _, accuracy = model.evaluate(x_val, y_val, verbose=0)
     return {"hash": weights_hash(model), "accuracy": float(accuracy),
+            "weights": model.get_weights() if weights else None,
             "metrics": kd.metric_average.history, "start_hash": start.get("hash"),
             "initial_epoch": kd.initial_epoch,
             "warmup": kd.warmup.recorded if kd.warmup else [],

@@ -69,7 +69,7 @@ class _SC:
 
 
 def test_auto_launcher_falls_back_to_horovod_for_elastic_and_dynamic_allocation():
-    from sparkhvd.barrier import choose_launcher
+    from sparkhvd.launchers import choose_launcher
 
     assert choose_launcher("auto", _SC()) == "barrier"
     assert choose_launcher("auto", _SC(), elastic=(1, 2)) == "horovod"

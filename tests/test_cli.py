@@ -47,6 +47,7 @@ def test_submit_dry_run_prints_command():
     assert out.strip().endswith("train_digits.py --output-url /tmp/m.h5")
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(300)
 def test_run_plain_horovod_script_as_subprocess(tmp_path):
     script = tmp_path / "train.py"
@@ -65,6 +66,7 @@ def test_run_plain_horovod_script_as_subprocess(tmp_path):
     assert "run folder:" in out.stdout
 
 
+@pytest.mark.ranks
 @pytest.mark.timeout(300)
 def test_run_failing_script_exits_nonzero(tmp_path):
     script = tmp_path / "bad.py"
@@ -86,6 +88,7 @@ def test_doctor_passes_on_this_machine():
     assert "FAIL" not in out.stdout
 
 
+@pytest.mark.spark
 @pytest.mark.timeout(300)
 def test_doctor_fails_with_fix_for_unreachable_storage(tmp_path):
     (tmp_path / "file").write_text("x")

@@ -3,21 +3,35 @@ import pytest
 
 from sparkhvd import EnvironmentMismatchError
 from sparkhvd.compat import check_keras, keras_problem
-from sparkhvd.session import is_loopback_master, rank_env
+from sparkhvd.environment import process_env, rank_env
+from sparkhvd.session import is_loopback_master
 
 
-def test_rank_env_is_allowlist_plus_user_env():
+def test_rank_env_is_driver_settings_plus_user_env():
     driver = {"PATH": "/venv/bin", "TF_USE_LEGACY_KERAS": "1", "HOROVOD_TIMELINE": "/t.json",
               "AZURE_STORAGE_ACCOUNT_KEY": "c2VjcmV0", "HOROVOD_SECRET_KEY": "abc",
               "MY_APP_SETTING": "x", "AWS_SECRET_ACCESS_KEY": "y"}
     env = rank_env({"EPOCHS": "3"}, environ=driver)
-    assert env["PATH"] == "/venv/bin" and env["TF_USE_LEGACY_KERAS"] == "1"
+    assert env["TF_USE_LEGACY_KERAS"] == "1"
     assert env["HOROVOD_TIMELINE"] == "/t.json" and env["EPOCHS"] == "3"
     for hidden in ("AZURE_STORAGE_ACCOUNT_KEY", "HOROVOD_SECRET_KEY", "MY_APP_SETTING",
-                   "AWS_SECRET_ACCESS_KEY"):
+                   "AWS_SECRET_ACCESS_KEY", "PATH"):  # PATH comes from the rank's own host
         assert hidden not in env
     assert env["TF_CPP_MIN_LOG_LEVEL"] == "2"
     assert "TF_CPP_MIN_LOG_LEVEL" not in rank_env({}, verbose=True, environ={})
+
+
+def test_process_env_filters_where_the_rank_starts():
+    executor = {"PATH": "/exec/bin", "HOME": "/home/spark", "MYAPP_DB_PASSWORD": "hunter2hunter",
+                "AZURE_STORAGE_ACCOUNT_KEY": "c2VjcmV0", "SPARK_SECRET": "s", "RANDOM": "r",
+                "TF_NUM_INTRAOP_THREADS": "4"}
+    env = process_env(executor, {"TF_CPP_MIN_LOG_LEVEL": "2", "MY_TOKEN": "given on purpose"},
+                      {"HOROVOD_RANK": "1"})
+    assert env["PATH"] == "/exec/bin" and env["HOME"] == "/home/spark"
+    assert env["MY_TOKEN"] == "given on purpose" and env["HOROVOD_RANK"] == "1"
+    assert env["TF_NUM_INTRAOP_THREADS"] == "4"
+    for hidden in ("MYAPP_DB_PASSWORD", "AZURE_STORAGE_ACCOUNT_KEY", "SPARK_SECRET", "RANDOM"):
+        assert hidden not in env
 
 
 def test_loopback_masters():

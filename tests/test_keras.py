@@ -52,10 +52,13 @@ def test_warmup_follows_documented_schedule(four_epochs):
 def test_run_folder_has_checkpoints_curves_timeline(four_epochs):
     run_dir, _ = four_epochs
     ckpts = sorted(os.listdir(run_dir.file("checkpoints")))
-    assert ckpts == ["epoch-0001.h5", "epoch-0002.h5", "epoch-0003.h5", "epoch-0004.h5",
-                     "latest.json"]
-    assert json.loads(open(run_dir.file("checkpoints/latest.json")).read()) == \
-        {"epoch": 4, "file": "epoch-0004.h5"}
+    assert [c for c in ckpts if c.endswith(".h5")] == [
+        "epoch-0001.h5", "epoch-0002.h5", "epoch-0003.h5", "epoch-0004.h5"]
+    assert "epoch-0004.optimizer.npz" in ckpts and "latest.json" in ckpts
+    latest = json.loads(open(run_dir.file("checkpoints/latest.json")).read())
+    assert (latest["epoch"], latest["file"], latest["optimizer"]) == \
+        (4, "epoch-0004.h5", "epoch-0004.optimizer.npz")
+    assert latest["state"]["lr"] == pytest.approx(0.004)  # warm-up over: the scaled rate
     lines = open(run_dir.file("metrics.csv")).read().splitlines()
     assert lines[0].startswith("epoch,") and "val_accuracy" in lines[0] and len(lines) == 5
     assert open(run_dir.file("curves.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
@@ -74,6 +77,7 @@ def test_progress_line_per_epoch(spark, data, tmp_path, rank_lines):
 
 
 def test_resume_continues_from_rank0_checkpoint(spark, data, tmp_path, four_epochs):
+    """The README's way: HorovodRunner(resume_from=True) and a plain KerasDistributed inside."""
     import tensorflow as tf
 
     first = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path))
@@ -81,15 +85,47 @@ def test_resume_continues_from_rank0_checkpoint(spark, data, tmp_path, four_epoc
     checkpoint = first.last_run_dir.file("checkpoints/epoch-0002.h5")
 
     resumed = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path), resume_from=True)
-    r0, r1 = resumed.run_all(digits_keras.train, **data, epochs=4, resume=True)
+    r0, r1 = resumed.run_all(digits_keras.train, **data, epochs=4)
     assert r0["initial_epoch"] == r1["initial_epoch"] == 2  # fit starts at epoch 3
     expected = digits_keras.weights_hash(tf.keras.models.load_model(checkpoint))
     assert r0["start_hash"] == r1["start_hash"] == expected
     assert len(r0["metrics"]) == 2  # epochs 3 and 4 only
     record = json.loads(open(resumed.last_run_dir.file("run.json")).read())
-    assert record["resumed_from"] == first.last_run_dir.path
+    source = os.path.join(first.last_run_dir.path, "checkpoints")
+    assert record["resumed_from"] == source
+    assert record["resume"]["restored"].endswith("epoch-0002.h5") and record["resume"]["epoch"] == 2
     uninterrupted = four_epochs[1][0]["accuracy"]
     assert abs(r0["accuracy"] - uninterrupted) <= 0.05
+
+
+def test_resume_is_exact(spark, data, tmp_path):
+    """2 epochs, then resume for 2 more (inside the warm-up): the same weights as 4 straight."""
+    import numpy as np
+
+    kw = dict(**data, shuffle=False, weights=True, warmup_epochs=3)
+    straight = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "a")).run(
+        digits_keras.train, epochs=4, **kw)
+    HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "b")).run(
+        digits_keras.train, epochs=2, **kw)
+    resumed = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "b"),
+                            resume_from=True).run(digits_keras.train, epochs=4, **kw)
+    assert resumed["initial_epoch"] == 2
+    for a, b in zip(straight["weights"], resumed["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_resume_that_restores_nothing_says_so(spark, data, tmp_path, caplog):
+    first = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path))
+    first.run(digits_keras.train, **data, epochs=1)
+    resumed = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path), resume_from=True)
+    with caplog.at_level("WARNING", logger="sparkhvd"):
+        r0 = resumed.run(digits_keras.train, **data, epochs=1, resume=False)
+    assert r0["initial_epoch"] == 0
+    assert any("no checkpoint was restored" in r.getMessage() for r in caplog.records)
+    record = json.loads(open(resumed.last_run_dir.file("run.json")).read())
+    assert record["resume"]["restored"] is None and "trained from scratch" in \
+        record["resume"]["warning"]
+    assert "resumed_from" not in record
 
 
 def test_two_ranks_match_one_rank_with_same_global_batch(spark, data, tmp_path):

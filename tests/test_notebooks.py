@@ -60,6 +60,7 @@ def _check_common(nb):
 
 
 @pytest.mark.spark
+@pytest.mark.notebook
 @pytest.mark.timeout(900)
 def test_quickstart_notebook(tmp_path):
     nb = _execute(NOTEBOOKS[0], tmp_path, NB_EPOCHS=15)
@@ -75,6 +76,7 @@ def test_quickstart_notebook(tmp_path):
 
 
 @pytest.mark.spark
+@pytest.mark.notebook
 @pytest.mark.timeout(900)
 def test_dataframe_notebook(tmp_path):
     nb = _execute(NOTEBOOKS[1], tmp_path, NB_EPOCHS=12)

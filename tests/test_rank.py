@@ -74,7 +74,7 @@ def test_elastic_results_ordered_by_final_rank_and_retried_tasks_dropped():
 
 
 def test_barrier_ranks_are_contiguous_per_host_in_partition_order():
-    from sparkhvd.barrier import assign_ranks
+    from sparkhvd.backends.horovod import assign_ranks
 
     slots, envs = assign_ranks({0: "b", 1: "a", 2: "b", 3: "a"})
     ranks = {p: (e["HOROVOD_RANK"], e["HOROVOD_LOCAL_RANK"], e["HOROVOD_CROSS_RANK"])
@@ -86,7 +86,7 @@ def test_barrier_ranks_are_contiguous_per_host_in_partition_order():
 
 
 def test_gpu_assigned_by_spark_wins_over_local_rank():
-    from sparkhvd.rank import TASK_GPUS_ENV
+    from sparkhvd.protocol import TASK_GPUS_ENV
 
     plan = plan_rank(0, 2, 16, ["0", "1", "2", "3"], environ={TASK_GPUS_ENV: "2"})
     assert plan.gpu_index == 2
@@ -95,6 +95,6 @@ def test_gpu_assigned_by_spark_wins_over_local_rank():
 
 
 def test_barrier_task_finds_the_interface_that_reaches_the_driver():
-    from sparkhvd.barrier import _iface_towards
+    from sparkhvd.task.barrier import iface_towards
 
-    assert _iface_towards("127.0.0.1") == "lo"
+    assert iface_towards("127.0.0.1") == "lo"

@@ -108,3 +108,49 @@ def test_publish_failure_keeps_everything_locally(spark, azurite, tmp_path, monk
 
 
 CONN = None
+
+
+@pytest.mark.timeout(90)  # the hang guard: the SDK's default retries took ~85 s
+def test_dead_storage_endpoint_is_given_up_on_quickly(spark, tmp_path, monkeypatch):
+    """Azurite dies while the ranks train: publishing gives up on the refused connection
+    within the retry budget (sparkhvd.storage.RETRIES) and keeps everything locally."""
+    from conftest import Azurite
+
+    monkeypatch.setenv("SPARKHVD_STAGING_DIR", str(tmp_path / "staging"))
+    doomed = Azurite.start(str(tmp_path / "azurite"))
+    doomed.make_container("models")
+
+    def train(pid):
+        import os
+        import signal
+
+        if os.environ["HOROVOD_RANK"] == "0":
+            os.kill(pid, signal.SIGKILL)  # the storage endpoint goes away
+        return b"\x89HDF\r\n\x1a\nweights"
+
+    runner = HorovodRunner(np=2, spark=spark, output_dir=doomed.url("models", "runs"),
+                           storage_options=doomed.options())
+    try:
+        with pytest.raises(StorageError) as info:
+            runner.run(train, pid=doomed.proc.pid)
+    finally:
+        doomed.stop()
+    err = info.value
+    assert "reach the storage endpoint" in str(err) and err.spilled_to in str(err)
+    assert open(os.path.join(err.spilled_to, "model.h5"), "rb").read().endswith(b"weights")
+    assert err.result.endswith(b"weights")
+
+
+def test_load_model_on_a_folder_of_runs_says_what_it_wanted(azurite, tmp_path):
+    root = azurite.url("models", "many-runs")
+    opts = azurite.options()
+    for run_id in ("20260101-000000-aaaa", "20260102-000000-bbbb"):
+        storage.write_bytes(f"{root}/{run_id}/run.json",
+                            json.dumps({"run_id": run_id, "model": "model.h5"}).encode(), opts)
+    with pytest.raises(FileNotFoundError) as info:
+        load_model(root, opts)
+    msg = str(info.value)
+    assert msg.startswith(f"No model at {root}: looked for {root}/run.json")
+    assert f"e.g. the newest, {root}/20260102-000000-bbbb" in msg
+    with pytest.raises(FileNotFoundError, match="No model file at .*/nope.h5"):
+        load_model(f"{root}/nope.h5", opts)

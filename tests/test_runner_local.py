@@ -3,7 +3,7 @@ import pytest
 
 from sparkhvd import HorovodRunner, TrainingError
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.ranks, pytest.mark.timeout(180)]
 
 
 def test_local_ranks_return_rank0_result(tmp_path):

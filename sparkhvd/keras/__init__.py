@@ -8,8 +8,9 @@
         model.fit(ds, steps_per_epoch=..., **kd.fit_kwargs(model))
 """
 from .callbacks import (BroadcastInitialState, EpochProgress, LearningRateWarmup, MetricAverage,
-                        RankZeroCheckpoint, latest_checkpoint, warmup_lr)
+                        RankZeroCheckpoint, RunFolderTensorBoard, latest_checkpoint, warmup_lr)
 from .distributed import KerasDistributed
 
 __all__ = ["KerasDistributed", "BroadcastInitialState", "MetricAverage", "LearningRateWarmup",
-           "EpochProgress", "RankZeroCheckpoint", "latest_checkpoint", "warmup_lr"]
+           "EpochProgress", "RankZeroCheckpoint", "RunFolderTensorBoard", "latest_checkpoint",
+           "warmup_lr"]

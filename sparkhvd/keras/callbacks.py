@@ -7,18 +7,17 @@ unit-tested with a fake.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import tensorflow as tf
 
-log = logging.getLogger(__name__)
+from .. import protocol
+from ..rank import emit
+from . import checkpoints
 
-from ..rank import METRICS_MARKER
+log = logging.getLogger(__name__)
 
 
 def uses_schedule(optimizer: Any) -> bool:
@@ -165,8 +164,8 @@ class LearningRateWarmup(tf.keras.callbacks.Callback):
 class EpochProgress(tf.keras.callbacks.Callback):
     """Rank 0 prints one line per epoch: epoch/total, (averaged) metrics, samples/s and ETA.
 
-    It also prints the metrics as a :data:`METRICS_MARKER` JSON line, which the driver turns into
-    ``metrics.csv`` and ``curves.png`` in the run folder.
+    It also sends the metrics to the driver (a :class:`~sparkhvd.protocol.Metrics` event), which
+    turns them into ``metrics.csv`` and ``curves.png`` in the run folder.
     """
 
     def __init__(self, epochs: int, global_batch_size: Optional[int] = None) -> None:
@@ -202,50 +201,98 @@ class EpochProgress(tf.keras.callbacks.Callback):
         print(" - ".join(parts), flush=True)
         record = {"epoch": epoch + 1, "seconds": round(elapsed, 3)}
         record.update({k: float(v) for k, v in logs.items() if _is_number(v)})
-        print(f"{METRICS_MARKER} {json.dumps(record)}", flush=True)
+        emit(protocol.Metrics(rank=0, record=record))
 
 
 class RankZeroCheckpoint(tf.keras.callbacks.Callback):
-    """Rank 0 saves the model after every ``every`` epochs to ``url`` (local or abfss), atomically.
+    """Rank 0 saves a checkpoint every ``every`` epochs: the model, the optimizer state and the
+    training state, atomically (see :mod:`sparkhvd.keras.checkpoints`).
 
-    Files: ``epoch-0003.h5`` ... and ``latest.json`` (``{"epoch": 3, "file": "epoch-0003.h5"}``),
-    written after the checkpoint itself, so it never names a partial file.
+    Args:
+        url: a :class:`~sparkhvd.keras.checkpoints.CheckpointStore`, or a folder URL.
+        every: save after every ``every`` epochs.
+        storage_options: credentials for a URL on remote storage.
+        keep: keep only the newest ``keep`` checkpoints.
+        state: called at each save; returns extra state to continue exactly (learning rate,
+            warm-up target...).
     """
 
-    def __init__(self, url: str, every: int = 1, storage_options: Optional[dict] = None,
-                 keep: Optional[int] = None) -> None:
+    def __init__(self, url: Union[str, checkpoints.CheckpointStore], every: int = 1,
+                 storage_options: Optional[dict] = None, keep: Optional[int] = None,
+                 state: Optional[Callable[[], dict]] = None) -> None:
         super().__init__()
-        self.url = url.rstrip("/")
+        self.store = url if isinstance(url, checkpoints.CheckpointStore) else \
+            checkpoints.UrlStore(url, storage_options)
         self.every = max(1, every)
-        self.storage_options = storage_options
         self.keep = keep
+        self.state = state
         self.saved: list[str] = []
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         if (epoch + 1) % self.every:
             return
-        from .. import storage
-
-        name = f"epoch-{epoch + 1:04d}.h5"
-        with tempfile.TemporaryDirectory(prefix="sparkhvd-ckpt-") as tmp:
-            path = os.path.join(tmp, name)
-            self.model.save(path, include_optimizer=False)
-            with open(path, "rb") as f:
-                storage.write_bytes(f"{self.url}/{name}", f.read(), self.storage_options)
-        storage.write_bytes(f"{self.url}/latest.json",
-                            json.dumps({"epoch": epoch + 1, "file": name}).encode(),
-                            self.storage_options)
+        state = dict(self.state() if self.state else {})
+        lr = getattr(self.model.optimizer, "learning_rate", None)
+        if hasattr(lr, "numpy") and "lr" not in state:
+            state["lr"] = float(lr.numpy())
+        name = checkpoints.save(self.store, self.model, epoch + 1, state)
         self.saved.append(name)
         if self.keep and len(self.saved) > self.keep:
-            storage.delete(f"{self.url}/{self.saved.pop(0)}", self.storage_options)
+            old = self.saved.pop(0)
+            self.store.delete(old)
+            self.store.delete(old.replace(".h5", ".optimizer.npz"))
 
 
 def latest_checkpoint(url: str, storage_options: Optional[dict] = None) -> Optional[tuple[int, str]]:
     """``(epoch, checkpoint url)`` of the newest checkpoint under ``url``, or ``None``."""
-    from .. import storage
-
-    marker = f"{url.rstrip('/')}/latest.json"
-    if not storage.exists(marker, storage_options):
+    store = checkpoints.UrlStore(url, storage_options)
+    info = checkpoints.latest(store)
+    if info is None:
         return None
-    info = json.loads(storage.read_bytes(marker, storage_options))
-    return int(info["epoch"]), f"{url.rstrip('/')}/{info['file']}"
+    return int(info["epoch"]), f"{store.url}/{info['file']}"
+
+
+class RunFolderTensorBoard(tf.keras.callbacks.TensorBoard):
+    """Keras' TensorBoard callback writing into the run folder's ``tensorboard/`` (rank 0).
+
+    On the driver's machine the event files are written there directly; from another host they
+    are written locally and copied into the run folder (through the driver) after every epoch
+    and at the end, so ``tensorboard --logdir runs/`` shows every run wherever rank 0 ran.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        import os
+        import tempfile
+
+        from ..runfiles import run_files
+
+        self.files = run_files()
+        if not self.files.available:
+            raise RuntimeError("tensorboard=True needs a run folder: run the function with "
+                               "sparkhvd.HorovodRunner, or use tf.keras.callbacks.TensorBoard.")
+        self._tmp = None if self.files.local else tempfile.mkdtemp(prefix="sparkhvd-tb-")
+        log_dir = os.path.join(self.files.local, "tensorboard") if self.files.local else self._tmp
+        super().__init__(log_dir=log_dir, **kwargs)
+        self._sizes: dict[str, int] = {}
+
+    def _sync(self) -> None:
+        import os
+
+        if self._tmp is None:
+            return
+        for folder, _, names in os.walk(self._tmp):
+            for name in names:
+                path = os.path.join(folder, name)
+                size = os.path.getsize(path)
+                if self._sizes.get(path) != size:
+                    rel = os.path.relpath(path, self._tmp).replace(os.sep, "/")
+                    self.files.write_file(f"tensorboard/{rel}", path)
+                    self._sizes[path] = size
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        super().on_epoch_end(epoch, logs)
+        self._sync()
+
+    def on_train_end(self, logs: Optional[dict] = None) -> None:
+        super().on_train_end(logs)
+        self._sync()

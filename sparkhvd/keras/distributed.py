@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from typing import Any, Optional, Sequence, Union
 
-import tensorflow as tf
-
+from .. import protocol
+from ..rank import emit
+from ..runfiles import run_files
+from . import checkpoints
 from .callbacks import (BroadcastInitialState, EpochProgress, LearningRateWarmup, MetricAverage,
-                        RankZeroCheckpoint, latest_checkpoint, uses_schedule)
+                        RankZeroCheckpoint, RunFolderTensorBoard, uses_schedule)
 
 log = logging.getLogger(__name__)
-
-from ..runner import RESUME_URL_ENV, RUN_URL_ENV
 
 
 class KerasDistributed:
@@ -26,27 +25,31 @@ class KerasDistributed:
     - :meth:`fit_kwargs` returns ``callbacks``, ``initial_epoch``, ``epochs`` and ``verbose`` for
       ``model.fit``: rank 0's state broadcast to all ranks, metrics averaged over ranks,
       learning-rate warm-up, and on rank 0 only a progress line per epoch and a checkpoint per
-      epoch (into the run folder's ``checkpoints/``); with ``resume`` it restores rank 0's latest
-      checkpoint first and starts from its epoch.
+      epoch (model + optimizer state, into the run folder's ``checkpoints/``); when resuming it
+      restores rank 0's latest checkpoint first and starts at the epoch after it.
 
     Args:
         epochs: total epochs of the training (also when resuming).
         batch_size: per-rank batch size, for samples/s in the progress line.
         warmup_epochs: epochs of learning-rate warm-up (0 = none), see ``warmup_lr``.
         scale_lr: multiply the optimizer's learning rate by the number of ranks.
-        checkpoint: ``True`` (default: into the run folder when run by HorovodRunner), a folder
-            URL, or ``False``.
-        resume: ``True`` to resume from the checkpoints HorovodRunner(resume_from=...) points
-            to (else this run's own), or a folder URL (a run folder or its ``checkpoints/``).
-        storage_options: credentials for checkpoint URLs on remote storage (used by rank 0).
+        checkpoint: ``True`` (default: into the run folder, from any host), a folder URL, or
+            ``False``.
+        resume: ``None`` (default): resume exactly when ``HorovodRunner(resume_from=...)`` asked;
+            ``True``: also from this run's own checkpoints; ``False``: never; or a folder URL (a
+            run folder or its ``checkpoints/``). Rank 0 reports what it restored (or that it
+            found nothing) to the driver.
+        tensorboard: rank 0 writes TensorBoard event files into the run folder's
+            ``tensorboard/`` (``tensorboard --logdir runs/`` then shows every run).
+        storage_options: credentials for checkpoint/resume URLs on remote storage (rank 0).
         hvd: the horovod Keras module (default ``horovod.tensorflow.keras``); the callbacks
             use ``horovod.tensorflow``'s collectives.
     """
 
     def __init__(self, *, epochs: int, batch_size: Optional[int] = None,
                  warmup_epochs: float = 0, scale_lr: bool = True,
-                 checkpoint: Union[bool, str] = True, resume: Union[bool, str] = False,
-                 average_metrics: bool = True, progress: bool = True,
+                 checkpoint: Union[bool, str] = True, resume: Union[None, bool, str] = None,
+                 average_metrics: bool = True, progress: bool = True, tensorboard: bool = False,
                  storage_options: Optional[dict] = None, hvd: Any = None) -> None:
         if hvd is None:
             import horovod.tensorflow.keras as hvd
@@ -62,18 +65,35 @@ class KerasDistributed:
         self.scale_lr = scale_lr
         self.average_metrics = average_metrics
         self.progress = progress
+        self.tensorboard = tensorboard
         self.storage_options = storage_options
-        run_url = os.environ.get(RUN_URL_ENV)
+        files = run_files()
         if checkpoint is True:
-            self.checkpoint_url = f"{run_url}/checkpoints" if run_url else None
+            self.checkpoint_store = checkpoints.RunFolderStore("run") if files.available \
+                else None
+        elif checkpoint:
+            self.checkpoint_store = checkpoints.UrlStore(checkpoint, storage_options)
         else:
-            self.checkpoint_url = checkpoint or None
+            self.checkpoint_store = None
+        requested = os.environ.get(protocol.RESUME_URL_ENV)
+        if resume is None:
+            resume = bool(requested)
         if resume is True:
-            resume = os.environ.get(RESUME_URL_ENV) or self.checkpoint_url or False
-        self.resume_url = _checkpoints_folder(resume, storage_options) if resume else None
+            self.resume_store = (checkpoints.RunFolderStore("resume", label=requested)
+                                 if requested else self.checkpoint_store)
+        elif resume:
+            self.resume_store = checkpoints.url_store(str(resume), storage_options)
+        else:
+            self.resume_store = None
         self.initial_epoch = 0
+        self.state: dict = {}
         self.warmup: Optional[LearningRateWarmup] = None
         self.metric_average: Optional[MetricAverage] = None
+
+    @property
+    def checkpoint_url(self) -> Optional[str]:
+        """Where checkpoints go, for messages (None: no checkpoints)."""
+        return self.checkpoint_store.describe() if self.checkpoint_store else None
 
     def optimizer(self, optimizer: Any) -> Any:
         """``optimizer`` with its learning rate scaled by size, wrapped for Horovod."""
@@ -86,28 +106,35 @@ class KerasDistributed:
         return self.hvd.DistributedOptimizer(optimizer)
 
     def restore(self, model: Any) -> int:
-        """Load rank 0's latest checkpoint (if resuming) and return the epoch to start from."""
-        epoch = 0
-        if self.resume_url and self.rank == 0:
-            found = latest_checkpoint(self.resume_url, self.storage_options)
-            if found is None:
-                print(f"resume: no checkpoint under {self.resume_url}; starting at epoch 1",
-                      flush=True)
+        """Rank 0 loads the latest checkpoint (model, optimizer, state) when resuming; every
+        rank learns the epoch to start from. Call after ``model.compile``."""
+        epoch, state = 0, {}
+        if self.resume_store is not None and getattr(model, "optimizer", None) is not None:
+            # Every rank creates its optimizer variables now, the same way: rank 0 needs them to
+            # restore into, and the variables' names must match across ranks for the broadcast
+            # after the first step (Keras names them differently when it builds them lazily).
+            checkpoints.build_optimizer(model.optimizer, model)
+        if self.resume_store is not None and self.rank == 0:
+            info = checkpoints.latest(self.resume_store)
+            if info is None:
+                print(f"resume: no checkpoint under {self.resume_store.describe()}; training "
+                      "from scratch", flush=True)
+                emit(protocol.Resumed(rank=0, source=None, epoch=0))
             else:
-                epoch, url = found
-                from .. import storage
+                problems = checkpoints.restore(self.resume_store, info, model)
+                epoch, state = int(info["epoch"]), dict(info.get("state") or {})
+                where = self.resume_store.describe(info["file"])
+                for problem in problems:
+                    print(f"resume: WARNING: {problem}", flush=True)
+                print(f"resume: restored {where}; continuing at epoch {epoch + 1}", flush=True)
+                emit(protocol.Resumed(rank=0, source=where, epoch=epoch))
+        if self.resume_store is not None:
+            epoch, state = self.collectives.broadcast_object((epoch, state), root_rank=0)
+        self.initial_epoch, self.state = int(epoch), dict(state)
+        return self.initial_epoch
 
-                data = storage.read_bytes(url, self.storage_options)
-                with tempfile.TemporaryDirectory(prefix="sparkhvd-resume-") as tmp:
-                    path = os.path.join(tmp, "weights.h5")
-                    with open(path, "wb") as f:
-                        f.write(data)
-                    model.load_weights(path)
-                print(f"resume: restored {url}; continuing at epoch {epoch + 1}", flush=True)
-        if self.resume_url:
-            epoch = int(self.collectives.broadcast_object(epoch, root_rank=0))
-        self.initial_epoch = epoch
-        return epoch
+    def _checkpoint_state(self) -> dict:
+        return {"warmup_target_lr": self.warmup.target_lr if self.warmup else None}
 
     def callbacks(self, extra: Sequence[Any] = ()) -> list:
         """The callback list, in the order that makes the recipe correct."""
@@ -116,16 +143,19 @@ class KerasDistributed:
             self.metric_average = MetricAverage(self.collectives)
             cbs.append(self.metric_average)
         if self.warmup_epochs:
-            self.warmup = LearningRateWarmup(self.collectives, self.warmup_epochs)
+            self.warmup = LearningRateWarmup(self.collectives, self.warmup_epochs,
+                                             target_lr=self.state.get("warmup_target_lr"))
             cbs.append(self.warmup)
         cbs.extend(extra)
         if self.rank == 0:
             if self.progress:
                 gbs = self.batch_size * self.size if self.batch_size else None
                 cbs.append(EpochProgress(self.epochs, gbs))
-            if self.checkpoint_url:
-                cbs.append(RankZeroCheckpoint(self.checkpoint_url,
-                                              storage_options=self.storage_options))
+            if self.checkpoint_store is not None:
+                cbs.append(RankZeroCheckpoint(self.checkpoint_store,
+                                              state=self._checkpoint_state))
+            if self.tensorboard:
+                cbs.append(RunFolderTensorBoard())
         return cbs
 
     def fit_kwargs(self, model: Any, callbacks: Sequence[Any] = ()) -> dict:
@@ -133,13 +163,3 @@ class KerasDistributed:
         initial_epoch = self.restore(model)
         return {"callbacks": self.callbacks(callbacks), "initial_epoch": initial_epoch,
                 "epochs": self.epochs, "verbose": 0}
-
-
-def _checkpoints_folder(url: str, storage_options: Optional[dict]) -> str:
-    """A run folder's ``checkpoints/`` if ``url`` is a run folder, else ``url`` itself."""
-    from .. import storage
-
-    url = str(url).rstrip("/")
-    if storage.exists(f"{url}/checkpoints/latest.json", storage_options):
-        return f"{url}/checkpoints"
-    return url

@@ -1,0 +1,48 @@
+"""The collective library ranks use: what each rank needs to find its peers.
+
+A backend is what the launchers do not care about: it starts whatever the ranks rendezvous
+through, and turns the tasks that registered (host, address, a port each reserved) into one
+environment per rank. Like Ray Train's ``Backend.on_start``. ``horovod`` (Gloo rendezvous,
+``HOROVOD_*`` variables) is the default.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Mapping, Optional, Protocol
+
+BACKENDS = ("horovod",)
+
+
+@dataclass
+class TaskInfo:
+    """One registered task: where its rank will run."""
+
+    partition: int
+    host: str
+    address: str = ""
+    port: Optional[int] = None
+
+
+class Backend(Protocol):
+    """Rendezvous for one run's ranks."""
+
+    name: str
+    #: Whether each task must reserve a port for its rank before it registers.
+    needs_port: bool
+
+    def start(self, driver_host: str, nics: Optional[set], verbose: bool) -> dict[str, str]:
+        """Start what the ranks rendezvous through; variables every rank gets."""
+
+    def assign(self, tasks: Mapping[int, TaskInfo]) -> dict[int, dict[str, str]]:
+        """Ranks for the registered tasks: partition -> that rank's own variables."""
+
+    def stop(self) -> None:
+        """Stop what :meth:`start` started."""
+
+
+def get_backend(name: str) -> Backend:
+    """A fresh backend object for one run."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {name!r}")
+    return importlib.import_module(f".{name}", __name__).Backend()

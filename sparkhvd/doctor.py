@@ -1,0 +1,168 @@
+"""``sparkhvd doctor``: what this environment and its cluster can run, each failure with its fix.
+
+Stack checks run on the driver. The cluster probe runs one Spark barrier stage of ``np`` tasks --
+exactly how the barrier launcher places ranks -- and each task reports its host, the address it
+reaches the driver from, the network interface Gloo would use there, and whether it can open a
+connection to the driver (the control/rendezvous side of a run) and to Spark's own driver port.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+def check(name: str, fn: Callable[[], str], fix: str) -> Check:
+    """Run one check; any exception becomes a failed row with its fix."""
+    try:
+        return Check(name, True, fn())
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a row with its fix
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return Check(name, False, message, fix)
+
+
+def horovod_build() -> str:
+    import horovod
+
+    try:
+        import horovod.tensorflow as hvd  # fails unless the TensorFlow extension was built
+    except ImportError as exc:
+        raise RuntimeError(f"horovod {horovod.__version__} lacks TensorFlow support ({exc})") \
+            from None
+    if not hvd.gloo_built():
+        raise RuntimeError(f"horovod {horovod.__version__} was built without Gloo")
+    return f"horovod {horovod.__version__}: TensorFlow + Gloo"
+
+
+def keras_stack() -> str:
+    from .compat import check_keras, package_version
+
+    check_keras()
+    tf = package_version("tensorflow-cpu") or package_version("tensorflow")
+    return f"tensorflow {tf}, keras {package_version('keras')}"
+
+
+def java() -> str:
+    path = shutil.which("java") or (os.path.join(os.environ["JAVA_HOME"], "bin", "java")
+                                    if os.environ.get("JAVA_HOME") else None)
+    if not path:
+        raise RuntimeError("java not found on PATH or in JAVA_HOME")
+    out = subprocess.run([path, "-version"], capture_output=True, text=True, timeout=30)
+    return (out.stderr or out.stdout).splitlines()[0]
+
+
+def stack_checks() -> list[Check]:
+    return [
+        check("horovod build", horovod_build,
+              "run `make setup` (builds horovod with HOROVOD_WITH_TENSORFLOW=1 "
+              "HOROVOD_WITH_GLOO=1)"),
+        check("TensorFlow/Keras", keras_stack,
+              "use tensorflow 2.15, or tf-keras with TF_USE_LEGACY_KERAS=1 (Keras 3 is "
+              "unsupported under Horovod)"),
+        check("Java", java, "install Java 17 (apt-get install -y openjdk-17-jre-headless) or "
+                            "set JAVA_HOME"),
+    ]
+
+
+# -- cluster probe -----------------------------------------------------------------------------
+def _probe_task(driver: str, port: int, spark_port: int, _rows: Any) -> Any:
+    """One barrier task: where am I, and can I reach the driver."""
+    from pyspark import BarrierTaskContext
+
+    from .task.barrier import iface_towards
+
+    context = BarrierTaskContext.get()
+
+    def reach(target_port: int) -> str:
+        if not target_port:
+            return "-"
+        try:
+            with socket.create_connection((driver, target_port), timeout=5) as s:
+                return f"yes (from {s.getsockname()[0]})"
+        except OSError as exc:
+            return f"NO ({exc.strerror or exc})"
+
+    try:
+        iface = iface_towards(driver) or "?"
+    except OSError as exc:
+        iface = f"none ({exc.strerror or exc})"
+    context.barrier()
+    yield {"partition": context.partitionId(), "host": socket.gethostname(), "iface": iface,
+           "driver": reach(port), "spark": reach(spark_port)}
+
+
+def probe_cluster(spark: Any, np: int, timeout: float = 120) -> list[dict]:
+    """One barrier stage of ``np`` tasks reporting host, Gloo interface and reachability."""
+    import functools
+
+    from .launchers import driver_host
+
+    sc = spark.sparkContext
+    host = driver_host(sc)
+    listener = socket.create_server(("127.0.0.1" if host == "127.0.0.1" else "", 0))
+    listener.settimeout(1)
+    accepting = threading.Event()
+
+    def accept() -> None:
+        while not accepting.is_set():
+            try:
+                conn, _ = listener.accept()
+                conn.close()
+            except OSError:
+                continue
+
+    threading.Thread(target=accept, daemon=True).start()
+    spark_port = int(sc.getConf().get("spark.driver.port", "0") or 0)
+    try:
+        task = functools.partial(_probe_task, host, listener.getsockname()[1], spark_port)
+        sc.setJobGroup("sparkhvd-doctor", "sparkhvd doctor: cluster probe")
+        rows = sc.parallelize(range(np), np).barrier().mapPartitions(task).collect()
+    finally:
+        accepting.set()
+        listener.close()
+    return sorted(rows, key=lambda r: r["partition"])
+
+
+def cluster_checks(spark: Any, np: int) -> tuple[list[Check], Optional[list[dict]]]:
+    """Slots, then the probe (when the slots are there)."""
+    from .slots import check_slots
+
+    found: dict = {}
+
+    def slots() -> str:
+        result = check_slots(spark.sparkContext, np,
+                             wait_s=0 if spark.sparkContext.master.startswith("local") else 30)
+        found["slots"] = result
+        return f"{result.slots} slot(s) >= np={np} ({result.detail})"
+
+    checks = [check("task slots", slots, "use a larger preset or lower np")]
+    if not checks[0].ok:
+        return checks, None
+    rows: list[dict] = []
+
+    def probe() -> str:
+        rows.extend(probe_cluster(spark, np))
+        bad = [r for r in rows if not r["driver"].startswith("yes")]
+        hosts = sorted({r["host"] for r in rows})
+        if bad:
+            raise RuntimeError(f"{len(bad)} task(s) cannot reach the driver: "
+                               + "; ".join(f"{r['host']}: {r['driver']}" for r in bad))
+        return (f"{np} task(s) on {len(hosts)} host(s) ({', '.join(hosts)}); Gloo interface(s): "
+                f"{', '.join(sorted({r['iface'] for r in rows}))}")
+
+    checks.append(check("cluster network", probe,
+                        "let the executors reach the driver (firewall, spark.driver.host), or "
+                        "pass nics= to choose the interface"))
+    return checks, rows

@@ -1,0 +1,92 @@
+"""How ranks are started: one :class:`LaunchSpec`, one small protocol, three launchers.
+
+Every launcher takes the same :class:`LaunchSpec` and a *sink* (the run's
+:class:`~sparkhvd.outcome.RunOutcome`, which receives every :mod:`sparkhvd.protocol` message the
+ranks send) and returns the ranks' return values in rank order -- or raises
+:class:`~sparkhvd.errors.LaunchFailure` (a rank failed), ``TimeoutError`` or
+``KeyboardInterrupt``, always after every rank was stopped:
+
+============  ==================================================================================
+``barrier``   the default on Spark: one barrier stage, a control connection per task, one
+              supervised rank process per task (:mod:`sparkhvd.launchers.barrier`)
+``horovod``   ``horovod.spark.run`` / ``run_elastic``: elastic runs, and sessions with dynamic
+              allocation, which barrier stages cannot use (:mod:`sparkhvd.launchers.horovod`)
+``local``     ``np < 0``: supervised rank processes on the driver (:mod:`sparkhvd.launchers.local`)
+============  ==================================================================================
+
+The shared lifecycle -- watching a launch from an interruptible thread, aborting, cancelling the
+Spark job group, killing what is left -- lives in :mod:`sparkhvd.launchers.base`; the one place a
+rank process is started is :class:`sparkhvd.task.process.RankProcess`.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+#: What ``HorovodRunner(launcher=...)`` accepts.
+LAUNCHERS = ("auto", "barrier", "horovod")
+
+
+@dataclass
+class LaunchSpec:
+    """Everything a launcher needs to start ``np`` ranks (built once by the runner)."""
+
+    np: int
+    payload: bytes
+    options: dict
+    env: dict
+    start_timeout: float
+    timeout: Optional[float] = None
+    verbose: bool = False
+    nics: Optional[set] = None
+    driver_host: str = "127.0.0.1"
+    elastic: Optional[tuple[int, int]] = None
+    backend: str = "horovod"
+    #: A Spark task silent for this long is a lost host (barrier launcher).
+    heartbeat_timeout: float = 15.0
+    extra: dict = field(default_factory=dict)
+
+
+class Sink(Protocol):
+    """Where a launcher delivers what the ranks send (see :class:`sparkhvd.outcome.RunOutcome`)."""
+
+    def receive(self, msg: Any) -> None: ...
+
+
+class Launcher(Protocol):
+    """Starts the ranks of one run and returns their results in rank order."""
+
+    name: str
+
+    def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]: ...
+
+
+def get_launcher(name: str) -> Launcher:
+    """The launcher called ``name`` (``barrier``, ``horovod`` or ``local``)."""
+    if name not in ("barrier", "horovod", "local"):
+        raise ValueError(f"unknown launcher {name!r}")
+    return importlib.import_module(f".{name}", __name__).LAUNCHER
+
+
+def choose_launcher(requested: str, sc: Any, elastic: Optional[tuple[int, int]] = None) -> str:
+    """``"barrier"`` or ``"horovod"`` for a Spark run (see ``HorovodRunner(launcher=...)``)."""
+    dynamic = str(sc.getConf().get("spark.dynamicAllocation.enabled", "false")).lower() == "true"
+    if requested == "barrier" and dynamic:
+        raise ValueError("launcher='barrier' cannot run with spark.dynamicAllocation.enabled=true "
+                         "(Spark refuses barrier stages then); use launcher='auto' or 'horovod'.")
+    if requested in ("barrier", "horovod"):
+        return requested
+    return "horovod" if (elastic or dynamic) else "barrier"
+
+
+def driver_host(sc: Any) -> str:
+    """The address executors reach the driver at: 127.0.0.1 for a local/loopback master, else
+    Spark's own ``spark.driver.host``."""
+    import socket
+
+    from ..session import is_loopback_master
+
+    if is_loopback_master(sc.master):
+        return "127.0.0.1"
+    return sc.getConf().get("spark.driver.host") or socket.gethostname()

@@ -1,0 +1,273 @@
+"""The default Spark launcher: one barrier stage, one supervised rank process per task.
+
+``horovod.spark.run`` spends ~6 s on a no-op (task services, NIC discovery between tasks, a
+``python -m horovod.spark.task...`` start per rank, a 3 s minimum command lifetime). This
+launcher does what it needs directly:
+
+1. The driver starts the backend's rendezvous (horovod's Gloo server) and a small *control
+   server* (TCP, :mod:`sparkhvd.protocol` messages, a per-run random token).
+2. One Spark **barrier** stage runs ``np`` tasks at once (all or none; the slot check before the
+   launch guarantees they fit). Each task registers (:mod:`sparkhvd.task.barrier`); once all
+   ``np`` are in, the backend assigns ranks host by host and each task gets its variables.
+3. Each task starts its rank, forwards its output and events, sends a heartbeat every second,
+   reports its exit status and returns the pickled result through ``collect()``.
+
+A failed rank, a vanished one (its connection drops without an exit status: executor lost) or a
+silent one (no heartbeat for ``heartbeat_timeout``: host off the network) makes the driver abort
+the others over their connections and cancel the job group. A failing rank does not fail its
+Spark task, so Spark never retries a training run by itself. Barrier stages cannot run with
+dynamic allocation; the runner uses ``horovod.spark.run`` there.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import secrets
+import socketserver
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .. import protocol
+from ..backends import TaskInfo, get_backend
+from ..errors import LaunchFailure
+from ..outcome import load_result
+from . import LaunchSpec, Sink
+from .base import (SparkJob, kill_local_pids, local_rank_pids, session_stopped,
+                   stopped_session_error, supervise)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Task:
+    """What the driver knows about one barrier task and its rank."""
+
+    info: TaskInfo
+    conn: Any = None
+    rank: Optional[int] = None
+    exit_code: Optional[int] = None
+    ended_at: Optional[float] = None
+    vanished: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class ControlServer(socketserver.ThreadingTCPServer):
+    """Driver side: registers the tasks, hands out ranks, receives their messages."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, bind_host: str, np: int, token: str, sink: Sink,
+                 run_env: dict, backend: Any) -> None:
+        super().__init__((bind_host, 0), _ControlHandler)
+        self.np, self.token, self.sink = np, token, sink
+        self.run_env, self.backend = dict(run_env), backend
+        self.tasks: dict[int, _Task] = {}
+        self.plan: Optional[dict[int, dict[str, str]]] = None
+        self.cond = threading.Condition()
+        self.aborted = False
+
+    # -- called from handler threads ------------------------------------------------------
+    def register(self, task: _Task) -> Optional[dict[str, str]]:
+        """Block until all ``np`` tasks registered; the task's variables, or None if aborted."""
+        with self.cond:
+            if task.info.partition in self.tasks:  # a Spark retry of a started task: never twice
+                return None
+            self.tasks[task.info.partition] = task
+            if len(self.tasks) == self.np and self.plan is None:
+                self.plan = self.backend.assign({p: t.info for p, t in self.tasks.items()})
+                now = time.monotonic()
+                for p, t in self.tasks.items():
+                    env = self.plan[p]
+                    t.rank = int(env.get("SPARKHVD_RANK", env.get("HOROVOD_RANK", p)))
+                    t.last_seen = now
+                self.cond.notify_all()
+            while self.plan is None and not self.aborted:
+                self.cond.wait(0.5)
+            if self.aborted:
+                return None
+            return {**self.run_env, **self.plan[task.info.partition]}
+
+    def deliver(self, task: _Task, msg: Any) -> None:
+        task.last_seen = time.monotonic()
+        if isinstance(msg, protocol.Heartbeat):
+            return
+        if isinstance(msg, protocol.Line):
+            msg.rank = task.rank if task.rank is not None else msg.rank
+        if isinstance(msg, protocol.Started) and not msg.host:
+            msg.host = task.info.host
+        self.sink.receive(msg)
+
+    def ended(self, task: _Task, code: Optional[int]) -> None:
+        with self.cond:
+            if task.ended_at is None:
+                task.exit_code, task.ended_at = code, time.monotonic()
+                task.vanished = code is None
+            self.cond.notify_all()
+        if task.rank is not None:
+            self.sink.receive(protocol.Exit(rank=task.rank, code=code))
+
+    # -- called from the driver's watch loop ----------------------------------------------
+    def wait_ended(self, timeout_s: float) -> None:
+        """Wait until every task's connection has delivered its last message (``collect()``
+        returns as soon as the tasks do, possibly before the handler threads read the rest)."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while any(t.ended_at is None for t in self.tasks.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cond.wait(left)
+
+    def failure(self, heartbeat_timeout: float) -> Optional[LaunchFailure]:
+        """The first failed, vanished or silent task, as a LaunchFailure (or None)."""
+        with self.cond:
+            tasks = list(self.tasks.values())
+        failed = [t for t in tasks if t.ended_at is not None and (t.vanished or t.exit_code)]
+        if failed:
+            task = min(failed, key=lambda t: t.ended_at)
+            where = f"rank {task.rank} (Spark partition {task.info.partition} on host " \
+                    f"{task.info.host})"
+            if task.vanished:
+                return LaunchFailure(task.rank, None, f"{where} vanished without an exit status",
+                                     host=task.info.host, vanished=True)
+            return LaunchFailure(task.rank, task.exit_code,
+                                 f"{where} exited with status {task.exit_code}",
+                                 host=task.info.host)
+        if self.plan is None:
+            return None
+        now = time.monotonic()
+        silent = [t for t in tasks if t.ended_at is None and now - t.last_seen > heartbeat_timeout]
+        if silent:
+            task = min(silent, key=lambda t: t.last_seen)
+            return LaunchFailure(
+                task.rank, None,
+                f"the Spark task of rank {task.rank} on host {task.info.host} stopped answering "
+                f"(no heartbeat for {now - task.last_seen:.0f} s): the host was lost or its "
+                "network is down", host=task.info.host, vanished=True, lost=True)
+        return None
+
+    def abort(self) -> None:
+        """Tell every task to kill its rank now (and registrations still waiting to give up)."""
+        with self.cond:
+            self.aborted = True
+            self.cond.notify_all()
+            conns = [t.conn for t in self.tasks.values() if t.conn is not None]
+        data = protocol.encode(protocol.Abort())
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.settimeout(2)
+                conn.sendall(data)
+
+
+class _ControlHandler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:  # noqa: D102 - one connection per barrier task
+        server: ControlServer = self.server  # type: ignore[assignment]
+        try:
+            hello = protocol.decode(self.rfile.readline(1 << 16) or b"{}")
+        except ValueError:
+            hello = None
+        if not isinstance(hello, protocol.Hello) or \
+                not secrets.compare_digest(str(hello.token), server.token):
+            log.warning("Ignored a control connection without the run's token from %s",
+                        self.client_address[0])
+            return
+        task = _Task(TaskInfo(int(hello.partition), str(hello.host),
+                              hello.address or self.client_address[0], hello.port),
+                     conn=self.connection)
+        env = server.register(task)
+        if env is None:
+            return
+        self.wfile.write(protocol.encode(protocol.Assign(env=env)))
+        self.wfile.flush()
+        code: Optional[int] = None
+        try:
+            for raw in self.rfile:
+                msg = protocol.decode(raw)
+                if isinstance(msg, protocol.Exit):
+                    code = msg.code
+                    break
+                server.deliver(task, msg)
+        except (OSError, ValueError) as exc:  # a broken connection: the rank is lost
+            log.debug("control connection of partition %d broke: %s", task.info.partition, exc)
+        finally:
+            server.ended(task, code)
+
+
+class BarrierLauncher:
+    """``np`` ranks in one Spark barrier stage of the active SparkContext (module docstring)."""
+
+    name = "barrier"
+
+    def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]:
+        from pyspark import SparkContext
+
+        from ..task.barrier import barrier_task
+
+        sc = SparkContext._active_spark_context
+        backend = get_backend(spec.backend)
+        run_env = backend.start(spec.driver_host, spec.nics, spec.verbose)
+        token = secrets.token_hex(16)
+        bind = "127.0.0.1" if spec.driver_host == "127.0.0.1" else ""
+        server = ControlServer(bind, spec.np, token, sink, run_env, backend)
+        threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True,
+                         name="sparkhvd-control").start()
+        job = SparkJob(sc, f"sparkhvd-{token[:12]}", f"sparkhvd: {spec.np} rank(s)")
+        mapper = functools.partial(barrier_task, spec.payload, dict(spec.options), dict(spec.env),
+                                   (spec.driver_host, server.server_address[1]), token,
+                                   float(spec.start_timeout), backend.needs_port)
+
+        def target() -> list:
+            return job.run(lambda: sc.parallelize(range(spec.np), spec.np).barrier()
+                           .mapPartitions(mapper).collect())
+
+        def check(elapsed: float) -> None:
+            if session_stopped(sc):
+                raise stopped_session_error(during=True)
+            failure = server.failure(spec.heartbeat_timeout) or sink.stale_error()
+            if failure is not None:
+                raise failure
+            if server.plan is None and elapsed > spec.start_timeout:
+                raise TimeoutError(f"The {spec.np} Spark task(s) did not all start within "
+                                   f"start_timeout={spec.start_timeout:g} s; check the cluster's "
+                                   "free task slots, or raise start_timeout.")
+
+        def stop() -> None:
+            server.abort()
+            job.cancel()
+            kill_local_pids(local_rank_pids(sink))
+
+        try:
+            collected = supervise(target, timeout=spec.timeout, check=check, stop=stop,
+                                  name="sparkhvd-barrier",
+                                  timeout_message="The training did not finish within "
+                                  "{timeout:g} s; the ranks were stopped and the Spark job "
+                                  "cancelled.")
+            server.wait_ended(10.0)
+            check(0.0)  # a rank that failed as the stage ended
+        except BaseException:
+            with contextlib.suppress(Exception):
+                stop()
+            raise
+        finally:
+            # Both servers poll for shutdown: stop them off the return path.
+            threading.Thread(target=_stop_servers, args=(server, backend), daemon=True,
+                             name="sparkhvd-stop-servers").start()
+        by_partition = dict(collected)
+        results: list[Any] = [None] * spec.np
+        for partition, task in server.tasks.items():
+            if task.rank is not None and by_partition.get(partition) is not None:
+                results[task.rank] = load_result(task.rank, by_partition[partition])
+        return results
+
+
+def _stop_servers(server: ControlServer, backend: Any) -> None:
+    server.shutdown()
+    server.server_close()
+    backend.stop()
+
+
+LAUNCHER = BarrierLauncher()

@@ -1,0 +1,196 @@
+"""``launcher="horovod"``: ``horovod.spark.run`` / ``run_elastic``, adapted to the seam.
+
+Used for elastic runs and sessions with dynamic allocation (which barrier stages cannot use),
+or on request. horovod has no channel of ours: the rank prints its events as marker lines
+(:func:`sparkhvd.protocol.as_text`) and :class:`HorovodOutput` -- the thin adapter -- maps
+horovod's ``[index]<stdout>:text`` output back onto :mod:`sparkhvd.protocol` messages. The
+private parts of horovod it relies on are patched in :mod:`sparkhvd._compat`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import re
+import sys
+import threading
+from typing import Any, Iterator, Optional
+
+from .. import protocol
+from ..errors import LaunchFailure
+from . import LaunchSpec, Sink
+from .base import (SparkJob, kill_local_pids, local_rank_pids, session_stopped,
+                   stopped_session_error, supervise)
+
+log = logging.getLogger(__name__)
+
+_LINE = re.compile(r"^(?:[^\[]*?)\[(?P<idx>\d+)\]<(?P<tag>stdout|stderr)(?P<partial>\+?)>:"
+                   r"(?P<text>.*)$", re.S)
+_PROCESS_FAILED = re.compile(r"Process name: (?P<name>\S+)\s+Exit code: (?P<code>-?\d+|None)")
+
+
+class _Channel:
+    """A write()-able text stream for one of horovod's outputs.
+
+    horovod writes each rank's stream from its own thread, in chunks that need not end at a
+    line: lines are assembled per writing thread, or two ranks' lines would interleave.
+    """
+
+    def __init__(self, owner: "HorovodOutput", tag: str) -> None:
+        self._owner, self._tag = owner, tag
+        self._buffers: dict[int, str] = {}
+
+    def write(self, text: str) -> int:
+        key = threading.get_ident()
+        with self._owner.lock:
+            buffer = self._buffers.pop(key, "") + text
+            *lines, rest = buffer.split("\n")
+            if rest:
+                self._buffers[key] = rest
+            for line in lines:
+                self._owner.route(line, self._tag)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        with self._owner.lock:
+            for key in list(self._buffers):
+                self._owner.route(self._buffers.pop(key), self._tag)
+
+
+class HorovodOutput:
+    """horovod's rank output -> :mod:`sparkhvd.protocol` messages for the sink.
+
+    horovod numbers output by its launch index; each rank's :class:`~sparkhvd.protocol.Started`
+    event maps that index to the rank (again after an elastic reset).
+    """
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.lock = threading.RLock()
+        self.index_to_rank: dict[int, int] = {}
+        self.stdout = _Channel(self, "stdout")
+        self.stderr = _Channel(self, "stderr")
+
+    def route(self, raw: str, channel_tag: str) -> None:
+        m = _LINE.match(raw.rstrip("\r"))
+        if m:
+            idx, tag, text = int(m.group("idx")), m.group("tag"), m.group("text")
+            partial = bool(m.group("partial"))
+        else:
+            idx, tag, text, partial = -1, channel_tag, raw.rstrip("\r"), False
+        msg = protocol.from_text(text)
+        if msg is not None:
+            if isinstance(msg, protocol.Started):
+                self.index_to_rank[idx] = msg.rank
+            self.sink.receive(msg)
+            return
+        self.sink.receive(protocol.Line(self.index_to_rank.get(idx, idx), tag, text, partial))
+
+    def drain(self) -> None:
+        self.stdout.drain()
+        self.stderr.drain()
+
+
+def parse_failure(exc: BaseException) -> Optional[LaunchFailure]:
+    """horovod's "Process name: N Exit code: C" error as a LaunchFailure (rank unknown when the
+    process name is an elastic host slot such as ``h2-93fc[0]``)."""
+    m = _PROCESS_FAILED.search(str(exc))
+    if not m:
+        return None
+    code = None if m.group("code") == "None" else int(m.group("code"))
+    name = m.group("name")
+    rank = int(name) if name.isdigit() else None
+    return LaunchFailure(rank, code, f"horovod process {name} exited with status {code}")
+
+
+@contextlib.contextmanager
+def quiet_cancelled_spark_thread() -> Iterator[None]:
+    """Silence horovod's Spark thread when *we* cancelled its job group.
+
+    When a rank fails (or the driver is interrupted), the Spark job is cancelled and horovod's
+    thread dies with a Py4JJavaError ("... cancelled ...") printed with a Java stack trace;
+    the user gets the real error from us instead. Any other thread exception is reported.
+    """
+    previous = threading.excepthook
+
+    def hook(args: Any) -> None:
+        name = getattr(args.thread, "name", "") or ""
+        if name.endswith("(run_spark)") and "cancel" in str(args.exc_value):
+            log.debug("horovod's Spark job group was cancelled: %s", args.exc_value)
+            return
+        previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
+
+
+class HorovodLauncher:
+    """``spec.np`` ranks through ``horovod.spark.run`` (or ``run_elastic``)."""
+
+    name = "horovod"
+
+    def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]:
+        import horovod.spark
+        from pyspark import SparkContext
+
+        from .._compat import horovod_driver_hooks
+        from ..rank import elastic_result, rank_main
+        from ..task.horovod import spark_task_mapper
+
+        sc = SparkContext._active_spark_context
+        stop_event = threading.Event()
+        output = HorovodOutput(sink)
+        # horovod pickles the result itself: the rank checks it can be (a clear error if not).
+        options = {**spec.options, "check_result": True}
+        common = dict(args=(spec.payload, options), num_proc=spec.np,
+                      start_timeout=int(spec.start_timeout), env=dict(spec.env),
+                      stdout=output.stdout, stderr=output.stderr,
+                      verbose=2 if spec.verbose else 0, nics=spec.nics,
+                      prefix_output_with_timestamp=False)
+        mapper = functools.partial(spark_task_mapper, sys.executable)
+
+        def target() -> list:
+            if spec.elastic:
+                return horovod.spark.run_elastic(
+                    rank_main, min_num_proc=spec.elastic[0], max_num_proc=spec.elastic[1],
+                    elastic_timeout=int(spec.start_timeout), **common)
+            return horovod.spark.run(rank_main, use_gloo=True, **common)
+
+        def check(_elapsed: float) -> None:
+            if session_stopped(sc):
+                raise stopped_session_error(during=True)
+            stale = sink.stale_error() if not spec.elastic else None
+            if stale is not None:
+                raise stale
+
+        with horovod_driver_hooks(stop_event, elastic=bool(spec.elastic),
+                                  mapper=mapper) as hooks, quiet_cancelled_spark_thread():
+            def stop() -> None:
+                stop_event.set()
+                if hooks["job_group"]:
+                    SparkJob(sc, hooks["job_group"], "").cancel()
+                kill_local_pids(local_rank_pids(sink))
+
+            try:
+                results = supervise(target, timeout=spec.timeout, check=check, stop=stop,
+                                    name="sparkhvd-horovod",
+                                    timeout_message="The training did not finish within "
+                                    "{timeout:g} s; the ranks were stopped and the Spark job "
+                                    "cancelled.")
+            except RuntimeError as exc:
+                failure = parse_failure(exc)
+                if failure is not None:
+                    raise failure from exc
+                raise
+            finally:
+                output.drain()
+        return elastic_result(results) if spec.elastic else results
+
+
+LAUNCHER = HorovodLauncher()
