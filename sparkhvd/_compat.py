@@ -37,6 +37,8 @@ PATCHED = [
     ("horovod.spark.runner", "_task_fn"),
     ("horovod.spark.runner", "MINIMUM_COMMAND_LIFETIME_S"),
     ("horovod.runner.common.util.network", "BasicClient._send_one"),
+    ("horovod.spark.gloo_run", "launch_gloo"),
+    ("horovod.runner.util.network", "get_driver_ip"),
     ("horovod.runner.common.util.network", "BasicClient._wire"),
     ("horovod.runner.common.util.safe_shell_exec", "prefix_connection"),
     ("horovod.spark.task.task_service", "SparkTaskService._run_command"),
@@ -100,8 +102,8 @@ def _send_one_live(self: Any, addr: Any, req: Any, stream: Any = None) -> Any:
 
 
 @contextlib.contextmanager
-def horovod_driver_hooks(stop: threading.Event, *, elastic: bool,
-                         mapper: Callable[..., Any]) -> Iterator[dict]:
+def horovod_driver_hooks(stop: threading.Event, *, elastic: bool, mapper: Callable[..., Any],
+                         driver_host: Optional[str] = None) -> Iterator[dict]:
     """Take over what horovod's Spark launcher does by itself, for one run.
 
     - ``launch_gloo`` gets *our* ``stop`` event instead of installing signal handlers; setting it
@@ -111,6 +113,9 @@ def horovod_driver_hooks(stop: threading.Event, *, elastic: bool,
     - Spark runs ``mapper`` (``sparkhvd.task.horovod.spark_task_mapper``) as the task function.
     - When a rank exits non-zero the others are stopped at once -- except in ``elastic`` mode,
       where horovod's elastic driver decides whether the remaining ranks carry on.
+    - ``driver_host``: the Gloo rendezvous is served at that address. horovod picks the address
+      of the first interface *name* the driver and the tasks have in common -- on separate
+      machines ``eth0`` is a different network on each, and the ranks cannot reach it.
     """
     check_horovod()
     from horovod.runner import gloo_run
@@ -119,10 +124,23 @@ def horovod_driver_hooks(stop: threading.Event, *, elastic: bool,
     from horovod.spark import runner as spark_runner
     from horovod.spark.driver import job_id
 
+    from horovod.runner.util import network as runner_network
+
     hooks: dict = {"job_group": None}
     saved = (gloo_run.register_shutdown_event, job_id.next_job_id,
              spark_gloo_run._exec_command_fn, spark_runner._make_mapper,
-             network.BasicClient._send_one)
+             network.BasicClient._send_one, spark_gloo_run.launch_gloo,
+             runner_network.get_driver_ip)
+    original_launch_gloo, original_driver_ip = saved[5], saved[6]
+
+    def launch_gloo(command: Any, exec_command: Any, settings: Any, nics: Any, env: Any,
+                    server_ip: str) -> Any:
+        return original_launch_gloo(command, exec_command, settings, nics, env,
+                                    driver_host or server_ip)
+
+    def get_driver_ip(nics: Any) -> str:
+        return driver_host or original_driver_ip(nics)
+
     original_next, original_exec_fn = saved[1], saved[2]
 
     def next_job_id() -> int:
@@ -151,11 +169,14 @@ def horovod_driver_hooks(stop: threading.Event, *, elastic: bool,
     spark_gloo_run._exec_command_fn = exec_command_fn
     spark_runner._make_mapper = make_mapper
     network.BasicClient._send_one = _send_one_live
+    spark_gloo_run.launch_gloo = launch_gloo
+    runner_network.get_driver_ip = get_driver_ip
     try:
         yield hooks
     finally:
         (gloo_run.register_shutdown_event, job_id.next_job_id, spark_gloo_run._exec_command_fn,
-         spark_runner._make_mapper, network.BasicClient._send_one) = saved
+         spark_runner._make_mapper, network.BasicClient._send_one, spark_gloo_run.launch_gloo,
+         runner_network.get_driver_ip) = saved
 
 
 # -- horovod, task side ------------------------------------------------------------------------

@@ -99,16 +99,15 @@ def doctor(preset: str, master: Optional[str], np_: Optional[int],
     session: dict = {}
 
     def start() -> str:
-        from pyspark.sql import SparkSession
+        from pyspark import SparkContext
 
         from .session import get_or_create_session
 
-        active = SparkSession.getActiveSession()
+        session["created"] = SparkContext._active_spark_context is None
         p = load_preset(preset)
         if master:
             p.conf["spark.master"] = master
-        session["spark"] = active or get_or_create_session(needed, preset=p)
-        session["created"] = active is None
+        session["spark"] = get_or_create_session(needed, preset=p)
         return f"{session['spark'].sparkContext.master} (Spark {session['spark'].version})"
 
     rows.append(doc.check("Spark session", start,

@@ -81,7 +81,7 @@ def _probe_task(driver: str, port: int, spark_port: int, _rows: Any) -> Any:
     """One barrier task: where am I, and can I reach the driver."""
     from pyspark import BarrierTaskContext
 
-    from .task.barrier import iface_towards
+    from .rank import iface_towards
 
     context = BarrierTaskContext.get()
 

@@ -38,6 +38,8 @@ EVENTS_FD_ENV = "SPARKHVD_EVENTS_FD"
 TASK_GPUS_ENV = "SPARKHVD_TASK_GPUS"
 #: Where rank 0 writes the Horovod timeline on its own host before it goes to the run folder.
 TIMELINE_ENV = "HOROVOD_TIMELINE"
+#: Set when the rank itself must pick the network interface that reaches the rendezvous.
+GLOO_AUTO_ENV = "SPARKHVD_GLOO_AUTO"
 
 #: Prefix of an event printed as text (launchers without a channel of ours).
 MARKER = "@@sparkhvd@@"

@@ -131,6 +131,32 @@ def current_rank() -> tuple[int, int, int, int]:
                      default=1))
 
 
+def iface_towards(address: str) -> Optional[str]:
+    """The name of this host's network interface that routes to ``address``."""
+    import psutil
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))
+        local_ip = probe.getsockname()[0]
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local_ip for a in addrs):
+            return name
+    return None
+
+
+def pick_gloo_iface() -> None:
+    """When asked (:data:`~sparkhvd.protocol.GLOO_AUTO_ENV`), use the interface that reaches
+    the rendezvous server -- interface *names* mean nothing across machines."""
+    if not os.environ.pop(protocol.GLOO_AUTO_ENV, None):
+        return
+    address = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    if address:
+        with contextlib.suppress(OSError):
+            iface = iface_towards(address)
+            if iface:
+                os.environ["HOROVOD_GLOO_IFACE"] = os.environ["NCCL_SOCKET_IFNAME"] = iface
+
+
 # -- events ---------------------------------------------------------------------------------
 class _Events:
     """Where :func:`emit` writes: the launcher's event pipe, else marker lines on stderr."""
@@ -200,20 +226,25 @@ def end_children(grace_s: float = 1.0) -> None:
     A leftover child would keep the rank's output pipes open (so nothing downstream sees the
     end of its output) and multiprocessing's exit handler would wait for it forever.
     """
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover - a dependency
-        return
+    import psutil
+
     with contextlib.suppress(psutil.Error):
-        children = psutil.Process().children(recursive=True)
-        for child in children:
-            with contextlib.suppress(psutil.Error):
-                child.terminate()
-        _, alive = psutil.wait_procs(children, timeout=grace_s)
-        for child in alive:
-            with contextlib.suppress(psutil.Error):
-                child.kill()
-        psutil.wait_procs(alive, timeout=grace_s)
+        stop_processes(psutil.Process().children(recursive=True), grace_s)
+
+
+def stop_processes(procs: list, grace_s: float = 5.0) -> None:
+    """SIGTERM the given ``psutil.Process`` objects, then SIGKILL those still alive after
+    ``grace_s`` (the one way sparkhvd stops processes it owns)."""
+    import psutil
+
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
 
 
 def scrub_environment(keep: list[str]) -> None:
@@ -282,6 +313,7 @@ def rank_main(payload: bytes, options: dict) -> Any:
     rank, _, local_rank, local_size = current_rank()
     _events.take_from_env()
     scrub_environment(list(options.get("env_keep", ())))
+    pick_gloo_iface()
     become_subreaper()
     announce(rank)
     if options.get("elastic"):

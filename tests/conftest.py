@@ -272,6 +272,7 @@ def cluster_spark(netns_cluster):
     active = SparkSession.getActiveSession()
     if active is not None:
         active.stop()
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # what pyspark gives the executors' workers
     session = (SparkSession.builder.master(netns_cluster.master_url).appName("sparkhvd-netns")
                .config("spark.driver.host", netns_cluster.driver_ip)
                .config("spark.driver.bindAddress", netns_cluster.driver_ip)

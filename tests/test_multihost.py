@@ -216,6 +216,7 @@ def test_horovod_launcher_uses_the_executors_python(cluster_spark, tmp_path, mon
 def test_elastic_failure_is_a_training_error(cluster_spark, tmp_path):
     def fails():
         import horovod.tensorflow as hvd
+        import tensorflow as tf
 
         hvd.init()
 
@@ -223,7 +224,7 @@ def test_elastic_failure_is_a_training_error(cluster_spark, tmp_path):
         def loop(state):
             raise ValueError("a bug in the elastic loop")
 
-        loop(hvd.elastic.ObjectState(step=0))
+        loop(hvd.elastic.TensorFlowState(variables=[tf.Variable(0.0)], step=0))
 
     runner = HorovodRunner(np=2, min_np=1, max_np=2, spark=cluster_spark, start_timeout=30,
                            output_dir=str(tmp_path))

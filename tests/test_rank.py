@@ -95,6 +95,6 @@ def test_gpu_assigned_by_spark_wins_over_local_rank():
 
 
 def test_barrier_task_finds_the_interface_that_reaches_the_driver():
-    from sparkhvd.task.barrier import iface_towards
+    from sparkhvd.rank import iface_towards
 
     assert iface_towards("127.0.0.1") == "lo"

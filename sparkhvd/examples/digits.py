@@ -4,7 +4,6 @@ scikit-learn's digits ship offline (1,797 8x8 images); the model is a small CNN.
 """
 from __future__ import annotations
 
-import os
 
 
 def load_digits_split(seed: int = 0):
@@ -34,8 +33,6 @@ def build_model():
 def train_hvd(x_train, y_train, x_val, y_val, epochs: int = 30, batch_size: int = 32,
               lr: float = 0.002):
     """Single-node Keras code made distributed with sparkhvd.keras (seed 004's recipe)."""
-    import tempfile
-
     import tensorflow as tf
 
     from sparkhvd.keras import KerasDistributed
@@ -57,11 +54,9 @@ def train_hvd(x_train, y_train, x_val, y_val, epochs: int = 30, batch_size: int 
     model.fit(dataset, steps_per_epoch=per_rank // batch_size, validation_data=(x_val, y_val),
               **kd.fit_kwargs(model))
     if kd.rank == 0:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "model.h5")
-            model.save(path)
-            with open(path, "rb") as f:
-                return f.read()
+        from sparkhvd.kerasio import model_bytes
+
+        return model_bytes(model)  # HDF5 bytes: the driver saves them as runs/<id>/model.h5
     return None
 
 
@@ -73,7 +68,6 @@ def train_elastic(x_train, y_train, x_val, y_val, steps: int = 60, batch_size: i
     the survivors roll back to the last commit, re-shard by the new size and go on. Rank 0
     returns ``{"model": <.h5 bytes>, "sizes": [world size at each step], "val_accuracy": ...}``.
     """
-    import tempfile
     import time
 
     import horovod.tensorflow as hvd
@@ -121,8 +115,7 @@ def train_elastic(x_train, y_train, x_val, y_val, steps: int = 60, batch_size: i
         return None
     model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     _, accuracy = model.evaluate(x_val, y_val, verbose=0)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "model.h5")
-        model.save(path)
-        with open(path, "rb") as f:
-            return {"model": f.read(), "sizes": list(state.sizes), "val_accuracy": float(accuracy)}
+    from sparkhvd.kerasio import model_bytes
+
+    return {"model": model_bytes(model), "sizes": list(state.sizes),
+            "val_accuracy": float(accuracy)}

@@ -112,17 +112,13 @@ def kill_local_pids(pids: Iterable[int], grace_s: float = 5.0) -> None:
     """SIGTERM, then SIGKILL, the given processes of *this machine* that still live."""
     import psutil
 
+    from ..rank import stop_processes
+
     procs = []
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             procs.append(psutil.Process(pid))
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
+    stop_processes(procs, grace_s)
 
 
 def local_rank_pids(sink: Any) -> list[int]:

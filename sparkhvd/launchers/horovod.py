@@ -169,8 +169,12 @@ class HorovodLauncher:
             if stale is not None:
                 raise stale
 
-        with horovod_driver_hooks(stop_event, elastic=bool(spec.elastic),
-                                  mapper=mapper) as hooks, quiet_cancelled_spark_thread():
+        remote = spec.driver_host != "127.0.0.1"
+        if remote and not spec.nics:  # each rank picks the interface that reaches the driver
+            common["env"][protocol.GLOO_AUTO_ENV] = "1"
+        with horovod_driver_hooks(stop_event, elastic=bool(spec.elastic), mapper=mapper,
+                                  driver_host=spec.driver_host if remote else None) as hooks, \
+                quiet_cancelled_spark_thread():
             def stop() -> None:
                 stop_event.set()
                 if hooks["job_group"]:

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Optional
 
 from .. import protocol
 from ..environment import process_env
+from ..rank import iface_towards
 from .process import RankProcess
 
 #: Seconds between heartbeats (the driver declares a task lost after ``heartbeat_timeout``).
@@ -52,19 +53,6 @@ class _Channel:
         with contextlib.suppress(OSError):
             self.rfile.close()
             self.sock.close()
-
-
-def iface_towards(address: str) -> Optional[str]:
-    """The name of this host's network interface that routes to ``address``."""
-    import psutil
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((address, 9))
-        local_ip = probe.getsockname()[0]
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == local_ip for a in addrs):
-            return name
-    return None
 
 
 def _reserve_port(address: str) -> int:
