@@ -18,6 +18,7 @@ from .errors import (EnvironmentMismatchError, NotEnoughSlotsError, PayloadError
 _LAZY = {
     "DataFrameDataset": ("data", "DataFrameDataset"),
     "load_model": ("models", "load_model"),
+    "predict": ("predict", "predict"),
     "RunDir": ("rundir", "RunDir"),
     "HorovodRunner": ("runner", "HorovodRunner"),
     "ENV_ALLOWLIST": ("environment", "ENV_ALLOWLIST"),
@@ -45,6 +46,6 @@ __all__ = [
     "HorovodRunner", "TrainingError", "NotEnoughSlotsError", "PayloadError",
     "EnvironmentMismatchError", "SessionError", "SparkhvdError", "RankFailure", "RunDir",
     "ENV_ALLOWLIST",
-    "StorageError", "load_model", "storage", "DataFrameDataset",
+    "StorageError", "load_model", "predict", "storage", "DataFrameDataset",
     "__version__",
 ]

@@ -37,6 +37,8 @@ class RunOutcome:
         self.hosts: dict[int, str] = {}  # rank -> host
         self.exits: dict[int, Optional[int]] = {}
         self.resumed: Optional[protocol.Resumed] = None
+        #: called with each of rank 0's epoch records as it arrives (e.g. MLflow)
+        self.listeners: list = []
         self._error_seen: dict[int, float] = {}
         self._lock = threading.Lock()
 
@@ -45,6 +47,7 @@ class RunOutcome:
         if isinstance(msg, protocol.Line):
             self.router.line(msg)
             return
+        listeners: list = []
         with self._lock:
             if isinstance(msg, protocol.Started):
                 self.pids[msg.rank] = msg.pid
@@ -61,10 +64,13 @@ class RunOutcome:
             elif isinstance(msg, protocol.Metrics):
                 if msg.rank == 0:
                     self.metrics.append(dict(msg.record))
+                    listeners = list(self.listeners)
             elif isinstance(msg, protocol.Resumed):
                 self.resumed = msg
             elif isinstance(msg, protocol.Exit):
                 self.exits[msg.rank] = msg.code
+        for listener in listeners:  # outside the lock: a listener may be slow (a server)
+            listener(msg.record)
 
     def stale_error(self, grace_s: float = ERROR_EXIT_GRACE_S) -> Optional[LaunchFailure]:
         """A rank that raised but has not exited ``grace_s`` later (it must not hold the run)."""

@@ -148,6 +148,12 @@ class RunDir:
         text = redact(json.dumps(self.record, indent=2, default=str))
         atomic_write(self.file("run.json"), text.encode())
 
+    def record_params(self) -> dict:
+        """The run's parameters worth tracking elsewhere (np, mode, function, versions)."""
+        params = {k: self.record.get(k) for k in ("np", "mode", "function", "spark_master")}
+        params.update({f"version.{k}": v for k, v in self.record.get("versions", {}).items()})
+        return params
+
     def mark(self, timing: str) -> None:
         """Record seconds since the run started under ``timings[timing]``."""
         self.record["timings"][timing] = round(time.monotonic() - self._t0, 3)

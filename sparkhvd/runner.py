@@ -11,7 +11,7 @@ import inspect
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 from . import payload as _payload
 from . import protocol
@@ -163,6 +163,9 @@ class HorovodRunner:
             slot check fails.
         heartbeat_timeout: (barrier launcher) a Spark task silent this long -- its host lost or
             cut off the network -- fails the run, naming the rank and host.
+        mlflow: ``True`` or an experiment name: track the run in MLflow (params, per-epoch
+            metrics, the model and the run folder's records; see :mod:`sparkhvd.tracking`).
+            Needs the ``mlflow`` extra.
 
     Example::
 
@@ -177,7 +180,8 @@ class HorovodRunner:
                  resume_from: Any = None, timeline: bool = False, preset: Any = None,
                  min_np: Optional[int] = None, max_np: Optional[int] = None,
                  launcher: str = "auto", verbose: bool = False, nics: Optional[set[str]] = None,
-                 slot_wait_s: float = 30.0, heartbeat_timeout: float = 15.0) -> None:
+                 slot_wait_s: float = 30.0, heartbeat_timeout: float = 15.0,
+                 mlflow: Union[None, bool, str] = None) -> None:
         self.mode = Mode.from_np(np)
         self.np = np
         self.elastic = None
@@ -219,6 +223,11 @@ class HorovodRunner:
         self.verbose = verbose
         self.nics = set(nics) if nics else None
         self.slot_wait_s = slot_wait_s
+        if mlflow:
+            from .tracking import _import_mlflow
+
+            _import_mlflow()  # a missing extra is said now, not after training
+        self.mlflow = mlflow
         self.last_run_dir: Optional[RunDir] = None
 
     # -- public API ----------------------------------------------------------------------
@@ -258,7 +267,7 @@ class HorovodRunner:
         try:
             blob = _payload.dumps(fn, kwargs)
             results = self._launch(fn, blob, spark, return_all=return_all, timeout=timeout,
-                                   env_keep=sorted(self.env))
+                                   kwargs=kwargs)
             succeeded = True
             return results
         finally:
@@ -270,12 +279,13 @@ class HorovodRunner:
         return get_or_create_session(self.mode.size, self.spark, self.preset)
 
     def _launch(self, fn: Callable, blob: bytes, spark: Any, *, return_all: bool,
-                timeout: Optional[float], env_keep: list[str]) -> list:
+                timeout: Optional[float], kwargs: Mapping[str, Any]) -> list:
         remember_environment(os.environ)
         env = rank_env(self.env, verbose=self.verbose)
         check_keras({**os.environ, **env})
         run_dir = RunDir(self.output_dir, storage_options=self.storage_options)
         self.last_run_dir = run_dir
+        tracker = None
         try:
             run_dir.preflight()
         except StorageError as exc:
@@ -289,6 +299,7 @@ class HorovodRunner:
         outcome = RunOutcome(router)
         files = None
         results: list = []
+        status, error, raise_as = "succeeded", None, None
         try:
             spec = LaunchSpec(np=self.mode.size, payload=blob, env=env,
                               options={"verbose": self.verbose, "return_all": return_all,
@@ -297,32 +308,46 @@ class HorovodRunner:
                               verbose=self.verbose, elastic=self.elastic,
                               heartbeat_timeout=self.heartbeat_timeout)
             launcher_name, shared_disk = self._place(spec, spark, run_dir)
+            if self.mlflow:
+                from .tracking import MlflowTracker
+
+                tracker = MlflowTracker(self.mlflow)
+                tracker.start(run_dir, {**run_dir.record_params(), "launcher": launcher_name},
+                              kwargs)
+                outcome.listeners.append(tracker.metrics)
             resume = self._resume_source(run_dir)
             files = self._start_files(spec, run_dir, resume, shared_disk)
-            spec.options["env_keep"] = sorted(set(env_keep) | set(spec.env))
+            spec.options["env_keep"] = sorted(set(self.env) | set(spec.env))
             run_dir.mark("launch")
             log.info("Launching %d rank(s) %s; logs in %s", spec.np,
                      f"on Spark ({spark.sparkContext.master})" if spark else "as local processes",
                      run_dir.logs)
             results = get_launcher(launcher_name).launch(spec, outcome)
         except LaunchFailure as failure:
-            self._finish(run_dir, "failed", outcome.training_error(failure, None), outcome)
-            # Built again now that the run folder is where it stays (published if remote).
-            raise outcome.training_error(failure, run_dir.location) from None
+            status, raise_as = "failed", failure
+            error = outcome.training_error(failure, None)
         except BaseException as exc:
             status = ("interrupted" if isinstance(exc, KeyboardInterrupt) else
                       "timed out" if isinstance(exc, TimeoutError) else "failed")
-            self._finish(run_dir, status, exc, outcome)
-            raise
+            error = raise_as = exc
         finally:
             if files is not None:
                 files.stop()
             router.close()
             self._write_curves(run_dir, outcome.metrics)
-        run_dir.mark("finished")
-        saved = run_dir.save_result(results[0]) if results else None
-        self._finish(run_dir, "succeeded", None, outcome,
-                     model=os.path.basename(saved) if saved else None)
+        extra: dict[str, Any] = {}
+        if error is None:
+            run_dir.mark("finished")
+            saved = run_dir.save_result(results[0]) if results else None
+            extra["model"] = os.path.basename(saved) if saved else None
+        self._finish(run_dir, status, error, outcome, **extra)
+        if tracker is not None:
+            tracker.finish(run_dir, status)
+        if isinstance(raise_as, LaunchFailure):
+            # Built again now that the run folder is where it stays (published if remote).
+            raise outcome.training_error(raise_as, run_dir.location) from None
+        if raise_as is not None:
+            raise raise_as
         try:
             run_dir.publish()
         except StorageError as exc:

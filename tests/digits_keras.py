@@ -22,7 +22,7 @@ def weights_hash(model):
 
 
 def train(x_train, y_train, x_val, y_val, epochs, batch_size=32, warmup_epochs=0, resume=None,
-          lr=0.002, shuffle=True, weights=False):
+          lr=0.002, shuffle=True, weights=False, tensorboard=False, model_bytes=False):
     """Returns a dict per rank: weights hash, averaged metrics, warm-up record, start state.
 
     ``shuffle=False``: every epoch sees the same batches in the same order, so a resumed run can
@@ -34,7 +34,7 @@ def train(x_train, y_train, x_val, y_val, epochs, batch_size=32, warmup_epochs=0
 
     kw = {} if resume is None else {"resume": resume}
     kd = KerasDistributed(epochs=epochs, batch_size=batch_size, warmup_epochs=warmup_epochs,
-                          **kw)
+                          tensorboard=tensorboard, **kw)
     tf.keras.utils.set_random_seed(1234 + kd.rank)  # different init per rank: broadcast must fix
     per_rank = len(x_train) // kd.size
     x = x_train[kd.rank::kd.size][:per_rank]
@@ -64,6 +64,10 @@ def train(x_train, y_train, x_val, y_val, epochs, batch_size=32, warmup_epochs=0
         ds = tf.data.Dataset.from_tensor_slices((x[:n], y[:n])).repeat().batch(batch_size)
     model.fit(ds, steps_per_epoch=steps, validation_data=(x_val, y_val), **fit)
     _, accuracy = model.evaluate(x_val, y_val, verbose=0)
+    if model_bytes:  # what a user returns: the driver saves it as the run's model.h5
+        from sparkhvd.kerasio import model_bytes as saved
+
+        return saved(model) if kd.rank == 0 else None
     return {"hash": weights_hash(model), "accuracy": float(accuracy),
             "weights": model.get_weights() if weights else None,
             "metrics": kd.metric_average.history, "start_hash": start.get("hash"),

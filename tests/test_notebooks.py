@@ -55,8 +55,16 @@ def _check_common(nb):
     assert not errors, errors
     text = "\n".join(_text(c) for c in nb.cells)
     assert re.search(r"^\[rank 0\] epoch \d+/\d+ - loss", text, re.M), "rank-prefixed log lines"
-    assert _has_png(nb.cells[-1]), "the curves cell shows a PNG"
+    assert any(_has_png(c) for c in nb.cells if "show_curves" in "".join(c.source)), \
+        "the curves cell shows a PNG"
     return text
+
+
+def _no_features_collected(nb):
+    """Predictions are computed on the executors: no collect()/toPandas() of the features."""
+    code = "\n".join("".join(c.source) for c in nb.cells if c.cell_type == "code")
+    assert "sparkhvd.predict(" in code
+    assert ".collect()" not in code and "toPandas()" not in code
 
 
 @pytest.mark.spark
@@ -70,6 +78,12 @@ def test_quickstart_notebook(tmp_path):
     assert "not a Synapse/Livy kernel" in text
     model = tmp_path / "runs" / "quickstart" / "mnist-ckpt.h5"
     assert model.exists()
+    _no_features_collected(nb)
+    scored = float(re.search(r"scored on the executors, accuracy: ([\d.]+)", text).group(1))
+    assert scored == pytest.approx(accuracy, abs=1e-4), "the same model, scored by Spark"
+    listing = _text(nb.cells[-1])
+    assert "FINISHED" in listing, listing
+    assert (tmp_path / "mlruns").is_dir()
     import tensorflow as tf
 
     assert tf.keras.models.load_model(model).count_params() > 0
@@ -84,5 +98,6 @@ def test_dataframe_notebook(tmp_path):
     assert re.search(r"^\[rank 1\] rank 1: \d+ steps per epoch", text, re.M), "all ranks stream"
     accuracy = float(re.search(r"validation accuracy: ([\d.]+)", text).group(1))
     assert accuracy >= 0.9
+    _no_features_collected(nb)
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1 and (runs[0] / "model.h5").exists()
