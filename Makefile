@@ -1,9 +1,17 @@
 # The two commands a newcomer types: `make demo` and `make test` (each sets up first if needed).
-# PROFILE=tf218 selects the TF 2.18 + tf-keras profile (.venv-tf218), see README.
+# PROFILE=tf218 selects the TF 2.18 + tf-keras profile (.venv-tf218); PROFILE=modern current
+# TensorFlow with Keras 3 and numpy 2, no horovod (.venv-modern, backend="tf"). See README.
 PROFILE ?= tf215
+DEMO_ARGS :=
+TEST_ARGS :=
 ifeq ($(PROFILE),tf218)
 PY := .venv-tf218/bin/python
 export TF_USE_LEGACY_KERAS := 1
+else ifeq ($(PROFILE),modern)
+PY := .venv-modern/bin/python
+DEMO_ARGS := --backend tf
+# backend-neutral tests that start nothing, plus every test of the tf backend
+TEST_ARGS := -m "tf_backend or not (spark or ranks or cluster or netns or notebook or horovod)"
 else
 PY := .venv/bin/python
 endif
@@ -14,10 +22,10 @@ setup:
 	@PROFILE=$(PROFILE) bash scripts/setup.sh
 
 demo: setup
-	$(PY) scripts/demo.py
+	$(PY) scripts/demo.py $(DEMO_ARGS)
 
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest $(TEST_ARGS)
 
 unit: setup
 	$(PY) -m pytest -m "not (spark or ranks or azurite or cluster or netns or notebook)"

@@ -4,7 +4,8 @@ Cases (each run ``--repeat`` times; median, min and max are reported):
 
 - B1 launch overhead: a no-op at np=2 on a warm local[2] session, sparkhvd vs raw
   ``horovod.spark.run`` vs the floor (a plain 2-task Spark job that starts a Python process per
-  task); also with a function that imports TensorFlow.
+  task); also with a function that imports TensorFlow; and ``backend="tf"`` (no-op, and a
+  function that builds the MultiWorkerMirroredStrategy).
 - B2 data throughput: rows/s of one rank (rank 0 of 2) feeding tf.data from a Spark DataFrame of
   784-float rows: sparkhvd's DataFrameDataset vs petastorm's ``make_tf_dataset`` (defaults) vs
   the ceiling of pyarrow reading the same Parquet in-process.
@@ -15,6 +16,10 @@ Cases (each run ``--repeat`` times; median, min and max are reported):
   Azure blob SDK directly (at least 9 runs each: Azurite is noisy).
 - B5 GPU: ResNet-50 images/s through sparkhvd vs plain Keras — needs a GPU machine; recorded as
   skipped when there is none.
+- B6 streaming: one shuffled epoch on 2 ranks at 100k/400k/800k rows x 784 float32: peak RSS
+  (``ru_maxrss``) and rows/s per rank; in memory vs streamed at 100k.
+- B7 scoring: ``sparkhvd.predict`` on local[2] executors vs collecting the rows to the driver
+  and calling ``model.predict``, rows/s.
 
 B2 and B4 warm every variant up once, then let the variants take turns.
 
@@ -85,6 +90,13 @@ def _import_tf():
     return 0
 
 
+def _build_strategy():
+    import tensorflow as tf
+
+    tf.distribute.MultiWorkerMirroredStrategy()
+    return 0
+
+
 def case_b1(repeat: int, tiny: bool) -> list[dict]:
     import horovod.spark
 
@@ -103,8 +115,9 @@ def case_b1(repeat: int, tiny: bool) -> list[dict]:
         return lambda: horovod.spark.run(fn, num_proc=2, use_gloo=True, nics={"lo"}, verbose=0,
                                          stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))
 
-    def ours(fn, launcher="auto"):
-        return lambda: HorovodRunner(np=2, spark=spark, output_dir=out, launcher=launcher).run(fn)
+    def ours(fn, launcher="auto", backend="horovod"):
+        return lambda: HorovodRunner(np=2, spark=spark, output_dir=out, launcher=launcher,
+                                     backend=backend).run(fn)
 
     raw(_noop)()  # warm the session and horovod's imports
     rows = [{"case": "B1", "variant": "floor: 2-task Spark job + python", "unit": "s",
@@ -117,6 +130,11 @@ def case_b1(repeat: int, tiny: bool) -> list[dict]:
                      **_timed(ours(fn), repeat)})
         rows.append({"case": "B1", "variant": f"sparkhvd launcher='horovod', {label}",
                      "unit": "s", **_timed(ours(fn, "horovod"), repeat)})
+    rows.append({"case": "B1", "variant": "sparkhvd backend='tf', no-op", "unit": "s",
+                 **_timed(ours(_noop, backend="tf"), repeat)})
+    if not tiny:
+        rows.append({"case": "B1", "variant": "sparkhvd backend='tf', builds the strategy",
+                     "unit": "s", **_timed(ours(_build_strategy, backend="tf"), repeat)})
     return rows
 
 

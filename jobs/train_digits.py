@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause", type=float, default=0.0, help="elastic: seconds per step")
     parser.add_argument("--sizes-url", help="elastic: where the per-step world sizes go (JSON)")
     parser.add_argument("--runs-dir", default=os.path.join(tempfile.gettempdir(), "sparkhvd-job-runs"))
+    parser.add_argument("--backend", choices=["horovod", "tf"], default="horovod")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("sparkhvd").setLevel(logging.INFO)
@@ -54,19 +55,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ELASTIC: {len(result['sizes'])} steps, world sizes seen "
               f"{sorted(set(result['sizes']), reverse=True)}")
     else:
-        runner = HorovodRunner(np=args.np, spark=spark, output_dir=args.runs_dir)
+        runner = HorovodRunner(np=args.np, spark=spark, output_dir=args.runs_dir,
+                               backend=args.backend)
         model_bytes = runner.run(train_hvd, epochs=args.epochs, **data)
     storage.write_bytes(args.output_url, model_bytes)
 
     import tensorflow as tf
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "model.h5")
-        with open(path, "wb") as f:
-            f.write(storage.read_bytes(args.output_url))
+    from sparkhvd.kerasio import local_file
+    from sparkhvd.rundir import model_filename
+
+    saved = storage.read_bytes(args.output_url)
+    suffix = os.path.splitext(model_filename(saved) or "model.h5")[1]  # HDF5, or Keras 3's zip
+    with local_file(saved, suffix) as path:
         _, accuracy = tf.keras.models.load_model(path).evaluate(x_test, y_test, verbose=0)
     print(f"JOB OK: model at {storage.public_url(args.output_url)}, held-out accuracy "
-          f"{accuracy:.4f}, master {spark.sparkContext.master}")
+          f"{accuracy:.4f}, master {spark.sparkContext.master}, backend {args.backend}")
     spark.stop()
     return 0
 

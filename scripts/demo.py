@@ -5,7 +5,7 @@ the model comes back as bytes, is saved under runs/<run-id>/, and scores the hel
 a Spark DataFrame on the executors (sparkhvd.predict).
 Exit status 1 if the held-out accuracy is below --min-accuracy.
 
-    python scripts/demo.py [--np 2] [--epochs 30] [--output-dir runs]
+    python scripts/demo.py [--np 2] [--epochs 30] [--output-dir runs] [--backend horovod|tf]
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--output-dir", default="runs")
     parser.add_argument("--min-accuracy", type=float, default=0.9)
+    parser.add_argument("--backend", choices=["horovod", "tf"], default="horovod",
+                        help="horovod (Gloo) or tf (tf.distribute; the modern profile's)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     for name in ("sparkhvd", "demo"):
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from sparkhvd.examples.digits import load_digits_split, train_hvd
 
     x_train, x_test, y_train, y_test = load_digits_split()
-    runner = HorovodRunner(np=args.np, output_dir=args.output_dir)
+    runner = HorovodRunner(np=args.np, output_dir=args.output_dir, backend=args.backend)
     model_bytes = runner.run(train_hvd, x_train=x_train, y_train=y_train, x_val=x_test,
                              y_val=y_test, epochs=args.epochs)
     run_dir = runner.last_run_dir

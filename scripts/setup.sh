@@ -4,21 +4,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-# PROFILE=tf215 (default): tensorflow-cpu 2.15.1, Keras 2 built in.
-# PROFILE=tf218: tensorflow-cpu 2.18.1 + tf-keras, used with TF_USE_LEGACY_KERAS=1.
+# PROFILE=tf215 (default): tensorflow-cpu 2.15.1, Keras 2 built in, horovod.
+# PROFILE=tf218: tensorflow-cpu 2.18.1 + tf-keras, used with TF_USE_LEGACY_KERAS=1, horovod.
+# PROFILE=modern: current tensorflow-cpu with Keras 3, numpy 2, no horovod (backend="tf").
 PROFILE=${PROFILE:-tf215}
+HOROVOD=1
 case "$PROFILE" in
   tf215) VENV=.venv; CONSTRAINTS=constraints.txt; TF_PKGS=("tensorflow-cpu==2.15.1") ;;
   tf218) VENV=.venv-tf218; CONSTRAINTS=constraints-tf218.txt
          TF_PKGS=("tensorflow-cpu==2.18.1" "tf-keras==2.18.0"); export TF_USE_LEGACY_KERAS=1 ;;
-  *) printf '[setup] ERROR: unknown PROFILE=%s (use tf215 or tf218)\n' "$PROFILE" >&2; exit 1 ;;
+  modern) VENV=.venv-modern; CONSTRAINTS=constraints-modern.txt; HOROVOD=0
+          TF_PKGS=("tensorflow-cpu==2.21.0") ;;
+  *) printf '[setup] ERROR: unknown PROFILE=%s (use tf215, tf218 or modern)\n' "$PROFILE" >&2; exit 1 ;;
 esac
 
 say() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 
 "$PYTHON" -c 'import sys; sys.exit(0 if (3, 9) <= sys.version_info[:2] <= (3, 11) else 1)' \
-  || die "Python 3.9-3.11 is required (TensorFlow 2.15); found $("$PYTHON" --version 2>&1). Set PYTHON=/path/to/python3.11."
+  || die "Python 3.9-3.11 is required (TensorFlow 2.15, horovod 0.28); found $("$PYTHON" --version 2>&1). Set PYTHON=/path/to/python3.11."
 command -v java >/dev/null 2>&1 \
   || die "Java (11 or 17) is required by Spark. Install it, e.g. 'apt-get install -y openjdk-17-jre-headless', or set JAVA_HOME."
 
@@ -47,7 +51,7 @@ horovod_ok() {
 }
 
 hstamp="$VENV/.stamp-horovod-${stamp##*-}"
-if [ ! -f "$hstamp" ]; then
+if [ "$HOROVOD" = 1 ] && [ ! -f "$hstamp" ]; then
   if ! horovod_ok; then
     say "building horovod 0.28.1 from source with TensorFlow + Gloo (about 3 minutes)"
     "${PIP[@]}" uninstall -q -y horovod >/dev/null 2>&1 || true
@@ -68,4 +72,4 @@ if [ ! -x .tools/node_modules/.bin/azurite-blob ]; then
     say "WARNING: Node.js/npm not found: the abfss:// storage tests need Azurite. Install Node.js 18+ (e.g. 'apt-get install -y nodejs npm') and run 'make setup' again."
   fi
 fi
-say "ready: $("$PY" -c 'import sparkhvd, horovod, tensorflow as tf, pyspark; print(f"sparkhvd {sparkhvd.__version__}, horovod {horovod.__version__}, tensorflow {tf.__version__}, pyspark {pyspark.__version__}")' 2>/dev/null)"
+say "ready ($PROFILE): $("$PY" -c 'import importlib.util as u, sparkhvd, tensorflow as tf, pyspark, numpy; print(f"sparkhvd {sparkhvd.__version__}, tensorflow {tf.__version__}, keras {getattr(tf.keras, \"__version__\", None) or __import__(\"keras\").__version__}, numpy {numpy.__version__}, pyspark {pyspark.__version__}, horovod {\"yes\" if u.find_spec(\"horovod\") else \"no (backend=tf)\"}")' 2>/dev/null)"

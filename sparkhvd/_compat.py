@@ -15,6 +15,8 @@ horovod, task side (:func:`patch_horovod_task`): a 1 s instead of 3 s command li
 horovod, rank side (:func:`follow_elastic_resets`): re-announce the rank after an elastic reset.
 adlfs / Azure SDK (:func:`set_storage_retries`): a retry budget that gives up on a refused
   connection in seconds instead of ~85 s.
+Keras 3, rank side (:func:`patch_keras_multiworker`): ``model.fit`` under
+  ``MultiWorkerMirroredStrategy`` (``backend="tf"``) -- two reductions that fail there.
 """
 from __future__ import annotations
 
@@ -39,11 +41,26 @@ PATCHED = [
     ("horovod.runner.common.util.network", "BasicClient._send_one"),
     ("horovod.spark.gloo_run", "launch_gloo"),
     ("horovod.runner.util.network", "get_driver_ip"),
-    ("horovod.runner.common.util.network", "BasicClient._wire"),
     ("horovod.runner.common.util.safe_shell_exec", "prefix_connection"),
     ("horovod.spark.task.task_service", "SparkTaskService._run_command"),
     ("horovod.common.elastic", "State.on_reset"),
-    ("horovod.common.elastic", "State._rank"),
+]
+#: Attributes those patches read that horovod sets on its instances (class, attribute).
+PATCHED_INSTANCE = [
+    ("horovod.runner.common.util.network", "BasicClient", "_wire"),
+    ("horovod.runner.common.util.network", "BasicClient", "_attempts"),
+    ("horovod.common.elastic", "State", "_rank"),
+]
+
+
+#: The same for Keras 3's TensorFlow trainer (checked only where Keras 3 is installed).
+PATCHED_KERAS3 = [
+    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer._maybe_symbolic_build"),
+    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer._symbolic_build"),
+    ("keras.src.backend.tensorflow.trainer", "reduce_per_replica"),
+    ("keras.src.backend.tensorflow.trainer", "_collective_all_reduce_multi_worker"),
+    ("keras.src.backend.tensorflow.trainer", "_is_per_replica_instance"),
+    ("keras.src.tree", "map_structure"),
 ]
 
 
@@ -310,3 +327,62 @@ def set_storage_retries(fs: Any, *, total: int, connect: int, backoff_s: float) 
         policy.increment_base = max(1, int(backoff_s))
     elif hasattr(policy, "backoff"):
         policy.backoff = backoff_s
+
+
+# -- Keras 3, rank side ----------------------------------------------------------------------------
+_keras_state = {"patched": False}
+
+
+def patch_keras_multiworker() -> None:
+    """Make Keras 3's ``model.fit`` work under ``MultiWorkerMirroredStrategy``.
+
+    Keras 3 (checked up to 3.15) fails twice there: before training it *reduces* a distributed
+    input batch across workers only to learn its shapes (``strategy.reduce("MEAN", PerReplica,
+    axis=None)`` cannot convert the batch), and each step it reduces the scalar logs with
+    ``axis=0``. Here the shapes come from this worker's own replica, and scalars are averaged
+    over replicas with ``axis=None``. Training itself (gradients, variables) is untouched:
+    tests check that workers end with identical weights and match one worker's training.
+    """
+    if _keras_state["patched"]:
+        return
+    import tensorflow as tf
+
+    if int(str(getattr(tf.keras, "__version__", "2")).split(".")[0]) < 3:
+        return
+    from keras.src import tree
+    from keras.src.backend.tensorflow import trainer as ktr
+
+    def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> None:
+        if self._distribute_strategy is None:
+            return
+        if iterator is not None:
+            for _, _, it in iterator:
+                batch = next(it)
+                data_batch = tree.map_structure(
+                    lambda v: self.distribute_strategy.experimental_local_results(v)[0]
+                    if isinstance(v, tf.distribute.DistributedValues) else v, batch)
+                break
+        with self.distribute_strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    original_reduce = ktr.reduce_per_replica
+
+    def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
+        if not (ktr._collective_all_reduce_multi_worker(strategy) and
+                reduction in ("mean", "auto")):
+            return original_reduce(values, strategy, reduction)
+
+        def one(v: Any) -> Any:
+            if ktr._is_per_replica_instance(v):
+                rank = v.values[0].shape.rank
+            elif isinstance(v, tf.Tensor):
+                rank = v.shape.rank
+            else:
+                return v
+            return strategy.reduce("MEAN", v, axis=0 if rank else None)
+
+        return tree.map_structure(one, values)
+
+    ktr.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    ktr.reduce_per_replica = reduce_per_replica
+    _keras_state["patched"] = True

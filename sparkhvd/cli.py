@@ -127,7 +127,8 @@ def doctor(preset: str, master: Optional[str], np_: Optional[int],
                               "check the URL, AZURE_STORAGE_* credentials and permissions"))
     table = Table("check", "status", "detail", "fix")
     for row in rows:
-        table.add_row(row.name, "[green]ok[/]" if row.ok else "[red]FAIL[/]", row.detail, row.fix)
+        status = "[green]ok[/]" if row.ok else "[yellow]n/a[/]" if row.optional else "[red]FAIL[/]"
+        table.add_row(row.name, status, row.detail, row.fix)
     console = _console()
     console.print(table)
     if hosts:
@@ -137,7 +138,7 @@ def doctor(preset: str, master: Optional[str], np_: Optional[int],
         console.print(tasks)
     if session.get("created"):
         session["spark"].stop()
-    if any(not r.ok for r in rows):
+    if any(not r.ok and not r.optional for r in rows):
         raise SystemExit(1)
 
 

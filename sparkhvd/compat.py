@@ -35,9 +35,12 @@ def keras_problem(versions: Mapping[str, Optional[str]], environ: Mapping[str, s
            "tensorflow 2.15").format(".".join(tf.split(".")[:2]))
     if legacy:
         return (f"TF_USE_LEGACY_KERAS=1 is set but tf-keras is not installed (TensorFlow {tf}, "
-                f"Keras {keras}). Fix: {fix}.")
+                f"Keras {keras}). Fix: {fix}; or train with backend='tf' (tf.distribute), "
+                "which supports Keras 3.")
     return (f"Keras {keras} (Keras 3) is installed with TensorFlow {tf}; Horovod does not support "
-            f"Keras 3 (gradients would silently not be averaged across ranks). Fix: {fix}.")
+            f"Keras 3 (gradients would silently not be averaged across ranks). Fix: "
+            f"HorovodRunner(..., backend='tf') trains with tf.distribute and Keras 3; or, to "
+            f"stay on Horovod: {fix}.")
 
 
 def check_keras(environ: Optional[Mapping[str, str]] = None) -> None:

@@ -22,6 +22,8 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
+    #: a failed optional check is reported ("n/a") but does not fail the doctor
+    optional: bool = False
 
 
 def check(name: str, fn: Callable[[], str], fix: str) -> Check:
@@ -63,14 +65,34 @@ def java() -> str:
     return (out.stderr or out.stdout).splitlines()[0]
 
 
+def horovod_backend() -> str:
+    built = horovod_build()
+    return f"{built}; {keras_stack()}"
+
+
+def tf_backend() -> str:
+    import tensorflow as tf
+
+    if not hasattr(tf.distribute, "MultiWorkerMirroredStrategy"):
+        raise RuntimeError(f"tensorflow {tf.__version__} has no MultiWorkerMirroredStrategy")
+    from .compat import package_version
+
+    keras = getattr(tf.keras, "__version__", None) or package_version("keras")
+    return f"tensorflow {tf.__version__}, keras {keras}: MultiWorkerMirroredStrategy"
+
+
 def stack_checks() -> list[Check]:
-    return [
-        check("horovod build", horovod_build,
-              "run `make setup` (builds horovod with HOROVOD_WITH_TENSORFLOW=1 "
-              "HOROVOD_WITH_GLOO=1)"),
-        check("TensorFlow/Keras", keras_stack,
-              "use tensorflow 2.15, or tf-keras with TF_USE_LEGACY_KERAS=1 (Keras 3 is "
-              "unsupported under Horovod)"),
+    """Which backends this environment can run (at least one must), and Java."""
+    backends = [
+        check("backend horovod", horovod_backend,
+              "run `make setup` (builds horovod with TensorFlow + Gloo; needs TensorFlow <= "
+              "2.18 with Keras 2 or tf-keras), or use backend='tf'"),
+        check("backend tf", tf_backend, "install tensorflow (>= 2.4)"),
+    ]
+    usable = [b for b in backends if b.ok]
+    for b in backends:
+        b.optional = bool(usable)
+    return backends + [
         check("Java", java, "install Java 17 (apt-get install -y openjdk-17-jre-headless) or "
                             "set JAVA_HOME"),
     ]

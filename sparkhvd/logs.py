@@ -33,6 +33,8 @@ NOISE = [re.compile(p) for p in (
     r"(FutureWarning|DeprecationWarning|PendingDeprecationWarning): ",
     r"^WARNING: Logging before flag parsing goes to stderr",
     r"^I\d{4} \d\d:\d\d:\d\d\.\d+ ",                           # glog info lines
+    r"^[IW]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ ",                     # absl lines (TF >= 2.19)
+    r"^WARNING: All log messages before absl::InitializeLog\(\) is called",
     r"Gloo.*(rendezvous|connected)",
 )]
 _ERRORISH = re.compile(r"(?i)\b(error|exception|fatal|traceback|killed|segmentation fault)\b")

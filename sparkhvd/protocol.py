@@ -40,6 +40,8 @@ TASK_GPUS_ENV = "SPARKHVD_TASK_GPUS"
 TIMELINE_ENV = "HOROVOD_TIMELINE"
 #: Set when the rank itself must pick the network interface that reaches the rendezvous.
 GLOO_AUTO_ENV = "SPARKHVD_GLOO_AUTO"
+#: The backend the ranks run on, when it is not horovod ("tf": see sparkhvd.backends.tf).
+BACKEND_ENV = "SPARKHVD_BACKEND"
 
 #: Prefix of an event printed as text (launchers without a channel of ours).
 MARKER = "@@sparkhvd@@"

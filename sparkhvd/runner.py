@@ -18,6 +18,7 @@ from . import protocol
 from .compat import check_keras
 from .environment import rank_env
 from .errors import LaunchFailure, PayloadError, StorageError
+from .backends import BACKENDS
 from .launchers import LAUNCHERS, LaunchSpec, choose_launcher, driver_host, get_launcher
 from .logs import RankLogRouter, check_verbosity
 from .outcome import RunOutcome
@@ -166,6 +167,10 @@ class HorovodRunner:
         mlflow: ``True`` or an experiment name: track the run in MLflow (params, per-epoch
             metrics, the model and the run folder's records; see :mod:`sparkhvd.tracking`).
             Needs the ``mlflow`` extra.
+        backend: ``"horovod"`` (default: Horovod with Gloo; plain Horovod code runs unchanged)
+            or ``"tf"``: ``tf.distribute.MultiWorkerMirroredStrategy`` from a ``TF_CONFIG`` each
+            rank gets -- no horovod at all, so current TensorFlow, Keras 3 and numpy 2 work.
+            Elastic runs, ``launcher="horovod"`` and ``timeline`` are Horovod-only.
 
     Example::
 
@@ -181,8 +186,11 @@ class HorovodRunner:
                  min_np: Optional[int] = None, max_np: Optional[int] = None,
                  launcher: str = "auto", verbose: bool = False, nics: Optional[set[str]] = None,
                  slot_wait_s: float = 30.0, heartbeat_timeout: float = 15.0,
-                 mlflow: Union[None, bool, str] = None) -> None:
+                 mlflow: Union[None, bool, str] = None, backend: str = "horovod") -> None:
         self.mode = Mode.from_np(np)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+        self.backend = backend
         self.np = np
         self.elastic = None
         if min_np is not None or max_np is not None:
@@ -195,6 +203,14 @@ class HorovodRunner:
             self.elastic = (lo, hi)
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {LAUNCHERS}; got {launcher!r}")
+        if backend == "tf":
+            horovod_only = [name for name, used in (("min_np/max_np (elastic)", self.elastic),
+                                                    ("launcher='horovod'", launcher == "horovod"),
+                                                    ("timeline=True", timeline)) if used]
+            if horovod_only:
+                raise ValueError(f"{' and '.join(horovod_only)} need backend='horovod'; "
+                                 "backend='tf' runs on sparkhvd's barrier launcher with "
+                                 "tf.distribute (see the README's 'Choosing a backend').")
         if launcher == "barrier" and self.elastic:
             raise ValueError("Elastic training (min_np/max_np) runs on horovod.spark.run_elastic; "
                              "use launcher='auto' or 'horovod'.")
@@ -282,7 +298,8 @@ class HorovodRunner:
                 timeout: Optional[float], kwargs: Mapping[str, Any]) -> list:
         remember_environment(os.environ)
         env = rank_env(self.env, verbose=self.verbose)
-        check_keras({**os.environ, **env})
+        if self.backend == "horovod":
+            check_keras({**os.environ, **env})
         run_dir = RunDir(self.output_dir, storage_options=self.storage_options)
         self.last_run_dir = run_dir
         tracker = None
@@ -291,7 +308,7 @@ class HorovodRunner:
         except StorageError as exc:
             self._finish(run_dir, "failed", exc)
             raise
-        run_dir.update(status="starting", np=self.np, mode=self.mode.name,
+        run_dir.update(status="starting", np=self.np, mode=self.mode.name, backend=self.backend,
                        function=getattr(fn, "__qualname__", repr(fn)),
                        started_at=_dt.datetime.now().isoformat(timespec="seconds"))
         router = RankLogRouter(self.driver_log_verbosity, log_dir=run_dir.logs,
@@ -306,7 +323,7 @@ class HorovodRunner:
                                        "elastic": bool(self.elastic)},
                               start_timeout=self.start_timeout, timeout=timeout,
                               verbose=self.verbose, elastic=self.elastic,
-                              heartbeat_timeout=self.heartbeat_timeout)
+                              heartbeat_timeout=self.heartbeat_timeout, backend=self.backend)
             launcher_name, shared_disk = self._place(spec, spark, run_dir)
             if self.mlflow:
                 from .tracking import MlflowTracker
@@ -365,14 +382,14 @@ class HorovodRunner:
 
         sc = spark.sparkContext
         run_dir.update(spark_master=sc.master, spark_app_id=sc.applicationId)
-        check_worker_python(sc)
+        check_worker_python(sc, self.backend)
         slots = check_slots(sc, spec.np, wait_s=0 if sc.master.startswith("local")
                             else self.slot_wait_s)
         run_dir.update(slots=slots.slots)
         shared = is_loopback_master(sc.master)
         spec.nics = self.nics or ({"lo"} if shared else None)
         spec.driver_host = driver_host(sc)
-        name = choose_launcher(self.launcher, sc, self.elastic)
+        name = choose_launcher(self.launcher, sc, self.elastic, self.backend)
         run_dir.update(launcher=name)
         return name, shared
 

@@ -66,27 +66,33 @@ def get_or_create_session(np: int, spark=None, preset=None):
     return session
 
 
+#: What Spark's worker Python must import, per backend.
+NEEDED_MODULES = {"horovod": "horovod.spark, sparkhvd", "tf": "tensorflow, sparkhvd"}
+
+
 @functools.lru_cache(maxsize=8)
-def _python_can_import(python: str) -> Optional[str]:
+def _python_can_import(python: str, modules: str) -> Optional[str]:
     try:
-        out = subprocess.run([python, "-c", "import horovod.spark, sparkhvd"],
+        out = subprocess.run([python, "-c", f"import {modules}"],
                              capture_output=True, text=True, timeout=120)
     except OSError as exc:
         return str(exc)
     return None if out.returncode == 0 else (out.stderr.strip().splitlines() or ["?"])[-1]
 
 
-def check_worker_python(sc) -> None:
-    """On a local master, fail early when Spark's worker Python cannot import horovod/sparkhvd."""
+def check_worker_python(sc, backend: str = "horovod") -> None:
+    """On a local master, fail early when Spark's worker Python cannot import what the ranks
+    need (horovod or tensorflow, and sparkhvd)."""
     if not sc.master.startswith("local"):
         return
     python = sc.pythonExec or "python3"
-    problem = _python_can_import(python)
+    modules = NEEDED_MODULES.get(backend, NEEDED_MODULES["horovod"])
+    problem = _python_can_import(python, modules)
     if problem:
         from .errors import EnvironmentMismatchError
 
         raise EnvironmentMismatchError(
-            f"Spark runs its Python workers with {python!r}, which cannot import horovod and "
-            f"sparkhvd ({problem}). Fix: export PYSPARK_PYTHON={sys.executable} before the "
+            f"Spark runs its Python workers with {python!r}, which cannot import {modules} "
+            f"({problem}). Fix: export PYSPARK_PYTHON={sys.executable} before the "
             "SparkSession is created (or activate the project's virtual environment), then "
             "restart the session.")

@@ -39,22 +39,22 @@ def train(x_train, y_train, x_val, y_val, epochs, batch_size=32, warmup_epochs=0
     per_rank = len(x_train) // kd.size
     x = x_train[kd.rank::kd.size][:per_rank]
     y = y_train[kd.rank::kd.size][:per_rank]
-    model = tf.keras.Sequential([
-        tf.keras.layers.Input((8, 8, 1)),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(64, activation="relu"),
-        tf.keras.layers.Dense(10, activation="softmax"),
-    ])
-    model.compile(optimizer=kd.optimizer(tf.keras.optimizers.Adam(lr)),
-                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    with kd.scope():  # the strategy's scope on backend="tf"; nothing to do on Horovod
+        model = tf.keras.Sequential([
+            tf.keras.layers.Input((8, 8, 1)),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(64, activation="relu"),
+            tf.keras.layers.Dense(10, activation="softmax"),
+        ])
+        model.compile(optimizer=kd.optimizer(tf.keras.optimizers.Adam(lr)),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     start = {}
 
     class StartState(tf.keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
             start["hash"] = weights_hash(self.model)
 
-    fit = kd.fit_kwargs(model, callbacks=[StartState()])
-    fit["callbacks"].insert(1, fit["callbacks"].pop())  # right after the broadcast
+    fit = kd.fit_kwargs(model, callbacks=[StartState()])  # after the broadcast of rank 0's state
     steps = per_rank // batch_size
     if shuffle:
         ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=kd.rank).repeat() \
@@ -62,15 +62,20 @@ def train(x_train, y_train, x_val, y_val, epochs, batch_size=32, warmup_epochs=0
     else:
         n = steps * batch_size
         ds = tf.data.Dataset.from_tensor_slices((x[:n], y[:n])).repeat().batch(batch_size)
-    model.fit(ds, steps_per_epoch=steps, validation_data=(x_val, y_val), **fit)
+    options = tf.data.Options()  # each rank's own slice: the strategy must not shard it again
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    model.fit(ds.with_options(options), steps_per_epoch=steps, validation_data=(x_val, y_val),
+              **fit)
     _, accuracy = model.evaluate(x_val, y_val, verbose=0)
-    if model_bytes:  # what a user returns: the driver saves it as the run's model.h5
+    if model_bytes:  # what a user returns: the driver saves it as the run's model file
         from sparkhvd.kerasio import model_bytes as saved
 
-        return saved(model) if kd.rank == 0 else None
+        data = saved(model)  # every rank saves (tf.distribute may read collectively)
+        return data if kd.rank == 0 else None
     return {"hash": weights_hash(model), "accuracy": float(accuracy),
             "weights": model.get_weights() if weights else None,
-            "metrics": kd.metric_average.history, "start_hash": start.get("hash"),
+            "metrics": kd.metric_average.history if kd.metric_average else None,
+            "start_hash": start.get("hash"), "backend": kd.backend,
             "initial_epoch": kd.initial_epoch,
             "warmup": kd.warmup.recorded if kd.warmup else [],
             "target_lr": kd.warmup.target_lr if kd.warmup else None, "size": kd.size}

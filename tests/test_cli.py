@@ -83,7 +83,8 @@ def test_doctor_passes_on_this_machine():
     out = subprocess.run([SPARKHVD, "doctor"], capture_output=True, text=True, timeout=280,
                          env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0, out.stdout + out.stderr
-    for check in ("horovod build", "TensorFlow/Keras", "Java", "Spark session", "task slots"):
+    for check in ("backend horovod", "backend tf", "MultiWorkerMirroredStrategy", "Java",
+                  "Spark session", "task slots", "cluster network"):
         assert check in out.stdout
     assert "FAIL" not in out.stdout
 

@@ -56,8 +56,10 @@ def test_keras_problem(versions, environ, bad):
         assert problem is None
     else:
         assert bad in problem and "TF_USE_LEGACY_KERAS=1" in problem and "tf-keras==2.18" in problem
+        assert "backend='tf'" in problem, "Keras 3 points to the tf backend"
 
 
+@pytest.mark.horovod
 def test_installed_stack_passes_keras_check():
     check_keras()  # the installed profile, with this environment (tf218 sets TF_USE_LEGACY_KERAS)
 

@@ -16,6 +16,15 @@ from sparkhvd import HorovodRunner, TrainingError
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
 
+@pytest.fixture(params=[
+    pytest.param({"launcher": "barrier"}, id="barrier", marks=pytest.mark.horovod),
+    pytest.param({"launcher": "horovod"}, id="horovod", marks=pytest.mark.horovod),
+    pytest.param({"backend": "tf"}, id="tf", marks=pytest.mark.tf_backend)])
+def how(request):
+    """Every way a Spark run starts: barrier and horovod launchers, and the tf backend."""
+    return request.param
+
+
 def assert_no_rank_left(runner, grace=20.0):
     record = json.loads(open(runner.last_run_dir.file("run.json")).read())
     pids = [int(p) for p in record["rank_pids"].values()]
@@ -30,51 +39,52 @@ def assert_no_rank_left(runner, grace=20.0):
     return record
 
 
-def _session_works(spark, tmp_path):
-    assert HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path)).run(lambda: "ok") == "ok"
+def _session_works(spark, tmp_path, how):
+    assert HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path), **how).run(
+        lambda: "ok") == "ok"
     assert spark.sparkContext.statusTracker().getActiveJobsIds() == []
 
 
-@pytest.mark.parametrize("how,code", [("exit", 3), ("sigkill", -9)])
-def test_rank_process_dies(spark, launcher, tmp_path, how, code):
-    def dies(how):
+@pytest.mark.parametrize("death,code", [("exit", 3), ("sigkill", -9)])
+def test_rank_process_dies(spark, how, tmp_path, death, code):
+    def dies(death):
         import os
         import signal
         import time
 
-        if os.environ["HOROVOD_RANK"] == "1":
-            if how == "exit":
+        if os.environ.get("SPARKHVD_RANK", os.environ.get("HOROVOD_RANK")) == "1":
+            if death == "exit":
                 os._exit(3)
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
 
-    runner = HorovodRunner(np=2, spark=spark, launcher=launcher, output_dir=str(tmp_path))
+    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path), **how)
     with pytest.raises(TrainingError) as info:  # the module's timeout is the hang guard
-        runner.run(dies, how=how)
+        runner.run(dies, death=death)
     err = info.value
     assert err.rank == 1 and err.exc_type is None
     assert err.exit_code in (code, 128 - code if code < 0 else code, 137 if code == -9 else code)
-    assert ("signal 9" in str(err)) if how == "sigkill" else ("status 3" in str(err))
+    assert ("signal 9" in str(err)) if death == "sigkill" else ("status 3" in str(err))
     assert_no_rank_left(runner)
-    _session_works(spark, tmp_path)
+    _session_works(spark, tmp_path, how)
 
 
-def test_hanging_rank_times_out(spark, launcher, tmp_path):
+def test_hanging_rank_times_out(spark, how, tmp_path):
     def hangs():
         import time
 
         time.sleep(3600)
 
-    runner = HorovodRunner(np=2, spark=spark, launcher=launcher, output_dir=str(tmp_path))
+    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path), **how)
     with pytest.raises(TimeoutError, match="did not finish within 15 s"):
         runner.run(hangs, timeout=15)
     record = assert_no_rank_left(runner)
     assert record["status"] == "timed out"
-    _session_works(spark, tmp_path)
+    _session_works(spark, tmp_path, how)
 
 
 @pytest.mark.timeout(150)
-def test_healthy_ranks_are_aborted_when_one_fails(spark, launcher, tmp_path):
+def test_healthy_ranks_are_aborted_when_one_fails(spark, how, tmp_path):
     """Rank 1 raises; rank 0 would sleep 10 minutes, then write a marker. The run must end
     (the 150 s hang guard fails it otherwise), rank 0's process must be gone, the marker never
     written."""
@@ -84,13 +94,13 @@ def test_healthy_ranks_are_aborted_when_one_fails(spark, launcher, tmp_path):
         import os
         import time
 
-        if os.environ["HOROVOD_RANK"] == "1":
+        if os.environ.get("SPARKHVD_RANK", os.environ.get("HOROVOD_RANK")) == "1":
             time.sleep(1)
             raise ValueError("rank 1 fails")
         time.sleep(600)
         open(marker, "w").write("rank 0 was never stopped")
 
-    runner = HorovodRunner(np=2, spark=spark, launcher=launcher, output_dir=str(tmp_path))
+    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path), **how)
     with pytest.raises(TrainingError, match="rank 1 fails"):
         runner.run(one_fails, marker=str(marker))
     record = assert_no_rank_left(runner)
@@ -98,7 +108,7 @@ def test_healthy_ranks_are_aborted_when_one_fails(spark, launcher, tmp_path):
     assert not marker.exists()
 
 
-def test_driver_interrupt_cancels_everything(spark, launcher, tmp_path, rank_lines):
+def test_driver_interrupt_cancels_everything(spark, how, tmp_path, rank_lines):
     def hangs():
         import time
 
@@ -112,21 +122,23 @@ def test_driver_interrupt_cancels_everything(spark, launcher, tmp_path, rank_lin
         os.kill(os.getpid(), signal.SIGINT)  # what a notebook's stop button does
 
     threading.Thread(target=interrupt_when_started, daemon=True).start()
-    runner = HorovodRunner(np=2, spark=spark, launcher=launcher, output_dir=str(tmp_path))
+    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path), **how)
     with pytest.raises(KeyboardInterrupt):
         runner.run(hangs)
     record = assert_no_rank_left(runner)
     assert record["status"] == "interrupted"
-    _session_works(spark, tmp_path)
+    _session_works(spark, tmp_path, how)
 
 
-def test_local_ranks_timeout_and_interrupt_leave_nothing(tmp_path):
+@pytest.mark.parametrize("backend", [pytest.param("horovod", marks=pytest.mark.horovod),
+                                     pytest.param("tf", marks=pytest.mark.tf_backend)])
+def test_local_ranks_timeout_and_interrupt_leave_nothing(tmp_path, backend):
     def hangs():
         import time
 
         time.sleep(3600)
 
-    runner = HorovodRunner(np=-2, output_dir=str(tmp_path))
+    runner = HorovodRunner(np=-2, output_dir=str(tmp_path), backend=backend)
     with pytest.raises(TimeoutError):
         runner.run(hangs, timeout=10)
     assert_no_rank_left(runner)

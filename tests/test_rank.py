@@ -1,6 +1,8 @@
 """In-rank bootstrap: thread sharing on CPU, GPU pinning (with a fake TensorFlow)."""
 import types
 
+import pytest
+
 from sparkhvd.rank import RankPlan, configure_tensorflow, detect_gpus, plan_rank
 
 
@@ -73,6 +75,7 @@ def test_elastic_results_ordered_by_final_rank_and_retried_tasks_dropped():
     assert elastic_result(launch_order) == [b"model", None]
 
 
+@pytest.mark.horovod
 def test_barrier_ranks_are_contiguous_per_host_in_partition_order():
     from sparkhvd.backends.horovod import assign_ranks
 
@@ -98,3 +101,21 @@ def test_barrier_task_finds_the_interface_that_reaches_the_driver():
     from sparkhvd.rank import iface_towards
 
     assert iface_towards("127.0.0.1") == "lo"
+
+
+def test_tf_backend_ranks_are_contiguous_per_host_with_a_tf_config_each():
+    import json
+
+    from sparkhvd.backends import TaskInfo
+    from sparkhvd.backends.tf import Backend
+
+    tasks = {0: TaskInfo(0, "b", "10.0.0.2", 5001), 1: TaskInfo(1, "a", "10.0.0.1", 5002),
+             2: TaskInfo(2, "b", "10.0.0.2", 5003)}
+    envs = Backend().assign(tasks)
+    workers = ["10.0.0.2:5001", "10.0.0.2:5003", "10.0.0.1:5002"]
+    for partition, rank, local in ((0, 0, 0), (2, 1, 1), (1, 2, 0)):
+        config = json.loads(envs[partition]["TF_CONFIG"])
+        assert config == {"cluster": {"worker": workers}, "task": {"type": "worker",
+                                                                   "index": rank}}
+        assert envs[partition]["SPARKHVD_RANK"] == str(rank)
+        assert envs[partition]["SPARKHVD_LOCAL_RANK"] == str(local)

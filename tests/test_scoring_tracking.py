@@ -148,6 +148,7 @@ def test_mlflow_run_on_a_real_server(spark, data, tmp_path, mlflow_server, monke
     assert "PLANTEDmlflowTOKEN99" not in text
 
 
+@pytest.mark.ranks
 def test_mlflow_failed_and_interrupted_runs(tmp_path, mlflow_server, monkeypatch):
     from mlflow.tracking import MlflowClient
 
@@ -181,6 +182,7 @@ def test_mlflow_failed_and_interrupted_runs(tmp_path, mlflow_server, monkeypatch
     assert client.get_run(record["mlflow"]["run_id"]).info.status == "KILLED"
 
 
+@pytest.mark.ranks
 def test_mlflow_default_store_is_local_and_offline(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient

@@ -2,8 +2,11 @@
 
 A backend is what the launchers do not care about: it starts whatever the ranks rendezvous
 through, and turns the tasks that registered (host, address, a port each reserved) into one
-environment per rank. Like Ray Train's ``Backend.on_start``. ``horovod`` (Gloo rendezvous,
-``HOROVOD_*`` variables) is the default.
+environment per rank. Like Ray Train's ``Backend.on_start``:
+
+- ``horovod`` (default): Gloo rendezvous through horovod's server, ``HOROVOD_*`` variables;
+- ``tf``: ``TF_CONFIG`` for ``tf.distribute.MultiWorkerMirroredStrategy`` -- no horovod, so it
+  runs on current TensorFlow, Keras 3 and numpy 2.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Mapping, Optional, Protocol
 
-BACKENDS = ("horovod",)
+BACKENDS = ("horovod", "tf")
 
 
 @dataclass

@@ -32,13 +32,17 @@ def build_model():
 
 def train_hvd(x_train, y_train, x_val, y_val, epochs: int = 30, batch_size: int = 32,
               lr: float = 0.002):
-    """Single-node Keras code made distributed with sparkhvd.keras (seed 004's recipe)."""
+    """Single-node Keras code made distributed with sparkhvd.keras (seed 004's recipe).
+
+    Runs unchanged on ``HorovodRunner(backend="horovod")`` and ``backend="tf"``.
+    """
     import tensorflow as tf
 
+    from sparkhvd.kerasio import model_bytes
     from sparkhvd.keras import KerasDistributed
 
-    # hvd.init(); LR scaled by size + DistributedOptimizer; broadcast, metric averaging,
-    # warm-up, rank-0 progress lines and checkpoints into the run folder.
+    # Horovod: hvd.init(); tf: the MultiWorkerMirroredStrategy. LR scaled by size, gradients
+    # averaged, ranks start equal, metrics global, warm-up, rank-0 progress and checkpoints.
     kd = KerasDistributed(epochs=epochs, batch_size=batch_size, warmup_epochs=1)
     tf.keras.utils.set_random_seed(42)
     # Each rank trains on its own, equally sized, slice (equal steps keep allreduce in step).
@@ -47,17 +51,16 @@ def train_hvd(x_train, y_train, x_val, y_val, epochs: int = 30, batch_size: int 
     y = y_train[kd.rank::kd.size][:per_rank]
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(per_rank, seed=kd.rank) \
         .repeat().batch(batch_size)
-
-    model = build_model()
-    model.compile(optimizer=kd.optimizer(tf.keras.optimizers.Adam(lr)),
-                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    model.fit(dataset, steps_per_epoch=per_rank // batch_size, validation_data=(x_val, y_val),
-              **kd.fit_kwargs(model))
-    if kd.rank == 0:
-        from sparkhvd.kerasio import model_bytes
-
-        return model_bytes(model)  # HDF5 bytes: the driver saves them as runs/<id>/model.h5
-    return None
+    options = tf.data.Options()  # the rank's own slice: no further sharding by the strategy
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    with kd.scope():
+        model = build_model()
+        model.compile(optimizer=kd.optimizer(tf.keras.optimizers.Adam(lr)),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(dataset.with_options(options), steps_per_epoch=per_rank // batch_size,
+              validation_data=(x_val, y_val), **kd.fit_kwargs(model))
+    saved = model_bytes(model)  # every rank saves (tf.distribute may read collectively) ...
+    return saved if kd.rank == 0 else None  # ... rank 0's bytes become runs/<id>/model.h5
 
 
 def train_elastic(x_train, y_train, x_val, y_val, steps: int = 60, batch_size: int = 32,

@@ -215,17 +215,20 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
         keep: keep only the newest ``keep`` checkpoints.
         state: called at each save; returns extra state to continue exactly (learning rate,
             warm-up target...).
+        write: whether this rank writes; with tf.distribute every worker takes part in saving
+            (reading some variables is a collective) and only rank 0 writes.
     """
 
     def __init__(self, url: Union[str, checkpoints.CheckpointStore], every: int = 1,
                  storage_options: Optional[dict] = None, keep: Optional[int] = None,
-                 state: Optional[Callable[[], dict]] = None) -> None:
+                 state: Optional[Callable[[], dict]] = None, write: bool = True) -> None:
         super().__init__()
         self.store = url if isinstance(url, checkpoints.CheckpointStore) else \
             checkpoints.UrlStore(url, storage_options)
         self.every = max(1, every)
         self.keep = keep
         self.state = state
+        self.write = write
         self.saved: list[str] = []
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
@@ -235,12 +238,15 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
         lr = getattr(self.model.optimizer, "learning_rate", None)
         if hasattr(lr, "numpy") and "lr" not in state:
             state["lr"] = float(lr.numpy())
-        name = checkpoints.save(self.store, self.model, epoch + 1, state)
+        name = checkpoints.save(self.store if self.write else checkpoints.DISCARD, self.model,
+                                epoch + 1, state)
+        if not self.write:
+            return
         self.saved.append(name)
         if self.keep and len(self.saved) > self.keep:
             old = self.saved.pop(0)
             self.store.delete(old)
-            self.store.delete(old.replace(".h5", ".optimizer.npz"))
+            self.store.delete(old.rsplit(".", 1)[0] + ".optimizer.npz")
 
 
 def latest_checkpoint(url: str, storage_options: Optional[dict] = None) -> Optional[tuple[int, str]]:

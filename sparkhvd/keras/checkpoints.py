@@ -2,7 +2,8 @@
 
 A checkpoint of epoch N is three files in a checkpoints folder:
 
-- ``epoch-000N.h5`` -- the model (loadable with ``tf.keras.models.load_model``),
+- ``epoch-000N.h5`` (``.keras`` on Keras 3) -- the model (loadable with
+  ``tf.keras.models.load_model``),
 - ``epoch-000N.optimizer.npz`` -- every optimizer variable (Adam's moments, the step count),
 - ``latest.json`` -- written last, so it never names a partial checkpoint:
   ``{"epoch": N, "file": ..., "optimizer": ..., "state": {"lr": ..., "warmup_target_lr": ...}}``.
@@ -112,6 +113,19 @@ class UrlStore(CheckpointStore):
         return public_url(f"{self.url}/{name}".rstrip("/"))
 
 
+class _Discard(CheckpointStore):
+    """Where a worker that only takes part in saving writes: nowhere."""
+
+    def write(self, name: str, data: bytes) -> None:
+        pass
+
+    def describe(self, name: str = "") -> str:
+        return "(not written by this rank)"
+
+
+DISCARD = _Discard()
+
+
 def url_store(url: str, storage_options: Optional[dict] = None) -> UrlStore:
     """A store for ``url``: its ``checkpoints/`` when ``url`` is a run folder."""
     store = UrlStore(url, storage_options)
@@ -127,7 +141,10 @@ def optimizer_variables(optimizer: Any) -> list:
 
 def build_optimizer(optimizer: Any, model: Any) -> None:
     """Create the optimizer's variables now (Keras creates them lazily at the first step)."""
-    if optimizer_variables(optimizer)[1:]:
+    built = getattr(optimizer, "built", None)
+    if built is None:
+        built = getattr(optimizer, "_built", None)
+    if built is True or (built is None and optimizer_variables(optimizer)[1:]):
         return
     if hasattr(optimizer, "build"):
         optimizer.build(model.trainable_variables)
@@ -139,10 +156,11 @@ def save(store: CheckpointStore, model: Any, epoch: int, state: dict) -> str:
     """Write the checkpoint of ``epoch`` (model, optimizer, state), ``latest.json`` last."""
     import numpy as np
 
-    from ..kerasio import model_bytes
+    from ..kerasio import checkpoint_bytes
 
-    name = f"epoch-{epoch:04d}.h5"
-    store.write(name, model_bytes(model, include_optimizer=False))
+    data, suffix = checkpoint_bytes(model)
+    name = f"epoch-{epoch:04d}{suffix}"
+    store.write(name, data)
     info: dict = {"epoch": epoch, "file": name, "state": state}
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:

@@ -69,9 +69,16 @@ def get_launcher(name: str) -> Launcher:
     return importlib.import_module(f".{name}", __name__).LAUNCHER
 
 
-def choose_launcher(requested: str, sc: Any, elastic: Optional[tuple[int, int]] = None) -> str:
+def choose_launcher(requested: str, sc: Any, elastic: Optional[tuple[int, int]] = None,
+                    backend: str = "horovod") -> str:
     """``"barrier"`` or ``"horovod"`` for a Spark run (see ``HorovodRunner(launcher=...)``)."""
     dynamic = str(sc.getConf().get("spark.dynamicAllocation.enabled", "false")).lower() == "true"
+    if backend != "horovod" and dynamic:
+        raise ValueError(f"backend={backend!r} runs in a Spark barrier stage, which Spark refuses "
+                         "with spark.dynamicAllocation.enabled=true; turn dynamic allocation off "
+                         "for this session, or use backend='horovod'.")
+    if backend != "horovod":
+        return "barrier"
     if requested == "barrier" and dynamic:
         raise ValueError("launcher='barrier' cannot run with spark.dynamicAllocation.enabled=true "
                          "(Spark refuses barrier stages then); use launcher='auto' or 'horovod'.")
