@@ -28,6 +28,22 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("netns") is not None)
 
 
+def still_alive(pids, grace=20.0):
+    """The PIDs still running (not zombies) after waiting up to ``grace`` seconds for them."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + grace
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if alive:
+            time.sleep(0.3)
+    return alive
+
+
 @pytest.fixture(params=["barrier", "horovod"])
 def launcher(request):
     """Both Spark launchers: sparkhvd's barrier stage and horovod.spark.run."""

@@ -8,8 +8,9 @@ import signal
 import threading
 import time
 
-import psutil
 import pytest
+
+from conftest import still_alive
 
 from sparkhvd import HorovodRunner, TrainingError
 
@@ -29,12 +30,7 @@ def assert_no_rank_left(runner, grace=20.0):
     record = json.loads(open(runner.last_run_dir.file("run.json")).read())
     pids = [int(p) for p in record["rank_pids"].values()]
     assert pids, "the run recorded its rank PIDs"
-    deadline = time.monotonic() + grace
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and
-                 psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.5)
+    alive = still_alive(pids, grace)
     assert not alive, f"rank processes still alive: {alive}"
     return record
 

@@ -1,5 +1,4 @@
 """What testing from outside found (issue 14), as a user meets it, on every launcher."""
-import json
 import os
 import signal
 import subprocess
@@ -7,10 +6,10 @@ import sys
 import textwrap
 import time
 
-import psutil
 import pytest
 
-from sparkhvd import HorovodRunner, PayloadError, SessionError, TrainingError
+from conftest import still_alive
+from sparkhvd import HorovodRunner, PayloadError, TrainingError
 
 pytestmark = [pytest.mark.ranks, pytest.mark.timeout(300)]
 
@@ -118,12 +117,7 @@ def test_children_of_a_rank_end_with_it(mode, spark_for, tmp_path):
         runner.run(spawns, pids_file=str(pids_file))
     pids = [int(p) for p in pids_file.read_text().split()]
     assert len(pids) == 4
-    deadline = time.monotonic() + 20
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.5)
+    alive = still_alive(pids)
     assert not alive, f"children still alive: {alive}"
     assert runner.run(lambda: "again") == "again"
 
@@ -268,12 +262,7 @@ def test_local_ranks_die_with_their_driver(tmp_path):
         assert len(pids) == 4
         driver.send_signal(signal.SIGKILL)
         driver.wait(10)
-        deadline = time.monotonic() + 20
-        alive = pids
-        while alive and time.monotonic() < deadline:
-            alive = [p for p in pids if psutil.pid_exists(p)
-                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-            time.sleep(0.5)
+        alive = still_alive(pids)
         assert not alive, f"still alive after the driver died: {alive}"
     finally:
         if driver.poll() is None:

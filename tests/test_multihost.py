@@ -6,10 +6,10 @@ import sys
 import threading
 import time
 
-import psutil
 import pytest
 
 import digits_keras
+from conftest import still_alive
 from sparkhvd import DataFrameDataset, HorovodRunner, TrainingError, storage
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(420)]
@@ -24,17 +24,6 @@ def wait_for(predicate, timeout=120, what="condition"):
             return
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def gone(pids, grace=30.0):
-    """The PIDs that are still alive after ``grace`` seconds (none, when all went)."""
-    deadline = time.monotonic() + grace
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.3)
-    return alive
 
 
 def record_of(runner):
@@ -280,7 +269,7 @@ def test_a_host_that_dies_mid_run(cluster_spark, netns_cluster, tmp_path, rank_l
         assert "vanished" in err.remote_message or "stopped answering" in err.remote_message
         survivors = [int(pid) for r, pid in record["rank_pids"].items()
                      if hosts[int(r)] != act.host]
-        assert gone(survivors) == [], "no rank process left on the surviving hosts"
+        assert still_alive(survivors, 30.0) == [], "no rank process left on the surviving hosts"
     finally:
         netns_cluster.restore_host(act.host if hasattr(act, "host") else "h3")
     assert HorovodRunner(np=3, spark=cluster_spark, output_dir=str(tmp_path)).run(

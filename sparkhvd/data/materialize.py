@@ -149,7 +149,6 @@ def converted(df: Any, columns: Sequence[str], kinds: Mapping[str, str],
               schema: Mapping[str, Any], dtype: str) -> tuple[Any, dict[str, str]]:
     """The DataFrame to write: vectors as arrays, floats/decimals as ``dtype``, safe names."""
     from pyspark.ml.functions import vector_to_array
-    from pyspark.sql import functions as F
     from pyspark.sql.types import ArrayType, DoubleType, FloatType
 
     spark_float = FloatType() if dtype == "float32" else DoubleType()

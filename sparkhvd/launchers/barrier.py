@@ -35,7 +35,7 @@ from ..backends import TaskInfo, get_backend
 from ..errors import LaunchFailure
 from ..outcome import load_result
 from . import LaunchSpec, Sink
-from .base import (SparkJob, kill_local_pids, local_rank_pids, session_stopped,
+from .base import (SPARK_TIMEOUT, SparkJob, kill_local_pids, local_rank_pids, session_stopped,
                    stopped_session_error, supervise)
 
 log = logging.getLogger(__name__)
@@ -242,10 +242,7 @@ class BarrierLauncher:
 
         try:
             collected = supervise(target, timeout=spec.timeout, check=check, stop=stop,
-                                  name="sparkhvd-barrier",
-                                  timeout_message="The training did not finish within "
-                                  "{timeout:g} s; the ranks were stopped and the Spark job "
-                                  "cancelled.")
+                                  name="sparkhvd-barrier", timeout_message=SPARK_TIMEOUT)
             server.wait_ended(10.0)
             check(0.0)  # a rank that failed as the stage ended
         except BaseException:

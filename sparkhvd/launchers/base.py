@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 #: A rank that reported an exception but has not exited after this long is stopped anyway
 #: (e.g. multiprocessing's exit handler waiting on a child, or a hung collective).
 ERROR_EXIT_GRACE_S = 5.0
+#: The TimeoutError of a Spark launch that ran past run(timeout=...).
+SPARK_TIMEOUT = ("The training did not finish within {timeout:g} s; the ranks were stopped and "
+                 "the Spark job cancelled.")
 
 
 def supervise(target: Callable[[], Any], *, timeout: Optional[float],

@@ -8,18 +8,17 @@ private parts of horovod it relies on are patched in :mod:`sparkhvd._compat`.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import re
 import sys
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from .. import protocol
 from ..errors import LaunchFailure
 from . import LaunchSpec, Sink
-from .base import (SparkJob, kill_local_pids, local_rank_pids, session_stopped,
+from .base import (SPARK_TIMEOUT, SparkJob, kill_local_pids, local_rank_pids, session_stopped,
                    stopped_session_error, supervise)
 
 log = logging.getLogger(__name__)
@@ -106,14 +105,19 @@ def parse_failure(exc: BaseException) -> Optional[LaunchFailure]:
     return LaunchFailure(rank, code, f"horovod process {name} exited with status {code}")
 
 
-@contextlib.contextmanager
-def quiet_cancelled_spark_thread() -> Iterator[None]:
-    """Silence horovod's Spark thread when *we* cancelled its job group.
+_quiet = {"installed": False}
+
+
+def quiet_cancelled_spark_thread() -> None:
+    """Silence horovod's Spark thread when *we* cancelled its job group (installed once).
 
     When a rank fails (or the driver is interrupted), the Spark job is cancelled and horovod's
-    thread dies with a Py4JJavaError ("... cancelled ...") printed with a Java stack trace;
-    the user gets the real error from us instead. Any other thread exception is reported.
+    ``run_spark`` thread dies with a Py4JJavaError ("... cancelled ...") and a Java stack trace
+    -- possibly after ``run()`` already returned; the user gets the real error from us instead.
+    Any other thread exception is reported as usual.
     """
+    if _quiet["installed"]:
+        return
     previous = threading.excepthook
 
     def hook(args: Any) -> None:
@@ -124,10 +128,7 @@ def quiet_cancelled_spark_thread() -> Iterator[None]:
         previous(args)
 
     threading.excepthook = hook
-    try:
-        yield
-    finally:
-        threading.excepthook = previous
+    _quiet["installed"] = True
 
 
 class HorovodLauncher:
@@ -172,9 +173,9 @@ class HorovodLauncher:
         remote = spec.driver_host != "127.0.0.1"
         if remote and not spec.nics:  # each rank picks the interface that reaches the driver
             common["env"][protocol.GLOO_AUTO_ENV] = "1"
+        quiet_cancelled_spark_thread()
         with horovod_driver_hooks(stop_event, elastic=bool(spec.elastic), mapper=mapper,
-                                  driver_host=spec.driver_host if remote else None) as hooks, \
-                quiet_cancelled_spark_thread():
+                                  driver_host=spec.driver_host if remote else None) as hooks:
             def stop() -> None:
                 stop_event.set()
                 if hooks["job_group"]:
@@ -183,10 +184,7 @@ class HorovodLauncher:
 
             try:
                 results = supervise(target, timeout=spec.timeout, check=check, stop=stop,
-                                    name="sparkhvd-horovod",
-                                    timeout_message="The training did not finish within "
-                                    "{timeout:g} s; the ranks were stopped and the Spark job "
-                                    "cancelled.")
+                                    name="sparkhvd-horovod", timeout_message=SPARK_TIMEOUT)
             except RuntimeError as exc:
                 failure = parse_failure(exc)
                 if failure is not None:
