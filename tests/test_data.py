@@ -343,3 +343,32 @@ def test_remote_cache_on_azurite(spark, azurite, tmp_path):
     cache = ds.cache_dir
     ds.close()
     assert not storage.exists(cache, azurite.options())
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_windows_span_pieces_of_any_size(shuffle):
+    """Batches gathered across pieces (no window copy) hold whole rows, each once."""
+    from sparkhvd.data.reader import Piece, epoch_batches
+
+    sizes = [5, 1, 13, 7, 2, 40, 3]
+    pieces, offset = [], 0
+    for g, n in enumerate(sizes):
+        pieces.append(Piece(0, g, offset, offset + n))
+        offset += n
+    rows = np.arange(offset)
+
+    def read(piece):
+        ids = rows[piece.lo:piece.hi]
+        return {"x": np.stack([ids, -ids], axis=1), "y": ids}
+
+    rng = np.random.default_rng(7) if shuffle else None
+    batches = list(epoch_batches(read, pieces, 4, offset // 4, rng=rng, shuffle_buffer=9))
+    assert len(batches) == offset // 4 and all(len(b["y"]) == 4 for b in batches)
+    seen = np.concatenate([b["y"] for b in batches])
+    for b in batches:
+        assert (b["x"][:, 0] == b["y"]).all() and (b["x"][:, 1] == -b["y"]).all()
+    assert len(set(seen.tolist())) == len(seen), "no row twice"
+    if shuffle:
+        assert seen.tolist() != sorted(seen.tolist())
+    else:
+        assert seen.tolist() == list(range(len(seen))), "in order: the pieces' rows as they are"

@@ -301,7 +301,8 @@ class DataFrameDataset:
     def _to_numpy(self, name: str, column: Any, n: int) -> np.ndarray:
         import pyarrow as pa
 
-        column = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+        if hasattr(column, "num_chunks"):  # a ChunkedArray: one chunk needs no copy
+            column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
         if isinstance(column.type, (pa.ListType, pa.LargeListType)):
             flat = column.flatten().to_numpy(zero_copy_only=False)
             if n and flat.size % n:

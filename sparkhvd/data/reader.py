@@ -113,6 +113,31 @@ def _take(data: Arrays, index: Any) -> Arrays:
     return {k: v[index] for k, v in data.items()}
 
 
+class _Window:
+    """The rows of several pieces addressed as one range, without copying them together
+    (a window of ~64 MB copied into one array cost as much as reading it from Parquet)."""
+
+    def __init__(self, parts: list[Arrays]) -> None:
+        self.parts = parts
+        self.ends = np.cumsum([len(next(iter(p.values()))) for p in parts])
+        self.rows = int(self.ends[-1]) if len(parts) else 0
+
+    def take(self, index: np.ndarray) -> Arrays:
+        """Rows at the sorted positions ``index`` (one gather per piece they fall in)."""
+        cuts = np.searchsorted(index, self.ends[:-1])
+        starts = np.concatenate([[0], self.ends[:-1]])
+        return _concat([_take(part, idx - first) for part, idx, first
+                        in zip(self.parts, np.split(index, cuts), starts) if len(idx)])
+
+    def slice(self, lo: int, hi: int) -> Arrays:
+        """Rows ``[lo, hi)``: views when they lie in one piece."""
+        i = int(np.searchsorted(self.ends, lo, side="right"))
+        first = int(self.ends[i - 1]) if i else 0
+        if hi <= self.ends[i]:
+            return {k: v[lo - first:hi - first] for k, v in self.parts[i].items()}
+        return self.take(np.arange(lo, hi))
+
+
 def epoch_batches(read: Callable[[Piece], Arrays], pieces: Sequence[Piece], batch_size: int,
                   steps: int, *, rng: Optional[np.random.Generator],
                   shuffle_buffer: int) -> Iterator[Arrays]:
@@ -138,23 +163,22 @@ def epoch_batches(read: Callable[[Piece], Arrays], pieces: Sequence[Piece], batc
             rows += piece.rows
         if rows < batch_size:
             return  # not reachable when steps came from steps_per_epoch
-        data = _concat(parts)
+        window = _Window(parts)
         usable = rows - rows % batch_size
-        if rng is not None:
-            perm = rng.permutation(rows)
-            for start in range(0, usable, batch_size):
-                if emitted == steps:
-                    return
+        perm = rng.permutation(rows) if rng is not None else None
+        for start in range(0, usable, batch_size):
+            if emitted == steps:
+                return
+            if perm is not None:
                 # sorted gathers are faster; the order within a batch does not matter
-                yield _take(data, np.sort(perm[start:start + batch_size]))
-                emitted += 1
-            rest = perm[usable:]
-            carry = [_take(data, rest)] if len(rest) else []
+                yield window.take(np.sort(perm[start:start + batch_size]))
+            else:
+                yield window.slice(start, start + batch_size)
+            emitted += 1
+        if usable == rows:
+            carry = []
+        elif perm is not None:
+            carry = [window.take(np.sort(perm[usable:]))]
         else:
-            for start in range(0, usable, batch_size):
-                if emitted == steps:
-                    return
-                yield {k: v[start:start + batch_size] for k, v in data.items()}  # views
-                emitted += 1
-            carry = [{k: v[usable:] for k, v in data.items()}] if usable < rows else []
+            carry = [window.slice(usable, rows)]
         carried = rows - usable
