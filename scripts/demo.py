@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     model_bytes = runner.run(train_hvd, x_train=x_train, y_train=y_train, x_val=x_test,
                              y_val=y_test, epochs=args.epochs)
     run_dir = runner.last_run_dir
-    log.info("rank 0 returned %d bytes; saved as %s", len(model_bytes), run_dir.file("model.h5"))
+    log.info("rank 0 returned %d bytes; saved as %s", len(model_bytes),
+             run_dir.file(run_dir.record["model"]))  # model.h5, or model.keras on Keras 3
 
     # Score the held-out images as a Spark DataFrame, on the executors (the model is loaded once
     # per executor Python worker; nothing is collected on the driver).

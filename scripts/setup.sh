@@ -72,4 +72,12 @@ if [ ! -x .tools/node_modules/.bin/azurite-blob ]; then
     say "WARNING: Node.js/npm not found: the abfss:// storage tests need Azurite. Install Node.js 18+ (e.g. 'apt-get install -y nodejs npm') and run 'make setup' again."
   fi
 fi
-say "ready ($PROFILE): $("$PY" -c 'import importlib.util as u, sparkhvd, tensorflow as tf, pyspark, numpy; print(f"sparkhvd {sparkhvd.__version__}, tensorflow {tf.__version__}, keras {getattr(tf.keras, \"__version__\", None) or __import__(\"keras\").__version__}, numpy {numpy.__version__}, pyspark {pyspark.__version__}, horovod {\"yes\" if u.find_spec(\"horovod\") else \"no (backend=tf)\"}")' 2>/dev/null)"
+versions=$("$PY" - 2>/dev/null <<'PYEOF'
+import importlib.util, numpy, pyspark, sparkhvd, tensorflow as tf
+keras = getattr(tf.keras, "__version__", None) or __import__("keras").__version__
+horovod = "yes" if importlib.util.find_spec("horovod") else "no (backend=tf)"
+print(f"sparkhvd {sparkhvd.__version__}, tensorflow {tf.__version__}, keras {keras}, "
+      f"numpy {numpy.__version__}, pyspark {pyspark.__version__}, horovod {horovod}")
+PYEOF
+)
+say "ready ($PROFILE): $versions"

@@ -108,7 +108,9 @@ def _child(argv: list[str], supervisor: int) -> None:
     try:
         status = run_rank(payload_path, work, json.loads(options_json))
     except SystemExit as exc:
-        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        from sparkhvd.protocol import exit_status
+
+        status = exit_status(exc)
     except BaseException:  # noqa: BLE001 - reported by rank_main; the traceback goes to stderr
         import traceback
 

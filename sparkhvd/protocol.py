@@ -107,6 +107,12 @@ class Exit:
     code: Optional[int]
 
 
+def exit_status(exc: SystemExit) -> int:
+    """The process status ``sys.exit(code)`` means: ints as they are, ``None`` is 0, anything
+    else (a message) is 1 -- what the interpreter itself would exit with."""
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+
 @dataclass
 class Heartbeat:
     """A Spark task is alive (sent every second; silence means a lost host)."""

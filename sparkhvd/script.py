@@ -5,6 +5,8 @@ import os
 import sys
 from typing import Sequence
 
+from .protocol import exit_status
+
 
 def read_script(path: str) -> str:
     """The script's source, read on the driver (the ranks may not see the driver's disk)."""
@@ -29,7 +31,7 @@ def run_script(source: str, path: str, argv: Sequence[str]) -> int:
         code = compile(source, path, "exec")
         exec(code, {"__name__": "__main__", "__file__": path})  # noqa: S102 - the user's script
     except SystemExit as exc:
-        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        status = exit_status(exc)
         if status:
             raise RuntimeError(f"{os.path.basename(path)} exited with status {status}") from None
         return 0

@@ -60,6 +60,15 @@ def spark():
     session.stop()
 
 
+@pytest.fixture(scope="session")
+def data():
+    """The digits split as keyword arguments of ``digits_keras.train`` (the Keras tests)."""
+    import digits_keras
+
+    x_train, x_val, y_train, y_val = digits_keras.digits_split()
+    return dict(x_train=x_train, y_train=y_train, x_val=x_val, y_val=y_val)
+
+
 class _Capture(logging.Handler):
     def __init__(self) -> None:
         super().__init__()

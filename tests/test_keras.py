@@ -11,12 +11,6 @@ pytestmark = [pytest.mark.spark, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def data():
-    x_train, x_val, y_train, y_val = digits_keras.digits_split()
-    return dict(x_train=x_train, y_train=y_train, x_val=x_val, y_val=y_val)
-
-
-@pytest.fixture(scope="module")
 def four_epochs(spark, data, tmp_path_factory):
     """One uninterrupted 2-rank, 4-epoch run with warm-up and the timeline on."""
     out = tmp_path_factory.mktemp("runs")

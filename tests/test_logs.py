@@ -168,3 +168,8 @@ def test_control_server_ignores_a_connection_with_a_wrong_token(shown):
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize("code,status", [(None, 0), (0, 0), (3, 3), ("bad input", 1)])
+def test_sys_exit_codes_map_to_the_status_python_would_exit_with(code, status):
+    assert protocol.exit_status(SystemExit(code)) == status

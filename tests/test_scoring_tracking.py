@@ -18,12 +18,6 @@ pytestmark = [pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def data():
-    x_train, x_val, y_train, y_val = digits_keras.digits_split()
-    return dict(x_train=x_train, y_train=y_train, x_val=x_val, y_val=y_val)
-
-
-@pytest.fixture(scope="module")
 def trained(spark, data, tmp_path_factory):
     """A run folder with a model (rank 0 returned its bytes) and TensorBoard files."""
     runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path_factory.mktemp("runs")))

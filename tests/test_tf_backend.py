@@ -18,12 +18,6 @@ from sparkhvd import DataFrameDataset, HorovodRunner
 pytestmark = [pytest.mark.tf_backend, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(scope="module")
-def data():
-    x_train, x_val, y_train, y_val = digits_keras.digits_split()
-    return dict(x_train=x_train, y_train=y_train, x_val=x_val, y_val=y_val)
-
-
 def where_am_i():
     import json
     import os
