@@ -354,6 +354,9 @@ class DataFrameDataset:
                 reader: Optional[ShardReader] = None) -> Iterator[Any]:
         """One epoch of this rank's full batches: ``(x, y)`` (or ``x`` without a label).
 
+        Unshuffled batches are views of the data pyarrow read (no copy), so they may be
+        read-only: copy a batch before changing it in place.
+
         Args:
             shuffle: a new order every epoch, seeded by ``seed``, the epoch and the rank (see
                 :mod:`sparkhvd.data.reader` for what streaming shuffles mean).

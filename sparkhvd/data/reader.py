@@ -120,7 +120,6 @@ class _Window:
     def __init__(self, parts: list[Arrays]) -> None:
         self.parts = parts
         self.ends = np.cumsum([len(next(iter(p.values()))) for p in parts])
-        self.rows = int(self.ends[-1]) if len(parts) else 0
 
     def take(self, index: np.ndarray) -> Arrays:
         """Rows at the sorted positions ``index`` (one gather per piece they fall in)."""
