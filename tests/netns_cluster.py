@@ -147,13 +147,19 @@ class NetnsCluster:
 
         staging = os.path.join(os.path.expanduser("~"), ".cache")
         hide = [p for p in (staging, os.path.join(self.repo, "runs")) if os.path.isdir(p)]
+        repo = shlex.quote(self.repo)
+        readonly = [f"mount --bind {repo} {repo}", f"mount -o remount,bind,ro {repo}"]
         lines = ["set -e", f"hostname {host.name}",
                  f"mount --bind {shlex.quote(os.path.join(self.workdir, 'hosts'))} /etc/hosts",
                  # the driver's disk stays out of reach: read-only code, empty /tmp and HOME
-                 f"mount --bind {shlex.quote(self.repo)} {shlex.quote(self.repo)}",
-                 f"mount -o remount,bind,ro {shlex.quote(self.repo)}",
-                 *[f"mount -t tmpfs tmpfs {shlex.quote(p)}" for p in hide],
+                 *readonly,
+                 f"exec 3< {repo}",  # the code, even when it lies under the /tmp hidden next
                  "mount -t tmpfs -o size=4g tmpfs /tmp",
+                 # (the path as given: canonicalised, it would name the new, empty folder)
+                 f"if [ ! -d {repo} ]; then mkdir -p {repo}; "
+                 f"mount --no-canonicalize --bind /proc/self/fd/3 {repo}; {readonly[1]}; fi",
+                 "exec 3<&-",
+                 *[f"mount -t tmpfs tmpfs {shlex.quote(p)}" for p in hide],
                  "mkdir -p /tmp/home /tmp/spark-work", "export HOME=/tmp/home",
                  "exec " + " ".join(shlex.quote(c) for c in cmd)]
         return "\n".join(lines)
