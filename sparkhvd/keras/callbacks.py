@@ -192,7 +192,9 @@ class EpochProgress(tf.keras.callbacks.Callback):
         eta = per_epoch * (self.epochs - epoch - 1)
         steps = (self.params or {}).get("steps") or 0
         parts = [f"epoch {epoch + 1}/{self.epochs}"]
-        parts += [f"{k} {float(v):.4f}" for k, v in logs.items() if _is_number(v)]
+        # loss first, as Keras 2 orders them (Keras 3 sorts its logs by name)
+        names = sorted((k for k, v in logs.items() if _is_number(v)), key=lambda k: k != "loss")
+        parts += [f"{k} {float(logs[k]):.4f}" for k in names]
         if self.global_batch_size and steps:
             parts.append(f"{steps * self.global_batch_size / elapsed:,.0f} samples/s")
         elif steps:
