@@ -10,8 +10,9 @@ export TF_USE_LEGACY_KERAS := 1
 else ifeq ($(PROFILE),modern)
 PY := .venv-modern/bin/python
 DEMO_ARGS := --backend tf
-# backend-neutral tests that start nothing, plus every test of the tf backend
-TEST_ARGS := -m "tf_backend or not (spark or ranks or cluster or netns or notebook or horovod)"
+# Spark 4 + Keras 3 + MLflow 3: the tests that start nothing, every test of the tf backend, and
+# those marked every_profile (DataFrame data path, scoring, MLflow, Spark Connect); never horovod.
+TEST_ARGS := -m "(tf_backend or every_profile or not (spark or ranks or cluster or netns or notebook)) and not horovod"
 else
 PY := .venv/bin/python
 endif

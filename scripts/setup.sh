@@ -6,14 +6,16 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 # PROFILE=tf215 (default): tensorflow-cpu 2.15.1, Keras 2 built in, horovod.
 # PROFILE=tf218: tensorflow-cpu 2.18.1 + tf-keras, used with TF_USE_LEGACY_KERAS=1, horovod.
-# PROFILE=modern: current tensorflow-cpu with Keras 3, numpy 2, no horovod (backend="tf").
+# PROFILE=modern: Spark 4 (with Spark Connect's client), current tensorflow-cpu with Keras 3,
+#   numpy 2, MLflow 3, no horovod (backend="tf").
 PROFILE=${PROFILE:-tf215}
 HOROVOD=1
+EXTRAS=spark,dev
 case "$PROFILE" in
   tf215) VENV=.venv; CONSTRAINTS=constraints.txt; TF_PKGS=("tensorflow-cpu==2.15.1") ;;
   tf218) VENV=.venv-tf218; CONSTRAINTS=constraints-tf218.txt
          TF_PKGS=("tensorflow-cpu==2.18.1" "tf-keras==2.18.0"); export TF_USE_LEGACY_KERAS=1 ;;
-  modern) VENV=.venv-modern; CONSTRAINTS=constraints-modern.txt; HOROVOD=0
+  modern) VENV=.venv-modern; CONSTRAINTS=constraints-modern.txt; HOROVOD=0; EXTRAS=spark,connect,dev
           TF_PKGS=("tensorflow-cpu==2.21.0") ;;
   *) printf '[setup] ERROR: unknown PROFILE=%s (use tf215, tf218 or modern)\n' "$PROFILE" >&2; exit 1 ;;
 esac
@@ -39,7 +41,7 @@ if [ ! -f "$stamp" ]; then
   "${PIP[@]}" install -q --upgrade "pip<25" wheel "setuptools<70"
   # TensorFlow first: horovod's build looks for it.
   "${PIP[@]}" install -q -c "$CONSTRAINTS" "${TF_PKGS[@]}" "cmake<4"
-  "${PIP[@]}" install -q -c "$CONSTRAINTS" --no-build-isolation -e ".[dev]"
+  "${PIP[@]}" install -q -c "$CONSTRAINTS" --no-build-isolation -e ".[$EXTRAS]"
   rm -f "$VENV"/.stamp-deps-* "$VENV"/.stamp-horovod-*
   touch "$stamp"
 fi

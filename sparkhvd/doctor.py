@@ -8,6 +8,7 @@ connection to the driver (the control/rendezvous side of a run) and to Spark's o
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -62,7 +63,16 @@ def java() -> str:
     if not path:
         raise RuntimeError("java not found on PATH or in JAVA_HOME")
     out = subprocess.run([path, "-version"], capture_output=True, text=True, timeout=30)
-    return (out.stderr or out.stdout).splitlines()[0]
+    line = (out.stderr or out.stdout).splitlines()[0]
+    from .compat import spark_version, version_tuple
+
+    found = re.search(r'version "(\d+)(?:\.(\d+))?', line)
+    major = int(found.group(1)) if found else 0
+    major = int(found.group(2) or 0) if major == 1 else major  # "1.8.0" is Java 8
+    spark = spark_version()
+    if spark and version_tuple(spark) >= (4, 0) and 0 < major < 17:
+        raise RuntimeError(f"{line}: Spark {spark} needs Java 17 or newer")
+    return line
 
 
 def horovod_backend() -> str:
@@ -81,8 +91,20 @@ def tf_backend() -> str:
     return f"tensorflow {tf.__version__}, keras {keras}: MultiWorkerMirroredStrategy"
 
 
+def spark_stack() -> str:
+    """The pyspark version (inside the supported range) and what sparkhvd uses that it offers."""
+    from .compat import check_spark, spark_features
+
+    version = check_spark()
+    features = spark_features(version)
+    have = [name for name, ok in features.items() if ok]
+    lacks = [name for name, ok in features.items() if not ok]
+    return (f"pyspark {version}: " + ", ".join(have)
+            + (f"; not here: {', '.join(lacks)}" if lacks else ""))
+
+
 def stack_checks() -> list[Check]:
-    """Which backends this environment can run (at least one must), and Java."""
+    """Spark, which backends this environment can run (at least one must), and Java."""
     backends = [
         check("backend horovod", horovod_backend,
               "run `make setup` (builds horovod with TensorFlow + Gloo; needs TensorFlow <= "
@@ -92,7 +114,10 @@ def stack_checks() -> list[Check]:
     usable = [b for b in backends if b.ok]
     for b in backends:
         b.optional = bool(usable)
-    return backends + [
+    from .compat import SPARK_INSTALL_HINT, SPARK_RANGE
+
+    return [check("Spark", spark_stack, SPARK_INSTALL_HINT.format(range=SPARK_RANGE))] \
+        + backends + [
         check("Java", java, "install Java 17 (apt-get install -y openjdk-17-jre-headless) or "
                             "set JAVA_HOME"),
     ]

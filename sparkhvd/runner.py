@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 from . import payload as _payload
 from . import protocol
-from .compat import check_keras
+from .compat import check_horovod, check_keras
 from .environment import rank_env
 from .errors import LaunchFailure, PayloadError, StorageError
 from .backends import BACKENDS
@@ -277,6 +277,8 @@ class HorovodRunner:
         if not callable(fn):
             _payload.dumps(fn, {})  # raises the PayloadError that explains it
         check_arguments(fn, kwargs)
+        if self.backend == "horovod":
+            check_horovod()  # before a session starts or data is materialised
         spark = self._session() if self.mode.spark else None
         prepared = _prepared_arguments(kwargs)
         succeeded = False
@@ -290,7 +292,10 @@ class HorovodRunner:
             _finish_arguments(prepared, succeeded=succeeded)
 
     def _session(self) -> Any:
+        from .compat import check_spark
         from .session import get_or_create_session
+
+        check_spark()  # a missing or unsupported pyspark is named with the fix, before any import
 
         return get_or_create_session(self.mode.size, self.spark, self.preset)
 

@@ -13,8 +13,14 @@ arrive there as :class:`~sparkhvd.protocol.Metrics` events, the same records tha
 - status: FINISHED, FAILED (a rank failed, a storage error) or KILLED (interrupted, timed out).
 
 The tracking store is MLflow's own: ``MLFLOW_TRACKING_URI`` when set, else its local default
-(``./mlruns``) -- works offline, no server needed. Every value passes through the redaction
+(MLflow 3: ``sqlite:///mlflow.db``; MLflow 2: ``./mlruns``) -- works offline, no server needed,
+and no extra environment variable (MLflow 3 refuses its file store unless one is set, so
+sparkhvd never picks that store itself). Every value passes through the redaction
 (:mod:`sparkhvd.redaction`): no credential reaches a param, a tag or an artifact.
+
+MLflow 2 and 3 both work (runtimes ship either): on MLflow 3 the model is a *logged model*
+(``log_model(name=...)``, its id recorded in ``run.json`` as ``mlflow.model_id``), on MLflow 2
+an artifact folder ``model`` of the run.
 """
 from __future__ import annotations
 
@@ -62,7 +68,9 @@ class MlflowTracker:
         found = self.client.get_experiment_by_name(name)
         self.experiment_id = found.experiment_id if found else self.client.create_experiment(name)
         self.experiment = name
+        self.major = int(str(getattr(self.mlflow, "__version__", "2")).split(".")[0] or 2)
         self.run_id: Optional[str] = None
+        self.model_id: Optional[str] = None  # MLflow 3's logged model, once logged
         self._lock = threading.Lock()
 
     def start(self, run_dir: Any, params: Mapping[str, Any], kwargs: Mapping[str, Any]) -> None:
@@ -113,6 +121,9 @@ class MlflowTracker:
                 model = run_dir.record.get("model")
                 if model and os.path.exists(os.path.join(local, model)):
                     self._log_model(os.path.join(local, model))
+                    if self.model_id:
+                        entry = dict(run_dir.record.get("mlflow") or {}, model_id=self.model_id)
+                        run_dir.update(mlflow=entry)
         except Exception as exc:  # noqa: BLE001 - tracking must not hide the run's outcome
             log.warning("MLflow: could not log the run's artifacts: %s", redact(str(exc)))
         finally:
@@ -128,8 +139,15 @@ class MlflowTracker:
             for q in quiet:  # their advice is about choices sparkhvd made for the user
                 q.setLevel(logging.ERROR)
             model = tf.keras.models.load_model(path, compile=False)
+            # Requirements are what the driver runs (MLflow would otherwise infer them by
+            # loading the model again in a subprocess).
+            kwargs = {"pip_requirements": [f"tensorflow=={tf.__version__}"]}
             with self.mlflow.start_run(run_id=self.run_id, nested=False):
-                self.mlflow.tensorflow.log_model(model, artifact_path="model")
+                if self.major >= 3:  # logged models, named; artifact_path is deprecated there
+                    info = self.mlflow.tensorflow.log_model(model, name="model", **kwargs)
+                    self.model_id = getattr(info, "model_id", None)
+                else:
+                    self.mlflow.tensorflow.log_model(model, artifact_path="model", **kwargs)
             # start_run(run_id=...) ends the run as FINISHED on exit; finish() sets the truth.
         except Exception as exc:  # noqa: BLE001 - fall back to the file
             log.info("MLflow: logging %s as a plain artifact (%s)", os.path.basename(path), exc)

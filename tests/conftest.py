@@ -44,6 +44,18 @@ def still_alive(pids, grace=20.0):
     return alive
 
 
+#: The backend a profile trains on when a test is not about the backend: horovod where it is
+#: installed (Spark 3.5 profiles), tf.distribute in the modern one (Spark 4, Keras 3).
+HAS_HOROVOD = __import__("importlib.util").util.find_spec("horovod") is not None
+PROFILE_BACKEND = "horovod" if HAS_HOROVOD else "tf"
+
+
+@pytest.fixture
+def backend():
+    """The profile's backend (see PROFILE_BACKEND), for tests of what sits beside training."""
+    return PROFILE_BACKEND
+
+
 @pytest.fixture(params=["barrier", "horovod"])
 def launcher(request):
     """Both Spark launchers: sparkhvd's barrier stage and horovod.spark.run."""

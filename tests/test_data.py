@@ -1,4 +1,7 @@
-"""DataFrameDataset: Spark DataFrame -> each rank's shard, on real local Spark and horovod ranks."""
+"""DataFrameDataset: Spark DataFrame -> each rank's shard, on real local Spark and real ranks.
+
+Runs in every profile (Spark 3.5 with horovod, Spark 4 with backend="tf"): materialisation goes
+through Spark's Arrow path, which changes with Spark, pandas and pyarrow."""
 import os
 import warnings
 
@@ -7,7 +10,7 @@ import pytest
 
 from sparkhvd import DataFrameDataset, HorovodRunner
 
-pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.spark, pytest.mark.every_profile, pytest.mark.timeout(600)]
 
 from sparkhvd.examples import digits as demo  # noqa: E402  (the demo's model)
 
@@ -75,6 +78,7 @@ def _accuracy(model_bytes, frames, tmp_path):
     return model.evaluate(frames["x_test"], frames["y_test"], verbose=0)[1]
 
 
+@pytest.mark.horovod
 def test_array_column_trains_on_spark_ranks(spark, digits_frames, tmp_path):
     shapes = {"features": (8, 8, 1)}
     train = DataFrameDataset(digits_frames["train"], "features", "label", shapes=shapes)
@@ -89,6 +93,7 @@ def test_array_column_trains_on_spark_ranks(spark, digits_frames, tmp_path):
     assert not os.path.exists(cache), "removed when the dataset is closed"
 
 
+@pytest.mark.horovod
 def test_vector_column_trains_on_local_ranks(spark, digits_frames, tmp_path):
     shapes = {"features": (8, 8, 1)}
     train = DataFrameDataset(digits_frames["train_vec"], "features", "label", shapes=shapes)
@@ -109,7 +114,7 @@ def _seen(ds, batch, epochs, shuffle_buffer=None):
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_each_row_once_per_epoch_equal_steps_and_shuffled(spark, tmp_path, monkeypatch,
-                                                          streaming):
+                                                          streaming, backend):
     """The sharding policy, in memory and streamed (a tiny memory budget and tiny row groups
     force several row-group pieces per shard and several shuffle windows)."""
     from sparkhvd.data import materialize
@@ -120,7 +125,8 @@ def test_each_row_once_per_epoch_equal_steps_and_shuffled(spark, tmp_path, monke
     df = spark.range(n).selectExpr("id", "id % 10 AS label").repartition(3)
     ds = DataFrameDataset(df, features="id", label="label",
                           memory_cache=0 if streaming else 1 << 30)
-    per_rank = HorovodRunner(np=size, spark=spark, output_dir=str(tmp_path)).run_all(
+    per_rank = HorovodRunner(np=size, spark=spark, output_dir=str(tmp_path),
+                             backend=backend).run_all(
         _seen, ds=ds, batch=batch, epochs=2, shuffle_buffer=100 if streaming else None)
     ds.close()
     assert {streams for _, _, streams, _ in per_rank} == {streaming}
@@ -156,10 +162,10 @@ def test_streamed_epoch_without_drops_sees_every_row_once(spark, monkeypatch):
         assert plain == list(range(480, 960)), "unshuffled: the files' order"
 
 
-def test_second_run_reuses_the_materialised_data(spark, tmp_path, caplog):
+def test_second_run_reuses_the_materialised_data(spark, tmp_path, caplog, backend):
     df = spark.range(200).selectExpr("CAST(id AS DOUBLE) AS x", "id % 2 AS y")
     first = DataFrameDataset(df, "x", "y")
-    runner = HorovodRunner(np=-2, output_dir=str(tmp_path))
+    runner = HorovodRunner(np=-2, output_dir=str(tmp_path), backend=backend)
     assert runner.run(lambda ds: ds.num_rows, ds=first) == 200
     cache = first.cache_dir
     with caplog.at_level("INFO", logger="sparkhvd"):
@@ -194,7 +200,7 @@ def test_tf_dataset_shapes_and_repeat(spark):
         ds.cleanup()
 
 
-def test_cache_removed_on_failure_and_kept_on_request(spark, tmp_path):
+def test_cache_removed_on_failure_and_kept_on_request(spark, tmp_path, backend):
     from sparkhvd import TrainingError
 
     df = spark.range(20).selectExpr("CAST(id AS DOUBLE) AS x", "id % 2 AS y")
@@ -204,11 +210,11 @@ def test_cache_removed_on_failure_and_kept_on_request(spark, tmp_path):
         raise RuntimeError("boom")
 
     with pytest.raises(TrainingError):
-        HorovodRunner(np=-2, output_dir=str(tmp_path / "runs")).run(fails, ds=ds)
+        HorovodRunner(np=-2, output_dir=str(tmp_path / "runs"), backend=backend).run(fails, ds=ds)
     assert os.listdir(tmp_path / "cache") == []
 
     kept = DataFrameDataset(df, "x", "y", cache_url=str(tmp_path / "cache"), keep_cache=True)
-    assert HorovodRunner(np=-2, output_dir=str(tmp_path / "runs")).run(
+    assert HorovodRunner(np=-2, output_dir=str(tmp_path / "runs"), backend=backend).run(
         lambda ds: ds.num_rows, ds=kept) == 20
     assert len(os.listdir(tmp_path / "cache")) == 1
     kept.keep_cache = False
@@ -237,13 +243,13 @@ def test_bad_inputs(spark):
         DataFrameDataset(df, "x", shapes={"y": (1,)})
 
 
-def test_edge_cases_are_refused_before_launch_and_leave_nothing(spark, tmp_path):
+def test_edge_cases_are_refused_before_launch_and_leave_nothing(spark, tmp_path, backend):
     """Empty, NaN, ragged arrays, a streaming DataFrame: clear errors before any rank starts,
     and no cache folder left behind."""
     from pyspark.sql import functions as F
 
     cache = tmp_path / "cache"
-    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "runs"))
+    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "runs"), backend=backend)
 
     def fails(df, *cols, match, **kw):
         ds = DataFrameDataset(df, *cols, cache_url=str(cache), **kw)
@@ -270,7 +276,7 @@ def test_edge_cases_are_refused_before_launch_and_leave_nothing(spark, tmp_path)
     assert not cache.exists() or os.listdir(cache) == []
 
 
-def test_dotted_names_and_decimal_labels(spark, tmp_path):
+def test_dotted_names_and_decimal_labels(spark, tmp_path, backend):
     from pyspark.sql import functions as F
 
     df = spark.range(40).select(F.col("id").cast("double").alias("f.x"),
@@ -281,7 +287,7 @@ def test_dotted_names_and_decimal_labels(spark, tmp_path):
         (x, y), = [next(ds.batches(8, 0))]
         return str(x.dtype), str(y.dtype), x.tolist(), y.tolist()
 
-    x_dtype, y_dtype, x, y = HorovodRunner(np=-2, output_dir=str(tmp_path)).run(
+    x_dtype, y_dtype, x, y = HorovodRunner(np=-2, output_dir=str(tmp_path), backend=backend).run(
         first_batch, ds=ds)
     ds.close()
     assert (x_dtype, y_dtype) == ("float32", "float32")
@@ -307,7 +313,7 @@ def test_no_petastorm_or_pyarrow_noise(spark, capfd):
     assert "FutureWarning" not in out.err + out.out and "median size" not in out.err + out.out
 
 
-def test_remote_cache_on_azurite(spark, azurite, tmp_path):
+def test_remote_cache_on_azurite(spark, azurite, tmp_path, backend):
     """cache_url=abfss://: the executors write and the ranks stream through fsspec/adlfs with
     SAS tokens the driver minted -- no Hadoop Azure connector, no key on a rank."""
     azurite.make_container("cache")
@@ -329,7 +335,8 @@ def test_remote_cache_on_azurite(spark, azurite, tmp_path):
             wrote = False
         return ids, json.dumps(ds.storage_options), wrote, ds.streams()
 
-    results = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path)).run_all(read_all, ds=ds)
+    results = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path),
+                            backend=backend).run_all(read_all, ds=ds)
     assert ds.cache_dir.startswith(azurite.url("cache", "datasets"))
     assert sorted(results[0][0] + results[1][0]) == list(range(3000))
     for ids, options, wrote, streamed in results:

@@ -1,4 +1,7 @@
-"""After training: score a DataFrame on the executors, track the run in MLflow, TensorBoard."""
+"""After training: score a DataFrame on the executors, track the run in MLflow, TensorBoard.
+
+Runs in every profile, training on the profile's backend: Spark 3.5 + MLflow 2 with horovod,
+Spark 4 + MLflow 3 with backend="tf" (predict_batch_udf and MLflow change across them)."""
 import json
 import os
 import signal
@@ -14,13 +17,16 @@ import digits_keras
 import sparkhvd
 from sparkhvd import EnvironmentMismatchError, HorovodRunner, TrainingError
 
-pytestmark = [pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.every_profile, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
 def trained(spark, data, tmp_path_factory):
     """A run folder with a model (rank 0 returned its bytes) and TensorBoard files."""
-    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path_factory.mktemp("runs")))
+    from conftest import PROFILE_BACKEND
+
+    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path_factory.mktemp("runs")),
+                           backend=PROFILE_BACKEND)
     runner.run(digits_keras.train, **data, epochs=6, model_bytes=True, tensorboard=True)
     return runner.last_run_dir
 
@@ -36,7 +42,8 @@ def _frame(spark, x, y, vectors=False):
 def test_predict_matches_model_predict(spark, data, trained):
     import tensorflow as tf
 
-    model = tf.keras.models.load_model(trained.file("model.h5"))
+    model_file = trained.file(trained.record["model"])  # model.h5, or model.keras on Keras 3
+    model = tf.keras.models.load_model(model_file)
     expected = model.predict(data["x_val"], verbose=0)
     for vectors in (False, True):
         df = _frame(spark, data["x_val"], data["y_val"], vectors=vectors)
@@ -44,7 +51,7 @@ def test_predict_matches_model_predict(spark, data, trained):
         assert dict(scored.dtypes)["prediction"] == "array<float>"
         got = np.stack(scored.orderBy("id").toPandas()["prediction"].values)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-    classes = sparkhvd.predict(df, trained.file("model.h5"), features="features", argmax=True)
+    classes = sparkhvd.predict(df, model_file, features="features", argmax=True)
     assert dict(classes.dtypes)["prediction"] == "bigint"
     by_id = {r["id"]: r["prediction"] for r in classes.select("id", "prediction").collect()}
     assert [by_id[i] for i in range(len(expected))] == expected.argmax(axis=1).tolist()
@@ -110,12 +117,15 @@ def mlflow_server(tmp_path_factory):
     proc.wait(30)
 
 
-def test_mlflow_run_on_a_real_server(spark, data, tmp_path, mlflow_server, monkeypatch):
+def test_mlflow_run_on_a_real_server(spark, data, tmp_path, mlflow_server, monkeypatch, backend,
+                                     recwarn):
+    import mlflow
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     monkeypatch.setenv("MY_API_TOKEN", "PLANTEDmlflowTOKEN99")
-    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path), mlflow="digits")
+    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path), mlflow="digits",
+                           backend=backend)
     runner.run(digits_keras.train, **data, epochs=3, model_bytes=True, lr=0.002)
     record = json.loads(open(runner.last_run_dir.file("run.json")).read())
     client = MlflowClient(mlflow_server)
@@ -124,7 +134,9 @@ def test_mlflow_run_on_a_real_server(spark, data, tmp_path, mlflow_server, monke
     assert client.get_experiment(run.info.experiment_id).name == "digits"
     params = run.data.params
     assert params["np"] == "2" and params["launcher"] == "barrier" and params["fn.epochs"] == "3"
-    assert params["version.horovod"] == "0.28.1"
+    if backend == "horovod":
+        assert params["version.horovod"] == "0.28.1"
+    assert params["version.pyspark"] == __import__("pyspark").__version__
     assert run.data.tags["sparkhvd.run_id"] == runner.last_run_dir.run_id
     assert run.data.tags["sparkhvd.run_folder"] == runner.last_run_dir.path
     history = client.get_metric_history(run.info.run_id, "loss")
@@ -135,7 +147,17 @@ def test_mlflow_run_on_a_real_server(spark, data, tmp_path, mlflow_server, monke
                   csv.DictReader(open(runner.last_run_dir.file("metrics.csv")))]
     assert [m.value for m in history] == pytest.approx(csv_losses)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"run.json", "metrics.csv", "curves.png", "logs", "model"} <= artifacts
+    assert {"run.json", "metrics.csv", "curves.png", "logs"} <= artifacts
+    if int(mlflow.__version__.split(".")[0]) >= 3:  # a logged model, linked to the run
+        model_id = record["mlflow"]["model_id"]
+        logged = client.get_logged_model(model_id)
+        assert logged.source_run_id == run.info.run_id and logged.name == "model"
+        loaded = mlflow.tensorflow.load_model(f"models:/{model_id}")
+        assert loaded.predict(data["x_val"][:4], verbose=0).shape == (4, 10)
+        deprecated = [str(w.message) for w in recwarn if "artifact_path" in str(w.message)]
+        assert not deprecated, deprecated
+    else:
+        assert "model" in artifacts
     logs = {a.path for a in client.list_artifacts(run.info.run_id, "logs")}
     assert logs == {"logs/rank-0.log", "logs/rank-1.log"}
     text = json.dumps({"params": params, "tags": run.data.tags})
@@ -143,7 +165,7 @@ def test_mlflow_run_on_a_real_server(spark, data, tmp_path, mlflow_server, monke
 
 
 @pytest.mark.ranks
-def test_mlflow_failed_and_interrupted_runs(tmp_path, mlflow_server, monkeypatch):
+def test_mlflow_failed_and_interrupted_runs(tmp_path, mlflow_server, monkeypatch, backend):
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
@@ -152,7 +174,7 @@ def test_mlflow_failed_and_interrupted_runs(tmp_path, mlflow_server, monkeypatch
     def fails(token):
         raise RuntimeError("broken")
 
-    runner = HorovodRunner(np=-2, output_dir=str(tmp_path), mlflow=True)
+    runner = HorovodRunner(np=-2, output_dir=str(tmp_path), mlflow=True, backend=backend)
     with pytest.raises(TrainingError):
         runner.run(fails, token="not-a-secret-name")
     record = json.loads(open(runner.last_run_dir.file("run.json")).read())
@@ -169,7 +191,7 @@ def test_mlflow_failed_and_interrupted_runs(tmp_path, mlflow_server, monkeypatch
         os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=interrupt_soon, daemon=True).start()
-    runner = HorovodRunner(np=-2, output_dir=str(tmp_path), mlflow=True)
+    runner = HorovodRunner(np=-2, output_dir=str(tmp_path), mlflow=True, backend=backend)
     with pytest.raises(KeyboardInterrupt):
         runner.run(hangs)
     record = json.loads(open(runner.last_run_dir.file("run.json")).read())
@@ -177,17 +199,28 @@ def test_mlflow_failed_and_interrupted_runs(tmp_path, mlflow_server, monkeypatch
 
 
 @pytest.mark.ranks
-def test_mlflow_default_store_is_local_and_offline(tmp_path, monkeypatch):
-    pytest.importorskip("mlflow")
+def test_mlflow_default_store_is_local_and_offline(tmp_path, monkeypatch, backend):
+    """MLflow's own default store, with no extra environment variable: ./mlruns on MLflow 2,
+    sqlite:///mlflow.db on MLflow 3 (which refuses the file store unless told otherwise)."""
+    mlflow = pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
-    runner = HorovodRunner(np=-2, output_dir=str(tmp_path / "runs"), mlflow=True)
+    runner = HorovodRunner(np=-2, output_dir=str(tmp_path / "runs"), mlflow=True,
+                           backend=backend)
     assert runner.run(lambda: 7) == 7
     record = json.loads(open(runner.last_run_dir.file("run.json")).read())
-    assert (tmp_path / "mlruns").is_dir()
-    run = MlflowClient(f"file://{tmp_path}/mlruns").get_run(record["mlflow"]["run_id"])
+    if int(mlflow.__version__.split(".")[0]) >= 3:
+        uri = record["mlflow"]["tracking_uri"]  # MLflow makes the default path absolute
+        assert uri.startswith("sqlite:///") and uri.endswith("/mlflow.db")
+        assert (tmp_path / "mlflow.db").is_file()
+        store = f"sqlite:///{tmp_path}/mlflow.db"
+    else:
+        assert (tmp_path / "mlruns").is_dir()
+        store = f"file://{tmp_path}/mlruns"
+    run = MlflowClient(store).get_run(record["mlflow"]["run_id"])
     assert run.info.status == "FINISHED"
 
 

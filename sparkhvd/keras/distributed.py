@@ -171,6 +171,14 @@ class KerasDistributed:
         self.scale_lr = scale_lr
         self.average_metrics = average_metrics
         self.progress = progress
+        if tensorboard:
+            import importlib.util
+
+            if importlib.util.find_spec("tensorboard") is None:  # on every rank, before fit()
+                raise ImportError(
+                    "KerasDistributed(tensorboard=True) needs the tensorboard package, which "
+                    "is not installed here (TensorFlow >= 2.20 no longer installs it). Fix: pip "
+                    "install tensorboard (on the driver and the executors), or tensorboard=False.")
         self.tensorboard = tensorboard
         self.storage_options = storage_options
         files = run_files()
