@@ -3,16 +3,18 @@
 # TensorFlow with Keras 3 and numpy 2, no horovod (.venv-modern, backend="tf"). See README.
 PROFILE ?= tf215
 DEMO_ARGS :=
-TEST_ARGS :=
+# Spark Connect's tests need pyspark[connect] and Spark 4: the modern profile runs them.
+TEST_ARGS := -m "not connect"
 ifeq ($(PROFILE),tf218)
 PY := .venv-tf218/bin/python
 export TF_USE_LEGACY_KERAS := 1
 else ifeq ($(PROFILE),modern)
 PY := .venv-modern/bin/python
 DEMO_ARGS := --backend tf
-# Spark 4 + Keras 3 + MLflow 3: the tests that start nothing, every test of the tf backend, and
-# those marked every_profile (DataFrame data path, scoring, MLflow, Spark Connect); never horovod.
-TEST_ARGS := -m "(tf_backend or every_profile or not (spark or ranks or cluster or netns or notebook)) and not horovod"
+# Spark 4 + Keras 3 + MLflow 3: the tests that start nothing, every test of the tf backend,
+# those marked every_profile (DataFrame data path, scoring, MLflow) and Spark Connect's; never
+# horovod.
+TEST_ARGS := -m "(tf_backend or every_profile or connect or not (spark or ranks or cluster or netns or notebook)) and not horovod"
 else
 PY := .venv/bin/python
 endif
@@ -29,7 +31,7 @@ test: setup
 	$(PY) -m pytest $(TEST_ARGS)
 
 unit: setup
-	$(PY) -m pytest -m "not (spark or ranks or azurite or cluster or netns or notebook)"
+	$(PY) -m pytest -m "not (spark or ranks or azurite or cluster or netns or notebook or connect)"
 
 # The Keras tests (unit + 2-rank integration), e.g. `make test-keras PROFILE=tf218`.
 test-keras: setup

@@ -18,7 +18,7 @@ from .errors import (EnvironmentMismatchError, NotEnoughSlotsError, PayloadError
 _LAZY = {
     "DataFrameDataset": ("data", "DataFrameDataset"),
     "load_model": ("models", "load_model"),
-    "predict": ("predict", "predict"),
+    "predict": ("scoring", "predict"),
     "RunDir": ("rundir", "RunDir"),
     "HorovodRunner": ("runner", "HorovodRunner"),
     "ENV_ALLOWLIST": ("environment", "ENV_ALLOWLIST"),

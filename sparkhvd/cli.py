@@ -80,9 +80,11 @@ def presets_show(name: str, fmt: str, master: Optional[str]) -> None:
               help="Preset whose session is started (when none is active).")
 @click.option("--master", default=None, help="Spark master URL to check, e.g. spark://HOST:7077 "
               "(overrides the preset's).")
+@click.option("--remote", default=None, help="Spark Connect URL to check instead, e.g. "
+              "sc://HOST:15002 (or local[2]: a local Connect server).")
 @click.option("--np", "np_", type=int, default=None, help="Ranks you plan to run (default: 2).")
 @click.option("--storage-url", default=None, help="Also pre-flight this output URL.")
-def doctor(preset: str, master: Optional[str], np_: Optional[int],
+def doctor(preset: str, master: Optional[str], remote: Optional[str], np_: Optional[int],
            storage_url: Optional[str]) -> None:
     """Check the stack, Java, a Spark session, its slots, the cluster's network and storage.
 
@@ -99,16 +101,24 @@ def doctor(preset: str, master: Optional[str], np_: Optional[int],
     session: dict = {}
 
     def start() -> str:
-        from pyspark import SparkContext
+        from .sparkview import SparkView
 
-        from .session import get_or_create_session
+        if remote:
+            from .session import connect_session
 
-        session["created"] = SparkContext._active_spark_context is None
-        p = load_preset(preset)
-        if master:
-            p.conf["spark.master"] = master
-        session["spark"] = get_or_create_session(needed, preset=p)
-        return f"{session['spark'].sparkContext.master} (Spark {session['spark'].version})"
+            session["spark"] = connect_session(remote)
+        else:
+            from pyspark import SparkContext
+
+            from .session import get_or_create_session
+
+            session["created"] = SparkContext._active_spark_context is None
+            p = load_preset(preset)
+            if master:
+                p.conf["spark.master"] = master
+            session["spark"] = get_or_create_session(needed, preset=p)
+        view = SparkView(session["spark"])
+        return f"{view.describe()} (Spark {view.version}, {view.kind} session)"
 
     rows.append(doc.check("Spark session", start,
                           "check Java and pyspark; for a cluster, check the master URL"))
@@ -150,9 +160,14 @@ def doctor(preset: str, master: Optional[str], np_: Optional[int],
 @click.option("--output-dir", default="runs", show_default=True, help="Run folders go here.")
 @click.option("--verbosity", type=click.Choice(["rank0", "all"]), default="rank0",
               show_default=True, help="Which ranks' output the console shows.")
+@click.option("--backend", type=click.Choice(["horovod", "tf"]), default="horovod",
+              show_default=True, help="horovod (Gloo), or tf: TF_CONFIG for tf.distribute.")
+@click.option("--remote", default=None, help="Run on a Spark Connect session: sc://HOST:15002 "
+              "(or local[N] for a local Connect server), where --master/--preset take a "
+              "classic one.")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(script: str, np_: int, preset: Optional[str], output_dir: str, verbosity: str,
-        script_args: tuple[str, ...]) -> None:
+        backend: str, remote: Optional[str], script_args: tuple[str, ...]) -> None:
     """Run a plain Horovod training SCRIPT (as for horovodrun) on Spark: sparkhvd run train.py --np 2 -- ARGS."""
     from .errors import SparkhvdError
     from .runner import HorovodRunner
@@ -161,8 +176,13 @@ def run(script: str, np_: int, preset: Optional[str], output_dir: str, verbosity
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("sparkhvd").setLevel(logging.INFO)
     try:
-        runner = HorovodRunner(np=np_, preset=preset, output_dir=output_dir,
-                               driver_log_verbosity=verbosity)
+        spark = None
+        if remote:
+            from .session import connect_session
+
+            spark = connect_session(remote)
+        runner = HorovodRunner(np=np_, preset=preset, output_dir=output_dir, spark=spark,
+                               driver_log_verbosity=verbosity, backend=backend)
         runner.run(run_script, source=read_script(script), path=script, argv=list(script_args))
     except (SparkhvdError, ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None

@@ -124,12 +124,17 @@ def stack_checks() -> list[Check]:
 
 
 # -- cluster probe -----------------------------------------------------------------------------
-def _probe_task(driver: str, port: int, spark_port: int, _rows: Any) -> Any:
-    """One barrier task: where am I, and can I reach the driver."""
+def _probe_task(driver: str, port: int, spark_port: int, batches: Any) -> Any:
+    """One barrier task (``mapInArrow``): where am I, and can I reach the driver."""
+    import json
+
+    import pyarrow as pa
     from pyspark import BarrierTaskContext
 
     from .rank import iface_towards
 
+    for _ in batches:
+        pass
     context = BarrierTaskContext.get()
 
     def reach(target_port: int) -> str:
@@ -146,18 +151,21 @@ def _probe_task(driver: str, port: int, spark_port: int, _rows: Any) -> Any:
     except OSError as exc:
         iface = f"none ({exc.strerror or exc})"
     context.barrier()
-    yield {"partition": context.partitionId(), "host": socket.gethostname(), "iface": iface,
+    row = {"partition": context.partitionId(), "host": socket.gethostname(), "iface": iface,
            "driver": reach(port), "spark": reach(spark_port)}
+    yield pa.RecordBatch.from_pydict({"row": [json.dumps(row)]})
 
 
 def probe_cluster(spark: Any, np: int, timeout: float = 120) -> list[dict]:
-    """One barrier stage of ``np`` tasks reporting host, Gloo interface and reachability."""
+    """One barrier stage of ``np`` tasks reporting host, Gloo interface and reachability --
+    the launcher's own DataFrame barrier path, so it works on Spark Connect too."""
     import functools
+    import json
 
-    from .launchers import driver_host
+    from .sparkview import SparkView
 
-    sc = spark.sparkContext
-    host = driver_host(sc)
+    view = SparkView(spark)
+    host = view.driver_host()
     listener = socket.create_server(("127.0.0.1" if host == "127.0.0.1" else "", 0))
     listener.settimeout(1)
     accepting = threading.Event()
@@ -171,15 +179,15 @@ def probe_cluster(spark: Any, np: int, timeout: float = 120) -> list[dict]:
                 continue
 
     threading.Thread(target=accept, daemon=True).start()
-    spark_port = int(sc.getConf().get("spark.driver.port", "0") or 0)
+    spark_port = 0 if view.connect else int(view.conf("spark.driver.port", "0") or 0)
     try:
         task = functools.partial(_probe_task, host, listener.getsockname()[1], spark_port)
-        sc.setJobGroup("sparkhvd-doctor", "sparkhvd doctor: cluster probe")
-        rows = sc.parallelize(range(np), np).barrier().mapPartitions(task).collect()
+        rows = view.job("sparkhvd-doctor", "sparkhvd doctor: cluster probe").run(
+            lambda: view.barrier_collect(np, task, "row string"))
     finally:
         accepting.set()
         listener.close()
-    return sorted(rows, key=lambda r: r["partition"])
+    return sorted((json.loads(r["row"]) for r in rows), key=lambda r: r["partition"])
 
 
 def cluster_checks(spark: Any, np: int) -> tuple[list[Check], Optional[list[dict]]]:
@@ -188,13 +196,17 @@ def cluster_checks(spark: Any, np: int) -> tuple[list[Check], Optional[list[dict
 
     found: dict = {}
 
+    from .sparkview import SparkView
+
+    view = SparkView(spark)
+
     def slots() -> str:
-        result = check_slots(spark.sparkContext, np,
-                             wait_s=0 if spark.sparkContext.master.startswith("local") else 30)
+        result = check_slots(view, np, wait_s=0 if view.master.startswith("local") else 30)
         found["slots"] = result
         return f"{result.slots} slot(s) >= np={np} ({result.detail})"
 
-    checks = [check("task slots", slots, "use a larger preset or lower np")]
+    checks = [check("task slots", slots, "use a larger preset or lower np" + (
+        "; on Spark Connect, declare them with spark.sparkhvd.slots" if view.connect else ""))]
     if not checks[0].ok:
         return checks, None
     rows: list[dict] = []

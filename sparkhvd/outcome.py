@@ -39,6 +39,9 @@ class RunOutcome:
         self.resumed: Optional[protocol.Resumed] = None
         #: called with each of rank 0's epoch records as it arrives (e.g. MLflow)
         self.listeners: list = []
+        #: how the ranks' reports came (barrier launcher): "live" over the control channel, or
+        #: "rows" in the Spark job's result rows when the executors could not reach the driver
+        self.channel: Optional[str] = None
         self._error_seen: dict[int, float] = {}
         self._lock = threading.Lock()
 

@@ -143,10 +143,17 @@ class Abort:
     """The driver tells a task to kill its rank now."""
 
 
-Message = Union[Line, Started, Error, Metrics, Resumed, Exit, Heartbeat, Hello, Assign, Abort]
+@dataclass
+class Detached:
+    """The driver's answer to :class:`Hello` when some task could not reach it: run without
+    the control channel and return everything in the Spark job's rows."""
+
+
+Message = Union[Line, Started, Error, Metrics, Resumed, Exit, Heartbeat, Hello, Assign, Abort,
+                Detached]
 KINDS: dict[str, type] = {cls.__name__.lower(): cls for cls in
                           (Line, Started, Error, Metrics, Resumed, Exit, Heartbeat, Hello, Assign,
-                           Abort)}
+                           Abort, Detached)}
 
 
 def to_dict(msg: Any) -> dict:

@@ -131,6 +131,15 @@ def current_rank() -> tuple[int, int, int, int]:
                      default=1))
 
 
+def route_address(address: str) -> str:
+    """This host's address on the route to ``address`` (no packet is sent; the hostname when
+    there is no route)."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))
+        return probe.getsockname()[0]
+    return socket.gethostname()
+
+
 def iface_towards(address: str) -> Optional[str]:
     """The name of this host's network interface that routes to ``address``."""
     import psutil

@@ -126,7 +126,8 @@ class HorovodRunner:
     Args:
         np: ``N > 0`` runs N ranks in N Spark task slots of the session (checked up front);
             ``-N`` runs N ranks as local processes on the driver without Spark tasks.
-        spark: the SparkSession to use; default the active one, else a new ``local[np]`` one.
+        spark: the SparkSession to use, classic or Spark Connect (``remote("sc://...")``);
+            default the active one, else a new ``local[np]`` one.
         driver_log_verbosity: ``"rank0"`` (default) shows rank 0's output and every rank's
             errors on the driver; ``"all"`` shows every rank's output. Each line is prefixed
             ``[rank N]``; all lines are kept in the run folder's ``logs/rank-N.log``.
@@ -342,9 +343,11 @@ class HorovodRunner:
             spec.options["env_keep"] = sorted(set(self.env) | set(spec.env))
             run_dir.mark("launch")
             log.info("Launching %d rank(s) %s; logs in %s", spec.np,
-                     f"on Spark ({spark.sparkContext.master})" if spark else "as local processes",
+                     f"on Spark ({spec.session.describe()})" if spark else "as local processes",
                      run_dir.logs)
             results = get_launcher(launcher_name).launch(spec, outcome)
+            if outcome.channel:
+                run_dir.update(control=outcome.channel)
         except LaunchFailure as failure:
             status, raise_as = "failed", failure
             error = outcome.training_error(failure, None)
@@ -382,19 +385,21 @@ class HorovodRunner:
         if not self.mode.spark:
             run_dir.update(launcher="local")
             return "local", True
-        from .session import check_worker_python, is_loopback_master
+        from .session import check_worker_python
         from .slots import check_slots
+        from .sparkview import SparkView, is_loopback_master
 
-        sc = spark.sparkContext
-        run_dir.update(spark_master=sc.master, spark_app_id=sc.applicationId)
-        check_worker_python(sc, self.backend)
-        slots = check_slots(sc, spec.np, wait_s=0 if sc.master.startswith("local")
+        view = SparkView(spark)
+        run_dir.update(spark_master=view.master, spark_app_id=view.app_id, session=view.kind)
+        name = choose_launcher(self.launcher, view, self.elastic, self.backend)
+        check_worker_python(view, self.backend)
+        slots = check_slots(view, spec.np, wait_s=0 if view.master.startswith("local")
                             else self.slot_wait_s)
         run_dir.update(slots=slots.slots)
-        shared = is_loopback_master(sc.master)
+        shared = is_loopback_master(view.master)
         spec.nics = self.nics or ({"lo"} if shared else None)
-        spec.driver_host = driver_host(sc)
-        name = choose_launcher(self.launcher, sc, self.elastic, self.backend)
+        spec.driver_host = driver_host(view)
+        spec.session = view
         run_dir.update(launcher=name)
         return name, shared
 

@@ -1,7 +1,7 @@
 """The SparkSession a run uses, and whether Spark's worker Python can run ranks.
 
-A run uses the session it is given, else the active one, else a new local-mode session sized for
-``np``. (What environment the ranks get is :mod:`sparkhvd.environment`'s one rule.)
+A run uses the session it is given (classic or Spark Connect), else the active one, else a new
+local-mode session sized for ``np``. (What environment the ranks get is :mod:`sparkhvd.environment`'s one rule.)
 """
 from __future__ import annotations
 
@@ -11,16 +11,10 @@ import os
 import subprocess
 import sys
 from typing import Optional
-from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
 
-def is_loopback_master(master: str) -> bool:
-    """Whether every executor of this master runs on this machine (local or 127.0.0.1)."""
-    if master.startswith("local"):
-        return True
-    host = urlparse(master).hostname or ""
-    return host in ("127.0.0.1", "localhost", "::1")
+from .sparkview import SparkView, is_loopback_master  # noqa: F401 - re-exported
 
 
 def get_or_create_session(np: int, spark=None, preset=None):
@@ -29,8 +23,8 @@ def get_or_create_session(np: int, spark=None, preset=None):
     from pyspark.sql import SparkSession
 
     if spark is not None:
-        if getattr(spark.sparkContext, "_jsc", None) is None:
-            from .launchers.base import stopped_session_error
+        if SparkView(spark).stopped():
+            from .sparkview import stopped_session_error
 
             raise stopped_session_error(during=False)
         return spark
@@ -66,6 +60,31 @@ def get_or_create_session(np: int, spark=None, preset=None):
     return session
 
 
+def connect_session(remote: str):
+    """A Spark Connect session: ``sc://host:port`` (a Connect server), or ``local[N]`` (a local
+    Connect server started from pip's pyspark; needs ``pip install 'sparkhvd[connect]'``)."""
+    from .compat import check_spark
+
+    check_spark()
+    try:
+        import pyspark.sql.connect.session  # noqa: F401 - needs grpc & co (pyspark[connect])
+    except ImportError as exc:
+        from .errors import EnvironmentMismatchError
+
+        raise EnvironmentMismatchError(
+            f"Spark Connect needs its client libraries ({exc}). Fix: pip install "
+            "'sparkhvd[connect]' (pyspark[connect]).") from None
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.remote(remote)
+    if remote.startswith("local"):  # the server is started here, with these settings
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        builder = builder.config("spark.ui.showConsoleProgress", "false")
+    log.info("Connecting to Spark Connect at %s", remote)
+    return builder.getOrCreate()
+
+
 #: What Spark's worker Python must import, per backend.
 NEEDED_MODULES = {"horovod": "horovod.spark, sparkhvd", "tf": "tensorflow, sparkhvd"}
 
@@ -80,12 +99,15 @@ def _python_can_import(python: str, modules: str) -> Optional[str]:
     return None if out.returncode == 0 else (out.stderr.strip().splitlines() or ["?"])[-1]
 
 
-def check_worker_python(sc, backend: str = "horovod") -> None:
+def check_worker_python(view: SparkView, backend: str = "horovod") -> None:
     """On a local master, fail early when Spark's worker Python cannot import what the ranks
-    need (horovod or tensorflow, and sparkhvd)."""
-    if not sc.master.startswith("local"):
+    need (horovod or tensorflow, and sparkhvd). A Connect client knows the workers' Python only
+    when the session says it (``spark.pyspark.python``)."""
+    if not view.master.startswith("local"):
         return
-    python = sc.pythonExec or "python3"
+    python = view.python_exec()
+    if not python:
+        return
     modules = NEEDED_MODULES.get(backend, NEEDED_MODULES["horovod"])
     problem = _python_can_import(python, modules)
     if problem:

@@ -127,17 +127,92 @@ def slots_of(sc) -> SlotCount:
                        default_parallelism=sc.defaultParallelism)
 
 
-def check_slots(sc, np: int, *, wait_s: float = 0.0) -> SlotCount:
-    """Raise :class:`NotEnoughSlotsError` unless ``sc`` can run ``np`` tasks at once.
+#: Settings that say how many slots a cluster has, read where there is no SparkContext.
+_CONF_KEYS = ("spark.task.cpus", "spark.executor.instances", "spark.executor.cores",
+              "spark.cores.max", "spark.default.parallelism", "spark.task.resource.gpu.amount",
+              "spark.executor.resource.gpu.amount", "spark.dynamicAllocation.enabled",
+              "spark.dynamicAllocation.maxExecutors")
 
-    On a cluster, executors may still be registering: poll up to ``wait_s`` seconds.
+
+def _local_cores(view) -> int:
+    """``local[*]`` on a Connect server: the cores of the machine its tasks run on (one tiny
+    job, since the server need not be this machine)."""
+    def cores(_batches):
+        import os as _os
+
+        import pyarrow as _pa
+
+        yield _pa.RecordBatch.from_pydict({"n": [_os.cpu_count() or 1]})
+
+    return int(view.spark.range(1).mapInArrow(cores, "n long").collect()[0]["n"])
+
+
+def slots_without_context(view) -> SlotCount:
+    """Count the slots of a session without a SparkContext (Spark Connect) from what it shows:
+    its master and settings, or the slots the user declared (``spark.sparkhvd.slots``).
+
+    Raises:
+        NotEnoughSlotsError: the count cannot be known (say so, and how to declare it) --
+            rather than let Spark's barrier check wait 600 s.
     """
+    from .sparkview import SLOTS_CONF
+
+    master = view.master
+    declared = view.conf(SLOTS_CONF)
+    if declared:
+        return SlotCount(int(_int_conf({SLOTS_CONF: declared}, SLOTS_CONF, 0)), master,
+                         f"declared with {SLOTS_CONF}={declared}", f"raise {SLOTS_CONF}")
+    conf = {k: v for k in _CONF_KEYS if (v := view.conf(k)) not in (None, "")}
+    m = _LOCAL.match(master)
+    if m:
+        cpu = _local_cores(view) if m.group("n") == "*" else 1
+        return count_slots(master, conf, cpu_count=cpu)
+    if _LOCAL_CLUSTER.match(master):
+        return count_slots(master, conf, cpu_count=1)
+    instances, cores = conf.get("spark.executor.instances"), conf.get("spark.executor.cores")
+    if str(conf.get("spark.dynamicAllocation.enabled", "")).lower() == "true":
+        instances = conf.get("spark.dynamicAllocation.maxExecutors") or instances
+    executor_cores = None
+    if instances and cores:
+        executor_cores = [int(float(cores))] * int(float(instances))
+    elif conf.get("spark.cores.max") and cores:
+        executor_cores = [int(float(cores))] * (int(float(conf["spark.cores.max"]))
+                                                  // max(1, int(float(cores))))
+    parallelism = conf.get("spark.default.parallelism")
+    if executor_cores or parallelism:
+        return count_slots(master, conf, cpu_count=1, executor_cores=executor_cores,
+                           default_parallelism=int(float(parallelism)) if parallelism else None)
+    raise NotEnoughSlotsError(
+        f"sparkhvd cannot count the task slots of this Spark Connect session "
+        f"({master or 'its master is hidden'}): a Connect client sees no executors, and the "
+        "session shows neither "
+        "spark.executor.instances with spark.executor.cores nor spark.cores.max. Fix: declare "
+        f"how many tasks the cluster runs at once, e.g. spark.conf.set('{SLOTS_CONF}', '8') "
+        "(or in the cluster's Spark config), then run again.")
+
+
+def check_slots(target, np: int, *, wait_s: float = 0.0) -> SlotCount:
+    """Raise :class:`NotEnoughSlotsError` unless the session can run ``np`` tasks at once.
+
+    ``target``: a :class:`~sparkhvd.sparkview.SparkView` (classic or Connect) or a
+    SparkContext. On a cluster, executors may still be registering: poll up to ``wait_s``.
+    """
+    from .sparkview import SparkView
+
+    if isinstance(target, SparkView):
+        if target.connect:
+            return _enough(slots_without_context(target), np)
+        target = target.sc
     deadline = time.monotonic() + wait_s
     while True:
-        found = slots_of(sc)
+        found = slots_of(target)
         if found.slots >= np or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
+    return _enough(found, np)
+
+
+def _enough(found: SlotCount, np: int) -> SlotCount:
     if found.slots < np:
         raise NotEnoughSlotsError(
             f"np={np} needs {np} Spark task slots running at the same time, but the session "

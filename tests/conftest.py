@@ -12,7 +12,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 #: fixture -> the marker of what it starts (see pyproject.toml's markers).
 _STARTS = {"spark": "spark", "azurite": "azurite", "standalone": "cluster",
-           "netns_cluster": "netns", "cluster_spark": "netns"}
+           "netns_cluster": "netns", "cluster_spark": "netns", "connect_server": "connect",
+           "any_spark": "spark"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -281,6 +282,101 @@ def standalone(tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
+
+
+class ConnectServer:
+    """A real Spark Connect server (pip's pyspark: spark-submit --class ...SparkConnectServer)
+    for ``master``, on a free port of 127.0.0.1; stopped by PID (its process group)."""
+
+    CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+
+    def __init__(self, workdir, master: str = "local[2]", **conf: str) -> None:
+        import subprocess
+
+        import pyspark
+
+        home = os.path.dirname(pyspark.__file__)
+        self.port = _free_port()
+        self.url = f"sc://127.0.0.1:{self.port}"
+        self.log = os.path.join(str(workdir), f"connect-{self.port}.log")
+        settings = {"spark.connect.grpc.binding.address": "127.0.0.1",
+                    "spark.connect.grpc.binding.port": str(self.port),
+                    "spark.ui.enabled": "false", "spark.pyspark.python": sys.executable,
+                    "spark.executorEnv.TF_CPP_MIN_LOG_LEVEL": "2", **conf}
+        args = [os.path.join(home, "bin", "spark-submit"), "--class", self.CLASS,
+                "--master", master]
+        for key, value in settings.items():
+            args += ["--conf", f"{key}={value}"]
+        env = {**os.environ, "SPARK_HOME": home, "SPARK_LOCAL_IP": "127.0.0.1",
+               "PYSPARK_PYTHON": sys.executable}
+        self.proc = subprocess.Popen(args, env=env, stdout=open(self.log, "wb"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait()
+
+    def _wait(self, timeout: float = 120) -> None:
+        import socket
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("the Spark Connect server did not start: "
+                                       + open(self.log, errors="replace").read()[-3000:])
+                time.sleep(0.3)
+
+    def session(self):
+        """A Connect client session (built directly: this process may hold a classic one)."""
+        from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+        return ConnectSession.builder.remote(self.url).getOrCreate()
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except Exception:  # noqa: BLE001 - then by force
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+
+
+@pytest.fixture(scope="session")
+def connect_server(tmp_path_factory):
+    """A Spark Connect server on local[2] (a separate process, as a cluster's would be)."""
+    pytest.importorskip("grpc", reason="Spark Connect's client: the modern profile has it")
+    server = ConnectServer(tmp_path_factory.mktemp("connect"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def _connect_session(connect_server):
+    session = connect_server.session()
+    yield session
+    with __import__("contextlib").suppress(Exception):
+        session.stop()
+
+
+@pytest.fixture
+def connect(_connect_session, monkeypatch):
+    """A Spark Connect session (no SparkContext) on that server, with this process in connect
+    mode for the test -- as ``SparkSession.builder.remote(...)`` puts a user's process (pyspark
+    routes ``functions``/UDFs by that mode; this test process also holds a classic session)."""
+    monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")
+    return _connect_session
+
+
+@pytest.fixture(params=["classic", pytest.param("connect", marks=pytest.mark.connect)])
+def any_spark(request):
+    """The same test on a classic session and on a Spark Connect session."""
+    return request.getfixturevalue("spark" if request.param == "classic" else "connect")
 
 
 @pytest.fixture(scope="session")

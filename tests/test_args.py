@@ -61,11 +61,19 @@ class _Conf(dict):
 
 
 class _SC:
+    """A session view (sparkhvd.sparkview.SparkView's conf and kind) without Spark."""
+
+    connect = False
+
     def __init__(self, **conf):
         self._conf = _Conf(conf)
 
-    def getConf(self):
-        return self._conf
+    def conf(self, key, default=None):
+        return self._conf.get(key, default)
+
+
+class _Connect(_SC):
+    connect = True
 
 
 def test_auto_launcher_falls_back_to_horovod_for_elastic_and_dynamic_allocation():
@@ -77,3 +85,15 @@ def test_auto_launcher_falls_back_to_horovod_for_elastic_and_dynamic_allocation(
     assert choose_launcher("auto", dynamic) == "horovod"
     with pytest.raises(ValueError, match="dynamicAllocation"):
         choose_launcher("barrier", dynamic)
+
+
+def test_connect_sessions_take_the_barrier_stage_and_refuse_horovod_spark_run():
+    from sparkhvd.launchers import choose_launcher
+
+    assert choose_launcher("auto", _Connect()) == "barrier"
+    assert choose_launcher("barrier", _Connect(), backend="tf") == "barrier"
+    for kw in ({"requested": "horovod"}, {"requested": "auto", "elastic": (1, 2)}):
+        with pytest.raises(ValueError, match="needs a SparkContext; this is a Spark Connect"):
+            choose_launcher(view=_Connect(), **kw)
+    with pytest.raises(ValueError, match="Spark Connect session.*dynamicAllocation"):
+        choose_launcher("auto", _Connect(**{"spark.dynamicAllocation.enabled": "true"}))

@@ -28,8 +28,13 @@ def where_am_i():
 
 
 @pytest.mark.parametrize("np_", [2, -2], ids=["spark", "local"])
-def test_each_rank_gets_its_tf_config_and_no_horovod(spark, tmp_path, np_):
-    runner = HorovodRunner(np=np_, spark=spark if np_ > 0 else None, backend="tf",
+def test_each_rank_gets_its_tf_config_and_no_horovod(any_spark, tmp_path, np_):
+    """On a classic session, a Spark Connect session (any_spark), and as local processes."""
+    from sparkhvd.sparkview import is_connect
+
+    if np_ < 0 and is_connect(any_spark):
+        pytest.skip("np < 0 starts no Spark tasks: once is enough")
+    runner = HorovodRunner(np=np_, spark=any_spark if np_ > 0 else None, backend="tf",
                            output_dir=str(tmp_path))
     results = runner.run_all(where_am_i)
     workers = results[0]["tf_config"]["cluster"]["worker"]

@@ -33,6 +33,8 @@ class Backend(Protocol):
     name: str
     #: Whether each task must reserve a port for its rank before it registers.
     needs_port: bool
+    #: Whether tasks can run :meth:`assign` themselves when they cannot reach the driver.
+    assigns_in_tasks: bool
 
     def start(self, driver_host: str, nics: Optional[set], verbose: bool) -> dict[str, str]:
         """Start what the ranks rendezvous through; variables every rank gets."""

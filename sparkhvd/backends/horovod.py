@@ -30,6 +30,8 @@ class Backend:
 
     name = "horovod"
     needs_port = False
+    #: Ranks rendezvous through the driver's server: every task must reach the driver.
+    assigns_in_tasks = False
 
     def __init__(self) -> None:
         self._server: Any = None

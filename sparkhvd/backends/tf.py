@@ -19,6 +19,8 @@ class Backend:
 
     name = "tf"
     needs_port = True
+    #: :meth:`assign` needs nothing from the driver: tasks that cannot reach it run it themselves.
+    assigns_in_tasks = True
 
     def start(self, driver_host: str, nics: Optional[set], verbose: bool) -> dict[str, str]:
         return {BACKEND_ENV: self.name}

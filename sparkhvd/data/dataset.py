@@ -143,7 +143,7 @@ class DataFrameDataset:
 
     # -- driver side -----------------------------------------------------------------------
     def _check_cache_visible(self, parent: str, master: str) -> None:
-        from ..session import is_loopback_master
+        from ..sparkview import is_loopback_master
 
         if urlparse(parent).scheme in ("", "file") and not is_loopback_master(master) \
                 and not self.shared_cache:
@@ -158,6 +158,7 @@ class DataFrameDataset:
         if self._manifest is not None:
             return self
         from .. import storage
+        from ..sparkview import SparkView
         from . import materialize as mat
 
         if self._df is None:
@@ -165,7 +166,7 @@ class DataFrameDataset:
                                "new one from the DataFrame.")
         spark = self._df.sparkSession
         parent = (self.cache_url or default_cache_parent()).rstrip("/")
-        self._check_cache_visible(parent, spark.sparkContext.master)
+        self._check_cache_visible(parent, SparkView(spark).master)
         selected, stored = mat.converted(self._df, self.columns, self.kinds, self._schema,
                                          self.dtype)
         key = (parent, selected.semanticHash(), tuple(self.columns), self.dtype, self.allow_nan)

@@ -45,6 +45,8 @@ class LaunchSpec:
     backend: str = "horovod"
     #: A Spark task silent for this long is a lost host (barrier launcher).
     heartbeat_timeout: float = 15.0
+    #: The session's :class:`~sparkhvd.sparkview.SparkView` (Spark launchers).
+    session: Any = None
     extra: dict = field(default_factory=dict)
 
 
@@ -69,15 +71,25 @@ def get_launcher(name: str) -> Launcher:
     return importlib.import_module(f".{name}", __name__).LAUNCHER
 
 
-def choose_launcher(requested: str, sc: Any, elastic: Optional[tuple[int, int]] = None,
+def choose_launcher(requested: str, view: Any, elastic: Optional[tuple[int, int]] = None,
                     backend: str = "horovod") -> str:
-    """``"barrier"`` or ``"horovod"`` for a Spark run (see ``HorovodRunner(launcher=...)``)."""
-    dynamic = str(sc.getConf().get("spark.dynamicAllocation.enabled", "false")).lower() == "true"
-    if backend != "horovod" and dynamic:
-        raise ValueError(f"backend={backend!r} runs in a Spark barrier stage, which Spark refuses "
-                         "with spark.dynamicAllocation.enabled=true; turn dynamic allocation off "
-                         "for this session, or use backend='horovod'.")
-    if backend != "horovod":
+    """``"barrier"`` or ``"horovod"`` for a Spark run (see ``HorovodRunner(launcher=...)``);
+    ``view`` is the session's :class:`~sparkhvd.sparkview.SparkView`."""
+    dynamic = str(view.conf("spark.dynamicAllocation.enabled", "false")).lower() == "true"
+    if view.connect and (requested == "horovod" or elastic):
+        raise ValueError(
+            f"{'Elastic training' if elastic else 'launcher=' + repr(requested)} runs on "
+            "horovod.spark.run, which needs a SparkContext; this is a Spark Connect session, "
+            "which has none. Fix: launcher='auto' (sparkhvd's barrier stage works on Connect) "
+            "without min_np/max_np, or a classic session.")
+    if backend != "horovod" or view.connect:  # the barrier stage is the only way
+        if dynamic:
+            why = (f"backend={backend!r} runs" if backend != "horovod" else
+                   "On a Spark Connect session (no SparkContext for horovod.spark.run) ranks run")
+            raise ValueError(f"{why} in a Spark barrier stage, which Spark refuses with "
+                             "spark.dynamicAllocation.enabled=true. Fix: turn dynamic allocation "
+                             "off for this cluster or session"
+                             + (", or use backend='horovod'." if not view.connect else "."))
         return "barrier"
     if requested == "barrier" and dynamic:
         raise ValueError("launcher='barrier' cannot run with spark.dynamicAllocation.enabled=true "
@@ -87,13 +99,7 @@ def choose_launcher(requested: str, sc: Any, elastic: Optional[tuple[int, int]] 
     return "horovod" if (elastic or dynamic) else "barrier"
 
 
-def driver_host(sc: Any) -> str:
-    """The address executors reach the driver at: 127.0.0.1 for a local/loopback master, else
-    Spark's own ``spark.driver.host``."""
-    import socket
-
-    from ..session import is_loopback_master
-
-    if is_loopback_master(sc.master):
-        return "127.0.0.1"
-    return sc.getConf().get("spark.driver.host") or socket.gethostname()
+def driver_host(view: Any) -> str:
+    """The address executors reach this process at (see
+    :meth:`sparkhvd.sparkview.SparkView.driver_host`)."""
+    return view.driver_host()

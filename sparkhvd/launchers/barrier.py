@@ -7,10 +7,16 @@ launcher does what it needs directly:
 1. The driver starts the backend's rendezvous (horovod's Gloo server) and a small *control
    server* (TCP, :mod:`sparkhvd.protocol` messages, a per-run random token).
 2. One Spark **barrier** stage runs ``np`` tasks at once (all or none; the slot check before the
-   launch guarantees they fit). Each task registers (:mod:`sparkhvd.task.barrier`); once all
-   ``np`` are in, the backend assigns ranks host by host and each task gets its variables.
+   launch guarantees they fit) -- a DataFrame barrier stage (``mapInArrow(..., barrier=True)``),
+   the same call on classic and Spark Connect sessions (:class:`~sparkhvd.sparkview.SparkView`).
+   Each task registers (:mod:`sparkhvd.task.barrier`); once all ``np`` are in, the backend
+   assigns ranks host by host and each task gets its variables.
 3. Each task starts its rank, forwards its output and events, sends a heartbeat every second,
-   reports its exit status and returns the pickled result through ``collect()``.
+   reports its exit status and returns the pickled result in its rows of ``collect()``.
+
+When some task cannot reach the control server (a Spark Connect client the executors cannot
+reach), the tasks run without it and return the ranks' output and events in their rows;
+:func:`replay_rows` delivers them to the sink after the job, so errors are decided as when live.
 
 A failed rank, a vanished one (its connection drops without an exit status: executor lost) or a
 silent one (no heartbeat for ``heartbeat_timeout``: host off the network) makes the driver abort
@@ -35,10 +41,16 @@ from ..backends import TaskInfo, get_backend
 from ..errors import LaunchFailure
 from ..outcome import load_result
 from . import LaunchSpec, Sink
-from .base import (SPARK_TIMEOUT, SparkJob, kill_local_pids, local_rank_pids, session_stopped,
-                   stopped_session_error, supervise)
+from .base import (SPARK_TIMEOUT, kill_local_pids, local_rank_pids, stopped_session_error,
+                   supervise)
 
 log = logging.getLogger(__name__)
+
+#: :meth:`ControlServer.register`'s answer when the run goes on without the channel.
+DETACHED: dict = {}
+#: A run whose tasks did not all register this long after the first did goes on without the
+#: channel (a task gives up connecting after ``task.barrier.CONNECT_TIMEOUT_S``).
+DETACH_AFTER_S = 15.0
 
 
 @dataclass
@@ -69,6 +81,9 @@ class ControlServer(socketserver.ThreadingTCPServer):
         self.plan: Optional[dict[int, dict[str, str]]] = None
         self.cond = threading.Condition()
         self.aborted = False
+        #: some task cannot reach this server: the registered ones are told to run without it
+        self.detached = False
+        self.first_hello: Optional[float] = None
 
     # -- called from handler threads ------------------------------------------------------
     def register(self, task: _Task) -> Optional[dict[str, str]]:
@@ -76,6 +91,9 @@ class ControlServer(socketserver.ThreadingTCPServer):
         with self.cond:
             if task.info.partition in self.tasks:  # a Spark retry of a started task: never twice
                 return None
+            if self.detached:
+                return DETACHED
+            self.first_hello = self.first_hello or time.monotonic()
             self.tasks[task.info.partition] = task
             if len(self.tasks) == self.np and self.plan is None:
                 self.plan = self.backend.assign({p: t.info for p, t in self.tasks.items()})
@@ -85,11 +103,25 @@ class ControlServer(socketserver.ThreadingTCPServer):
                     t.rank = int(env.get("SPARKHVD_RANK", env.get("HOROVOD_RANK", p)))
                     t.last_seen = now
                 self.cond.notify_all()
-            while self.plan is None and not self.aborted:
+            while self.plan is None and not self.aborted and not self.detached:
                 self.cond.wait(0.5)
             if self.aborted:
                 return None
+            if self.detached:
+                self.tasks.pop(task.info.partition, None)
+                return DETACHED
             return {**self.run_env, **self.plan[task.info.partition]}
+
+    def detach_if_incomplete(self, after_s: float) -> None:
+        """Some tasks registered but not all, ``after_s`` after the first: the others cannot
+        reach this server, so every task runs without it (rows mode)."""
+        with self.cond:
+            if self.plan is None and not self.detached and self.first_hello is not None and \
+                    time.monotonic() - self.first_hello > after_s:
+                log.warning("%d of %d Spark task(s) reached the control channel; running "
+                            "without it", len(self.tasks), self.np)
+                self.detached = True
+                self.cond.notify_all()
 
     def deliver(self, task: _Task, msg: Any) -> None:
         task.last_seen = time.monotonic()
@@ -181,6 +213,10 @@ class _ControlHandler(socketserver.StreamRequestHandler):
         env = server.register(task)
         if env is None:
             return
+        if env is DETACHED:
+            self.wfile.write(protocol.encode(protocol.Detached()))
+            self.wfile.flush()
+            return
         self.wfile.write(protocol.encode(protocol.Assign(env=env)))
         self.wfile.flush()
         code: Optional[int] = None
@@ -198,16 +234,15 @@ class _ControlHandler(socketserver.StreamRequestHandler):
 
 
 class BarrierLauncher:
-    """``np`` ranks in one Spark barrier stage of the active SparkContext (module docstring)."""
+    """``np`` ranks in one DataFrame barrier stage of the run's session, classic or Spark
+    Connect (module docstring)."""
 
     name = "barrier"
 
     def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]:
-        from pyspark import SparkContext
+        from ..task.barrier import ROW_SCHEMA, arrow_barrier_task
 
-        from ..task.barrier import barrier_task
-
-        sc = SparkContext._active_spark_context
+        view = spec.session
         backend = get_backend(spec.backend)
         run_env = backend.start(spec.driver_host, spec.nics, spec.verbose)
         token = secrets.token_hex(16)
@@ -215,25 +250,36 @@ class BarrierLauncher:
         server = ControlServer(bind, spec.np, token, sink, run_env, backend)
         threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True,
                          name="sparkhvd-control").start()
-        job = SparkJob(sc, f"sparkhvd-{token[:12]}", f"sparkhvd: {spec.np} rank(s)")
-        mapper = functools.partial(barrier_task, spec.payload, dict(spec.options), dict(spec.env),
-                                   (spec.driver_host, server.server_address[1]), token,
-                                   float(spec.start_timeout), backend.needs_port)
+        job = view.job(f"sparkhvd-{token[:12]}", f"sparkhvd: {spec.np} rank(s)")
+        mapper = functools.partial(arrow_barrier_task, spec.payload, dict(spec.options),
+                                   dict(spec.env), control_address(spec, server), token,
+                                   float(spec.start_timeout), spec.backend, dict(run_env))
+        waited = {"warned": False}
 
         def target() -> list:
-            return job.run(lambda: sc.parallelize(range(spec.np), spec.np).barrier()
-                           .mapPartitions(mapper).collect())
+            return job.run(lambda: view.barrier_collect(spec.np, mapper, ROW_SCHEMA))
 
         def check(elapsed: float) -> None:
-            if session_stopped(sc):
+            if view.stopped():
                 raise stopped_session_error(during=True)
             failure = server.failure(spec.heartbeat_timeout) or sink.stale_error()
             if failure is not None:
                 raise failure
-            if server.plan is None and elapsed > spec.start_timeout:
-                raise TimeoutError(f"The {spec.np} Spark task(s) did not all start within "
-                                   f"start_timeout={spec.start_timeout:g} s; check the cluster's "
-                                   "free task slots, or raise start_timeout.")
+            server.detach_if_incomplete(DETACH_AFTER_S)
+            if server.plan is None and not server.detached and elapsed > spec.start_timeout:
+                if not view.connect:
+                    raise TimeoutError(
+                        f"The {spec.np} Spark task(s) did not all start within start_timeout="
+                        f"{spec.start_timeout:g} s, or could not reach this driver's control "
+                        f"channel ({spec.driver_host}). Check the cluster's free task slots "
+                        "and `sparkhvd doctor --np N`; or raise start_timeout.")
+                if not waited["warned"]:
+                    waited["warned"] = True
+                    log.warning(
+                        "No Spark task reached this client's control channel (%s) within %g s: "
+                        "if the executors cannot reach this machine, the ranks run without live "
+                        "logs and their output, errors and results arrive when the job ends "
+                        "(timeout= bounds the wait).", spec.driver_host, spec.start_timeout)
 
         def stop() -> None:
             server.abort()
@@ -243,7 +289,9 @@ class BarrierLauncher:
         try:
             collected = supervise(target, timeout=spec.timeout, check=check, stop=stop,
                                   name="sparkhvd-barrier", timeout_message=SPARK_TIMEOUT)
+            tasks = gather_rows(collected)
             server.wait_ended(10.0)
+            replay_rows(server, sink, tasks)
             check(0.0)  # a rank that failed as the stage ended
         except BaseException:
             with contextlib.suppress(Exception):
@@ -253,12 +301,64 @@ class BarrierLauncher:
             # Both servers poll for shutdown: stop them off the return path.
             threading.Thread(target=_stop_servers, args=(server, backend), daemon=True,
                              name="sparkhvd-stop-servers").start()
-        by_partition = dict(collected)
+        modes = {t["status"].get("mode") for t in tasks.values()}
+        sink.channel = "rows" if "rows" in modes else "live"
         results: list[Any] = [None] * spec.np
         for partition, task in server.tasks.items():
-            if task.rank is not None and by_partition.get(partition) is not None:
-                results[task.rank] = load_result(task.rank, by_partition[partition])
+            data = tasks.get(partition, {}).get("result")
+            if task.rank is not None and data is not None:
+                results[task.rank] = load_result(task.rank, data)
         return results
+
+
+def control_address(spec: LaunchSpec, server: ControlServer) -> tuple[str, int]:
+    """Where the tasks reach the control server (a seam the tests use to make it unreachable)."""
+    return spec.driver_host, server.server_address[1]
+
+
+def gather_rows(rows: list) -> dict[int, dict[str, Any]]:
+    """The collected rows per partition: ``status`` (dict), ``result`` and ``events`` (bytes)."""
+    import json
+
+    chunks: dict[tuple[int, str], list[tuple[int, bytes]]] = {}
+    for row in rows:
+        chunks.setdefault((int(row["partition"]), row["kind"]), []).append(
+            (int(row["seq"]), bytes(row["data"])))
+    tasks: dict[int, dict[str, Any]] = {}
+    for (partition, kind), parts in chunks.items():
+        data = b"".join(chunk for _, chunk in sorted(parts))
+        tasks.setdefault(partition, {})[kind] = json.loads(data) if kind == "status" else data
+    return tasks
+
+
+def replay_rows(server: ControlServer, sink: Sink, tasks: dict[int, dict[str, Any]]) -> None:
+    """Rows mode: deliver what each rank said, in rank order, as if it had come live, and
+    record each task's exit -- so failures and errors are decided as in live mode."""
+    replayed = []
+    for partition, task in tasks.items():
+        if task.get("status", {}).get("mode") != "rows":
+            continue
+        messages = []
+        for raw in (task.get("events") or b"").splitlines():
+            with contextlib.suppress(ValueError):
+                messages.append(protocol.decode(raw))
+        raised = min((m.time for m in messages if isinstance(m, protocol.Error)),
+                     default=float("inf"))
+        replayed.append((raised, task["status"].get("rank") or 0, partition, messages))
+    if replayed:
+        log.warning("The executors could not reach this machine's control channel: the ranks' "
+                    "output below was kept by the Spark tasks and shown when the job ended.")
+    # The rank that raised first ends first, so it is the one the error names (as when live).
+    for _, _, partition, messages in sorted(replayed, key=lambda r: (r[0], r[1])):
+        status = tasks[partition]["status"]
+        entry = _Task(TaskInfo(partition, status.get("host", "?")), rank=status.get("rank"))
+        server.tasks[partition] = entry
+        for msg in messages:
+            server.deliver(entry, msg)
+        if status.get("dropped_lines"):
+            log.warning("rank %s: %d older output line(s) were not kept (rows mode keeps the "
+                        "newest 8 MB)", status.get("rank"), status["dropped_lines"])
+        server.ended(entry, status.get("code"))
 
 
 def _stop_servers(server: ControlServer, backend: Any) -> None:

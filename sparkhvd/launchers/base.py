@@ -3,8 +3,8 @@
 A launch runs in a helper thread (Spark's ``collect()``, horovod's ``run`` or the local process
 loop) while the caller's thread watches it, so that a notebook's stop button (``KeyboardInterrupt``)
 and ``run(timeout=...)`` always work. Whatever ends the watch -- a failed rank, the timeout, an
-interrupt -- the launcher's ``stop`` runs (tell the ranks to stop, cancel the Spark job group,
-kill what is left on this machine) before the exception propagates.
+interrupt -- the launcher's ``stop`` runs (tell the ranks to stop, cancel the Spark job by its
+tag or group, kill what is left on this machine) before the exception propagates.
 """
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Optional
 
-from ..errors import SessionError
+# The session's own rules (stopped? cancel by tag or group?) live in sparkhvd.sparkview; the
+# launchers take them from here with the rest of the lifecycle.
+from ..sparkview import cancel_job_group, session_stopped, stopped_session_error  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -62,53 +64,6 @@ def supervise(target: Callable[[], Any], *, timeout: Optional[float],
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("value")
-
-
-def session_stopped(sc: Any) -> bool:
-    """Whether a SparkContext was stopped, or is stopping (Java marks that first, before it
-    kills the tasks; Python clears ``_jsc`` last)."""
-    jsc = getattr(sc, "_jsc", None) if sc is not None else None
-    if jsc is None:
-        return True
-    try:
-        return bool(jsc.sc().isStopped())
-    except Exception:  # noqa: BLE001 - the gateway is going away with the context
-        return True
-
-
-def stopped_session_error(during: bool) -> SessionError:
-    when = "while the ranks ran" if during else "before the run"
-    return SessionError(
-        f"The SparkSession was stopped {when}. Fix: create a new one "
-        "(SparkSession.builder.getOrCreate()) and pass it as spark=, or pass spark=None to let "
-        "HorovodRunner use the active session or start a local one.")
-
-
-class SparkJob:
-    """One Spark job group for one run: started from the launch thread, cancellable from any."""
-
-    def __init__(self, sc: Any, group: str, description: str) -> None:
-        self.sc, self.group, self.description = sc, group, description
-
-    def run(self, action: Callable[[], Any]) -> Any:
-        """Run ``action`` (which starts Spark jobs) inside the job group."""
-        self.sc.setJobGroup(self.group, self.description, interruptOnCancel=True)
-        try:
-            return action()
-        except Exception as exc:
-            if session_stopped(self.sc) or "SparkContext was shut down" in str(exc) or \
-                    "stopped SparkContext" in str(exc):
-                raise stopped_session_error(during=True) from None
-            raise
-
-    def cancel(self) -> None:
-        """Cancel the group's jobs; a stopped session has none left to cancel."""
-        if session_stopped(self.sc):
-            return
-        try:
-            self.sc.cancelJobGroup(self.group)
-        except Exception as exc:  # noqa: BLE001 - stopped meanwhile (Py4J errors)
-            log.debug("could not cancel job group %s: %s", self.group, exc)
 
 
 def kill_local_pids(pids: Iterable[int], grace_s: float = 5.0) -> None:

@@ -18,8 +18,8 @@ from typing import Any, Optional
 from .. import protocol
 from ..errors import LaunchFailure
 from . import LaunchSpec, Sink
-from .base import (SPARK_TIMEOUT, SparkJob, kill_local_pids, local_rank_pids, session_stopped,
-                   stopped_session_error, supervise)
+from .base import (SPARK_TIMEOUT, cancel_job_group, kill_local_pids, local_rank_pids,
+                   session_stopped, stopped_session_error, supervise)
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class HorovodLauncher:
             def stop() -> None:
                 stop_event.set()
                 if hooks["job_group"]:
-                    SparkJob(sc, hooks["job_group"], "").cancel()
+                    cancel_job_group(sc, hooks["job_group"])
                 kill_local_pids(local_rank_pids(sink))
 
             try:

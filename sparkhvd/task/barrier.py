@@ -1,32 +1,50 @@
 """The executor side of the barrier launcher: what one Spark barrier task does.
 
+The stage is a DataFrame barrier stage (``mapInArrow(..., barrier=True)``), the same on classic
+and Spark Connect sessions; each task returns its rows (:data:`ROW_SCHEMA`) through
+``collect()``.
+
 1. Connect to the driver's control server and register (:class:`~sparkhvd.protocol.Hello`:
-   partition, host, the address it reaches the driver from, a reserved port if the backend
-   needs one).
-2. Receive the rank's variables (:class:`~sparkhvd.protocol.Assign`), build the rank's
-   environment (:func:`sparkhvd.environment.process_env`: this executor's variables *filtered*,
-   the driver's, the rank's), pin the GPU Spark gave the task, pick the network interface that
-   reaches the driver when no ``nics`` were given.
-3. Start the rank (:class:`~sparkhvd.task.process.RankProcess`), forward its output lines and
-   events over the connection as they come, send a heartbeat every second, and kill the rank
-   when the driver says :class:`~sparkhvd.protocol.Abort` or goes away.
-4. Send the exit status and return the pickled result through ``collect()``.
+   partition, host, address, a reserved port if the backend needs one).
+2. **Live** (every task reached the driver): receive the rank's variables
+   (:class:`~sparkhvd.protocol.Assign`); forward output lines and events as they come, send a
+   heartbeat every second, kill the rank when the driver says :class:`~sparkhvd.protocol.Abort`
+   or goes away.
+   **Rows** (a task could not connect -- a Spark Connect client on a laptop, a firewall -- or
+   the driver answered :class:`~sparkhvd.protocol.Detached` because another could not): the
+   tasks share where they are (``BarrierTaskContext.allGather``), assign ranks themselves
+   (backends that need nothing from the driver: ``tf``), keep the rank's output and events, and
+   return them in their rows; the driver shows them when the job ends.
+3. Either way the rank's environment is built by :func:`sparkhvd.environment.process_env`
+   (this executor's variables *filtered*, the driver's, the rank's), the GPU Spark gave the task
+   is pinned, the interface that reaches the driver is picked when no ``nics`` were given, and
+   the rank runs as a :class:`~sparkhvd.task.process.RankProcess`.
+4. The rows carry the exit status and the pickled result, in chunks.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from .. import protocol
 from ..environment import process_env
-from ..rank import iface_towards
+from ..rank import iface_towards, route_address
 from .process import RankProcess
 
 #: Seconds between heartbeats (the driver declares a task lost after ``heartbeat_timeout``).
 HEARTBEAT_S = 1.0
+#: How long a task tries to reach the driver's control server before it runs in rows mode.
+CONNECT_TIMEOUT_S = 10.0
+#: What each task returns: ``kind`` is ``status`` (JSON), ``result`` or ``events``, split into
+#: ``seq``-numbered chunks (a 100 MB model must not be one Arrow value or one gRPC message).
+ROW_SCHEMA = "partition long, kind string, seq long, data binary"
+CHUNK_BYTES = 4 << 20
+#: Rows mode keeps at most this much of a rank's output (the newest lines win; events stay).
+ROWS_LOG_BYTES = 8 << 20
 
 
 class _Channel:
@@ -61,36 +79,146 @@ def _reserve_port(address: str) -> int:
         return s.getsockname()[1]
 
 
+def _connect(driver: tuple[str, int], timeout: float) -> Optional[_Channel]:
+    try:
+        sock = socket.create_connection(driver, timeout=timeout)
+    except OSError:
+        return None
+    sock.settimeout(None)
+    return _Channel(sock)
+
+
+class _Kept:
+    """Rows mode: the rank's messages, bounded (old output lines go first; events stay)."""
+
+    def __init__(self, limit: int = ROWS_LOG_BYTES) -> None:
+        self.messages: list[Any] = []
+        self.size, self.limit, self.dropped = 0, limit, 0
+        self.lock = threading.Lock()
+
+    def add(self, msg: Any) -> None:
+        if isinstance(msg, protocol.Heartbeat):
+            return
+        data = protocol.encode(msg)
+        with self.lock:
+            self.messages.append(data)
+            self.size += len(data)
+            while self.size > self.limit:
+                index = next((i for i, m in enumerate(self.messages)
+                              if m.startswith(b'{"t": "line"')), None)
+                if index is None:
+                    break
+                self.size -= len(self.messages.pop(index))
+                self.dropped += 1
+
+    def blob(self) -> bytes:
+        with self.lock:
+            return b"".join(self.messages)
+
+
+def _rows(partition: int, kind: str, data: bytes) -> Iterator[Any]:
+    import pyarrow as pa
+
+    chunks = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [b""]
+    for seq, chunk in enumerate(chunks):
+        yield pa.RecordBatch.from_pydict(
+            {"partition": [partition], "kind": [kind], "seq": [seq], "data": [chunk]},
+            schema=pa.schema([("partition", pa.int64()), ("kind", pa.string()),
+                              ("seq", pa.int64()), ("data", pa.binary())]))
+
+
+def arrow_barrier_task(payload: bytes, options: Mapping[str, Any], env: Mapping[str, str],
+                       driver: tuple[str, int], token: str, start_timeout: float,
+                       backend: str, run_env: Mapping[str, str], batches: Any) -> Any:
+    """One barrier task of ``mapInArrow`` (see the module docstring): yields Arrow batches of
+    :data:`ROW_SCHEMA`."""
+    for _ in batches:  # the stage's one input row per task
+        pass
+    partition, status, result, events = barrier_task(payload, options, env, driver, token,
+                                                     start_timeout, backend, run_env)
+    yield from _rows(partition, "status", json.dumps(status).encode())
+    if result is not None:
+        yield from _rows(partition, "result", result)
+    if events is not None:
+        yield from _rows(partition, "events", events)
+
+
+def _rows_plan(backend: str, run_env: Mapping[str, str], gathered: list[dict],
+               partition: int) -> dict[str, str]:
+    """Rows mode: the rank's variables, assigned by the tasks themselves."""
+    from ..backends import TaskInfo, get_backend
+
+    chosen = get_backend(backend)
+    if not getattr(chosen, "assigns_in_tasks", False):
+        raise RuntimeError(
+            f"backend={backend!r} needs every Spark task to reach the driver (its rendezvous "
+            "runs there), but some could not connect to its control channel. Fix: let the "
+            "executors reach this machine (firewall, spark.driver.host; `sparkhvd doctor` "
+            "checks it), or use backend='tf', which runs without that channel.")
+    infos = {g["partition"]: TaskInfo(g["partition"], g["host"], g["address"], g["port"])
+             for g in gathered}
+    return {**run_env, **chosen.assign(infos)[partition]}
+
+
 def barrier_task(payload: bytes, options: Mapping[str, Any], env: Mapping[str, str],
-                 driver: tuple[str, int], token: str, start_timeout: float,
-                 reserve_port: bool, _rows: Any) -> Any:
-    """One Spark barrier task (see the module docstring); yields ``(partition, result)``."""
+                 driver: tuple[str, int], token: str, start_timeout: float, backend: str,
+                 run_env: Mapping[str, str]) -> tuple[int, dict, Optional[bytes],
+                                                      Optional[bytes]]:
+    """One Spark barrier task: ``(partition, status, result, events)`` -- ``events`` only in
+    rows mode."""
     from pyspark import BarrierTaskContext
+
+    from ..backends import get_backend
 
     context = BarrierTaskContext.get()
     partition = context.partitionId()
     gpus = context.resources().get("gpu")
-    sock = socket.create_connection(driver, timeout=start_timeout)
-    sock.settimeout(None)
-    channel = _Channel(sock)
-    address = sock.getsockname()[0]
-    channel.send(protocol.Hello(token=token, partition=partition, host=socket.gethostname(),
-                                address=address,
-                                port=_reserve_port(address) if reserve_port else None))
-    reply = channel.receive()
-    if not isinstance(reply, protocol.Assign):
-        channel.close()
-        yield (partition, None)  # the driver gave up on this run before it started
-        return
-    rank_env = process_env(os.environ, env, reply.env)
+    host = socket.gethostname()
+    channel = _connect(driver, min(float(start_timeout), CONNECT_TIMEOUT_S))
+    address = channel.sock.getsockname()[0] if channel else route_address(driver[0])
+    port = _reserve_port(address) if get_backend(backend).needs_port else None
+    status: dict[str, Any] = {"mode": "live", "host": host, "rank": None, "code": None}
+    reply: Any = None
+    if channel is not None:
+        channel.send(protocol.Hello(token=token, partition=partition, host=host,
+                                    address=address, port=port))
+        reply = channel.receive()
+        if not isinstance(reply, (protocol.Assign, protocol.Detached)):
+            channel.close()
+            return partition, status, None, None  # the driver gave up before the run started
+    kept = None
+    if isinstance(reply, protocol.Assign):
+        assigned = reply.env
+    else:  # this task could not reach the driver, or the driver says another could not
+        if channel is not None:
+            channel.close()
+            channel = None
+        status["mode"], kept = "rows", _Kept()
+        # Every task comes here (the driver detaches the registered ones), so the barrier's
+        # allGather -- about a second -- is paid only without the channel.
+        gathered = [json.loads(g) for g in context.allGather(json.dumps(
+            {"partition": partition, "host": host, "address": address, "port": port}))]
+        try:
+            assigned = _rows_plan(backend, run_env, gathered, partition)
+        except RuntimeError as exc:
+            rank = sorted(g["partition"] for g in gathered).index(partition)
+            kept.add(protocol.Error(rank=rank, exc_type="RuntimeError", message=str(exc),
+                                    traceback="", time=0.0))
+            status.update(rank=rank, code=1)
+            return partition, status, None, kept.blob()
+    rank_env = process_env(os.environ, env, assigned)
+    if channel is None:  # the run-folder service is on the driver: out of reach
+        for name in (protocol.FILES_ADDR_ENV, protocol.FILES_TOKEN_ENV):
+            rank_env.pop(name, None)
     if gpus is not None and gpus.addresses:
         rank_env[protocol.TASK_GPUS_ENV] = ",".join(gpus.addresses)
     if not rank_env.get("HOROVOD_GLOO_IFACE"):  # no nics given: the one that reaches the driver
         iface = iface_towards(driver[0]) or "lo"
         rank_env["HOROVOD_GLOO_IFACE"] = rank_env["NCCL_SOCKET_IFNAME"] = iface
-    rank = int(reply.env.get("SPARKHVD_RANK", reply.env.get("HOROVOD_RANK", partition)))
-    proc = RankProcess(payload, options, rank_env, rank=rank, on_line=channel.send,
-                       on_event=channel.send)
+    rank = int(assigned.get("SPARKHVD_RANK", assigned.get("HOROVOD_RANK", partition)))
+    status["rank"] = rank
+    send = channel.send if channel is not None else kept.add
+    proc = RankProcess(payload, options, rank_env, rank=rank, on_line=send, on_event=send)
     done = threading.Event()
 
     def heartbeat() -> None:
@@ -102,19 +230,26 @@ def barrier_task(payload: bytes, options: Mapping[str, Any], env: Mapping[str, s
         if not done.is_set():
             proc.terminate()
 
+    result = None
     try:
         proc.start()
-        threading.Thread(target=heartbeat, daemon=True, name="sparkhvd-heartbeat").start()
-        threading.Thread(target=watch_driver, daemon=True, name="sparkhvd-watch").start()
+        if channel is not None:
+            threading.Thread(target=heartbeat, daemon=True, name="sparkhvd-heartbeat").start()
+            threading.Thread(target=watch_driver, daemon=True, name="sparkhvd-watch").start()
         code = proc.wait()
         proc.finish()
         done.set()
-        channel.send(protocol.Exit(rank=rank, code=code))
+        status["code"] = code
+        if channel is not None:
+            channel.send(protocol.Exit(rank=rank, code=code))
         result = proc.result() if code == 0 else None
     finally:
         done.set()
         if proc.proc is not None and proc.poll() is None:
             proc.terminate()
-        channel.close()
+        if channel is not None:
+            channel.close()
         proc.close()
-    yield (partition, result)
+    if kept is not None and kept.dropped:
+        status["dropped_lines"] = kept.dropped
+    return partition, status, result, kept.blob() if kept is not None else None

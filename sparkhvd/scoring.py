@@ -4,8 +4,10 @@
 by Spark's own vectorised path (``pyspark.ml.functions.predict_batch_udf``): Arrow batches of
 rows go to each executor's Python worker, which loads the model **once** and reuses it for every
 batch and task it runs (Spark's model cache, per worker process). Nothing is collected on the
-driver; the model travels once per executor as a Spark broadcast of its bytes, so executors need
-no access to the run folder or its credentials.
+driver; the model travels to the executors as its bytes (:func:`ship_bytes`: a Spark broadcast on
+classic sessions; on Spark Connect, which has no broadcast, inside the UDF for models up to
+:data:`CLOSURE_LIMIT` and as a session artifact above), so executors need no access to the run
+folder or its credentials.
 
 Columns are handled as in :class:`~sparkhvd.data.DataFrameDataset`: numeric scalars, arrays, Spark
 ML vectors (dense or sparse), ``shapes`` to reshape rows (default: the model's input shape), and
@@ -17,6 +19,52 @@ import logging
 from typing import Any, Mapping, Optional, Sequence, Union
 
 log = logging.getLogger(__name__)
+
+
+#: Spark Connect: models up to this size travel inside the UDF (its plan); larger ones as a
+#: session artifact (Connect's own file shipping), below the server's 128 MB message limit.
+CLOSURE_LIMIT = 32 << 20
+
+
+def ship_bytes(spark: Any, data: bytes, suffix: str) -> Any:
+    """Send ``data`` to the executors once; returns a function that reads it there.
+
+    Classic sessions broadcast it. Spark Connect has no broadcast: small data rides in the
+    function's closure (cloudpickled into the plan), large data is added as a session artifact
+    (``addArtifacts(file=True)``) and read with ``SparkFiles`` on the executors.
+    """
+    from .sparkview import is_connect
+
+    if not is_connect(spark):
+        broadcast = spark.sparkContext.broadcast(data)
+        return lambda: broadcast.value
+    if len(data) <= CLOSURE_LIMIT:
+        return lambda: data
+    import hashlib
+    import os
+    import tempfile
+
+    name = f"sparkhvd-model-{hashlib.sha256(data).hexdigest()[:16]}{suffix}"
+    folder = tempfile.mkdtemp(prefix="sparkhvd-artifact-")
+    path = os.path.join(folder, name)
+    with open(path, "wb") as f:
+        f.write(data)
+    try:
+        spark.addArtifacts(path, file=True)
+    except Exception as exc:  # noqa: BLE001 - added before in this session (same bytes)
+        if "already exists" not in str(exc).lower():
+            raise
+    finally:
+        os.remove(path)
+        os.rmdir(folder)
+
+    def read() -> bytes:
+        from pyspark import SparkFiles
+
+        with open(SparkFiles.get(name), "rb") as f:
+            return f.read()
+
+    return read
 
 
 def _model_bytes(model: Any, storage_options: Optional[Mapping[str, Any]]) -> tuple[bytes, str]:
@@ -108,8 +156,8 @@ def predict(df: Any, model: Any, features: Union[str, Sequence[str]], *,
                      for i, c in enumerate(names)]
     as_column = [kinds[c] == "scalar" and model_shape[i] == [1] for i, c in enumerate(names)]
     del keras_model
-    sc = df.sparkSession.sparkContext
-    broadcast = sc.broadcast(data)
+    shipped = ship_bytes(df.sparkSession, data, suffix)
+    del data
     single = len(names) == 1
 
     def make_predict_fn():
@@ -118,7 +166,7 @@ def predict(df: Any, model: Any, features: Union[str, Sequence[str]], *,
 
         from sparkhvd.kerasio import local_file
 
-        with local_file(broadcast.value, suffix) as path:
+        with local_file(shipped(), suffix) as path:
             loaded = tf.keras.models.load_model(path, compile=False)
 
         def predict_batch(*arrays):
