@@ -387,7 +387,7 @@ class HorovodRunner:
             return "local", True
         from .session import check_worker_python
         from .slots import check_slots
-        from .sparkview import SparkView, is_loopback_master
+        from .sparkview import SparkView
 
         view = SparkView(spark)
         run_dir.update(spark_master=view.master, spark_app_id=view.app_id, session=view.kind)
@@ -396,7 +396,7 @@ class HorovodRunner:
         slots = check_slots(view, spec.np, wait_s=0 if view.master.startswith("local")
                             else self.slot_wait_s)
         run_dir.update(slots=slots.slots)
-        shared = is_loopback_master(view.master)
+        shared = view.executors_here()
         spec.nics = self.nics or ({"lo"} if shared else None)
         spec.driver_host = driver_host(view)
         spec.session = view

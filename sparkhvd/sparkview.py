@@ -130,20 +130,30 @@ class SparkView:
             getattr(client, "host", "?")
         return f"{self.master or '?'} via Spark Connect (sc://{where})"
 
+    @functools.cached_property
+    def server_host(self) -> Optional[str]:
+        """The Spark Connect server's host (``None`` on classic sessions)."""
+        if not self.connect:
+            return None
+        return getattr(getattr(self.spark, "client", None), "host", None) or "127.0.0.1"
+
+    def executors_here(self) -> bool:
+        """Whether every executor runs on this machine: a local or 127.0.0.1 master -- of this
+        process (classic), or of a Connect server that itself runs here."""
+        local_server = self.server_host in (None, "localhost", "127.0.0.1", "::1")
+        return local_server and is_loopback_master(self.master)
+
     def driver_host(self) -> str:
         """The address executors reach this process at: 127.0.0.1 when every executor is on this
         machine, else Spark's ``spark.driver.host`` (classic) or, for a Spark Connect client,
         this machine's address on the route to the Connect server."""
-        if is_loopback_master(self.master):
+        if self.executors_here():
             return "127.0.0.1"
-        if not self.connect:
-            return self.conf("spark.driver.host") or socket.gethostname()
-        server = getattr(getattr(self.spark, "client", None), "host", None) or "127.0.0.1"
-        if server in ("localhost", "127.0.0.1", "::1"):
+        if not self.connect or self.server_host in ("localhost", "127.0.0.1", "::1"):
             return self.conf("spark.driver.host") or socket.gethostname()
         from .rank import route_address
 
-        return route_address(server)
+        return route_address(self.server_host)
 
     def python_exec(self) -> Optional[str]:
         """The Python Spark's workers run (when this process can know it)."""

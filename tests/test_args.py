@@ -97,3 +97,27 @@ def test_connect_sessions_take_the_barrier_stage_and_refuse_horovod_spark_run():
             choose_launcher(view=_Connect(), **kw)
     with pytest.raises(ValueError, match="Spark Connect session.*dynamicAllocation"):
         choose_launcher("auto", _Connect(**{"spark.dynamicAllocation.enabled": "true"}))
+
+
+def test_a_remote_connect_servers_local_master_is_not_this_machine(monkeypatch):
+    """A Connect server elsewhere running local[*]: its executors are on its machine, so the
+    ranks reach this client at its routed address and share no disk with it."""
+    from sparkhvd import rank
+    from sparkhvd.sparkview import SparkView
+
+    class Conf:
+        def get(self, key, default=None):
+            return {"spark.master": "local[4]"}.get(key, default)
+
+    def session(host):
+        cls = type("SparkSession", (), {"__module__": "pyspark.sql.connect.session"})
+        spark = cls()
+        spark.conf, spark.client = Conf(), type("Client", (), {"host": host})()
+        return spark
+
+    monkeypatch.setattr(rank, "route_address", lambda host: f"route-to-{host}")
+    remote = SparkView(session("connect.example"))
+    assert remote.connect and not remote.executors_here()
+    assert remote.driver_host() == "route-to-connect.example"
+    local = SparkView(session("localhost"))
+    assert local.executors_here() and local.driver_host() == "127.0.0.1"

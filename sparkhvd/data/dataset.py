@@ -142,11 +142,12 @@ class DataFrameDataset:
         self._shard_cache: Optional[tuple[tuple[int, int], dict[str, np.ndarray]]] = None
 
     # -- driver side -----------------------------------------------------------------------
-    def _check_cache_visible(self, parent: str, master: str) -> None:
+    def _check_cache_visible(self, parent: str, master: str,
+                             executors_here: Optional[bool] = None) -> None:
         from ..sparkview import is_loopback_master
 
-        if urlparse(parent).scheme in ("", "file") and not is_loopback_master(master) \
-                and not self.shared_cache:
+        here = is_loopback_master(master) if executors_here is None else executors_here
+        if urlparse(parent).scheme in ("", "file") and not here and not self.shared_cache:
             raise ValueError(
                 f"The DataFrameDataset cache {parent} is on the driver's local disk, which the "
                 f"executors of {master} cannot read. Pass cache_url= a location every executor "
@@ -166,7 +167,8 @@ class DataFrameDataset:
                                "new one from the DataFrame.")
         spark = self._df.sparkSession
         parent = (self.cache_url or default_cache_parent()).rstrip("/")
-        self._check_cache_visible(parent, SparkView(spark).master)
+        view = SparkView(spark)
+        self._check_cache_visible(parent, view.master, view.executors_here())
         selected, stored = mat.converted(self._df, self.columns, self.kinds, self._schema,
                                          self.dtype)
         key = (parent, selected.semanticHash(), tuple(self.columns), self.dtype, self.allow_nan)
