@@ -119,14 +119,18 @@ def test_unreachable_control_channel_still_ends_well(connect, tmp_path, monkeypa
     assert record["status"] == "failed" and record["error"]["type"] == "TrainingError"
 
 
-def test_horovod_backend_without_the_control_channel_names_the_fix(connect, tmp_path,
-                                                                   monkeypatch):
-    from sparkhvd.launchers import barrier
+def test_backends_that_need_the_driver_say_so_without_the_channel():
+    """Without the control channel the tasks assign ranks themselves: tf can, horovod (its
+    rendezvous runs on the driver) cannot -- an error with the fix, not a hang."""
+    from sparkhvd.task.barrier import _rows_plan
 
-    pytest.importorskip("horovod")  # (the modern profile has none: its refusal comes first)
-    monkeypatch.setattr(barrier, "control_address", lambda spec, server: ("127.0.0.1", 9))
-    with pytest.raises(TrainingError, match="backend='horovod' needs every Spark task"):
-        HorovodRunner(np=2, spark=connect, output_dir=str(tmp_path)).run(lambda: 1)
+    gathered = [{"partition": p, "host": "h", "address": "127.0.0.1", "port": 4000 + p}
+                for p in (0, 1)]
+    env = _rows_plan("tf", {"SPARKHVD_BACKEND": "tf"}, gathered, 1)
+    assert env["SPARKHVD_RANK"] == "1" and json.loads(env["TF_CONFIG"])["cluster"]["worker"] \
+        == ["127.0.0.1:4000", "127.0.0.1:4001"]
+    with pytest.raises(RuntimeError, match="backend='horovod' needs every Spark task to reach"):
+        _rows_plan("horovod", {}, gathered, 0)
 
 
 def test_dataframe_dataset_streams_shards_on_connect(connect, tmp_path, monkeypatch):
