@@ -143,14 +143,14 @@ def case_b1(repeat: int, tiny: bool) -> list[dict]:
 def case_b1c(repeat: int, tiny: bool) -> list[dict]:
     """B1 on Spark Connect: the same no-op (backend='tf', np=2) on a classic local[2] session and
     through a Spark Connect client of a local[2] Connect server, interleaved in one run."""
-    try:
-        import grpc  # noqa: F401 - Spark Connect's client
-    except ImportError:
+    from conftest import ConnectServer, connect_unavailable
+
+    why = connect_unavailable()
+    if why:
         return [{"case": "B1C", "variant": "no-op, Spark Connect vs classic", "unit": "s",
-                 "skipped": "needs pyspark[connect]: make bench CASE=B1C PROFILE=modern"}]
+                 "skipped": f"{why}: make bench CASE=B1C PROFILE=modern"}]
     import pyspark
 
-    from conftest import ConnectServer
     from sparkhvd import HorovodRunner
 
     classic = _spark()
@@ -656,6 +656,8 @@ def write_chart(path: Path, rows: list[dict]) -> None:
         units = [u for u in dict.fromkeys(r["unit"] for r in rows if r["case"] == case
                                           and "median" in r) if u != "ratio"]
         panels += [(case, unit) for unit in units]
+    if not panels:  # every case was skipped: nothing to draw
+        return
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.4 * len(panels)), squeeze=False)
     for ax, (case, unit) in zip(axes[:, 0], panels):
         sel = [r for r in rows if r["case"] == case and r["unit"] == unit and "median" in r]

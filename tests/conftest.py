@@ -284,6 +284,20 @@ def standalone(tmp_path_factory):
         cluster.stop()
 
 
+def connect_unavailable():
+    """Why this environment cannot run a Spark Connect server and client, or ``None``."""
+    import pyspark
+
+    if int(pyspark.__version__.split(".")[0]) < 4:
+        return (f"pip's pyspark {pyspark.__version__} ships no Spark Connect server (its jar "
+                "comes from Maven with --packages); pyspark 4 does")
+    try:
+        import pyspark.sql.connect.session  # noqa: F401 - grpc & co (pyspark[connect])
+    except ImportError as exc:
+        return f"Spark Connect's client is not installed ({exc})"
+    return None
+
+
 class ConnectServer:
     """A real Spark Connect server (pip's pyspark: spark-submit --class ...SparkConnectServer)
     for ``master``, on a free port of 127.0.0.1; stopped by PID (its process group)."""
@@ -350,7 +364,9 @@ class ConnectServer:
 @pytest.fixture(scope="session")
 def connect_server(tmp_path_factory):
     """A Spark Connect server on local[2] (a separate process, as a cluster's would be)."""
-    pytest.importorskip("grpc", reason="Spark Connect's client: the modern profile has it")
+    why = connect_unavailable()
+    if why:
+        pytest.skip(f"{why}; the modern profile runs these")
     server = ConnectServer(tmp_path_factory.mktemp("connect"))
     yield server
     server.stop()
