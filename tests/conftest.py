@@ -344,10 +344,11 @@ class ConnectServer:
                 time.sleep(0.3)
 
     def session(self):
-        """A Connect client session (built directly: this process may hold a classic one)."""
+        """A new Connect client session of this server (built directly: this process may hold
+        a classic one; create(), since getOrCreate() returns any earlier server's session)."""
         from pyspark.sql.connect.session import SparkSession as ConnectSession
 
-        return ConnectSession.builder.remote(self.url).getOrCreate()
+        return ConnectSession.builder.remote(self.url).create()
 
     def stop(self) -> None:
         import signal
