@@ -19,7 +19,7 @@ from .compat import check_horovod, check_keras
 from .environment import rank_env
 from .errors import LaunchFailure, PayloadError, StorageError
 from .backends import BACKENDS
-from .launchers import LAUNCHERS, LaunchSpec, choose_launcher, driver_host, get_launcher
+from .launchers import LAUNCHERS, LaunchSpec, choose_launcher, get_launcher
 from .logs import RankLogRouter, check_verbosity
 from .outcome import RunOutcome
 from .redaction import remember_environment
@@ -398,7 +398,7 @@ class HorovodRunner:
         run_dir.update(slots=slots.slots)
         shared = view.executors_here()
         spec.nics = self.nics or ({"lo"} if shared else None)
-        spec.driver_host = driver_host(view)
+        spec.driver_host = view.driver_host()
         spec.session = view
         run_dir.update(launcher=name)
         return name, shared

@@ -158,30 +158,27 @@ def slots_without_context(view) -> SlotCount:
     from .sparkview import SLOTS_CONF
 
     master = view.master
-    declared = view.conf(SLOTS_CONF)
-    if declared:
-        return SlotCount(int(_int_conf({SLOTS_CONF: declared}, SLOTS_CONF, 0)), master,
-                         f"declared with {SLOTS_CONF}={declared}", f"raise {SLOTS_CONF}")
-    conf = {k: v for k in _CONF_KEYS if (v := view.conf(k)) not in (None, "")}
+    conf = {k: v for k in (SLOTS_CONF, *_CONF_KEYS) if (v := view.conf(k)) not in (None, "")}
+    if SLOTS_CONF in conf:
+        return SlotCount(int(_int_conf(conf, SLOTS_CONF, 0)), master,
+                         f"declared with {SLOTS_CONF}={conf[SLOTS_CONF]}", f"raise {SLOTS_CONF}")
     m = _LOCAL.match(master)
     if m:
         cpu = _local_cores(view) if m.group("n") == "*" else 1
         return count_slots(master, conf, cpu_count=cpu)
     if _LOCAL_CLUSTER.match(master):
         return count_slots(master, conf, cpu_count=1)
-    instances, cores = conf.get("spark.executor.instances"), conf.get("spark.executor.cores")
+    cores = int(_int_conf(conf, "spark.executor.cores", 0))
+    instances = int(_int_conf(conf, "spark.executor.instances", 0))
     if str(conf.get("spark.dynamicAllocation.enabled", "")).lower() == "true":
-        instances = conf.get("spark.dynamicAllocation.maxExecutors") or instances
-    executor_cores = None
-    if instances and cores:
-        executor_cores = [int(float(cores))] * int(float(instances))
-    elif conf.get("spark.cores.max") and cores:
-        executor_cores = [int(float(cores))] * (int(float(conf["spark.cores.max"]))
-                                                  // max(1, int(float(cores))))
-    parallelism = conf.get("spark.default.parallelism")
+        instances = int(_int_conf(conf, "spark.dynamicAllocation.maxExecutors", instances))
+    if cores and not instances:  # standalone: spark.cores.max caps the executors
+        instances = int(_int_conf(conf, "spark.cores.max", 0)) // cores
+    executor_cores = [cores] * instances if cores and instances else None
+    parallelism = int(_int_conf(conf, "spark.default.parallelism", 0)) or None
     if executor_cores or parallelism:
         return count_slots(master, conf, cpu_count=1, executor_cores=executor_cores,
-                           default_parallelism=int(float(parallelism)) if parallelism else None)
+                           default_parallelism=parallelism)
     raise NotEnoughSlotsError(
         f"sparkhvd cannot count the task slots of this Spark Connect session "
         f"({master or 'its master is hidden'}): a Connect client sees no executors, and the "

@@ -1,6 +1,7 @@
 """Shared fixtures: one local-mode SparkSession (2 task slots) for the whole test session."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -47,7 +48,7 @@ def still_alive(pids, grace=20.0):
 
 #: The backend a profile trains on when a test is not about the backend: horovod where it is
 #: installed (Spark 3.5 profiles), tf.distribute in the modern one (Spark 4, Keras 3).
-HAS_HOROVOD = __import__("importlib.util").util.find_spec("horovod") is not None
+HAS_HOROVOD = importlib.util.find_spec("horovod") is not None
 PROFILE_BACKEND = "horovod" if HAS_HOROVOD else "tf"
 
 

@@ -97,9 +97,3 @@ def choose_launcher(requested: str, view: Any, elastic: Optional[tuple[int, int]
     if requested in ("barrier", "horovod"):
         return requested
     return "horovod" if (elastic or dynamic) else "barrier"
-
-
-def driver_host(view: Any) -> str:
-    """The address executors reach this process at (see
-    :meth:`sparkhvd.sparkview.SparkView.driver_host`)."""
-    return view.driver_host()

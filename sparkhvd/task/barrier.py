@@ -92,7 +92,7 @@ class _Kept:
     """Rows mode: the rank's messages, bounded (old output lines go first; events stay)."""
 
     def __init__(self, limit: int = ROWS_LOG_BYTES) -> None:
-        self.messages: list[Any] = []
+        self.messages: list[tuple[bool, bytes]] = []  # (an output line?, encoded message)
         self.size, self.limit, self.dropped = 0, limit, 0
         self.lock = threading.Lock()
 
@@ -101,19 +101,18 @@ class _Kept:
             return
         data = protocol.encode(msg)
         with self.lock:
-            self.messages.append(data)
+            self.messages.append((isinstance(msg, protocol.Line), data))
             self.size += len(data)
             while self.size > self.limit:
-                index = next((i for i, m in enumerate(self.messages)
-                              if m.startswith(b'{"t": "line"')), None)
+                index = next((i for i, (line, _) in enumerate(self.messages) if line), None)
                 if index is None:
                     break
-                self.size -= len(self.messages.pop(index))
+                self.size -= len(self.messages.pop(index)[1])
                 self.dropped += 1
 
     def blob(self) -> bytes:
         with self.lock:
-            return b"".join(self.messages)
+            return b"".join(data for _, data in self.messages)
 
 
 def _rows(partition: int, kind: str, data: bytes) -> Iterator[Any]:
