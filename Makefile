@@ -30,12 +30,13 @@ demo: setup
 test: setup
 	$(PY) -m pytest $(TEST_ARGS)
 
+# tests/unit: start nothing (no Spark, rank process, server or cluster; conftest enforces it).
 unit: setup
-	$(PY) -m pytest -m "not (spark or ranks or azurite or cluster or netns or notebook or connect)"
+	$(PY) -m pytest tests/unit
 
 # The Keras tests (unit + 2-rank integration), e.g. `make test-keras PROFILE=tf218`.
 test-keras: setup
-	$(PY) -m pytest tests/test_keras_unit.py tests/test_keras.py tests/test_env_compat.py
+	$(PY) -m pytest tests/unit/test_keras_unit.py tests/integration/test_keras.py tests/unit/test_env_compat.py
 
 # Benchmarks (never part of `make test`): `make bench` or `make bench CASE=B1`.
 CASE ?=

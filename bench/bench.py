@@ -76,7 +76,7 @@ def _interleaved(variants: list[tuple[str, Callable[[], object]]], repeat: int) 
 
 
 def _spark():
-    from sparkhvd.session import get_or_create_session
+    from sparkhvd.driver.session import get_or_create_session
 
     return get_or_create_session(2)
 
@@ -204,11 +204,13 @@ def case_b2(repeat: int, tiny: bool) -> list[dict]:
     os.environ.update(HOROVOD_RANK="0", HOROVOD_SIZE="2")
     half = rows_n // 2
     try:
+        from sparkhvd.rank.data.shard import DatasetShard
+
         def epoch(memory_cache):
             def run():
-                ds.memory_cache = memory_cache
-                ds._shard_cache = None  # include the read, as a fresh rank would
-                with ds.tf_dataset(batch, epochs=1) as tfds:
+                shard = DatasetShard(ds.source)  # a fresh rank's shard: includes the read
+                shard.memory_cache = memory_cache
+                with shard.tf_dataset(batch, epochs=1) as tfds:
                     for _ in tfds:
                         pass
             return run
@@ -475,7 +477,7 @@ CASES = {"B1": case_b1, "B1C": case_b1c, "B2": case_b2, "B3": case_b3, "B4": cas
 
 
 def environment() -> dict:
-    from sparkhvd.rundir import versions
+    from sparkhvd.driver.rundir import versions
 
     return {"date": _dt.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(),
             "machine": platform.machine(), "spark_master": "local[2]", "np": 2,

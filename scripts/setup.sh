@@ -8,6 +8,8 @@ PYTHON=${PYTHON:-python3}
 # PROFILE=tf218: tensorflow-cpu 2.18.1 + tf-keras, used with TF_USE_LEGACY_KERAS=1, horovod.
 # PROFILE=modern: Spark 4 (with Spark Connect's client), current tensorflow-cpu with Keras 3,
 #   numpy 2, MLflow 3, no horovod (backend="tf").
+# PROFILE=torch: Spark 4 (with Spark Connect's client), torch 2.13.0 (CPU), numpy 2, MLflow 3; no
+#   TensorFlow, no horovod (backend="torch").
 PROFILE=${PROFILE:-tf215}
 HOROVOD=1
 EXTRAS=spark,dev
@@ -17,7 +19,9 @@ case "$PROFILE" in
          TF_PKGS=("tensorflow-cpu==2.18.1" "tf-keras==2.18.0"); export TF_USE_LEGACY_KERAS=1 ;;
   modern) VENV=.venv-modern; CONSTRAINTS=constraints-modern.txt; HOROVOD=0; EXTRAS=spark,connect,dev
           TF_PKGS=("tensorflow-cpu==2.21.0") ;;
-  *) printf '[setup] ERROR: unknown PROFILE=%s (use tf215, tf218 or modern)\n' "$PROFILE" >&2; exit 1 ;;
+  torch) VENV=.venv-torch; CONSTRAINTS=constraints-torch.txt; HOROVOD=0; EXTRAS=spark,connect,dev
+         TF_PKGS=("torch==2.13.0") ;;
+  *) printf '[setup] ERROR: unknown PROFILE=%s (use tf215, tf218, modern or torch)\n' "$PROFILE" >&2; exit 1 ;;
 esac
 
 say() { printf '[setup] %s\n' "$*"; }
@@ -75,11 +79,17 @@ if [ ! -x .tools/node_modules/.bin/azurite-blob ]; then
   fi
 fi
 versions=$("$PY" - 2>/dev/null <<'PYEOF'
-import importlib.util, numpy, pyspark, sparkhvd, tensorflow as tf
-keras = getattr(tf.keras, "__version__", None) or __import__("keras").__version__
-horovod = "yes" if importlib.util.find_spec("horovod") else "no (backend=tf)"
-print(f"sparkhvd {sparkhvd.__version__}, tensorflow {tf.__version__}, keras {keras}, "
-      f"numpy {numpy.__version__}, pyspark {pyspark.__version__}, horovod {horovod}")
+import importlib.util, numpy, pyspark, sparkhvd
+if importlib.util.find_spec("tensorflow"):
+    import tensorflow as tf
+    keras = getattr(tf.keras, "__version__", None) or __import__("keras").__version__
+    framework = f"tensorflow {tf.__version__}, keras {keras}"
+else:
+    import torch
+    framework = f"torch {torch.__version__} (no TensorFlow)"
+horovod = "yes" if importlib.util.find_spec("horovod") else "no"
+print(f"sparkhvd {sparkhvd.__version__}, {framework}, numpy {numpy.__version__}, "
+      f"pyspark {pyspark.__version__}, horovod {horovod}")
 PYEOF
 )
 say "ready ($PROFILE): $versions"

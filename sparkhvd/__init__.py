@@ -4,24 +4,32 @@ Public API::
 
     from sparkhvd import HorovodRunner, TrainingError
     model_bytes = HorovodRunner(np=2).run(train_fn, lr=0.1, epochs=3)
+
+The code is arranged by where it runs: ``driver/``, ``executor/`` (inside a Spark task),
+``rank/`` (the rank process), ``common/`` and ``storage/`` (shared); this module and
+``keras``, ``data``, ``cli`` re-export what users import.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-from .errors import (EnvironmentMismatchError, NotEnoughSlotsError, PayloadError, RankFailure,
-                     SessionError, SparkhvdError, StorageError, TrainingError)
+from sparkhvd.common.errors import (EnvironmentMismatchError, NotEnoughSlotsError, PayloadError,
+    RankFailure, SessionError, SparkhvdError, StorageError, TrainingError)
 
 # The rest is imported on first use: every rank process imports this package, and numpy,
 # fsspec and friends would add ~0.2 s to each rank's start for nothing.
 _LAZY = {
-    "DataFrameDataset": ("data", "DataFrameDataset"),
-    "load_model": ("models", "load_model"),
-    "predict": ("scoring", "predict"),
-    "RunDir": ("rundir", "RunDir"),
-    "HorovodRunner": ("runner", "HorovodRunner"),
-    "ENV_ALLOWLIST": ("environment", "ENV_ALLOWLIST"),
+    "DataFrameDataset": ("driver.data.dataset", "DataFrameDataset"),
+    "load_model": ("driver.models", "load_model"),
+    "predict": ("driver.scoring", "predict"),
+    "RunDir": ("driver.rundir", "RunDir"),
+    "HorovodRunner": ("driver.runner", "HorovodRunner"),
+    "ScalingConfig": ("driver.settings", "ScalingConfig"),
+    "LaunchConfig": ("driver.settings", "LaunchConfig"),
+    "RunConfig": ("driver.settings", "RunConfig"),
+    "SessionConfig": ("driver.settings", "SessionConfig"),
+    "ENV_ALLOWLIST": ("common.environment", "ENV_ALLOWLIST"),
     "storage": ("storage", None),
 }
 
@@ -43,9 +51,8 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
-    "HorovodRunner", "TrainingError", "NotEnoughSlotsError", "PayloadError",
-    "EnvironmentMismatchError", "SessionError", "SparkhvdError", "RankFailure", "RunDir",
-    "ENV_ALLOWLIST",
-    "StorageError", "load_model", "predict", "storage", "DataFrameDataset",
-    "__version__",
+    "HorovodRunner", "ScalingConfig", "LaunchConfig", "RunConfig", "SessionConfig",
+    "TrainingError", "NotEnoughSlotsError", "PayloadError", "EnvironmentMismatchError",
+    "SessionError", "SparkhvdError", "RankFailure", "RunDir", "ENV_ALLOWLIST", "StorageError",
+    "load_model", "predict", "storage", "DataFrameDataset", "__version__",
 ]

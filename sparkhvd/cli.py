@@ -10,7 +10,7 @@ from typing import Optional
 
 import click
 
-from .presets import PresetError, list_preset_names, load_preset
+from sparkhvd.driver.presets import PresetError, list_preset_names, load_preset
 
 
 def _console():
@@ -93,7 +93,7 @@ def doctor(preset: str, master: Optional[str], remote: Optional[str], np_: Optio
     """
     from rich.table import Table
 
-    from . import doctor as doc
+    from sparkhvd.driver import doctor as doc
 
     logging.getLogger("py4j").setLevel(logging.ERROR)
     rows = doc.stack_checks()
@@ -101,16 +101,16 @@ def doctor(preset: str, master: Optional[str], remote: Optional[str], np_: Optio
     session: dict = {}
 
     def start() -> str:
-        from .sparkview import SparkView
+        from sparkhvd.driver.sparkview import SparkView
 
         if remote:
-            from .session import connect_session
+            from sparkhvd.driver.session import connect_session
 
             session["spark"] = connect_session(remote)
         else:
             from pyspark import SparkContext
 
-            from .session import get_or_create_session
+            from sparkhvd.driver.session import get_or_create_session
 
             session["created"] = SparkContext._active_spark_context is None
             p = load_preset(preset)
@@ -128,7 +128,7 @@ def doctor(preset: str, master: Optional[str], remote: Optional[str], np_: Optio
         rows += more
     if storage_url:
         def probe() -> str:
-            from .storage import preflight, public_url
+            from sparkhvd.storage import preflight, public_url
 
             preflight(storage_url)
             return f"{public_url(storage_url)} writable"
@@ -169,16 +169,16 @@ def doctor(preset: str, master: Optional[str], remote: Optional[str], np_: Optio
 def run(script: str, np_: int, preset: Optional[str], output_dir: str, verbosity: str,
         backend: str, remote: Optional[str], script_args: tuple[str, ...]) -> None:
     """Run a plain Horovod training SCRIPT (as for horovodrun) on Spark: sparkhvd run train.py --np 2 -- ARGS."""
-    from .errors import SparkhvdError
-    from .runner import HorovodRunner
-    from .script import read_script, run_script
+    from sparkhvd.common.errors import SparkhvdError
+    from sparkhvd.driver.runner import HorovodRunner
+    from sparkhvd.rank.script import read_script, run_script
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("sparkhvd").setLevel(logging.INFO)
     try:
         spark = None
         if remote:
-            from .session import connect_session
+            from sparkhvd.driver.session import connect_session
 
             spark = connect_session(remote)
         runner = HorovodRunner(np=np_, preset=preset, output_dir=output_dir, spark=spark,

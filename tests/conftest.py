@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import subprocess
 import sys
 
 import pytest
@@ -17,6 +18,10 @@ _STARTS = {"spark": "spark", "azurite": "azurite", "standalone": "cluster",
            "any_spark": "spark"}
 
 
+#: Markers of tests that start something (Spark, rank processes, servers, clusters).
+_STARTING_MARKERS = ("spark", "ranks", "azurite", "cluster", "netns", "notebook", "connect")
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark each test by what its fixtures start (so `make unit` really starts nothing), and
     run the multi-host tests last: they replace this process' SparkContext with the cluster's."""
@@ -24,10 +29,28 @@ def pytest_collection_modifyitems(config, items):
         for fixture, marker in _STARTS.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(getattr(pytest.mark, marker))
+        starts = [m for m in _STARTING_MARKERS if item.get_closest_marker(m)]
+        if starts and "unit" in item.path.parent.name:
+            raise pytest.UsageError(f"{item.nodeid} starts something ({', '.join(starts)}): "
+                                    "tests/unit is for tests that start nothing; move it to "
+                                    "tests/integration or tests/cluster.")
         if item.get_closest_marker("spark") or item.get_closest_marker("cluster") or \
                 item.get_closest_marker("netns"):
             item.add_marker(pytest.mark.ranks)
     items.sort(key=lambda item: item.get_closest_marker("netns") is not None)
+
+
+def wait_for(condition, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``condition()`` until it is true (True) or ``timeout`` seconds passed (False): the
+    tests wait for what they need, never for a guessed time."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
 
 
 def still_alive(pids, grace=20.0):
@@ -67,7 +90,7 @@ def launcher(request):
 @pytest.fixture(scope="session")
 def spark():
     """A real local[2] SparkSession on 127.0.0.1, created the way HorovodRunner creates one."""
-    from sparkhvd.session import get_or_create_session
+    from sparkhvd.driver.session import get_or_create_session
 
     session = get_or_create_session(2)
     yield session
@@ -95,7 +118,7 @@ class _Capture(logging.Handler):
 @pytest.fixture
 def rank_lines():
     """Lines the driver shows from the ranks (what a user sees), as a list of strings."""
-    from sparkhvd.logs import rank_logger
+    from sparkhvd.driver.logs import rank_logger
 
     handler = _Capture()
     rank_logger.addHandler(handler)
@@ -434,7 +457,7 @@ def cluster_spark(netns_cluster):
                .config("spark.executorEnv.TF_CPP_MIN_LOG_LEVEL", "2")
                .getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
-    from sparkhvd.slots import check_slots
+    from sparkhvd.driver.slots import check_slots
 
     check_slots(session.sparkContext, 3, wait_s=90)
     yield session
@@ -452,3 +475,24 @@ def cluster_azurite(netns_cluster, tmp_path_factory):
         yield service
     finally:
         service.stop()
+
+
+# -- every way ranks start -------------------------------------------------------------------
+@pytest.fixture(params=["barrier", "horovod", "local"])
+def mode(request):
+    """Every way ranks start: Spark barrier stage, horovod.spark.run, local processes."""
+    return request.param
+
+
+def runner_for(mode, spark, tmp_path, **kw):
+    """A runner for ``mode`` (the :func:`mode` fixture's launchers)."""
+    from sparkhvd import HorovodRunner
+
+    if mode == "local":
+        return HorovodRunner(np=-2, output_dir=str(tmp_path), **kw)
+    return HorovodRunner(np=2, spark=spark, launcher=mode, output_dir=str(tmp_path), **kw)
+
+
+@pytest.fixture
+def spark_for(mode, request):
+    return None if mode == "local" else request.getfixturevalue("spark")

@@ -1,10 +1,10 @@
 """Spark DataFrame -> each rank's own shard: :class:`DataFrameDataset`.
 
-- :mod:`sparkhvd.data.dataset` -- the class and the sharding policy;
-- :mod:`sparkhvd.data.materialize` -- driver side: checks, Parquet written by the executors, reuse;
-- :mod:`sparkhvd.data.reader` -- rank side: a shard streamed a row group at a time.
+- :mod:`sparkhvd.driver.data` -- the driver half: checks, Parquet written by the executors, reuse;
+- :mod:`sparkhvd.common.shards` -- the sharding policy both sides agree on;
+- :mod:`sparkhvd.rank.data` -- the rank half: the shard a rank's function receives, streamed.
 """
-from .dataset import DataFrameDataset
-from .materialize import check_column_type
+from sparkhvd.driver.data.dataset import DataFrameDataset
+from sparkhvd.driver.data.materialize import check_column_type
 
 __all__ = ["DataFrameDataset", "check_column_type"]

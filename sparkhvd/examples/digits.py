@@ -38,7 +38,7 @@ def train_hvd(x_train, y_train, x_val, y_val, epochs: int = 30, batch_size: int 
     """
     import tensorflow as tf
 
-    from sparkhvd.kerasio import model_bytes
+    from sparkhvd.storage.kerasio import model_bytes
     from sparkhvd.keras import KerasDistributed
 
     # Horovod: hvd.init(); tf: the MultiWorkerMirroredStrategy. LR scaled by size, gradients
@@ -118,7 +118,7 @@ def train_elastic(x_train, y_train, x_val, y_val, steps: int = 60, batch_size: i
         return None
     model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     _, accuracy = model.evaluate(x_val, y_val, verbose=0)
-    from sparkhvd.kerasio import model_bytes
+    from sparkhvd.storage.kerasio import model_bytes
 
     return {"model": model_bytes(model), "sizes": list(state.sizes),
             "val_accuracy": float(accuracy)}

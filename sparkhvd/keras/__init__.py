@@ -7,9 +7,10 @@
         model.compile(optimizer=kd.optimizer(tf.keras.optimizers.Adam(1e-3)), loss=..., metrics=[...])
         model.fit(ds, steps_per_epoch=..., **kd.fit_kwargs(model))
 """
-from .callbacks import (BroadcastInitialState, EpochProgress, LearningRateWarmup, MetricAverage,
-                        RankZeroCheckpoint, RunFolderTensorBoard, latest_checkpoint, warmup_lr)
-from .distributed import KerasDistributed
+from sparkhvd.rank.keras.callbacks import (BroadcastInitialState, EpochProgress,
+    LearningRateWarmup, MetricAverage, RankZeroCheckpoint, RunFolderTensorBoard,
+    latest_checkpoint, warmup_lr)
+from sparkhvd.rank.keras.distributed import KerasDistributed
 
 __all__ = ["KerasDistributed", "BroadcastInitialState", "MetricAverage", "LearningRateWarmup",
            "EpochProgress", "RankZeroCheckpoint", "RunFolderTensorBoard", "latest_checkpoint",

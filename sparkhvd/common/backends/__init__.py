@@ -1,0 +1,46 @@
+"""The collective library ranks use: what each rank needs to find its peers.
+
+A backend is what the launchers do not care about: it starts whatever the ranks rendezvous
+through, and turns the tasks that registered (host, address, a port each reserved) into one
+environment per rank. Like Ray Train's ``Backend.on_start``:
+
+- ``horovod`` (default): Gloo rendezvous through horovod's server, ``HOROVOD_*`` variables;
+- ``tf``: ``TF_CONFIG`` for ``tf.distribute.MultiWorkerMirroredStrategy`` -- no horovod, so it
+  runs on current TensorFlow, Keras 3 and numpy 2.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Mapping, Optional, Protocol
+
+from sparkhvd.common.protocol import TaskInfo
+
+__all__ = ["BACKENDS", "Backend", "TaskInfo", "get_backend"]
+
+BACKENDS = ("horovod", "tf")
+
+
+class Backend(Protocol):
+    """Rendezvous for one run's ranks."""
+
+    name: str
+    #: Whether each task must reserve a port for its rank before it registers.
+    needs_port: bool
+    #: Whether tasks can run :meth:`assign` themselves when they cannot reach the driver.
+    assigns_in_tasks: bool
+
+    def start(self, driver_host: str, nics: Optional[set], verbose: bool) -> dict[str, str]:
+        """Start what the ranks rendezvous through; variables every rank gets."""
+
+    def assign(self, tasks: Mapping[int, TaskInfo]) -> dict[int, dict[str, str]]:
+        """Ranks for the registered tasks: partition -> that rank's own variables."""
+
+    def stop(self) -> None:
+        """Stop what :meth:`start` started."""
+
+
+def get_backend(name: str) -> Backend:
+    """A fresh backend object for one run."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {name!r}")
+    return importlib.import_module(f".{name}", __name__).Backend()

@@ -1,0 +1,45 @@
+"""The tf.distribute backend: ``TF_CONFIG`` for ``MultiWorkerMirroredStrategy``; no horovod.
+
+Each task reserves a free port on its host and reports ``address:port`` when it registers; once
+all are in, every rank gets the same cluster (``{"worker": [...]}``, in rank order) and its own
+index. Ranks are contiguous per host, as with horovod, so local ranks (GPU pinning) mean the
+same thing on both backends. Nothing here or on the rank side imports horovod.
+"""
+from __future__ import annotations
+
+import json
+from typing import Mapping, Optional
+
+from sparkhvd.common.identity import RankIdentity
+from sparkhvd.common.protocol import BACKEND_ENV
+from sparkhvd.common.backends import TaskInfo
+
+
+class Backend:
+    """``TF_CONFIG`` per rank; the strategy's own gRPC/collectives do the rest."""
+
+    name = "tf"
+    needs_port = True
+    #: :meth:`assign` needs nothing from the driver: tasks that cannot reach it run it themselves.
+    assigns_in_tasks = True
+
+    def start(self, driver_host: str, nics: Optional[set], verbose: bool) -> dict[str, str]:
+        return {BACKEND_ENV: self.name}
+
+    def assign(self, tasks: Mapping[int, TaskInfo]) -> dict[int, dict[str, str]]:
+        by_host: dict[str, list[int]] = {}
+        for partition in sorted(tasks):
+            by_host.setdefault(tasks[partition].host, []).append(partition)
+        order = [p for parts in by_host.values() for p in parts]
+        workers = [f"{tasks[p].address or tasks[p].host}:{tasks[p].port}" for p in order]
+        envs = {}
+        for rank, partition in enumerate(order):
+            local = by_host[tasks[partition].host]
+            envs[partition] = {
+                "TF_CONFIG": json.dumps({"cluster": {"worker": workers},
+                                         "task": {"type": "worker", "index": rank}}),
+                **RankIdentity(rank, len(order), local.index(partition), len(local)).as_env()}
+        return envs
+
+    def stop(self) -> None:
+        pass

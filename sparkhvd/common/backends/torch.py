@@ -1,0 +1,52 @@
+"""The PyTorch backend: ``torch.distributed``'s ``env://`` rendezvous, as torchrun sets it up.
+
+Each task reserves a free port on its host and reports ``address:port`` when it registers; once
+all are in, every rank gets ``MASTER_ADDR``/``MASTER_PORT`` (rank 0's host and the port it
+reserved), ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``
+(the host's index), so ``torch.distributed.init_process_group()`` with the default ``env://``
+works unchanged -- also in functions written for Spark's ``TorchDistributor``. Ranks are
+contiguous per host, as on the other backends. No horovod, no TensorFlow.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from sparkhvd.common.backends import TaskInfo
+from sparkhvd.common.identity import RankIdentity
+from sparkhvd.common.protocol import BACKEND_ENV
+
+
+class Backend:
+    """torchrun's variables per rank; ``torch.distributed`` does the rest (gloo or nccl)."""
+
+    name = "torch"
+    #: rank 0's task reserves ``MASTER_PORT`` (every task reserves one: rank 0 is known later).
+    needs_port = True
+    #: :meth:`assign` needs nothing from the driver: tasks that cannot reach it run it themselves.
+    assigns_in_tasks = True
+
+    def start(self, driver_host: str, nics: Optional[set], verbose: bool) -> dict[str, str]:
+        return {BACKEND_ENV: self.name}
+
+    def assign(self, tasks: Mapping[int, TaskInfo]) -> dict[int, dict[str, str]]:
+        by_host: dict[str, list[int]] = {}
+        for partition in sorted(tasks):
+            by_host.setdefault(tasks[partition].host, []).append(partition)
+        order = [p for parts in by_host.values() for p in parts]
+        master = tasks[order[0]]
+        hosts = list(by_host)
+        envs = {}
+        for rank, partition in enumerate(order):
+            local = by_host[tasks[partition].host]
+            me = RankIdentity(rank, len(order), local.index(partition), len(local))
+            envs[partition] = {
+                "MASTER_ADDR": master.address or master.host, "MASTER_PORT": str(master.port),
+                "RANK": str(me.rank), "WORLD_SIZE": str(me.size),
+                "LOCAL_RANK": str(me.local_rank), "LOCAL_WORLD_SIZE": str(me.local_size),
+                "GROUP_RANK": str(hosts.index(tasks[partition].host)),
+                "NODE_RANK": str(hosts.index(tasks[partition].host)),
+                **me.as_env()}
+        return envs
+
+    def stop(self) -> None:
+        pass

@@ -1,0 +1,66 @@
+"""Which environment variables a rank process gets -- one rule, applied on every launcher.
+
+A rank's environment is built from three parts, later ones winning:
+
+1. the environment of the process that starts the rank (the driver for ``np < 0``, the Spark
+   executor otherwise), **filtered**: only names in :data:`ENV_ALLOWLIST`, and never a name that
+   looks like a credential (:data:`sparkhvd.common.redaction.SECRET_NAME`);
+2. the driver's *settings* (:data:`SETTING_VARS`: ``TF_*``, ``HOROVOD_*``, ... -- not its paths,
+   which mean nothing on another host), then what the user passed in
+   ``HorovodRunner(env=...)`` (on purpose, so passed as is);
+3. the run's own variables (rank numbers, rendezvous address, run folder).
+
+In local mode the executor *is* the driver, so without step 1's filter every rank would see the
+driver's whole environment. Shared by the driver and the executor side.
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+from sparkhvd.common.redaction import SECRET_NAME
+
+#: Machine basics a rank inherits from the host it runs on (never the driver's: paths differ).
+MACHINE_VARS = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "USER", "LANG", "LC_ALL",
+                "TMPDIR", "VIRTUAL_ENV", "JAVA_HOME", "SPARK_HOME", "PYSPARK_PYTHON",
+                "HADOOP_CONF_DIR")
+#: Settings the driver forwards to every rank (exact names, or prefixes ending in ``_``).
+SETTING_VARS = ("TF_", "HOROVOD_", "NCCL_", "OMP_", "KMP_", "CUDA_", "XLA_FLAGS")
+#: Every name a rank may get implicitly (see the module docstring).
+ENV_ALLOWLIST = MACHINE_VARS + SETTING_VARS
+
+
+def _listed(name: str, names: tuple[str, ...]) -> bool:
+    return any(name == a or (a.endswith("_") and name.startswith(a)) for a in names)
+
+
+def allowed(name: str, names: tuple[str, ...] = ENV_ALLOWLIST) -> bool:
+    """Whether a variable may reach a rank implicitly: listed, and not credential-looking."""
+    return _listed(name, names) and not SECRET_NAME.search(name)
+
+
+def filtered(environ: Mapping[str, str], names: tuple[str, ...] = ENV_ALLOWLIST) -> dict[str, str]:
+    """``environ`` reduced to the listed, non-secret names."""
+    return {k: v for k, v in environ.items() if allowed(k, names)}
+
+
+def rank_env(user_env: Optional[Mapping[str, str]] = None, *, verbose: bool = False,
+             environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """What the driver sends to every rank: its settings (:data:`SETTING_VARS`), then
+    ``user_env``; the machine basics come from wherever each rank runs."""
+    env = filtered(os.environ if environ is None else environ, SETTING_VARS)
+    if not verbose:
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # hide TF's C++ info/warning start-up lines
+    for name, value in (user_env or {}).items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise TypeError(f"env must map str to str; got {name!r}: {type(value).__name__}. "
+                            "Convert values with str().")
+        env[name] = value
+    return env
+
+
+def process_env(local: Mapping[str, str], sent: Mapping[str, str],
+                assigned: Mapping[str, str] = ()) -> dict[str, str]:
+    """A rank process' environment where it starts: ``local`` filtered, then the driver's
+    ``sent`` variables, then the rank's ``assigned`` ones (see the module docstring)."""
+    return {**filtered(local), **sent, **dict(assigned), "PYTHONUNBUFFERED": "1"}

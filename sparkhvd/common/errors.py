@@ -1,0 +1,134 @@
+"""Every exception sparkhvd raises on purpose, in one place.
+
+Every error names the problem and the fix; none of them carries a secret (messages that may
+quote a rank's output or a storage failure go through :func:`sparkhvd.common.redaction.redact`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import KW_ONLY, dataclass
+from typing import Optional
+
+from sparkhvd.common.redaction import redact
+
+
+class SparkhvdError(Exception):
+    """Base class of every error sparkhvd raises on purpose."""
+
+
+@dataclass
+class RankFailure:
+    """What one rank reported (or what the launcher saw) when it failed."""
+
+    rank: int
+    exc_type: Optional[str]
+    message: str
+    traceback: str = ""
+    exit_code: Optional[int] = None
+    time: float = 0.0
+    host: Optional[str] = None
+
+
+class TrainingError(SparkhvdError, RuntimeError):
+    """The training function failed on at least one rank.
+
+    Attributes:
+        rank: the first rank that failed.
+        exc_type: the remote exception's type name (``None`` when the process died
+            without raising, e.g. ``os._exit`` or a signal).
+        remote_message: the remote exception's message.
+        remote_traceback: the traceback printed on that rank.
+        exit_code: the rank process' exit status, when known.
+        host: the host the rank ran on, when known.
+        failures: every rank failure that was reported, first one first.
+    """
+
+    def __init__(self, failure: RankFailure, failures: Optional[list[RankFailure]] = None,
+                 run_dir: Optional[str] = None):
+        # The one place a rank's message and traceback are redacted for the user.
+        given = list(failures or [failure])
+        if not any(f is failure for f in given):
+            given.insert(0, failure)
+        self.failures = [dataclasses.replace(f, message=redact(f.message),
+                                             traceback=redact(f.traceback)) for f in given]
+        first = self.failures[next(i for i, f in enumerate(given) if f is failure)]
+        self.rank = first.rank
+        self.exc_type = first.exc_type
+        self.remote_message = first.message
+        self.remote_traceback = first.traceback
+        self.exit_code = first.exit_code
+        self.host = first.host
+        self.run_dir = run_dir
+        super().__init__(self._compose())
+
+    def located(self, run_dir: Optional[str]) -> "TrainingError":
+        """The same error, naming where the run folder ended up (after publishing)."""
+        self.run_dir = run_dir
+        self.args = (self._compose(),)
+        return self
+
+    def _compose(self) -> str:
+        if self.exc_type:
+            head = f"Training failed on rank {self.rank}: {self.exc_type}: {self.remote_message}"
+        else:
+            head = f"Training failed on rank {self.rank}: {self.remote_message}"
+        parts = [head]
+        if self.host:
+            parts.append(f"(rank {self.rank} ran on host {self.host})")
+        others = sorted({f.rank for f in self.failures} - {self.rank})
+        if others:
+            parts.append(f"(ranks {', '.join(map(str, others))} failed after it)")
+        if self.remote_traceback:
+            parts.append(f"\nRemote traceback (rank {self.rank}):\n{self.remote_traceback.rstrip()}")
+        if self.run_dir:
+            parts.append(f"\nRank logs: {self.run_dir}/logs/")
+        return "\n".join(parts)
+
+
+class NotEnoughSlotsError(SparkhvdError, RuntimeError):
+    """The cluster has fewer Spark task slots than the requested number of ranks."""
+
+
+class PayloadError(SparkhvdError, TypeError):
+    """The training function, one of its arguments, or a rank's return value cannot travel."""
+
+
+class EnvironmentMismatchError(SparkhvdError, RuntimeError):
+    """The installed stack cannot run the chosen backend (e.g. Keras 3 under Horovod)."""
+
+
+class SessionError(SparkhvdError, RuntimeError):
+    """The SparkSession cannot be used (stopped before or during the run)."""
+
+
+class StorageError(SparkhvdError, OSError):
+    """Storage could not be reached or written; the message names the URL and the likely cause.
+
+    Attributes:
+        spilled_to: the local path that keeps what could not be written, when there is one.
+        result: (publishing a run) rank 0's return value, so that nothing is lost.
+    """
+
+    def __init__(self, message: str, *, spilled_to: Optional[str] = None) -> None:
+        super().__init__(redact(message))
+        self.spilled_to = spilled_to
+        self.result = None
+
+
+@dataclass(eq=False)
+class LaunchFailure(SparkhvdError):
+    """A launcher saw a rank fail (non-zero exit, vanished, lost host); the runner turns it into
+    a :class:`TrainingError` with whatever the rank reported (see :mod:`sparkhvd.driver.outcome`)."""
+
+    rank: Optional[int]
+    exit_code: Optional[int]
+    detail: str
+    _: KW_ONLY
+    host: Optional[str] = None
+    #: The rank's process disappeared without an exit status.
+    vanished: bool = False
+    #: Its Spark task (host) stopped answering.
+    lost: bool = False
+
+    def __post_init__(self) -> None:
+        super().__init__(self.detail)

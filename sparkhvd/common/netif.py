@@ -1,0 +1,60 @@
+"""Network interfaces: which address and interface of this host lead to a peer.
+
+The one place that decides the Gloo/NCCL interface of a rank (:func:`collective_iface_env`):
+names given by the user (``nics=``) win; otherwise each host uses the interface that routes to
+the address the ranks rendezvous at -- interface *names* mean nothing across machines.
+"""
+from __future__ import annotations
+
+import contextlib
+import socket
+from typing import Iterable, Optional
+
+#: The variables that name the interface collectives use.
+IFACE_VARS = ("HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME")
+#: Addresses that mean "this machine".
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(host: Optional[str]) -> bool:
+    """Whether ``host`` names this machine through its loopback (``127.0.0.1``, ``localhost``)."""
+    return host in LOOPBACK
+
+
+def route_address(address: str) -> str:
+    """This host's address on the route to ``address`` (no packet is sent; the hostname when
+    there is no route)."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))
+        return probe.getsockname()[0]
+    return socket.gethostname()
+
+
+def iface_towards(address: str) -> Optional[str]:
+    """The name of this host's network interface that routes to ``address``."""
+    import psutil
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))
+        local_ip = probe.getsockname()[0]
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local_ip for a in addrs):
+            return name
+    return None
+
+
+def collective_iface_env(nics: Optional[Iterable[str]], towards: Optional[str]) -> dict[str, str]:
+    """``HOROVOD_GLOO_IFACE``/``NCCL_SOCKET_IFNAME`` for a rank on this host.
+
+    ``nics`` (the user's names) win; else the interface routing to ``towards`` (the rendezvous
+    or driver address), ``lo`` when that cannot be found; nothing when neither is known.
+    """
+    if nics:
+        names = sorted(nics)  # Gloo takes one interface, NCCL a list (as horovodrun sets them)
+        return {"HOROVOD_GLOO_IFACE": names[0], "NCCL_SOCKET_IFNAME": ",".join(names)}
+    if not towards:
+        return {}
+    iface = None
+    with contextlib.suppress(OSError):
+        iface = iface_towards(towards)
+    return {name: iface or "lo" for name in IFACE_VARS}

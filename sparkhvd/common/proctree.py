@@ -1,0 +1,94 @@
+"""Process-tree control, written once: child subreaper, death with the parent, stopping trees.
+
+Linux ``prctl`` calls are best effort (elsewhere the launchers' process-group kills remain).
+psutil is imported inside the functions, so that importing this module costs nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+from typing import Iterable
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> None:
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, value)
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants (daemonised helpers) are re-parented to this process, so that
+    :func:`kill_descendants` finds them too."""
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """This process gets ``sig`` when the process that started it dies."""
+    _prctl(_PR_SET_PDEATHSIG, int(sig))
+
+
+def descendants() -> list:
+    """This process's descendants (``psutil.Process`` objects)."""
+    import psutil
+
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def stop_processes(procs: list, grace_s: float = 5.0) -> None:
+    """SIGTERM the given ``psutil.Process`` objects, then SIGKILL those still alive after
+    ``grace_s`` (the one way sparkhvd stops processes it owns politely)."""
+    import psutil
+
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def stop_pids(pids: Iterable[int], grace_s: float = 5.0) -> None:
+    """:func:`stop_processes` for PIDs of this machine (those already gone are skipped)."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    stop_processes(procs, grace_s)
+
+
+def end_children(grace_s: float = 1.0) -> None:
+    """Politely stop every process this one started (data loaders, tools, workers)."""
+    stop_processes(descendants(), grace_s)
+
+
+def kill_descendants(rounds: int = 3) -> None:
+    """SIGKILL every descendant now -- again, since a dying process may start another."""
+    import psutil
+
+    for _ in range(rounds):
+        procs = descendants()
+        if not procs:
+            return
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(procs, timeout=2)
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL a process group (a rank started in its own session), if it is still there."""
+    import os
+
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

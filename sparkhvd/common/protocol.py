@@ -1,0 +1,226 @@
+"""What ranks and tasks tell the driver, as typed messages, and the names both sides agree on.
+
+The contract between the driver, the Spark task and the rank: the environment variables a launcher
+sets for a rank, the options a rank runs with (:class:`RankOptions`), and the messages that travel
+back.
+
+Outcomes travel separately from output, as in Spark's ``log_communication``: a rank's printed
+lines are best-effort :class:`Line` messages for the console and the rank logs, while what
+decides the run -- :class:`Started`, :class:`Error`, :class:`Metrics`, :class:`Resumed`,
+:class:`Exit` -- are their own messages, never parsed out of the text.
+
+Wire format: one JSON object per line, ``{"t": <kind>, ...fields}``. Channels:
+
+- barrier launcher: the rank process writes events to a pipe (``SPARKHVD_EVENTS_FD``), its Spark
+  task forwards them with the output lines over the task's control connection, as they are;
+- local launcher: the same pipe, read by the driver directly;
+- horovod launcher (no channel of ours): the rank prints ``@@sparkhvd@@ <json>`` on stderr and
+  :mod:`sparkhvd.driver.launchers.horovod` maps horovod's text output back onto these types.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+@dataclass(frozen=True)
+class RankOptions:
+    """How a rank runs the user's function (see :func:`sparkhvd.rank.bootstrap.rank_main`);
+    travels as a plain dict (JSON on a command line, pickled by horovod)."""
+
+    verbose: bool = False
+    #: Keep every rank's return value, not only rank 0's.
+    return_all: bool = False
+    elastic: bool = False
+    #: Names of the variables the driver sent on purpose (kept by the rank's scrub).
+    env_keep: tuple[str, ...] = ()
+    #: Pickle the kept value in the rank to name what cannot travel (launchers that pickle it
+    #: themselves, e.g. horovod's).
+    check_result: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "env_keep": list(self.env_keep)}
+
+
+# -- environment a launcher sets for each rank ----------------------------------------------
+#: Local path of the run folder when the rank shares the driver's disk.
+RUN_URL_ENV = "SPARKHVD_RUN_URL"
+#: ``host:port`` of the driver's run-folder service (ranks on other hosts).
+FILES_ADDR_ENV = "SPARKHVD_FILES_ADDR"
+#: The run's one-off token for that service (redacted like any secret).
+FILES_TOKEN_ENV = "SPARKHVD_FILES_TOKEN"
+#: Set when HorovodRunner(resume_from=...) asked to resume: the source it resolved.
+RESUME_URL_ENV = "SPARKHVD_RESUME_URL"
+#: File descriptor of the rank's event pipe.
+EVENTS_FD_ENV = "SPARKHVD_EVENTS_FD"
+#: GPU addresses Spark assigned to the rank's task.
+TASK_GPUS_ENV = "SPARKHVD_TASK_GPUS"
+#: Where rank 0 writes the Horovod timeline on its own host before it goes to the run folder.
+TIMELINE_ENV = "HOROVOD_TIMELINE"
+#: Set when the rank itself must pick the network interface that reaches the rendezvous.
+GLOO_AUTO_ENV = "SPARKHVD_GLOO_AUTO"
+#: The backend the ranks run on, when it is not horovod ("tf": see sparkhvd.common.backends.tf).
+BACKEND_ENV = "SPARKHVD_BACKEND"
+
+#: Prefix of an event printed as text (launchers without a channel of ours).
+#: What an elastic rank returns: (ELASTIC_RESULT, final rank, value-or-None) -- Spark tasks
+#: return in launch order, and a lost executor's task may have been retried as an empty one.
+ELASTIC_RESULT = "@@sparkhvd-elastic-result@@"
+
+MARKER = "@@sparkhvd@@"
+
+#: A console line longer than this is cut (the rank log keeps it whole).
+MAX_SHOWN_CHARS = 4000
+#: Output is read in pieces of at most this many bytes (bounds memory for endless lines).
+MAX_CHUNK_BYTES = 64 * 1024
+
+
+@dataclass
+class Line:
+    """Part of a rank's output: a whole line, or a piece of a long one (``partial``)."""
+
+    rank: int
+    tag: str  # "stdout" or "stderr"
+    text: str
+    partial: bool = False
+
+
+@dataclass
+class Started:
+    """A rank process started (and, after an elastic reset, its new rank)."""
+
+    rank: int
+    pid: int
+    host: str = ""
+
+
+@dataclass
+class Error:
+    """The exception that ended a rank's function."""
+
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str = ""
+    time: float = 0.0
+
+
+@dataclass
+class Metrics:
+    """One epoch's (rank-averaged) metrics from rank 0: they make ``metrics.csv``/``curves.png``."""
+
+    rank: int
+    record: dict = field(default_factory=dict)
+
+
+@dataclass
+class Resumed:
+    """What rank 0 restored when asked to resume: ``source`` is None when it found nothing."""
+
+    rank: int
+    source: Optional[str]
+    epoch: int = 0
+
+
+@dataclass
+class Exit:
+    """A rank process' exit status (``None``: it vanished without one)."""
+
+    rank: int
+    code: Optional[int]
+
+
+def exit_status(exc: SystemExit) -> int:
+    """The process status ``sys.exit(code)`` means: ints as they are, ``None`` is 0, anything
+    else (a message) is 1 -- what the interpreter itself would exit with."""
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+
+@dataclass
+class Heartbeat:
+    """A Spark task is alive (sent every second; silence means a lost host)."""
+
+    rank: Optional[int] = None
+
+
+@dataclass
+class TaskInfo:
+    """One Spark task: where its rank will run (``port``: one it reserved for its rank)."""
+
+    partition: int
+    host: str
+    address: str = ""
+    port: Optional[int] = None
+
+
+@dataclass
+class Hello(TaskInfo):
+    """A Spark task registers with the driver: its :class:`TaskInfo` and the run's token."""
+
+    token: str = ""
+
+
+@dataclass
+class Assign:
+    """The driver's answer to :class:`Hello`: the rank's environment."""
+
+    env: dict
+
+
+@dataclass
+class Abort:
+    """The driver tells a task to kill its rank now."""
+
+
+@dataclass
+class Detached:
+    """The driver's answer to :class:`Hello` when some task could not reach it: run without
+    the control channel and return everything in the Spark job's rows."""
+
+
+Message = Union[Line, Started, Error, Metrics, Resumed, Exit, Heartbeat, Hello, Assign, Abort,
+                Detached]
+KINDS: dict[str, type] = {cls.__name__.lower(): cls for cls in
+                          (Line, Started, Error, Metrics, Resumed, Exit, Heartbeat, Hello, Assign,
+                           Abort, Detached)}
+
+
+def to_dict(msg: Any) -> dict:
+    """The message as a JSON-able dict with its kind under ``"t"``."""
+    return {"t": type(msg).__name__.lower(), **dataclasses.asdict(msg)}
+
+
+def from_dict(data: dict) -> Any:
+    """Inverse of :func:`to_dict`; ``ValueError`` for an unknown kind or bad fields."""
+    try:
+        cls = KINDS[data["t"]]
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"not a sparkhvd message: {data!r:.200}") from exc
+
+
+def encode(msg: Any) -> bytes:
+    """One wire line (JSON + newline)."""
+    return (json.dumps(to_dict(msg)) + "\n").encode()
+
+
+def decode(line: Union[bytes, str]) -> Any:
+    """One wire line back to its message; ``ValueError`` if it is not one."""
+    return from_dict(json.loads(line))
+
+
+def as_text(msg: Any) -> str:
+    """The message as a marker line, for channels that carry only text."""
+    return f"{MARKER} {json.dumps(to_dict(msg))}"
+
+
+def from_text(text: str) -> Optional[Any]:
+    """The message in a marker line, or ``None`` if ``text`` is not one."""
+    if not text.startswith(MARKER):
+        return None
+    try:
+        return decode(text[len(MARKER):])
+    except ValueError:
+        return None

@@ -1,0 +1,1 @@
+"""The driver half of ``DataFrameDataset``: checks, Parquet materialisation, reuse."""

@@ -1,0 +1,186 @@
+"""How ranks are started: one :class:`LaunchSpec`, one small protocol, three launchers, and the
+one table of rules that decides which launcher a run may use (:data:`RULES`).
+
+Every launcher takes the same :class:`LaunchSpec` and a *sink* (the run's
+:class:`~sparkhvd.driver.outcome.RunOutcome`, which receives every
+:mod:`sparkhvd.common.protocol` message the ranks send) and returns the ranks' return values in rank order -- or raises
+:class:`~sparkhvd.common.errors.LaunchFailure` (a rank failed), ``TimeoutError`` or
+``KeyboardInterrupt``, always after every rank was stopped:
+
+============  ==================================================================================
+``barrier``   the default on Spark: one barrier stage, a control connection per task, one
+              supervised rank process per task (:mod:`sparkhvd.driver.launchers.barrier`)
+``horovod``   ``horovod.spark.run`` / ``run_elastic``: elastic runs, and sessions with dynamic
+              allocation, which barrier stages cannot use (:mod:`~.launchers.horovod`); horovod
+              starts the ranks itself, in its own task processes
+``local``     ``np < 0``: supervised rank processes on the driver (:mod:`~.launchers.local`)
+============  ==================================================================================
+
+The shared lifecycle -- watching a launch from an interruptible thread, aborting, cancelling the
+Spark job, killing what is left -- lives in :mod:`sparkhvd.driver.launchers.base`; the barrier and
+local launchers start each rank as a :class:`sparkhvd.executor.process.RankProcess`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional, Protocol
+
+from sparkhvd.common.protocol import RankOptions
+
+#: What ``HorovodRunner(launcher=...)`` accepts.
+LAUNCHERS = ("auto", "barrier", "horovod")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's ranks go, decided once per run by the runner."""
+
+    #: ``barrier``, ``horovod`` or ``local``.
+    launcher: str
+    #: Whether every rank runs on this machine (a local master, or ``np < 0``): the driver is
+    #: reached on the loopback and the ranks share its disk.
+    executors_here: bool = True
+    #: The address the ranks reach this process at.
+    driver_host: str = "127.0.0.1"
+    #: Network interfaces for the collectives (None: each task picks the one to the driver).
+    nics: Optional[frozenset] = None
+    #: The session's :class:`~sparkhvd.driver.sparkview.SparkView` (Spark launchers).
+    session: Any = None
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything a launcher needs to start ``np`` ranks: built once by the runner, then read."""
+
+    np: int
+    payload: bytes
+    options: RankOptions
+    #: Variables every rank gets (the rank's own are added per task).
+    env: Mapping[str, str]
+    start_timeout: float
+    placement: Placement
+    verbose: bool = False
+    backend: str = "horovod"
+    timeout: Optional[float] = None
+    elastic: Optional[tuple[int, int]] = None
+    #: A Spark task silent for this long is a lost host (barrier launcher).
+    heartbeat_timeout: float = 15.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
+
+    @property
+    def driver_host(self) -> str:
+        return self.placement.driver_host
+
+    @property
+    def nics(self) -> Optional[frozenset]:
+        return self.placement.nics
+
+    @property
+    def session(self) -> Any:
+        return self.placement.session
+
+
+class Sink(Protocol):
+    """Where a launcher delivers what the ranks send (:class:`sparkhvd.driver.outcome.RunOutcome`)."""
+
+    #: PID -> host of every rank process that started (so a launcher kills only its own).
+    pid_hosts: dict[int, str]
+    #: How the reports came (barrier launcher): ``"live"`` or ``"rows"``; set by the launcher.
+    channel: Optional[str]
+
+    def receive(self, msg: Any) -> None:
+        """One message from a rank (output line or event)."""
+
+    def stale_error(self) -> Optional[Any]:
+        """A LaunchFailure for a rank that reported an exception but has not exited in time."""
+
+
+class Launcher(Protocol):
+    """Starts the ranks of one run and returns their results in rank order."""
+
+    name: str
+
+    def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]: ...
+
+
+def get_launcher(name: str) -> Launcher:
+    """The launcher called ``name`` (``barrier``, ``horovod`` or ``local``)."""
+    if name not in ("barrier", "horovod", "local"):
+        raise ValueError(f"unknown launcher {name!r}")
+    return importlib.import_module(f".{name}", __name__).LAUNCHER
+
+
+@dataclass(frozen=True)
+class LaunchFacts:
+    """What decides the launcher: the user's settings, and (once known) the session's."""
+
+    backend: str
+    requested: str = "auto"
+    elastic: bool = False
+    timeline: bool = False
+    #: None until a session is known.
+    connect: Optional[bool] = None
+    dynamic: Optional[bool] = None
+
+    def with_session(self, view: Any) -> "LaunchFacts":
+        """These facts plus the session's (``view``: a :class:`~sparkhvd.driver.sparkview.
+        SparkView`)."""
+        dynamic = str(view.conf("spark.dynamicAllocation.enabled", "false")).lower() == "true"
+        return dataclasses.replace(self, connect=bool(view.connect), dynamic=dynamic)
+
+    @property
+    def horovod_only(self) -> list[str]:
+        return [name for name, used in (("min_np/max_np (elastic)", self.elastic),
+                                        ("launcher='horovod'", self.requested == "horovod"),
+                                        ("timeline=True", self.timeline)) if used]
+
+
+def _dynamic_why(f: LaunchFacts) -> str:
+    why = (f"backend={f.backend!r} runs" if f.backend != "horovod" else
+           "On a Spark Connect session (no SparkContext for horovod.spark.run) ranks run")
+    return (f"{why} in a Spark barrier stage, which Spark refuses with "
+            "spark.dynamicAllocation.enabled=true. Fix: turn dynamic allocation off for this "
+            "cluster or session" + (", or use backend='horovod'." if not f.connect else "."))
+
+
+#: Every launcher/backend/session rule, in the order they are checked: (applies?, message).
+RULES: tuple[tuple[Callable[[LaunchFacts], bool], Callable[[LaunchFacts], str]], ...] = (
+    (lambda f: f.backend != "horovod" and bool(f.horovod_only),
+     lambda f: f"{' and '.join(f.horovod_only)} need backend='horovod'; backend={f.backend!r} "
+               "runs on sparkhvd's barrier launcher (see the README's 'Choosing a backend')."),
+    (lambda f: f.requested == "barrier" and f.elastic,
+     lambda f: "Elastic training (min_np/max_np) runs on horovod.spark.run_elastic; use "
+               "launcher='auto' or 'horovod'."),
+    (lambda f: bool(f.connect) and (f.requested == "horovod" or f.elastic),
+     lambda f: f"{'Elastic training' if f.elastic else 'launcher=' + repr(f.requested)} runs on "
+               "horovod.spark.run, which needs a SparkContext; this is a Spark Connect session, "
+               "which has none. Fix: launcher='auto' (sparkhvd's barrier stage works on Connect) "
+               "without min_np/max_np, or a classic session."),
+    (lambda f: bool(f.dynamic) and (f.backend != "horovod" or bool(f.connect)), _dynamic_why),
+    (lambda f: bool(f.dynamic) and f.requested == "barrier",
+     lambda f: "launcher='barrier' cannot run with spark.dynamicAllocation.enabled=true (Spark "
+               "refuses barrier stages then); use launcher='auto' or 'horovod'."),
+)
+
+
+def check_launch(facts: LaunchFacts) -> None:
+    """Raise the first rule ``facts`` break (ValueError naming the fix)."""
+    for applies, message in RULES:
+        if applies(facts):
+            raise ValueError(message(facts))
+
+
+def choose_launcher(facts: LaunchFacts) -> str:
+    """``"barrier"`` or ``"horovod"`` for a Spark run whose session is known (after
+    :func:`check_launch`, which this runs first)."""
+    check_launch(facts)
+    if facts.backend != "horovod" or facts.connect:
+        return "barrier"  # the barrier stage is the only way
+    if facts.requested in ("barrier", "horovod"):
+        return facts.requested
+    return "horovod" if (facts.elastic or facts.dynamic) else "barrier"

@@ -1,0 +1,370 @@
+"""The default Spark launcher: one barrier stage, one supervised rank process per task.
+
+``horovod.spark.run`` spends ~6 s on a no-op (task services, NIC discovery between tasks, a
+``python -m horovod.spark.task...`` start per rank, a 3 s minimum command lifetime). This
+launcher does what it needs directly:
+
+1. The driver starts the backend's rendezvous (horovod's Gloo server) and a small *control
+   server* (TCP, :mod:`sparkhvd.common.protocol` messages, a per-run random token).
+2. One Spark **barrier** stage runs ``np`` tasks at once (all or none; the slot check before the
+   launch guarantees they fit) -- a DataFrame barrier stage (``mapInArrow(..., barrier=True)``),
+   the same call on classic and Spark Connect sessions (:class:`~sparkhvd.driver.sparkview.SparkView`).
+   Each task registers (:mod:`sparkhvd.executor.barrier`); once all ``np`` are in, the backend
+   assigns ranks host by host and each task gets its variables.
+3. Each task starts its rank, forwards its output and events, sends a heartbeat every second,
+   reports its exit status and returns the pickled result in its rows of ``collect()``.
+
+When some task cannot reach the control server (a Spark Connect client the executors cannot
+reach), the tasks run without it and return the ranks' output and events in their rows;
+:func:`replay_rows` delivers them to the sink after the job, so errors are decided as when live.
+
+A failed rank, a vanished one (its connection drops without an exit status: executor lost) or a
+silent one (no heartbeat for ``heartbeat_timeout``: host off the network) makes the driver abort
+the others over their connections and cancel the job group. A failing rank does not fail its
+Spark task, so Spark never retries a training run by itself. Barrier stages cannot run with
+dynamic allocation; the runner uses ``horovod.spark.run`` there.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import secrets
+import socketserver
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from sparkhvd.common import protocol
+from sparkhvd.common.backends import TaskInfo, get_backend
+from sparkhvd.common.errors import LaunchFailure
+from sparkhvd.common.identity import RankIdentity
+from sparkhvd.driver.outcome import load_result
+from sparkhvd.driver.launchers import LaunchSpec, Sink
+from sparkhvd.driver.launchers.base import SPARK_TIMEOUT, stopper, watch
+from sparkhvd.driver.sparkview import stopped_session_error
+
+log = logging.getLogger(__name__)
+
+#: :meth:`ControlServer.register`'s answer when the run goes on without the channel.
+DETACHED: dict = {}
+#: A run whose tasks did not all register this long after the first did goes on without the
+#: channel (a task gives up connecting after ``task.barrier.CONNECT_TIMEOUT_S``).
+DETACH_AFTER_S = 15.0
+
+
+@dataclass
+class _Task:
+    """What the driver knows about one barrier task and its rank."""
+
+    info: TaskInfo
+    conn: Any = None
+    rank: Optional[int] = None
+    exit_code: Optional[int] = None
+    ended_at: Optional[float] = None
+    vanished: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class ControlServer(socketserver.ThreadingTCPServer):
+    """Driver side: registers the tasks, hands out ranks, receives their messages."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, bind_host: str, np: int, token: str, sink: Sink,
+                 run_env: dict, backend: Any) -> None:
+        super().__init__((bind_host, 0), _ControlHandler)
+        self.np, self.token, self.sink = np, token, sink
+        self.run_env, self.backend = dict(run_env), backend
+        self.tasks: dict[int, _Task] = {}
+        self.plan: Optional[dict[int, dict[str, str]]] = None
+        self.cond = threading.Condition()
+        self.aborted = False
+        #: some task cannot reach this server: the registered ones are told to run without it
+        self.detached = False
+        self.first_hello: Optional[float] = None
+
+    # -- called from handler threads ------------------------------------------------------
+    def register(self, task: _Task) -> Optional[dict[str, str]]:
+        """Block until all ``np`` tasks registered; the task's variables, or None if aborted."""
+        with self.cond:
+            if task.info.partition in self.tasks:  # a Spark retry of a started task: never twice
+                return None
+            if self.detached:
+                return DETACHED
+            self.first_hello = self.first_hello or time.monotonic()
+            self.tasks[task.info.partition] = task
+            if len(self.tasks) == self.np and self.plan is None:
+                self.plan = self.backend.assign({p: t.info for p, t in self.tasks.items()})
+                now = time.monotonic()
+                for p, t in self.tasks.items():
+                    t.rank = RankIdentity.from_env(self.plan[p], default_rank=p).rank
+                    t.last_seen = now
+                self.cond.notify_all()
+            while self.plan is None and not self.aborted and not self.detached:
+                self.cond.wait(0.5)
+            if self.aborted:
+                return None
+            if self.detached:
+                self.tasks.pop(task.info.partition, None)
+                return DETACHED
+            return {**self.run_env, **self.plan[task.info.partition]}
+
+    def detach_if_incomplete(self, after_s: float) -> None:
+        """Some tasks registered but not all, ``after_s`` after the first: the others cannot
+        reach this server, so every task runs without it (rows mode)."""
+        with self.cond:
+            if self.plan is None and not self.detached and self.first_hello is not None and \
+                    time.monotonic() - self.first_hello > after_s:
+                log.warning("%d of %d Spark task(s) reached the control channel; running "
+                            "without it", len(self.tasks), self.np)
+                self.detached = True
+                self.cond.notify_all()
+
+    def deliver(self, task: _Task, msg: Any) -> None:
+        task.last_seen = time.monotonic()
+        if isinstance(msg, protocol.Heartbeat):
+            return
+        if isinstance(msg, protocol.Line):
+            msg.rank = task.rank if task.rank is not None else msg.rank
+        if isinstance(msg, protocol.Started) and not msg.host:
+            msg.host = task.info.host
+        self.sink.receive(msg)
+
+    def ended(self, task: _Task, code: Optional[int]) -> None:
+        with self.cond:
+            if task.ended_at is None:
+                task.exit_code, task.ended_at = code, time.monotonic()
+                task.vanished = code is None
+            self.cond.notify_all()
+        if task.rank is not None:
+            self.sink.receive(protocol.Exit(rank=task.rank, code=code))
+
+    # -- called from the driver's watch loop ----------------------------------------------
+    def wait_ended(self, timeout_s: float) -> None:
+        """Wait until every task's connection has delivered its last message (``collect()``
+        returns as soon as the tasks do, possibly before the handler threads read the rest)."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while any(t.ended_at is None for t in self.tasks.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cond.wait(left)
+
+    def failure(self, heartbeat_timeout: float) -> Optional[LaunchFailure]:
+        """The first failed, vanished or silent task, as a LaunchFailure (or None)."""
+        with self.cond:
+            tasks = list(self.tasks.values())
+        failed = [t for t in tasks if t.ended_at is not None and (t.vanished or t.exit_code)]
+        if failed:
+            task = min(failed, key=lambda t: t.ended_at)
+            where = f"rank {task.rank} (Spark partition {task.info.partition} on host " \
+                    f"{task.info.host})"
+            if task.vanished:
+                return LaunchFailure(task.rank, None, f"{where} vanished without an exit status",
+                                     host=task.info.host, vanished=True)
+            return LaunchFailure(task.rank, task.exit_code,
+                                 f"{where} exited with status {task.exit_code}",
+                                 host=task.info.host)
+        if self.plan is None:
+            return None
+        now = time.monotonic()
+        silent = [t for t in tasks if t.ended_at is None and now - t.last_seen > heartbeat_timeout]
+        if silent:
+            task = min(silent, key=lambda t: t.last_seen)
+            return LaunchFailure(
+                task.rank, None,
+                f"the Spark task of rank {task.rank} on host {task.info.host} stopped answering "
+                f"(no heartbeat for {now - task.last_seen:.0f} s): the host was lost or its "
+                "network is down", host=task.info.host, vanished=True, lost=True)
+        return None
+
+    def abort(self) -> None:
+        """Tell every task to kill its rank now (and registrations still waiting to give up)."""
+        with self.cond:
+            self.aborted = True
+            self.cond.notify_all()
+            conns = [t.conn for t in self.tasks.values() if t.conn is not None]
+        data = protocol.encode(protocol.Abort())
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.settimeout(2)
+                conn.sendall(data)
+
+
+class _ControlHandler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:  # noqa: D102 - one connection per barrier task
+        server: ControlServer = self.server  # type: ignore[assignment]
+        try:
+            hello = protocol.decode(self.rfile.readline(1 << 16) or b"{}")
+        except ValueError:
+            hello = None
+        if not isinstance(hello, protocol.Hello) or \
+                not secrets.compare_digest(str(hello.token), server.token):
+            log.warning("Ignored a control connection without the run's token from %s",
+                        self.client_address[0])
+            return
+        task = _Task(TaskInfo(int(hello.partition), str(hello.host),
+                              hello.address or self.client_address[0], hello.port),
+                     conn=self.connection)
+        env = server.register(task)
+        if env is None:
+            return
+        if env is DETACHED:
+            self.wfile.write(protocol.encode(protocol.Detached()))
+            self.wfile.flush()
+            return
+        self.wfile.write(protocol.encode(protocol.Assign(env=env)))
+        self.wfile.flush()
+        code: Optional[int] = None
+        try:
+            for raw in self.rfile:
+                msg = protocol.decode(raw)
+                if isinstance(msg, protocol.Exit):
+                    code = msg.code
+                    break
+                server.deliver(task, msg)
+        except (OSError, ValueError) as exc:  # a broken connection: the rank is lost
+            log.debug("control connection of partition %d broke: %s", task.info.partition, exc)
+        finally:
+            server.ended(task, code)
+
+
+class BarrierLauncher:
+    """``np`` ranks in one DataFrame barrier stage of the run's session, classic or Spark
+    Connect (module docstring)."""
+
+    name = "barrier"
+
+    def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]:
+        from sparkhvd.executor.barrier import ROW_SCHEMA, arrow_barrier_task
+
+        view = spec.session
+        backend = get_backend(spec.backend)
+        run_env = backend.start(spec.driver_host, spec.nics, spec.verbose)
+        token = secrets.token_hex(16)
+        bind = "127.0.0.1" if spec.placement.executors_here else ""
+        server = ControlServer(bind, spec.np, token, sink, run_env, backend)
+        threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True,
+                         name="sparkhvd-control").start()
+        job = view.job(f"sparkhvd-{token[:12]}", f"sparkhvd: {spec.np} rank(s)")
+        mapper = functools.partial(arrow_barrier_task, spec.payload, spec.options.as_dict(),
+                                   dict(spec.env), control_address(spec, server), token,
+                                   float(spec.start_timeout), spec.backend, dict(run_env))
+        waited = {"warned": False}
+
+        def target() -> list:
+            return job.run(lambda: view.barrier_collect(spec.np, mapper, ROW_SCHEMA))
+
+        def check(elapsed: float) -> None:
+            if view.stopped():
+                raise stopped_session_error(during=True)
+            failure = server.failure(spec.heartbeat_timeout) or sink.stale_error()
+            if failure is not None:
+                raise failure
+            server.detach_if_incomplete(DETACH_AFTER_S)
+            if server.plan is None and not server.detached and elapsed > spec.start_timeout:
+                if not view.connect:
+                    raise TimeoutError(
+                        f"The {spec.np} Spark task(s) did not all start within start_timeout="
+                        f"{spec.start_timeout:g} s, or could not reach this driver's control "
+                        f"channel ({spec.driver_host}). Check the cluster's free task slots "
+                        "and `sparkhvd doctor --np N`; or raise start_timeout.")
+                if not waited["warned"]:
+                    waited["warned"] = True
+                    log.warning(
+                        "No Spark task reached this client's control channel (%s) within %g s: "
+                        "if the executors cannot reach this machine, the ranks run without live "
+                        "logs and their output, errors and results arrive when the job ends "
+                        "(timeout= bounds the wait).", spec.driver_host, spec.start_timeout)
+
+        def cancel() -> None:
+            server.abort()
+            job.cancel()
+
+        stop = stopper(cancel, sink)
+        try:
+            collected = watch(target, timeout=spec.timeout, check=check, stop=stop,
+                              name="sparkhvd-barrier", timeout_message=SPARK_TIMEOUT)
+            tasks = gather_rows(collected)
+            server.wait_ended(10.0)
+            replay_rows(server, sink, tasks)
+            check(0.0)  # a rank that failed as the stage ended
+        except BaseException:
+            with contextlib.suppress(Exception):
+                stop()
+            raise
+        finally:
+            # Both servers poll for shutdown: stop them off the return path.
+            threading.Thread(target=_stop_servers, args=(server, backend), daemon=True,
+                             name="sparkhvd-stop-servers").start()
+        modes = {t["status"].get("mode") for t in tasks.values()}
+        sink.channel = "rows" if "rows" in modes else "live"
+        results: list[Any] = [None] * spec.np
+        for partition, task in server.tasks.items():
+            data = tasks.get(partition, {}).get("result")
+            if task.rank is not None and data is not None:
+                results[task.rank] = load_result(task.rank, data)
+        return results
+
+
+def control_address(spec: LaunchSpec, server: ControlServer) -> tuple[str, int]:
+    """Where the tasks reach the control server (a seam the tests use to make it unreachable)."""
+    return spec.driver_host, server.server_address[1]
+
+
+def gather_rows(rows: list) -> dict[int, dict[str, Any]]:
+    """The collected rows per partition: ``status`` (dict), ``result`` and ``events`` (bytes)."""
+    import json
+
+    chunks: dict[tuple[int, str], list[tuple[int, bytes]]] = {}
+    for row in rows:
+        chunks.setdefault((int(row["partition"]), row["kind"]), []).append(
+            (int(row["seq"]), bytes(row["data"])))
+    tasks: dict[int, dict[str, Any]] = {}
+    for (partition, kind), parts in chunks.items():
+        data = b"".join(chunk for _, chunk in sorted(parts))
+        tasks.setdefault(partition, {})[kind] = json.loads(data) if kind == "status" else data
+    return tasks
+
+
+def replay_rows(server: ControlServer, sink: Sink, tasks: dict[int, dict[str, Any]]) -> None:
+    """Rows mode: deliver what each rank said, in rank order, as if it had come live, and
+    record each task's exit -- so failures and errors are decided as in live mode."""
+    replayed = []
+    for partition, task in tasks.items():
+        if task.get("status", {}).get("mode") != "rows":
+            continue
+        messages = []
+        for raw in (task.get("events") or b"").splitlines():
+            with contextlib.suppress(ValueError):
+                messages.append(protocol.decode(raw))
+        raised = min((m.time for m in messages if isinstance(m, protocol.Error)),
+                     default=float("inf"))
+        replayed.append((raised, task["status"].get("rank") or 0, partition, messages))
+    if replayed:
+        log.warning("The executors could not reach this machine's control channel: the ranks' "
+                    "output below was kept by the Spark tasks and shown when the job ended.")
+    # The rank that raised first ends first, so it is the one the error names (as when live).
+    for _, _, partition, messages in sorted(replayed, key=lambda r: (r[0], r[1])):
+        status = tasks[partition]["status"]
+        entry = _Task(TaskInfo(partition, status.get("host", "?")), rank=status.get("rank"))
+        server.tasks[partition] = entry
+        for msg in messages:
+            server.deliver(entry, msg)
+        if status.get("dropped_lines"):
+            log.warning("rank %s: %d older output line(s) were not kept (rows mode keeps the "
+                        "newest 8 MB)", status.get("rank"), status["dropped_lines"])
+        server.ended(entry, status.get("code"))
+
+
+def _stop_servers(server: ControlServer, backend: Any) -> None:
+    server.shutdown()
+    server.server_close()
+    backend.stop()
+
+
+LAUNCHER = BarrierLauncher()

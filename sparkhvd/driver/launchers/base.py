@@ -1,0 +1,82 @@
+"""The lifecycle every launcher shares: watch, abort, cancel, kill -- written once.
+
+A launch runs in a helper thread (Spark's ``collect()``, horovod's ``run`` or the local process
+loop) while the caller's thread watches it, so that a notebook's stop button (``KeyboardInterrupt``)
+and ``run(timeout=...)`` always work. Whatever ends the watch -- a failed rank, the timeout, an
+interrupt -- the launcher's ``stop`` runs (tell the ranks to stop, cancel the Spark job by its
+tag or group, kill what is left on this machine) before the exception propagates.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from sparkhvd.common.proctree import stop_pids
+
+log = logging.getLogger(__name__)
+
+#: A rank that reported an exception but has not exited after this long is stopped anyway
+#: (e.g. multiprocessing's exit handler waiting on a child, or a hung collective).
+ERROR_EXIT_GRACE_S = 5.0
+#: The TimeoutError of a Spark launch that ran past run(timeout=...).
+SPARK_TIMEOUT = ("The training did not finish within {timeout:g} s; the ranks were stopped and "
+                 "the Spark job cancelled.")
+
+
+def watch(target: Callable[[], Any], *, timeout: Optional[float],
+          check: Callable[[float], None], stop: Callable[[], None],
+          name: str, timeout_message: str, poll_s: float = 0.1) -> Any:
+    """Run ``target()`` in a thread; return its value or raise its exception.
+
+    ``check(elapsed_s)`` runs at every poll and may raise (a failed rank); past ``timeout`` a
+    ``TimeoutError(timeout_message)`` is raised. On any exception ``stop()`` runs first.
+    """
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = target()
+        except BaseException as exc:  # noqa: BLE001 - handed to the watching thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    started = time.monotonic()
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(poll_s)
+            elapsed = time.monotonic() - started
+            check(elapsed)
+            if timeout is not None and elapsed > timeout:
+                raise TimeoutError(timeout_message.format(timeout=timeout))
+    except BaseException:
+        try:
+            stop()
+        finally:
+            thread.join(60)
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+def stopper(cancel: Callable[[], None], sink: Any) -> Callable[[], None]:
+    """A Spark launch's ``stop``: ``cancel()`` (tell the ranks, cancel the Spark job), then end
+    the run's rank processes on this machine that are still there."""
+    def stop() -> None:
+        cancel()
+        stop_pids(local_rank_pids(sink))
+
+    return stop
+
+
+def local_rank_pids(sink: Any) -> list[int]:
+    """PIDs of the run's rank processes that reported this machine as their host.
+
+    A PID reported from another host names some unrelated process here: never killed.
+    """
+    me = socket.gethostname()
+    return [pid for pid, host in sink.pid_hosts.items() if host in ("", me)]

@@ -1,0 +1,99 @@
+"""``np < 0``: ranks as supervised processes on the driver, no Spark tasks (quick debugging).
+
+The same rank processes as on Spark (:class:`~sparkhvd.executor.process.RankProcess`), the same
+rendezvous (the backend's), on the loopback interface. Each rank dies with the driver (its
+supervisor gets SIGTERM through ``PR_SET_PDEATHSIG`` and ends the rank's whole tree).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from typing import Any
+
+from sparkhvd.common import protocol
+from sparkhvd.common.backends import TaskInfo, get_backend
+from sparkhvd.common.environment import process_env
+from sparkhvd.common.errors import LaunchFailure
+from sparkhvd.common.identity import RankIdentity
+from sparkhvd.driver.outcome import load_result
+from sparkhvd.executor.process import RankProcess
+from sparkhvd.driver.launchers import LaunchSpec, Sink
+from sparkhvd.driver.launchers.base import watch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalLauncher:
+    """``spec.np`` ranks as local processes (module docstring)."""
+
+    name = "local"
+
+    def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]:
+        backend = get_backend(spec.backend)
+        run_env = backend.start("127.0.0.1", {"lo"}, spec.verbose)
+        procs: list[RankProcess] = []
+        try:
+            plan = backend.assign({
+                i: TaskInfo(i, "localhost", "127.0.0.1",
+                            _free_port() if backend.needs_port else None)
+                for i in range(spec.np)})
+            for partition in range(spec.np):
+                assigned = {**run_env, **plan[partition]}
+                rank = RankIdentity.from_env(assigned, default_rank=partition).rank
+                procs.append(RankProcess(spec.payload, spec.options.as_dict(),
+                                         process_env(os.environ, spec.env, assigned), rank=rank,
+                                         on_line=sink.receive, on_event=sink.receive).start())
+            exited: dict[int, float] = {}
+
+            def wait_all() -> None:
+                while len(exited) < len(procs):
+                    for proc in procs:
+                        if proc.rank not in exited and proc.poll() is not None:
+                            proc.finish()
+                            exited[proc.rank] = time.monotonic()
+                            sink.receive(protocol.Exit(rank=proc.rank, code=proc.poll()))
+                    time.sleep(0.05)
+
+            def check(_elapsed: float) -> None:
+                failed = sorted((p for p in procs if p.rank in exited and p.poll() != 0),
+                                key=lambda p: exited[p.rank])
+                if failed:
+                    proc = failed[0]  # the first to exit; the others are stopped after it
+                    raise LaunchFailure(proc.rank, proc.poll(),
+                                        f"local rank {proc.rank} exited with status {proc.poll()}",
+                                        host=socket.gethostname())
+                stale = sink.stale_error()
+                if stale is not None:
+                    raise stale
+
+            def stop() -> None:
+                for proc in procs:
+                    proc.terminate()
+
+            watch(wait_all, timeout=spec.timeout, check=check, stop=stop,
+                  name="sparkhvd-local",
+                  timeout_message="The training did not finish within {timeout:g} s; the "
+                  "rank processes were stopped.")
+            check(0.0)
+            results: list[Any] = [None] * spec.np
+            for proc in procs:
+                blob = proc.result()
+                if blob is not None:
+                    results[proc.rank] = load_result(proc.rank, blob)
+            return results
+        finally:
+            for proc in procs:
+                with contextlib.suppress(Exception):
+                    proc.terminate()
+                    proc.finish()
+                proc.close()
+            backend.stop()
+
+
+LAUNCHER = LocalLauncher()

@@ -1,0 +1,177 @@
+"""Rank output on the driver: ``[rank N]`` lines on the console, everything in per-rank files.
+
+:class:`RankLogRouter` only shows and files lines (:class:`sparkhvd.common.protocol.Line`); what a rank
+*reports* (exceptions, metrics, its PID) is kept by :class:`sparkhvd.driver.outcome.RunOutcome`.
+
+- Every line goes, redacted, to ``logs/rank-N.log``, whole, however long.
+- The console shows rank 0's lines and every rank's errors (``driver_log_verbosity="rank0"``),
+  or every line (``"all"``); TensorFlow/Gloo start-up noise only with ``verbose=True``; a line
+  longer than :data:`~sparkhvd.common.protocol.MAX_SHOWN_CHARS` is cut there, with a note saying so.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import threading
+from typing import IO, Optional
+
+from sparkhvd.common.protocol import MAX_SHOWN_CHARS, Line
+from sparkhvd.common.redaction import redact
+
+VERBOSITIES = ("rank0", "all")
+
+#: Start-up chatter of TensorFlow, Gloo, Horovod and friends, hidden unless verbose.
+NOISE = [re.compile(p) for p in (
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IW] ",            # TF C++ info/warning lines
+    r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IW] ",          # horovod C++ info/warning lines
+    r"^To enable the following instructions: ",
+    r"rebuild TensorFlow with the appropriate compiler flags",
+    r"^WARNING:tensorflow:.*(deprecated|is deprecated|will be removed)",
+    r"^\s*warnings\.warn\(",
+    r"(FutureWarning|DeprecationWarning|PendingDeprecationWarning): ",
+    r"^WARNING: Logging before flag parsing goes to stderr",
+    r"^I\d{4} \d\d:\d\d:\d\d\.\d+ ",                           # glog info lines
+    r"^[IW]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ ",                     # absl lines (TF >= 2.19)
+    r"^WARNING: All log messages before absl::InitializeLog\(\) is called",
+    r"Gloo.*(rendezvous|connected)",
+)]
+_ERRORISH = re.compile(r"(?i)\b(error|exception|fatal|traceback|killed|segmentation fault)\b")
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """A handler that writes to whatever ``sys.stdout`` is *now* (notebooks swap it)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stdout)
+
+    @property  # type: ignore[override]
+    def stream(self) -> IO[str]:
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value: IO[str]) -> None:  # StreamHandler.__init__ assigns it
+        pass
+
+
+#: Logger that carries rank lines to the driver's console; reconfigure it like any logger.
+rank_logger = logging.getLogger("sparkhvd.ranks")
+if not rank_logger.handlers:
+    _handler = _StdoutHandler()
+    _handler.setFormatter(logging.Formatter("%(message)s"))
+    rank_logger.addHandler(_handler)
+    rank_logger.setLevel(logging.INFO)
+    rank_logger.propagate = False
+
+
+def is_noise(text: str) -> bool:
+    """Whether a rank's output line is start-up noise hidden unless verbose."""
+    return any(p.search(text) for p in NOISE)
+
+
+def check_verbosity(verbosity: str) -> str:
+    """``verbosity`` if it is one of :data:`VERBOSITIES`, else a ValueError naming them."""
+    if verbosity not in VERBOSITIES:
+        raise ValueError(f"driver_log_verbosity must be one of {VERBOSITIES}; got {verbosity!r}")
+    return verbosity
+
+
+class RankLogRouter:
+    """Shows and files rank output lines (see the module docstring).
+
+    Args:
+        verbosity: ``"rank0"`` or ``"all"``.
+        log_dir: folder for ``rank-N.log`` files (all lines, unfiltered); ``None`` for none.
+        verbose: show start-up noise too.
+        logger: where shown lines go (default :data:`rank_logger`).
+    """
+
+    def __init__(self, verbosity: str = "rank0", log_dir: Optional[str] = None,
+                 verbose: bool = False, logger: Optional[logging.Logger] = None) -> None:
+        self.verbosity = check_verbosity(verbosity)
+        self.verbose = verbose
+        self.log_dir = log_dir
+        self.logger = logger or rank_logger
+        self._in_traceback: dict[int, bool] = {}
+        self._tail: dict[int, list[str]] = {}
+        self._files: dict[int, IO[str]] = {}
+        self._pending: dict[tuple[int, str], list] = {}  # (rank, tag) -> [shown, total chars]
+        self._lock = threading.RLock()
+        self._closed = False
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+
+    def line(self, msg: Line) -> None:
+        """Record one line (or one piece of a long line) of a rank's output."""
+        text = redact(msg.text.rstrip("\r"))
+        rank, key = msg.rank, (msg.rank, msg.tag)
+        with self._lock:
+            if self._closed:
+                return
+            f = self.open(rank)
+            if f is not None:
+                f.write(text if msg.partial else text + "\n")
+                f.flush()
+            shown, total = self._pending.pop(key, ["", 0])
+            shown = (shown + text)[:MAX_SHOWN_CHARS + 1]
+            total += len(text)
+            if msg.partial:
+                self._pending[key] = [shown, total]
+                return
+            if total > MAX_SHOWN_CHARS:
+                where = f"logs/rank-{rank}.log" if self.log_dir else "the rank log"
+                shown = (f"{shown[:MAX_SHOWN_CHARS]} ... [line cut: {total:,} characters; "
+                         f"whole in {where}]")
+            self._show(rank, msg.tag, shown)
+
+    def _show(self, rank: int, tag: str, text: str) -> None:
+        tail = self._tail.setdefault(rank, [])
+        tail.append(text)
+        del tail[:-40]
+        if self.should_show(rank, tag, text):
+            label = f"[rank {rank}]" if rank >= 0 else "[horovod]"
+            self.logger.info("%s %s", label, text)
+
+    def should_show(self, rank: int, tag: str, text: str) -> bool:
+        """Whether a line is shown on the driver under the current verbosity."""
+        if not self.verbose and is_noise(text):
+            return False
+        if self.verbosity == "all" or rank == 0:
+            return True
+        # Other ranks: only their errors (a traceback block, or an error-looking line).
+        if tag == "stderr":
+            if text.startswith("Traceback (most recent call last)"):
+                self._in_traceback[rank] = True
+                return True
+            if self._in_traceback.get(rank):
+                if text and not text[0].isspace():
+                    self._in_traceback[rank] = False  # the exception line closes the block
+                return True
+        return bool(_ERRORISH.search(text))
+
+    def open(self, rank: int) -> Optional[IO[str]]:
+        """The rank's log file (created on first use; ``launcher.log`` for rank -1)."""
+        if not self.log_dir or self._closed:
+            return None
+        with self._lock:
+            f = self._files.get(rank)
+            if f is None:
+                name = f"rank-{rank}.log" if rank >= 0 else "launcher.log"
+                f = self._files[rank] = open(os.path.join(self.log_dir, name), "a",
+                                             encoding="utf-8")
+            return f
+
+    def tail(self, rank: int, lines: int = 20) -> str:
+        """The last lines a rank printed (for errors without a traceback)."""
+        return "\n".join(self._tail.get(rank, [])[-lines:])
+
+    def close(self) -> None:
+        """Show what is left of unfinished lines and close the per-rank files."""
+        with self._lock:
+            for (rank, tag) in list(self._pending):
+                self.line(Line(rank, tag, "", partial=False))
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+            self._closed = True

@@ -1,0 +1,151 @@
+"""What a run's ranks report -- and the one place that decides what went wrong.
+
+:class:`RunOutcome` is the sink every launcher delivers :mod:`sparkhvd.common.protocol` messages to.
+Output lines go on to the :class:`~sparkhvd.driver.logs.RankLogRouter` (console and rank logs); every
+other message is kept here: which process each rank is and where it ran, the exceptions ranks
+raised, rank 0's per-epoch metrics, what a resume restored, exit statuses.
+
+When a launcher reports a failure (:class:`~sparkhvd.common.errors.LaunchFailure`),
+:meth:`RunOutcome.training_error` turns it and the reports into the user's
+:class:`~sparkhvd.common.errors.TrainingError`; :func:`load_result` turns a rank's pickled return value
+into the driver's object, or a clear error.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any, Optional
+
+from sparkhvd.common import protocol
+from sparkhvd.common.errors import LaunchFailure, PayloadError, RankFailure, TrainingError
+from sparkhvd.driver.launchers.base import ERROR_EXIT_GRACE_S
+from sparkhvd.driver.logs import RankLogRouter
+
+
+class RunOutcome:
+    """Collects every non-line message of one run (see the module docstring)."""
+
+    def __init__(self, router: RankLogRouter) -> None:
+        self.router = router
+        self.failures: dict[int, RankFailure] = {}
+        self.metrics: list[dict] = []
+        self.pids: dict[int, int] = {}  # rank -> pid, as each rank last announced
+        self.all_pids: set[int] = set()  # every rank process (elastic ranks renumber)
+        self.pid_hosts: dict[int, str] = {}  # pid -> host
+        self.hosts: dict[int, str] = {}  # rank -> host
+        self.exits: dict[int, Optional[int]] = {}
+        self.resumed: Optional[protocol.Resumed] = None
+        #: called with each of rank 0's epoch records as it arrives (e.g. MLflow)
+        self.listeners: list = []
+        #: how the ranks' reports came (barrier launcher): "live" over the control channel, or
+        #: "rows" in the Spark job's result rows when the executors could not reach the driver
+        self.channel: Optional[str] = None
+        self._error_seen: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def receive(self, msg: Any) -> None:
+        """Take one message from a launcher (any thread)."""
+        if isinstance(msg, protocol.Line):
+            self.router.line(msg)
+            return
+        listeners: list = []
+        with self._lock:
+            if isinstance(msg, protocol.Started):
+                self.pids[msg.rank] = msg.pid
+                self.all_pids.add(msg.pid)
+                self.pid_hosts[msg.pid] = msg.host
+                self.hosts[msg.rank] = msg.host
+                self.router.open(msg.rank)  # every rank gets its log file, even a silent one
+            elif isinstance(msg, protocol.Error):
+                self._error_seen.setdefault(msg.rank, time.monotonic())
+                self.failures.setdefault(msg.rank, RankFailure(
+                    rank=msg.rank, exc_type=msg.exc_type, message=msg.message,
+                    traceback=msg.traceback, time=msg.time,
+                    host=self.hosts.get(msg.rank)))
+            elif isinstance(msg, protocol.Metrics):
+                if msg.rank == 0:
+                    self.metrics.append(dict(msg.record))
+                    listeners = list(self.listeners)
+            elif isinstance(msg, protocol.Resumed):
+                self.resumed = msg
+            elif isinstance(msg, protocol.Exit):
+                self.exits[msg.rank] = msg.code
+        for listener in listeners:  # outside the lock: a listener may be slow (a server)
+            listener(msg.record)
+
+    def stale_error(self, grace_s: float = ERROR_EXIT_GRACE_S) -> Optional[LaunchFailure]:
+        """A rank that raised but has not exited ``grace_s`` later (it must not hold the run)."""
+        now = time.monotonic()
+        with self._lock:
+            for rank, seen in sorted(self._error_seen.items(), key=lambda kv: kv[1]):
+                if rank not in self.exits and now - seen > grace_s:
+                    return LaunchFailure(rank, None, f"rank {rank} raised an exception and did "
+                                         f"not exit within {grace_s:g} s",
+                                         host=self.hosts.get(rank))
+        return None
+
+    def pid_record(self) -> dict:
+        """For ``run.json``: ``rank_pids`` (rank -> pid), all ``pids``, ``hosts`` (rank -> host)."""
+        with self._lock:
+            return {"rank_pids": dict(self.pids), "pids": sorted(self.all_pids),
+                    "hosts": dict(self.hosts)}
+
+    def training_error(self, failure: LaunchFailure, run_dir: Optional[str]) -> TrainingError:
+        """The error the user gets for a failed launch.
+
+        A rank's own exception is the best explanation -- unless the launcher saw a rank or its
+        host *disappear*: then the others' errors are consequences (a peer vanished under their
+        collectives), and the vanished rank is named first.
+        """
+        with self._lock:
+            reported = sorted(self.failures.values(), key=lambda f: f.time)
+        host = failure.host or (self.hosts.get(failure.rank) if failure.rank is not None else None)
+        own = next((f for f in reported if f.rank == failure.rank), None)
+        if own is not None:
+            own.exit_code = failure.exit_code
+            own.host = own.host or host
+            first = own
+        elif reported and not (failure.vanished or failure.lost):
+            first = reported[0]
+        else:
+            first = RankFailure(rank=failure.rank if failure.rank is not None else -1,
+                                exc_type=None, exit_code=failure.exit_code, host=host,
+                                message=_how(failure),
+                                traceback=self.router.tail(failure.rank)
+                                if failure.rank is not None else "")
+        others = [f for f in reported if f is not first]
+        return TrainingError(first, [first, *others], run_dir=run_dir)
+
+
+def _how(failure: LaunchFailure) -> str:
+    code = failure.exit_code
+    if failure.lost:
+        return failure.detail
+    if code is None:
+        return ("the rank process vanished without an exit status (its executor or host was "
+                "lost, or the connection to it broke)")
+    if code < 0:
+        how = f"was killed by signal {-code}"
+    elif code > 128:  # a shell's way of reporting a signal
+        how = f"was killed by signal {code - 128} (exit status {code})"
+    else:
+        how = f"exited with status {code}"
+    return f"the rank process {how} without raising a Python exception"
+
+
+def load_result(rank: int, blob: bytes) -> Any:
+    """A rank's pickled return value as the driver's object, or a PayloadError with the fix."""
+    import cloudpickle
+
+    try:
+        return cloudpickle.loads(blob)
+    except (ImportError, AttributeError) as exc:
+        module = getattr(exc, "name", None)
+        where = f"module {module!r}" if module else "a module or class"
+        raise PayloadError(
+            f"rank {rank} returned an object the driver cannot load: it needs {where}, which "
+            f"the ranks have and this driver ({socket.gethostname()}) does not "
+            f"({type(exc).__name__}: {exc}). Fix: install {module or 'that module'} on the "
+            "driver too, or return plain data (numbers, strings, lists, dicts, numpy arrays) "
+            "or bytes.") from None

@@ -1,0 +1,221 @@
+"""The runner's settings in four typed, immutable groups -- each validated once, where it is made.
+
+Like Ray Train's ``ScalingConfig``/``RunConfig``: a run is described by *how many ranks*
+(:class:`ScalingConfig`), *how they start* (:class:`LaunchConfig`), *what the run keeps*
+(:class:`RunConfig`: run folder, logs, resume, tracking) and *which Spark session*
+(:class:`SessionConfig`). ``HorovodRunner(np=2, output_dir=..., start_timeout=...)`` keywords still
+work: :func:`group_keywords` files each one into its group (:data:`KEYWORD_GROUPS`, the one
+table), and a keyword given both ways is refused rather than guessed.
+
+Defaults live here only; ``HorovodRunner``'s signature leaves them unset.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Union
+
+from sparkhvd.driver.launchers import LAUNCHERS
+from sparkhvd.driver.logs import check_verbosity
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds; got {value!r}")
+    return float(value)
+
+
+def _frozen_map(value: Optional[Mapping]) -> Mapping:
+    return MappingProxyType(dict(value or {}))
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    """How many ranks, and where.
+
+    Args:
+        np: ``N > 0`` runs N ranks in N Spark task slots (checked up front); ``-N`` runs N ranks
+            as local processes on the driver, without Spark tasks (quick debugging).
+        min_np, max_np: elastic training (``horovod.spark.run_elastic``): the run goes on while
+            between ``min_np`` and ``max_np`` ranks are alive.
+    """
+
+    np: int
+    min_np: Optional[int] = None
+    max_np: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        np = self.np
+        if isinstance(np, bool) or not isinstance(np, int) or np == 0:
+            raise ValueError(
+                f"np must be a non-zero int; got {np!r}. Use np=N (N > 0) to run N ranks as Spark "
+                "tasks, or np=-N to run N ranks as local processes on the driver (no Spark tasks, "
+                "for quick debugging).")
+        if self.min_np is not None or self.max_np is not None:
+            lo, hi = self.elastic_range(np)
+            if np < 0 or not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= np <= hi):
+                raise ValueError(f"Elastic training needs 1 <= min_np <= np <= max_np with np > 0; "
+                                 f"got min_np={self.min_np}, np={np}, max_np={self.max_np}.")
+
+    def elastic_range(self, np: int) -> tuple[Any, Any]:
+        return (np if self.min_np is None else self.min_np,
+                np if self.max_np is None else self.max_np)
+
+    @property
+    def size(self) -> int:
+        """How many ranks."""
+        return abs(self.np)
+
+    @property
+    def spark(self) -> bool:
+        """Whether the ranks run as Spark tasks (else as local processes on the driver)."""
+        return self.np > 0
+
+    @property
+    def mode(self) -> str:
+        return "spark" if self.spark else "local"
+
+    @property
+    def elastic(self) -> Optional[tuple[int, int]]:
+        """``(min_np, max_np)`` for an elastic run, else None."""
+        if self.min_np is None and self.max_np is None:
+            return None
+        return self.elastic_range(self.np)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the ranks start and are watched.
+
+    Args:
+        launcher: ``"auto"`` (default: ``"barrier"`` -- one Spark barrier stage -- unless the run
+            is elastic or the session uses dynamic allocation, then ``"horovod"``).
+        start_timeout: seconds the ranks may take to start.
+        heartbeat_timeout: (barrier launcher) a Spark task silent this long -- its host lost or
+            cut off the network -- fails the run, naming the rank and host.
+        slot_wait_s: on a cluster, how long to wait for executors to register before the slot
+            check fails.
+        nics: network interfaces for Gloo; default: ``{"lo"}`` when every executor is local,
+            else each task uses the interface that reaches the driver.
+        env: extra environment variables for the ranks (see :mod:`sparkhvd.common.environment`).
+        verbose: show TensorFlow/Gloo start-up noise and horovod's own debug output.
+    """
+
+    launcher: str = "auto"
+    start_timeout: float = 120.0
+    heartbeat_timeout: float = 15.0
+    slot_wait_s: float = 30.0
+    nics: Optional[frozenset] = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        from sparkhvd.common.environment import rank_env
+
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher must be one of {LAUNCHERS}; got {self.launcher!r}")
+        set_ = object.__setattr__
+        set_(self, "start_timeout", _seconds("start_timeout", self.start_timeout))
+        set_(self, "heartbeat_timeout", _seconds("heartbeat_timeout", self.heartbeat_timeout))
+        if isinstance(self.slot_wait_s, bool) or not isinstance(self.slot_wait_s, (int, float)) \
+                or self.slot_wait_s < 0:
+            raise ValueError(f"slot_wait_s must be a number of seconds >= 0; "
+                             f"got {self.slot_wait_s!r}")
+        set_(self, "nics", frozenset(self.nics) if self.nics else None)
+        rank_env(dict(self.env or {}))  # validates names and values now rather than at run()
+        set_(self, "env", _frozen_map(self.env))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What a run keeps: its folder, logs, resume source and tracking.
+
+    Args:
+        output_dir: folder or storage URL (``abfss://...``, ``az://``, ``file://``) that receives
+            one ``<run-id>/`` folder per run (default ``runs``); remote ones are checked by a
+            pre-flight write, staged locally and published at the end.
+        storage_options: credentials and options for ``output_dir`` (adlfs keywords; sparkhvd's
+            retry budget, see :mod:`sparkhvd.storage`). Used on the driver only, never recorded.
+        resume_from: ``True`` for the latest run under ``output_dir`` with checkpoints, or a run
+            folder / checkpoints URL.
+        timeline: record a Horovod timeline as ``timeline.json`` in the run folder.
+        mlflow: ``True`` or an experiment name: track the run in MLflow.
+        driver_log_verbosity: ``"rank0"`` (rank 0's output and every rank's errors on the
+            console) or ``"all"``.
+    """
+
+    output_dir: str = "runs"
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    resume_from: Any = None
+    timeline: bool = False
+    mlflow: Union[None, bool, str] = None
+    driver_log_verbosity: str = "rank0"
+
+    def __post_init__(self) -> None:
+        check_verbosity(self.driver_log_verbosity)
+        object.__setattr__(self, "storage_options", _frozen_map(self.storage_options))
+
+    def __repr__(self) -> str:  # storage_options hold credentials: never shown
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                 if f.name != "storage_options"}
+        return f"RunConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())}, " \
+               f"storage_options=<{len(self.storage_options)} keys>)"
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Which Spark session.
+
+    Args:
+        spark: the SparkSession, classic or Spark Connect; default the active one, else a new
+            ``local[np]`` one.
+        preset: a preset name (``conf/<name>.json``) or :class:`~sparkhvd.driver.presets.Preset`:
+            ``np`` is checked against it, and a session is created from it when none is active.
+    """
+
+    spark: Any = None
+    preset: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.preset, str):
+            from sparkhvd.driver.presets import load_preset
+
+            object.__setattr__(self, "preset", load_preset(self.preset))
+
+
+#: Which group each of ``HorovodRunner``'s keyword settings belongs to (the one table).
+KEYWORD_GROUPS: Mapping[str, type] = MappingProxyType({
+    **{f.name: ScalingConfig for f in dataclasses.fields(ScalingConfig)},
+    **{f.name: LaunchConfig for f in dataclasses.fields(LaunchConfig)},
+    **{f.name: RunConfig for f in dataclasses.fields(RunConfig)},
+    **{f.name: SessionConfig for f in dataclasses.fields(SessionConfig)},
+})
+#: The ``HorovodRunner`` argument that takes each group.
+GROUP_ARGUMENT = {ScalingConfig: "scaling", LaunchConfig: "launch", RunConfig: "run_config",
+                  SessionConfig: "session"}
+
+
+def group_keywords(groups: Mapping[type, Any], keywords: Mapping[str, Any]) -> dict[type, Any]:
+    """One object per group: the one given (``groups``), or one made from the keywords.
+
+    Raises:
+        ValueError: a keyword was given together with the group object it belongs to.
+    """
+    made: dict[type, Any] = {}
+    for cls in GROUP_ARGUMENT:
+        given = groups.get(cls)
+        mine = {k: v for k, v in keywords.items() if KEYWORD_GROUPS[k] is cls}
+        if given is not None:
+            if not isinstance(given, cls):
+                raise TypeError(f"{GROUP_ARGUMENT[cls]}= takes a {cls.__name__}; "
+                                f"got {type(given).__name__}")
+            if mine:
+                raise ValueError(
+                    f"{', '.join(sorted(mine))} given both as keyword(s) and in "
+                    f"{GROUP_ARGUMENT[cls]}={cls.__name__}(...): set each once. Fix: move them "
+                    f"into the {cls.__name__}, or drop {GROUP_ARGUMENT[cls]}=.")
+            made[cls] = given
+        else:
+            made[cls] = cls(**mine)
+    return made

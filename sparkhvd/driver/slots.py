@@ -1,0 +1,217 @@
+"""How many Horovod ranks a Spark cluster can run at once.
+
+Each rank occupies one Spark task slot for the whole run, so ``np`` must not exceed the slots
+the cluster can give *at the same time*; otherwise horovod waits out its start timeout (600 s by
+default). We count slots up front and fail in seconds instead.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from sparkhvd.common.errors import NotEnoughSlotsError
+
+log = logging.getLogger(__name__)
+
+_LOCAL = re.compile(r"^local(?:\[(?P<n>\*|\d+)(?:\s*,\s*\d+)?\])?$")
+_LOCAL_CLUSTER = re.compile(r"^local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]$")
+
+
+@dataclass(frozen=True)
+class SlotCount:
+    """The task slots a cluster offers, and how that number was found."""
+
+    slots: int
+    master: str
+    detail: str
+    fix: str
+
+
+def _int_conf(conf: Mapping[str, str], key: str, default: float) -> float:
+    raw = conf.get(key)
+    if raw in (None, ""):
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"Spark setting {key}={raw!r} is not a number; fix the session "
+                         "configuration.") from exc
+
+
+def count_slots(master: str, conf: Mapping[str, str], *, cpu_count: int,
+                executor_cores: Optional[Sequence[int]] = None,
+                default_parallelism: Optional[int] = None) -> SlotCount:
+    """Count task slots from a master URL and Spark settings (pure; no Spark needed).
+
+    Args:
+        master: the Spark master URL (``local[2]``, ``spark://host:7077``, ``yarn`` ...).
+        conf: the session's Spark settings.
+        cpu_count: cores of this machine (for ``local[*]``).
+        executor_cores: cores of each registered executor, when known.
+        default_parallelism: ``sc.defaultParallelism``, the fallback for total cores.
+    """
+    task_cpus = max(1.0, _int_conf(conf, "spark.task.cpus", 1))
+    m = _LOCAL.match(master)
+    if m:
+        n = m.group("n")
+        cores = 1 if n is None else (cpu_count if n == "*" else int(n))
+        slots = int(cores // task_cpus)
+        return SlotCount(slots, master,
+                         f"local mode with {cores} core(s), spark.task.cpus={task_cpus:g}",
+                         f"start the session with master local[N] where N >= np "
+                         f"(e.g. SparkSession.builder.master('local[{max(2, cores + 1)}]')), "
+                         "or let HorovodRunner create one by stopping the current session")
+    m = _LOCAL_CLUSTER.match(master)
+    if m:
+        executor_cores = [int(m.group(2))] * int(m.group(1))
+    fix = ("add executors or cores (numExecutors / spark.executor.cores, or a larger pool), "
+           "or lower np")
+    if executor_cores:
+        n_exec = len(executor_cores)
+        cpu_slots = [int(c // task_cpus) for c in executor_cores]
+        detail = (f"{n_exec} executor(s) with {sorted(set(executor_cores))} core(s), "
+                  f"spark.task.cpus={task_cpus:g}")
+    else:
+        total = default_parallelism or 0
+        n_exec = int(_int_conf(conf, "spark.executor.instances", 0))
+        cpu_slots = [int(total // task_cpus)]
+        detail = f"{total} core(s) in total (defaultParallelism), spark.task.cpus={task_cpus:g}"
+    task_gpu = _int_conf(conf, "spark.task.resource.gpu.amount", 0)
+    exec_gpu = _int_conf(conf, "spark.executor.resource.gpu.amount", 0)
+    if task_gpu > 0:
+        if exec_gpu <= 0:
+            return SlotCount(0, master, detail + ", spark.task.resource.gpu.amount set but "
+                             "spark.executor.resource.gpu.amount is not",
+                             "set spark.executor.resource.gpu.amount (GPUs per executor) and "
+                             "spark.executor.resource.gpu.discoveryScript")
+        gpu_per_exec = int(exec_gpu // task_gpu)
+        if executor_cores:
+            per_exec = [min(c, gpu_per_exec) for c in cpu_slots]
+        else:
+            per_exec = [min(cpu_slots[0], gpu_per_exec * max(n_exec, 1))]
+        detail += f", {exec_gpu:g} GPU(s) per executor / {task_gpu:g} per task"
+        fix = ("add GPU executors (numExecutors) or lower spark.task.resource.gpu.amount, "
+               "or lower np")
+        return SlotCount(sum(per_exec), master, detail, fix)
+    return SlotCount(sum(cpu_slots), master, detail, fix)
+
+
+def _registered_executor_cores(sc) -> list[int]:
+    """Cores of each live executor (not the driver), read from Spark's status store."""
+    try:
+        store = sc._jsc.sc().statusStore()
+        execs = store.executorList(True)
+        cores = []
+        for i in range(execs.size()):
+            e = execs.apply(i)
+            if e.id() != "driver":
+                cores.append(int(e.totalCores()))
+        return cores
+    except Exception as exc:  # noqa: BLE001 - best effort; fall back to defaultParallelism
+        log.debug("could not read executors from the status store: %s", exc)
+        return []
+
+
+def slots_of(sc) -> SlotCount:
+    """Count the task slots of a live SparkContext."""
+    import os
+
+    master = sc.master
+    conf = dict(sc.getConf().getAll())
+    executor_cores = None if master.startswith("local") else _registered_executor_cores(sc)
+    return count_slots(master, conf, cpu_count=os.cpu_count() or 1,
+                       executor_cores=executor_cores,
+                       default_parallelism=sc.defaultParallelism)
+
+
+#: Settings that say how many slots a cluster has, read where there is no SparkContext.
+_CONF_KEYS = ("spark.task.cpus", "spark.executor.instances", "spark.executor.cores",
+              "spark.cores.max", "spark.default.parallelism", "spark.task.resource.gpu.amount",
+              "spark.executor.resource.gpu.amount", "spark.dynamicAllocation.enabled",
+              "spark.dynamicAllocation.maxExecutors")
+
+
+def _local_cores(view) -> int:
+    """``local[*]`` on a Connect server: the cores of the machine its tasks run on (one tiny
+    job, since the server need not be this machine)."""
+    def cores(_batches):
+        import os as _os
+
+        import pyarrow as _pa
+
+        yield _pa.RecordBatch.from_pydict({"n": [_os.cpu_count() or 1]})
+
+    return int(view.spark.range(1).mapInArrow(cores, "n long").collect()[0]["n"])
+
+
+def slots_without_context(view) -> SlotCount:
+    """Count the slots of a session without a SparkContext (Spark Connect) from what it shows:
+    its master and settings, or the slots the user declared (``spark.sparkhvd.slots``).
+
+    Raises:
+        NotEnoughSlotsError: the count cannot be known (say so, and how to declare it) --
+            rather than let Spark's barrier check wait 600 s.
+    """
+    from sparkhvd.driver.sparkview import SLOTS_CONF
+
+    master = view.master
+    conf = {k: v for k in (SLOTS_CONF, *_CONF_KEYS) if (v := view.conf(k)) not in (None, "")}
+    if SLOTS_CONF in conf:
+        return SlotCount(int(_int_conf(conf, SLOTS_CONF, 0)), master,
+                         f"declared with {SLOTS_CONF}={conf[SLOTS_CONF]}", f"raise {SLOTS_CONF}")
+    m = _LOCAL.match(master)
+    if m:
+        cpu = _local_cores(view) if m.group("n") == "*" else 1
+        return count_slots(master, conf, cpu_count=cpu)
+    if _LOCAL_CLUSTER.match(master):
+        return count_slots(master, conf, cpu_count=1)
+    cores = int(_int_conf(conf, "spark.executor.cores", 0))
+    instances = int(_int_conf(conf, "spark.executor.instances", 0))
+    if str(conf.get("spark.dynamicAllocation.enabled", "")).lower() == "true":
+        instances = int(_int_conf(conf, "spark.dynamicAllocation.maxExecutors", instances))
+    if cores and not instances:  # standalone: spark.cores.max caps the executors
+        instances = int(_int_conf(conf, "spark.cores.max", 0)) // cores
+    executor_cores = [cores] * instances if cores and instances else None
+    parallelism = int(_int_conf(conf, "spark.default.parallelism", 0)) or None
+    if executor_cores or parallelism:
+        return count_slots(master, conf, cpu_count=1, executor_cores=executor_cores,
+                           default_parallelism=parallelism)
+    raise NotEnoughSlotsError(
+        f"sparkhvd cannot count the task slots of this Spark Connect session "
+        f"({master or 'its master is hidden'}): a Connect client sees no executors, and the "
+        "session shows neither "
+        "spark.executor.instances with spark.executor.cores nor spark.cores.max. Fix: declare "
+        f"how many tasks the cluster runs at once, e.g. spark.conf.set('{SLOTS_CONF}', '8') "
+        "(or in the cluster's Spark config), then run again.")
+
+
+def check_slots(target, np: int, *, wait_s: float = 0.0) -> SlotCount:
+    """Raise :class:`NotEnoughSlotsError` unless the session can run ``np`` tasks at once.
+
+    ``target``: a :class:`~sparkhvd.driver.sparkview.SparkView` (classic or Connect) or a
+    SparkContext. On a cluster, executors may still be registering: poll up to ``wait_s``.
+    """
+    from sparkhvd.driver.sparkview import SparkView
+
+    if isinstance(target, SparkView):
+        if target.connect:
+            return _enough(slots_without_context(target), np)
+        target = target.sc
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = slots_of(target)
+        if found.slots >= np or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    return _enough(found, np)
+
+
+def _enough(found: SlotCount, np: int) -> SlotCount:
+    if found.slots < np:
+        raise NotEnoughSlotsError(
+            f"np={np} needs {np} Spark task slots running at the same time, but the session "
+            f"({found.master}) has {found.slots}: {found.detail}. Fix: {found.fix}.")
+    return found

@@ -1,0 +1,218 @@
+"""One view of a SparkSession, classic or Spark Connect: everything sparkhvd asks of Spark.
+
+A classic session has a SparkContext (the JVM behind py4j, in this process). A Spark Connect
+session -- Databricks standard-access and serverless compute, Dataproc serverless, Spark 4's
+``spark.api.mode=connect``, ``SparkSession.builder.remote(...)`` -- has none: no
+``sparkContext``, RDDs, broadcast, job groups or JVM gateway, and this process is a *client*,
+not Spark's driver. What sparkhvd needs works on both, and this module is the one place that
+knows the difference:
+
+- the master, the application id and settings, read through ``spark.conf``;
+- DataFrame barrier stages (``spark.range(n).mapInArrow(fn, schema, barrier=True)``, Spark
+  >= 3.5), the one launch path of :mod:`sparkhvd.driver.launchers.barrier` -- as Spark's own
+  ``TorchDistributor`` does;
+- cancellation by job tags (``addTag``/``interruptTag``: Connect, and classic from Spark 4.0),
+  else job groups (classic Spark 3.5);
+- whether the session was stopped;
+- task slots: a live SparkContext's executors, or -- without one -- the session's settings or
+  what the user declared (``spark.sparkhvd.slots``);
+- where the executors reach this process (the driver's address, or the client's).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import socket
+from typing import Any, Callable, Optional
+
+from sparkhvd.common.errors import SessionError
+from sparkhvd.common.netif import is_loopback, route_address
+
+log = logging.getLogger(__name__)
+
+#: A setting that declares the task slots where sparkhvd cannot count them (Spark Connect).
+SLOTS_CONF = "spark.sparkhvd.slots"
+
+
+def is_connect(spark: Any) -> bool:
+    """Whether ``spark`` is a Spark Connect session (no SparkContext)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def is_loopback_master(master: str) -> bool:
+    """Whether every executor of this master runs on this machine (local or 127.0.0.1)."""
+    from urllib.parse import urlparse
+
+    if master.startswith("local"):
+        return True
+    host = urlparse(master).hostname or ""
+    return is_loopback(host)
+
+
+def session_stopped(sc: Any) -> bool:
+    """Whether a SparkContext was stopped, or is stopping (Java marks that first, before it
+    kills the tasks; Python clears ``_jsc`` last)."""
+    jsc = getattr(sc, "_jsc", None) if sc is not None else None
+    if jsc is None:
+        return True
+    try:
+        return bool(jsc.sc().isStopped())
+    except Exception:  # noqa: BLE001 - the gateway is going away with the context
+        return True
+
+
+def stopped_session_error(during: bool) -> SessionError:
+    when = "while the ranks ran" if during else "before the run"
+    return SessionError(
+        f"The SparkSession was stopped {when}. Fix: create a new one "
+        "(SparkSession.builder.getOrCreate()) and pass it as spark=, or pass spark=None to let "
+        "HorovodRunner use the active session or start a local one.")
+
+
+class SparkView:
+    """What sparkhvd reads from and does with one session (see the module docstring)."""
+
+    def __init__(self, spark: Any) -> None:
+        self.spark = spark
+        self.connect = is_connect(spark)
+
+    @property
+    def sc(self) -> Any:
+        """The SparkContext (classic only)."""
+        if self.connect:
+            raise AttributeError("a Spark Connect session has no SparkContext")
+        return self.spark.sparkContext
+
+    @property
+    def kind(self) -> str:
+        return "connect" if self.connect else "classic"
+
+    def conf(self, key: str, default: Optional[str] = None) -> Optional[str]:
+        """A Spark setting of the session (``default`` when unset or unreadable)."""
+        try:
+            if self.connect:
+                return self.spark.conf.get(key, default)
+            return self.sc.getConf().get(key, default)
+        except Exception:  # noqa: BLE001 - a setting the server will not show
+            return default
+
+    @functools.cached_property
+    def master(self) -> str:
+        return (self.conf("spark.master") or "") if self.connect else self.sc.master
+
+    @functools.cached_property
+    def app_id(self) -> Optional[str]:
+        return self.conf("spark.app.id") if self.connect else self.sc.applicationId
+
+    @functools.cached_property
+    def version(self) -> str:
+        return str(self.spark.version)
+
+    @property
+    def has_tags(self) -> bool:
+        """Job tags: Spark Connect, and classic sessions from Spark 4.0."""
+        from sparkhvd.driver.stack import version_tuple
+
+        return self.connect or (version_tuple(self.version) >= (4, 0)
+                                and hasattr(self.spark, "addTag"))
+
+    def stopped(self) -> bool:
+        if self.connect:
+            return bool(getattr(self.spark, "is_stopped", False))
+        return session_stopped(self.sc)
+
+    def describe(self) -> str:
+        """For the console: ``local[2]`` or ``spark://h:7077 via Spark Connect (sc://h:15002)``."""
+        if not self.connect:
+            return self.master
+        client = getattr(self.spark, "client", None)
+        where = getattr(getattr(client, "_builder", None), "endpoint", None) or \
+            getattr(client, "host", "?")
+        return f"{self.master or '?'} via Spark Connect (sc://{where})"
+
+    @functools.cached_property
+    def server_host(self) -> Optional[str]:
+        """The Spark Connect server's host (``None`` on classic sessions)."""
+        if not self.connect:
+            return None
+        return getattr(getattr(self.spark, "client", None), "host", None) or "127.0.0.1"
+
+    def executors_here(self) -> bool:
+        """Whether every executor runs on this machine: a local or 127.0.0.1 master -- of this
+        process (classic), or of a Connect server that itself runs here."""
+        local_server = self.server_host is None or is_loopback(self.server_host)
+        return local_server and is_loopback_master(self.master)
+
+    def driver_host(self) -> str:
+        """The address executors reach this process at: 127.0.0.1 when every executor is on this
+        machine, else Spark's ``spark.driver.host`` (classic) or, for a Spark Connect client,
+        this machine's address on the route to the Connect server."""
+        if self.executors_here():
+            return "127.0.0.1"
+        if not self.connect or is_loopback(self.server_host):
+            return self.conf("spark.driver.host") or socket.gethostname()
+        return route_address(self.server_host)
+
+    def python_exec(self) -> Optional[str]:
+        """The Python Spark's workers run (when this process can know it)."""
+        if self.connect:
+            return self.conf("spark.pyspark.python")
+        return self.sc.pythonExec or "python3"
+
+    def job(self, name: str, description: str) -> "SparkJob":
+        return SparkJob(self, name, description)
+
+    def barrier_collect(self, np: int, mapper: Callable[[Any], Any], schema: str) -> list:
+        """Run ``mapper`` (an Arrow batch iterator -> iterator) in one barrier stage of ``np``
+        tasks and collect the rows it yields -- the same call on classic and Connect."""
+        return self.spark.range(0, np, 1, np).mapInArrow(mapper, schema, barrier=True).collect()
+
+
+class SparkJob:
+    """One cancellable unit of Spark work for one run: a job tag where the session has them,
+    else a job group. Started from the launch thread, cancellable from any."""
+
+    def __init__(self, view: SparkView, name: str, description: str) -> None:
+        self.view, self.name, self.description = view, name, description
+
+    def run(self, action: Callable[[], Any]) -> Any:
+        """Run ``action`` (which starts Spark jobs) under the tag or group."""
+        tagged = self.view.has_tags
+        try:
+            if tagged:
+                self.view.spark.addTag(self.name)
+            else:
+                self.view.sc.setJobGroup(self.name, self.description, interruptOnCancel=True)
+            return action()
+        except Exception as exc:
+            if self.view.stopped() or "SparkContext was shut down" in str(exc) or \
+                    "stopped SparkContext" in str(exc):
+                raise stopped_session_error(during=True) from None
+            raise
+        finally:
+            if tagged:
+                with contextlib.suppress(Exception):
+                    self.view.spark.removeTag(self.name)
+
+    def cancel(self) -> None:
+        """Cancel the run's jobs; a stopped session has none left to cancel."""
+        if self.view.stopped():
+            return
+        try:
+            if self.view.has_tags:
+                self.view.spark.interruptTag(self.name)
+            else:
+                self.view.sc.cancelJobGroup(self.name)
+        except Exception as exc:  # noqa: BLE001 - stopped meanwhile
+            log.debug("could not cancel Spark job %s: %s", self.name, exc)
+
+
+def cancel_job_group(sc: Any, group: str) -> None:
+    """Cancel a classic job group someone else set (horovod.spark.run's)."""
+    if session_stopped(sc):
+        return
+    try:
+        sc.cancelJobGroup(group)
+    except Exception as exc:  # noqa: BLE001 - stopped meanwhile (Py4J errors)
+        log.debug("could not cancel job group %s: %s", group, exc)

@@ -1,0 +1,123 @@
+"""Inside each rank: prepare the process, run the user's function, report what happened.
+
+Every launcher ends in :func:`rank_main`: in a supervised rank process (:mod:`sparkhvd.rank.
+supervisor`, started by the barrier and local launchers) or in horovod's own task process
+(``launcher="horovod"``). It imports nothing of the driver or the Spark task, and stays cheap to
+import: TensorFlow is imported only to pin a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from typing import Any
+
+from sparkhvd.common import protocol
+from sparkhvd.common.environment import allowed
+from sparkhvd.common.errors import PayloadError
+from sparkhvd.common.identity import current_rank
+from sparkhvd.common.netif import collective_iface_env
+from sparkhvd.common.proctree import become_subreaper, end_children
+from sparkhvd.rank.arguments import open_argument
+from sparkhvd.rank.devices import apply_plan, detect_gpus, plan_rank
+from sparkhvd.rank.events import announce, emit, error_event, events
+
+_NOISY_MODULES = r"(petastorm|pyarrow|tensorflow|keras|horovod|numpy|pandas|google|absl)(\..*)?"
+
+
+def pick_gloo_iface() -> None:
+    """When asked (:data:`~sparkhvd.common.protocol.GLOO_AUTO_ENV`, horovod's launcher), use the
+    interface that reaches the rendezvous server."""
+    if os.environ.pop(protocol.GLOO_AUTO_ENV, None):
+        os.environ.update(collective_iface_env(None, os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")))
+
+
+def scrub_environment(keep: list[str]) -> None:
+    """Drop inherited variables a rank may not see (see :mod:`sparkhvd.common.environment`).
+
+    The barrier and local launchers build the rank's environment that way already; horovod's
+    own launcher copies the executor's whole environment, so this is where it is enforced there.
+    """
+    keep_set = set(keep)
+    for name in list(os.environ):
+        if not (name in keep_set or name.startswith("SPARKHVD_") or allowed(name)):
+            del os.environ[name]
+
+
+def pickled_result(rank: int, result: Any) -> bytes:
+    """``result`` pickled for the driver, or a PayloadError that names the type and the fix."""
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(result)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure is the same problem
+        kind = f"{type(result).__module__}.{type(result).__qualname__}"
+        raise PayloadError(
+            f"rank {rank} returned a {kind}, which cannot be sent to the driver "
+            f"({type(exc).__name__}: {exc}). Return bytes or plain data (numbers, strings, "
+            "lists, dicts, numpy arrays); for a Keras model, return its saved bytes "
+            "(model.save(path), then open(path, 'rb').read()).") from None
+
+
+def _quiet_warnings() -> None:
+    for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category, module=_NOISY_MODULES)
+
+
+def rank_main(payload: bytes, options: dict, *, pickle_result: bool = False) -> Any:
+    """Run the user's function in this rank (every launcher ends up here).
+
+    Args:
+        payload: :func:`sparkhvd.driver.payload.dumps` of the user's function and kwargs.
+        options: ``verbose``, ``return_all``, ``elastic`` (bools), ``env_keep`` (names of the
+            variables the driver sent on purpose), ``check_result`` (pickle the return value
+            here to name what cannot travel, on launchers that pickle it themselves).
+        pickle_result: return the kept value already pickled (bytes), for a launcher that
+            stores it (:mod:`sparkhvd.rank.supervisor`).
+    Returns:
+        The function's return value on rank 0 (every rank with ``return_all``), else ``None``;
+        elastic ranks tag it with their final rank (:data:`~sparkhvd.common.protocol.
+        ELASTIC_RESULT`). Whether a value is kept, and its pickling, are decided here only.
+    """
+    rank, _, local_rank, local_size = current_rank()
+    events.take_from_env()
+    scrub_environment(list(options.get("env_keep", ())))
+    pick_gloo_iface()
+    become_subreaper()
+    announce(rank)
+    if options.get("elastic"):
+        from sparkhvd.common.patches import follow_elastic_resets
+
+        follow_elastic_resets(announce)
+    if not options.get("verbose"):
+        _quiet_warnings()
+    try:
+        cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
+        apply_plan(plan_rank(local_rank, local_size, cpu_count, detect_gpus()))
+        import cloudpickle
+
+        fn, kwargs = cloudpickle.loads(payload)  # made by sparkhvd.driver.payload.dumps
+        result = fn(**{name: open_argument(value) for name, value in kwargs.items()})
+        rank = events.rank
+        keep = rank == 0 or bool(options.get("return_all"))
+        pickled = pickled_result(rank, result) if keep and (
+            pickle_result or options.get("check_result")) else None
+    except BaseException as exc:
+        emit(error_event(events.rank, exc))
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            from sparkhvd.rank.runfiles import publish_timeline
+
+            publish_timeline(events.rank)
+        end_children()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+    if pickle_result:
+        return pickled
+    if options.get("elastic"):
+        return (protocol.ELASTIC_RESULT, rank, result if keep else None)
+    return result if keep else None

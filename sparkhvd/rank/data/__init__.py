@@ -1,0 +1,1 @@
+"""The rank half of ``DataFrameDataset``: a shard, streamed."""

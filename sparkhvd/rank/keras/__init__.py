@@ -1,0 +1,1 @@
+"""The Keras helpers' implementation (public as :mod:`sparkhvd.keras`)."""

@@ -1,0 +1,214 @@
+"""Rank 0's checkpoints: where they live, and everything needed to continue exactly.
+
+A checkpoint of epoch N is three files in a checkpoints folder:
+
+- ``epoch-000N.h5`` (``.keras`` on Keras 3) -- the model (loadable with
+  ``tf.keras.models.load_model``),
+- ``epoch-000N.optimizer.npz`` -- every optimizer variable (Adam's moments, the step count),
+- ``latest.json`` -- written last, so it never names a partial checkpoint:
+  ``{"epoch": N, "file": ..., "optimizer": ..., "state": {"lr": ..., "warmup_target_lr": ...}}``.
+
+With all three, "train 2 epochs, then resume for 2 more" ends where 4 epochs straight would.
+
+Where the folder is (:class:`CheckpointStore`): the run folder (``checkpoints/``, through
+:mod:`sparkhvd.runfiles`, so it works from any host without storage credentials), the checkpoints
+of the run being resumed (read-only, through the same service), or a URL the user gave.
+"""
+from __future__ import annotations
+
+import io
+import json
+from typing import Any, Optional
+
+LATEST = "latest.json"
+
+
+class CheckpointStore:
+    """A checkpoints folder: read, write, check, describe."""
+
+    def write(self, name: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def read(self, name: str) -> bytes:
+        raise NotImplementedError
+
+    def exists(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def delete(self, name: str) -> None:
+        """Remove a file (best effort; a service-backed store keeps everything)."""
+
+    def describe(self, name: str = "") -> str:
+        raise NotImplementedError
+
+
+class RunFolderStore(CheckpointStore):
+    """``checkpoints/`` of this run (``root="run"``) or of the run resumed (``root="resume"``)."""
+
+    def __init__(self, root: str = "run", prefix: str = "checkpoints",
+                 label: Optional[str] = None) -> None:
+        from sparkhvd.rank.runfiles import run_files
+
+        self.files = run_files()
+        self.root = root
+        self.prefix = prefix if root == "run" else ""
+        self.label = label
+
+    def _path(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def write(self, name: str, data: bytes) -> None:
+        self.files.write_bytes(self._path(name), data)
+
+    def read(self, name: str) -> bytes:
+        return self.files.read_bytes(self._path(name), root=self.root)
+
+    def exists(self, name: str) -> bool:
+        return self.files.exists(self._path(name), root=self.root)
+
+    def delete(self, name: str) -> None:
+        import os
+
+        if self.root == "run" and self.files.local:
+            path = os.path.join(self.files.local, self._path(name))
+            if os.path.exists(path):
+                os.unlink(path)
+
+    def describe(self, name: str = "") -> str:
+        if self.label:
+            return f"{self.label}/{name}".rstrip("/")
+        return self.files.describe(self._path(name))
+
+
+class UrlStore(CheckpointStore):
+    """A folder URL the user gave (local path, ``file://``, ``abfss://``)."""
+
+    def __init__(self, url: str, storage_options: Optional[dict] = None) -> None:
+        self.url = str(url).rstrip("/")
+        self.storage_options = storage_options
+
+    def write(self, name: str, data: bytes) -> None:
+        from sparkhvd import storage
+
+        storage.write_bytes(f"{self.url}/{name}", data, self.storage_options)
+
+    def read(self, name: str) -> bytes:
+        from sparkhvd import storage
+
+        return storage.read_bytes(f"{self.url}/{name}", self.storage_options)
+
+    def exists(self, name: str) -> bool:
+        from sparkhvd import storage
+
+        return storage.exists(f"{self.url}/{name}", self.storage_options)
+
+    def delete(self, name: str) -> None:
+        from sparkhvd import storage
+
+        storage.delete(f"{self.url}/{name}", self.storage_options)
+
+    def describe(self, name: str = "") -> str:
+        from sparkhvd.storage import public_url
+
+        return public_url(f"{self.url}/{name}".rstrip("/"))
+
+
+class _Discard(CheckpointStore):
+    """Where a worker that only takes part in saving writes: nowhere."""
+
+    def write(self, name: str, data: bytes) -> None:
+        pass
+
+    def describe(self, name: str = "") -> str:
+        return "(not written by this rank)"
+
+
+DISCARD = _Discard()
+
+
+def url_store(url: str, storage_options: Optional[dict] = None) -> UrlStore:
+    """A store for ``url``: its ``checkpoints/`` when ``url`` is a run folder."""
+    store = UrlStore(url, storage_options)
+    nested = UrlStore(f"{store.url}/checkpoints", storage_options)
+    return nested if nested.exists(LATEST) else store
+
+
+def optimizer_variables(optimizer: Any) -> list:
+    """The optimizer's variables (Keras 2.11+ property, or the legacy method)."""
+    found = optimizer.variables
+    return list(found() if callable(found) else found)
+
+
+def build_optimizer(optimizer: Any, model: Any) -> None:
+    """Create the optimizer's variables now (Keras creates them lazily at the first step)."""
+    built = getattr(optimizer, "built", None)
+    if built is None:
+        built = getattr(optimizer, "_built", None)
+    if built is True or (built is None and optimizer_variables(optimizer)[1:]):
+        return
+    if hasattr(optimizer, "build"):
+        optimizer.build(model.trainable_variables)
+    elif hasattr(optimizer, "_create_all_weights"):  # legacy optimizers
+        optimizer._create_all_weights(model.trainable_variables)
+
+
+def save(store: CheckpointStore, model: Any, epoch: int, state: dict) -> str:
+    """Write the checkpoint of ``epoch`` (model, optimizer, state), ``latest.json`` last."""
+    import numpy as np
+
+    from sparkhvd.storage.kerasio import checkpoint_bytes
+
+    data, suffix = checkpoint_bytes(model)
+    name = f"epoch-{epoch:04d}{suffix}"
+    store.write(name, data)
+    info: dict = {"epoch": epoch, "file": name, "state": state}
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        variables = optimizer_variables(optimizer)
+        if variables:
+            buffer = io.BytesIO()
+            np.savez(buffer, **{f"v{i}": v.numpy() for i, v in enumerate(variables)})
+            info["optimizer"] = f"epoch-{epoch:04d}.optimizer.npz"
+            info["optimizer_names"] = [v.name for v in variables]
+            store.write(info["optimizer"], buffer.getvalue())
+    store.write(LATEST, json.dumps(info).encode())
+    return name
+
+
+def latest(store: CheckpointStore) -> Optional[dict]:
+    """The newest checkpoint's ``latest.json`` record, or None."""
+    if not store.exists(LATEST):
+        return None
+    return json.loads(store.read(LATEST))
+
+
+def restore(store: CheckpointStore, info: dict, model: Any) -> list[str]:
+    """Load the checkpoint ``info`` names into ``model`` (and its optimizer).
+
+    Returns what could not be restored (e.g. an optimizer of another shape), for a warning.
+    """
+    import numpy as np
+
+    from sparkhvd.storage.kerasio import local_file, suffix_of
+
+    problems: list[str] = []
+    with local_file(store.read(info["file"]), suffix_of(info["file"])) as path:
+        model.load_weights(path)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not info.get("optimizer"):
+        return ["the checkpoint has no optimizer state (saved by an older sparkhvd)"] \
+            if optimizer is not None else []
+    build_optimizer(optimizer, model)
+    variables = optimizer_variables(optimizer)
+    saved = np.load(io.BytesIO(store.read(info["optimizer"])))
+    values = [saved[f"v{i}"] for i in range(len(saved.files))]
+    if len(values) != len(variables) or any(tuple(v.shape) != a.shape
+                                            for v, a in zip(variables, values)):
+        return [f"the optimizer has {len(variables)} variables, the checkpoint "
+                f"{len(values)} of other shapes: optimizer state not restored"]
+    for var, value in zip(variables, values):
+        var.assign(value)
+    lr = (info.get("state") or {}).get("lr")
+    if lr is not None and hasattr(getattr(optimizer, "learning_rate", None), "assign"):
+        optimizer.learning_rate.assign(lr)
+    return problems

@@ -1,0 +1,92 @@
+"""spark-submit on a real Spark standalone cluster (master + 2 one-core workers on 127.0.0.1)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(900)]
+
+SPARKHVD = os.path.join(os.path.dirname(sys.executable), "sparkhvd")
+JOB = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "train_digits.py")
+
+
+def test_submit_digits_job_to_standalone_cluster(standalone, tmp_path):
+    model = tmp_path / "out" / "model.h5"
+    out = subprocess.run(
+        [SPARKHVD, "submit", "--preset", "standalone-cpu", "--master", standalone.master_url,
+         JOB, "--output-url", str(model), "--epochs", "15", "--runs-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=840)
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-5000:])
+    assert "JOB OK" in out.stdout and f"master {standalone.master_url}" in out.stdout
+    assert "[rank 0] epoch 15/15" in out.stdout
+
+    import tensorflow as tf
+
+    from sparkhvd.examples.digits import load_digits_split
+
+    _, x_test, _, y_test = load_digits_split()
+    _, accuracy = tf.keras.models.load_model(model).evaluate(x_test, y_test, verbose=0)
+    assert accuracy >= 0.9
+
+
+def test_killing_a_worker_mid_run_is_an_error_not_a_hang(standalone, tmp_path):
+    """SIGKILL one worker (and its executor) while the ranks train: the job fails, promptly."""
+    proc = subprocess.Popen(
+        [SPARKHVD, "submit", "--preset", "standalone-cpu", "--master", standalone.master_url,
+         JOB, "--output-url", str(tmp_path / "model.h5"), "--epochs", "500",
+         "--runs-dir", str(tmp_path / "runs")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("[rank 0] epoch 2/500"):
+                break
+        assert any(line.startswith("[rank 0] epoch 2/500") for line in seen), "".join(seen[-30:])
+        standalone.kill("worker1")
+        # A hang guard, well before horovod's 600 s start timeout: TimeoutExpired fails the test.
+        rest, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        standalone.start_worker("worker1")
+        standalone.wait_for_workers(2)
+    assert proc.returncode != 0
+    assert "JOB OK" not in rest
+    assert "TrainingError: Training failed on rank" in rest, rest[-3000:]
+    assert "vanished without an exit status" in rest, rest[-3000:]
+    assert not (tmp_path / "model.h5").exists()
+
+
+def test_elastic_run_survives_a_lost_worker(standalone, tmp_path):
+    """Three one-core workers, np=3 elastic (min 2): kill one mid-run, the others finish."""
+    import json
+
+    standalone.start_worker("worker2")
+    standalone.wait_for_workers(3)
+    model, sizes_file = tmp_path / "model.h5", tmp_path / "sizes.json"
+    proc = subprocess.Popen(
+        [SPARKHVD, "submit", "--preset", "standalone-elastic", "--master", standalone.master_url,
+         JOB, "--np", "3", "--min-np", "2", "--steps", "60", "--pause", "0.3",
+         "--output-url", str(model), "--sizes-url", str(sizes_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "step 10/60 size 3" in line:
+                break
+        assert any("step 10/60 size 3" in line for line in seen), "".join(seen[-40:])
+        standalone.kill("worker2")
+        rest, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        standalone.kill("worker2")
+    out = "".join(seen) + rest
+    assert proc.returncode == 0, out[-6000:]
+    assert "JOB OK" in rest and "world sizes seen [3, 2]" in rest, rest[-3000:]
+    assert model.stat().st_size > 10_000  # the model was saved
+    sizes = json.loads(sizes_file.read_text())
+    assert len(sizes) >= 60 and sizes[0] == 3 and sizes[-1] == 2

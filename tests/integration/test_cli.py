@@ -1,0 +1,100 @@
+"""The sparkhvd CLI through click's runner and as real subprocesses."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from sparkhvd.cli import main
+
+SPARKHVD = os.path.join(os.path.dirname(sys.executable), "sparkhvd")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def test_presets_list_shows_max_np():
+    result = CliRunner().invoke(main, ["presets"])
+    assert result.exit_code == 0, result.output
+    assert "gpu-large" in result.output and "standalone-cpu" in result.output
+
+
+@pytest.mark.parametrize("fmt,check", [
+    ("configure", lambda out: out.startswith("%%configure -f") and '"numExecutors": 3' in out),
+    ("json", lambda out: json.loads(out)["executorCores"] == 12),
+    ("spark-submit", lambda out: "--executor-cores 12" in out and "--conf" in out),
+])
+def test_presets_show(fmt, check):
+    result = CliRunner().invoke(main, ["presets", "show", "gpu-large", "--as", fmt])
+    assert result.exit_code == 0, result.output
+    assert check(result.output)
+
+
+def test_presets_show_unknown_fails_with_message():
+    result = CliRunner().invoke(main, ["presets", "show", "nope"])
+    assert result.exit_code != 0 and "No preset named 'nope'" in result.output
+
+
+def test_submit_dry_run_prints_command():
+    job = os.path.join(ROOT, "jobs", "train_digits.py")
+    result = CliRunner().invoke(main, ["submit", "--preset", "standalone-cpu", "--master",
+                                       "spark://127.0.0.1:7077", "--dry-run", job,
+                                       "--output-url", "/tmp/m.h5"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "spark-submit --master spark://127.0.0.1:7077" in out
+    assert "--total-executor-cores 2" in out and f"spark.pyspark.python={sys.executable}" in out
+    assert out.strip().endswith("train_digits.py --output-url /tmp/m.h5")
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_run_plain_horovod_script_as_subprocess(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\n"
+        "import horovod.tensorflow as hvd\n"
+        "import tensorflow as tf\n"
+        "hvd.init()\n"
+        "total = hvd.allreduce(tf.constant(float(hvd.rank() + 1)), op=hvd.Sum)\n"
+        "print(f'rank {hvd.rank()} of {hvd.size()} args {sys.argv[1:]} total {float(total)}')\n")
+    out = subprocess.run([SPARKHVD, "run", str(script), "--np", "-2", "--output-dir",
+                          str(tmp_path / "runs"), "--", "--lr", "0.1"],
+                         capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[rank 0] rank 0 of 2 args ['--lr', '0.1'] total 3.0" in out.stdout
+    assert "run folder:" in out.stdout
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_run_failing_script_exits_nonzero(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text("raise SystemExit(4)\n")
+    out = subprocess.run([SPARKHVD, "run", str(script), "--np", "-2", "--output-dir",
+                          str(tmp_path / "runs")], capture_output=True, text=True, timeout=280)
+    assert out.returncode == 1
+    assert "bad.py exited with status 4" in out.stderr
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_doctor_passes_on_this_machine():
+    out = subprocess.run([SPARKHVD, "doctor"], capture_output=True, text=True, timeout=280,
+                         env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    for check in ("backend horovod", "backend tf", "MultiWorkerMirroredStrategy", "Java",
+                  "Spark session", "task slots", "cluster network"):
+        assert check in out.stdout
+    assert "FAIL" not in out.stdout
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_doctor_fails_with_fix_for_unreachable_storage(tmp_path):
+    (tmp_path / "file").write_text("x")
+    out = subprocess.run([SPARKHVD, "doctor", "--storage-url", str(tmp_path / "file" / "runs")],
+                         capture_output=True, text=True, timeout=280,
+                         env={**os.environ, "COLUMNS": "250"})
+    assert out.returncode == 1
+    assert "FAIL" in out.stdout and "check the URL" in out.stdout

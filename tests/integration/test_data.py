@@ -1,0 +1,406 @@
+"""DataFrameDataset: Spark DataFrame -> each rank's shard, on real local Spark and real ranks.
+
+Runs in every profile (Spark 3.5 with horovod, Spark 4 with backend="tf"): materialisation goes
+through Spark's Arrow path, which changes with Spark, pandas and pyarrow."""
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+from sparkhvd import DataFrameDataset, HorovodRunner, PayloadError
+
+pytestmark = [pytest.mark.spark, pytest.mark.every_profile, pytest.mark.timeout(600)]
+
+from sparkhvd.examples import digits as demo  # noqa: E402  (the demo's model)
+
+
+@pytest.fixture(scope="module")
+def digits_frames(spark):
+    """Digits as DataFrames: an array<double> column, a VectorUDT column (dense and sparse)."""
+    from pyspark.ml.linalg import Vectors
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = digits.data / 16.0
+    idx_train, idx_test = train_test_split(np.arange(len(x)), test_size=0.2, random_state=0,
+                                           stratify=digits.target)
+
+    def frame(indices, vectors=False):
+        rows = []
+        for i in indices:
+            feats = x[i]
+            if vectors:
+                nz = np.flatnonzero(feats)
+                value = Vectors.sparse(64, nz.tolist(), feats[nz].tolist()) if i % 2 else \
+                    Vectors.dense(feats.tolist())
+            else:
+                value = feats.tolist()
+            rows.append((int(i), value, int(digits.target[i])))
+        return spark.createDataFrame(rows, ["id", "features", "label"])
+
+    return {"train": frame(idx_train), "val": frame(idx_test),
+            "train_vec": frame(idx_train, vectors=True), "val_vec": frame(idx_test, vectors=True),
+            "x_test": x[idx_test].reshape(-1, 8, 8, 1).astype("float32"),
+            "y_test": digits.target[idx_test]}
+
+
+def train_fn(train, val, epochs):
+    import tempfile
+
+    import horovod.tensorflow.keras as hvd
+    import tensorflow as tf
+
+    hvd.init()
+    tf.keras.utils.set_random_seed(7)
+    model = demo.build_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.002 * hvd.size())),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    with train.tf_dataset(batch_size=32, shuffle=True, seed=1) as ds, \
+            val.tf_dataset(batch_size=64) as vds:
+        model.fit(ds, steps_per_epoch=train.steps_per_epoch(32), validation_data=vds,
+                  validation_steps=val.steps_per_epoch(64), epochs=epochs,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+                  verbose=2 if hvd.rank() == 0 else 0)
+    if hvd.rank() == 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save(tmp + "/m.h5")
+            return open(tmp + "/m.h5", "rb").read()
+
+
+def _accuracy(model_bytes, frames, tmp_path):
+    import tensorflow as tf
+
+    path = tmp_path / "m.h5"
+    path.write_bytes(model_bytes)
+    model = tf.keras.models.load_model(path)
+    return model.evaluate(frames["x_test"], frames["y_test"], verbose=0)[1]
+
+
+@pytest.mark.horovod
+def test_array_column_trains_on_spark_ranks(spark, digits_frames, tmp_path):
+    shapes = {"features": (8, 8, 1)}
+    train = DataFrameDataset(digits_frames["train"], "features", "label", shapes=shapes)
+    val = DataFrameDataset(digits_frames["val"], "features", "label", shapes=shapes)
+    model_bytes = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path)).run(
+        train_fn, train=train, val=val, epochs=12)
+    assert _accuracy(model_bytes, digits_frames, tmp_path) >= 0.9
+    cache = train.cache_dir
+    assert cache and os.listdir(cache), "kept for the next run"
+    train.close()
+    val.close()
+    assert not os.path.exists(cache), "removed when the dataset is closed"
+
+
+@pytest.mark.horovod
+def test_vector_column_trains_on_local_ranks(spark, digits_frames, tmp_path):
+    shapes = {"features": (8, 8, 1)}
+    train = DataFrameDataset(digits_frames["train_vec"], "features", "label", shapes=shapes)
+    val = DataFrameDataset(digits_frames["val_vec"], "features", "label", shapes=shapes)
+    model_bytes = HorovodRunner(np=-2, output_dir=str(tmp_path)).run(
+        train_fn, train=train, val=val, epochs=12)
+    assert _accuracy(model_bytes, digits_frames, tmp_path) >= 0.9
+
+
+def _seen(ds, batch, epochs, shuffle_buffer=None):
+    """Per epoch: the row ids this rank saw, in order; the steps per epoch; whether it streamed;
+    and the ids of the rank's unshuffled epoch."""
+    plain = [int(i) for x, _ in ds.batches(batch, 0) for i in x]
+    return [[[int(i) for x, _ in ds.batches(batch, e, shuffle=True, seed=3,
+                                          shuffle_buffer=shuffle_buffer) for i in x]
+             for e in range(epochs)], ds.steps_per_epoch(batch), ds.streams(), plain]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_each_row_once_per_epoch_equal_steps_and_shuffled(spark, tmp_path, monkeypatch,
+                                                          streaming, backend):
+    """The sharding policy, in memory and streamed (a tiny memory budget and tiny row groups
+    force several row-group pieces per shard and several shuffle windows)."""
+    from sparkhvd.driver.data import materialize
+
+    n, batch, size = 1003, 16, 2
+    if streaming:
+        monkeypatch.setattr(materialize, "ROW_GROUP_BYTES", 8 * 40)  # ~40 rows per row group
+    df = spark.range(n).selectExpr("id", "id % 10 AS label").repartition(3)
+    ds = DataFrameDataset(df, features="id", label="label",
+                          memory_cache=0 if streaming else 1 << 30)
+    per_rank = HorovodRunner(np=size, spark=spark, output_dir=str(tmp_path),
+                             backend=backend).run_all(
+        _seen, ds=ds, batch=batch, epochs=2, shuffle_buffer=100 if streaming else None)
+    ds.close()
+    assert {streams for _, _, streams, _ in per_rank} == {streaming}
+    assert {steps for _, steps, _, _ in per_rank} == {(n // size) // batch}, "equal steps"
+    for epoch in range(2):
+        rows = [r[0][epoch] for r in per_rank]
+        union = set().union(*map(set, rows))
+        assert sum(len(r) for r in rows) == len(union), "no row twice within an epoch"
+        assert n - len(union) < size * batch, "fewer than size*batch rows left out"
+        assert union <= set(range(n))
+    for (first, second), _, _, plain in per_rank:
+        assert first != second, "a different order every epoch"
+        assert first != plain, "shuffled, not in file order"
+        for rows in (first, second):  # the rank's own range, less than a batch left out
+            assert len(set(rows) - set(plain)) < batch and len(set(plain) - set(rows)) < batch
+
+
+def test_streamed_epoch_without_drops_sees_every_row_once(spark, monkeypatch):
+    """When the range divides into batches, a streamed shuffled epoch is a permutation."""
+    from sparkhvd.driver.data import materialize
+
+    monkeypatch.setattr(materialize, "ROW_GROUP_BYTES", 8 * 24)
+    df = spark.range(960, numPartitions=4).selectExpr("id", "id % 3 AS label")
+    from sparkhvd.rank.data.shard import DatasetShard
+
+    with DataFrameDataset(df, "id", "label", memory_cache=0).materialize() as dataset:
+        ds = DatasetShard(dataset.source)  # what a rank gets, read here
+        assert len(ds.source.row_groups[0]) > 1, "several row groups per file"
+        epochs = [[int(i) for x, _ in ds.batches(32, e, shuffle=True, seed=1, rank=1, size=2,
+                                                  shuffle_buffer=64) for i in x]
+                  for e in range(3)]
+        for rows in epochs:
+            assert sorted(rows) == list(range(480, 960))
+        assert epochs[0] != epochs[1] != epochs[2]
+        plain = [int(i) for x, _ in ds.batches(32, 0, rank=1, size=2) for i in x]
+        assert plain == list(range(480, 960)), "unshuffled: the files' order"
+
+
+def test_datasets_travel_inside_containers_but_not_in_closures(spark, tmp_path, backend):
+    """The preparation protocol: an argument that needs the driver is found inside lists and
+    dicts too; captured any other way, it is refused with the fix."""
+    df = spark.range(64).selectExpr("CAST(id AS DOUBLE) AS x", "id % 2 AS y")
+    train, val = DataFrameDataset(df, "x", "y"), DataFrameDataset(df.limit(32), "x", "y")
+    runner = HorovodRunner(np=-2, output_dir=str(tmp_path), backend=backend)
+    try:
+        got = runner.run(lambda data, sizes: [type(data["train"]).__name__,
+                                              data["train"].steps_per_epoch(8),
+                                              [s.num_rows for s in sizes]],
+                         data={"train": train}, sizes=[train, val])
+        assert got == ["DatasetShard", 4, [64, 32]]
+        with pytest.raises(PayloadError, match="only as an argument of HorovodRunner.run"):
+            runner.run(lambda: train.num_rows)
+    finally:
+        train.close()
+        val.close()
+
+
+def test_second_run_reuses_the_materialised_data(spark, tmp_path, caplog, backend):
+    df = spark.range(200).selectExpr("CAST(id AS DOUBLE) AS x", "id % 2 AS y")
+    first = DataFrameDataset(df, "x", "y")
+    runner = HorovodRunner(np=-2, output_dir=str(tmp_path), backend=backend)
+    assert runner.run(lambda ds: ds.num_rows, ds=first) == 200
+    cache = first.cache_dir
+    with caplog.at_level("INFO", logger="sparkhvd"):
+        assert runner.run(lambda ds: ds.num_rows, ds=first) == 200
+        again = DataFrameDataset(df, "x", "y")  # a new dataset of the same DataFrame
+        assert runner.run(lambda ds: ds.num_rows, ds=again) == 200
+    assert again.cache_dir == cache
+    assert sum("reusing materialised data" in r.getMessage() for r in caplog.records) == 2
+    first.close()
+    assert os.path.exists(cache), "still used by the other dataset"
+    del again
+    import gc
+
+    gc.collect()
+    assert not os.path.exists(cache), "removed when the last dataset went away"
+
+
+def test_tf_dataset_shapes_and_repeat(spark):
+    import tensorflow as tf
+
+    df = spark.createDataFrame([(float(i), [float(i)] * 4, i % 2) for i in range(40)],
+                               ["a", "v", "y"])
+    from sparkhvd.rank.data.shard import DatasetShard
+
+    dataset = DataFrameDataset(df, features=["a", "v"], label="y", shapes={"v": (2, 2)})
+    ds = DatasetShard(dataset.materialize().source)  # what a rank gets, read here
+    try:
+        with ds.tf_dataset(batch_size=8, epochs=2) as tfds:
+            batches = list(tfds)
+        assert len(batches) == 2 * ds.steps_per_epoch(8) == 10
+        x, y = batches[0]
+        assert x["v"].shape == (8, 2, 2) and x["v"].dtype == tf.float32
+        assert x["a"].shape == (8,) and y.dtype == tf.int64
+    finally:
+        dataset.cleanup()
+
+
+def test_cache_removed_on_failure_and_kept_on_request(spark, tmp_path, backend):
+    from sparkhvd import TrainingError
+
+    df = spark.range(20).selectExpr("CAST(id AS DOUBLE) AS x", "id % 2 AS y")
+    ds = DataFrameDataset(df, "x", "y", cache_url=str(tmp_path / "cache"))
+
+    def fails(ds):
+        raise RuntimeError("boom")
+
+    with pytest.raises(TrainingError):
+        HorovodRunner(np=-2, output_dir=str(tmp_path / "runs"), backend=backend).run(fails, ds=ds)
+    assert os.listdir(tmp_path / "cache") == []
+
+    kept = DataFrameDataset(df, "x", "y", cache_url=str(tmp_path / "cache"), keep_cache=True)
+    assert HorovodRunner(np=-2, output_dir=str(tmp_path / "runs"), backend=backend).run(
+        lambda ds: ds.num_rows, ds=kept) == 20
+    assert len(os.listdir(tmp_path / "cache")) == 1
+    kept.keep_cache = False
+    kept.cleanup()
+    assert os.listdir(tmp_path / "cache") == []
+
+
+def test_bad_inputs(spark):
+    from pyspark.sql import functions as F
+
+    df = spark.range(5).select(
+        F.col("id").cast("double").alias("x"), F.lit("a").alias("s"),
+        F.create_map(F.lit("k"), F.lit(1.0)).alias("m"),
+        F.struct(F.lit(1.0).alias("f")).alias("st"),
+        F.when(F.col("id") < 2, None).otherwise(F.col("id")).alias("holes"),
+        F.array(F.array(F.lit(1.0))).alias("nested"))
+    with pytest.raises(KeyError, match=r"\['nope'\] not in the DataFrame; it has: \['x', 's'"):
+        DataFrameDataset(df, "nope", "x")
+    for column, shown in (("s", "string"), ("m", "map<string,double>"),
+                          ("st", "struct<f:double>"), ("nested", "array<array<double>>")):
+        with pytest.raises(TypeError, match=f"Column '{column}' has type {shown}"):
+            DataFrameDataset(df, column, "x")
+    with pytest.raises(ValueError, match=r"Null values in used column\(s\) \('holes': 2"):
+        DataFrameDataset(df, "x", "holes").materialize()
+    with pytest.raises(KeyError, match="shapes names column"):
+        DataFrameDataset(df, "x", shapes={"y": (1,)})
+
+
+def test_edge_cases_are_refused_before_launch_and_leave_nothing(spark, tmp_path, backend):
+    """Empty, NaN, ragged arrays, a streaming DataFrame: clear errors before any rank starts,
+    and no cache folder left behind."""
+    from pyspark.sql import functions as F
+
+    cache = tmp_path / "cache"
+    runner = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "runs"), backend=backend)
+
+    def fails(df, *cols, match, **kw):
+        ds = DataFrameDataset(df, *cols, cache_url=str(cache), **kw)
+        with pytest.raises(ValueError, match=match):
+            runner.run(lambda ds: ds.num_rows, ds=ds)
+        assert not cache.exists() or os.listdir(cache) == []
+        assert not list((tmp_path / "runs").glob("*")), "no rank was started"
+
+    empty = spark.range(10).where("id > 100").selectExpr("CAST(id AS DOUBLE) AS x", "id AS y")
+    fails(empty, "x", "y", match="has no rows")
+    nan = spark.range(10).select(F.when(F.col("id") == 3, F.lit(float("nan")))
+                                 .otherwise(F.col("id").cast("double")).alias("x"),
+                                 F.col("id").alias("y"))
+    fails(nan, "x", "y", match=r"NaN values in used column\(s\) \('x': 1 row")
+    assert DataFrameDataset(nan, "x", "y", allow_nan=True).materialize().close() is None
+    ragged = spark.createDataFrame([([1.0, 2.0], 0), ([1.0, 2.0, 3.0, 4.0], 1)] * 4, ["v", "y"])
+    fails(ragged, "v", "y", match=r"'v': from 2 to 4 elements")
+    nan_array = spark.createDataFrame([([1.0, float("nan")], 0), ([1.0, 2.0], 1)] * 4,
+                                      ["v", "y"])
+    fails(nan_array, "v", "y", match=r"NaN values .*'v': 4 row")
+    stream = spark.readStream.format("rate").load()
+    with pytest.raises(TypeError, match="this one is streaming"):
+        DataFrameDataset(stream, "value")
+    assert not cache.exists() or os.listdir(cache) == []
+
+
+def test_dotted_names_and_decimal_labels(spark, tmp_path, backend):
+    from pyspark.sql import functions as F
+
+    df = spark.range(40).select(F.col("id").cast("double").alias("f.x"),
+                                (F.col("id") % 2).cast("decimal(10,2)").alias("label"))
+    ds = DataFrameDataset(df, "f.x", "label")
+
+    def first_batch(ds):
+        (x, y), = [next(ds.batches(8, 0))]
+        return str(x.dtype), str(y.dtype), x.tolist(), y.tolist()
+
+    x_dtype, y_dtype, x, y = HorovodRunner(np=-2, output_dir=str(tmp_path), backend=backend).run(
+        first_batch, ds=ds)
+    ds.close()
+    assert (x_dtype, y_dtype) == ("float32", "float32")
+    assert x == [float(i) for i in range(8)] and y == [float(i % 2) for i in range(8)]
+
+
+def test_driver_local_cache_refused_on_a_cluster(spark):
+    ds = DataFrameDataset(spark.range(3).selectExpr("CAST(id AS DOUBLE) AS x"), "x")
+    with pytest.raises(ValueError, match="executors of spark://10.0.0.5:7077 cannot read"):
+        ds._check_cache_visible("file:///tmp/cache", "spark://10.0.0.5:7077")
+    ds._check_cache_visible("abfss://c@a.dfs.core.windows.net/cache", "spark://10.0.0.5:7077")
+    ds._check_cache_visible("file:///tmp/cache", "spark://127.0.0.1:7077")
+
+
+def test_no_petastorm_or_pyarrow_noise(spark, capfd):
+    df = spark.range(10).selectExpr("CAST(id AS DOUBLE) AS x")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = DataFrameDataset(df, "x").materialize()
+        ds.cleanup()
+    out = capfd.readouterr()
+    assert not [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert "FutureWarning" not in out.err + out.out and "median size" not in out.err + out.out
+
+
+def test_remote_cache_on_azurite(spark, azurite, tmp_path, backend):
+    """cache_url=abfss://: the executors write and the ranks stream through fsspec/adlfs with
+    SAS tokens the driver minted -- no Hadoop Azure connector, no key on a rank."""
+    azurite.make_container("cache")
+    key = azurite.connection_string().split("AccountKey=")[1].split(";")[0]
+    df = spark.range(3000).selectExpr("CAST(id AS DOUBLE) AS x", "id % 7 AS y").repartition(3)
+    ds = DataFrameDataset(df, "x", "y", cache_url=azurite.url("cache", "datasets"),
+                          storage_options=azurite.options(), memory_cache=0)
+
+    def read_all(ds):
+        import json
+
+        from sparkhvd import storage
+
+        ids = [int(v) for x, _ in ds.batches(50, 0) for v in x]
+        try:
+            storage.write_bytes(ds.files[0] + ".evil", b"x", ds.storage_options)
+            wrote = True
+        except Exception:  # noqa: BLE001 - a read-only token must refuse
+            wrote = False
+        return ids, json.dumps(ds.storage_options), wrote, ds.streams()
+
+    results = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path),
+                            backend=backend).run_all(read_all, ds=ds)
+    assert ds.cache_dir.startswith(azurite.url("cache", "datasets"))
+    assert sorted(results[0][0] + results[1][0]) == list(range(3000))
+    for ids, options, wrote, streamed in results:
+        assert streamed and "SharedAccessSignature=" in options
+        assert key not in options and "AccountKey" not in options
+        assert not wrote, "the ranks' token is read-only"
+    from sparkhvd import storage
+
+    names = storage.listdir(ds.cache_dir, azurite.options())
+    assert names and all(n.startswith("part-") for n in names)
+    cache = ds.cache_dir
+    ds.close()
+    assert not storage.exists(cache, azurite.options())
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_windows_span_pieces_of_any_size(shuffle):
+    """Batches gathered across pieces (no window copy) hold whole rows, each once."""
+    from sparkhvd.rank.data.reader import Piece, epoch_batches
+
+    sizes = [5, 1, 13, 7, 2, 40, 3]
+    pieces, offset = [], 0
+    for g, n in enumerate(sizes):
+        pieces.append(Piece(0, g, offset, offset + n))
+        offset += n
+    rows = np.arange(offset)
+
+    def read(piece):
+        ids = rows[piece.lo:piece.hi]
+        return {"x": np.stack([ids, -ids], axis=1), "y": ids}
+
+    rng = np.random.default_rng(7) if shuffle else None
+    batches = list(epoch_batches(read, pieces, 4, offset // 4, rng=rng, shuffle_buffer=9))
+    assert len(batches) == offset // 4 and all(len(b["y"]) == 4 for b in batches)
+    seen = np.concatenate([b["y"] for b in batches])
+    for b in batches:
+        assert (b["x"][:, 0] == b["y"]).all() and (b["x"][:, 1] == -b["y"]).all()
+    assert len(set(seen.tolist())) == len(seen), "no row twice"
+    if shuffle:
+        assert seen.tolist() != sorted(seen.tolist())
+    else:
+        assert seen.tolist() == list(range(len(seen))), "in order: the pieces' rows as they are"

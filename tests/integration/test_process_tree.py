@@ -1,0 +1,80 @@
+"""No process a rank started outlives the run, however it ends -- on every launcher."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import runner_for, still_alive
+from sparkhvd import TrainingError
+
+pytestmark = [pytest.mark.ranks, pytest.mark.timeout(300)]
+
+
+def test_children_of_a_rank_end_with_it(mode, spark_for, tmp_path):
+    """A rank starts a subprocess and a multiprocessing child, then raises (rank 1) or
+    returns (rank 0): run() returns, and no child is left."""
+    pids_file = tmp_path / "children.txt"
+
+    def spawns(pids_file):
+        import multiprocessing
+        import os
+        import subprocess
+        import time
+
+        child = subprocess.Popen(["sleep", "600"])
+        proc = multiprocessing.Process(target=time.sleep, args=(600,))
+        proc.start()
+        with open(pids_file, "a") as f:
+            f.write(f"{child.pid} {proc.pid}\n")
+        if os.environ["HOROVOD_RANK"] == "1":
+            time.sleep(1)
+            raise ValueError("rank 1 gives up")
+        return "rank 0 done"
+
+    runner = runner_for(mode, spark_for, tmp_path / "runs")
+    with pytest.raises(TrainingError, match="rank 1 gives up"):
+        runner.run(spawns, pids_file=str(pids_file))
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert len(pids) == 4
+    alive = still_alive(pids)
+    assert not alive, f"children still alive: {alive}"
+    assert runner.run(lambda: "again") == "again"
+
+
+def test_local_ranks_die_with_their_driver(tmp_path):
+    """SIGKILL the driver of an np=-2 run: its rank processes (and their children) go too."""
+    pids_file = tmp_path / "pids.txt"
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(f"""
+        from sparkhvd import HorovodRunner
+
+        def hangs(pids_file):
+            import os, subprocess, time
+            child = subprocess.Popen(["sleep", "600"])
+            with open(pids_file, "a") as f:
+                f.write(f"{{os.getpid()}} {{child.pid}}\\n")
+            time.sleep(600)
+
+        HorovodRunner(np=-2, output_dir={str(tmp_path / 'runs')!r}).run(
+            hangs, pids_file={str(pids_file)!r})
+    """))
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (
+                not pids_file.exists() or len(pids_file.read_text().split()) < 4):
+            time.sleep(0.2)
+        pids = [int(p) for p in pids_file.read_text().split()]
+        assert len(pids) == 4
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(10)
+        alive = still_alive(pids)
+        assert not alive, f"still alive after the driver died: {alive}"
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)

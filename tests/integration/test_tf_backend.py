@@ -1,0 +1,147 @@
+"""backend="tf": tf.distribute.MultiWorkerMirroredStrategy on the same runner, no horovod.
+
+Runs in every profile: TF 2.15 + Keras 2 here, and TF >= 2.19 + Keras 3 + numpy 2 in the modern
+profile (`make test PROFILE=modern`), where horovod is not installed at all.
+"""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import digits_keras
+from sparkhvd import DataFrameDataset, HorovodRunner
+
+pytestmark = [pytest.mark.tf_backend, pytest.mark.timeout(600)]
+
+
+def where_am_i():
+    import json
+    import os
+    import sys
+
+    return {"tf_config": json.loads(os.environ["TF_CONFIG"]), "rank": os.environ["SPARKHVD_RANK"],
+            "horovod": any(m.startswith("horovod") for m in sys.modules)}
+
+
+@pytest.mark.parametrize("np_", [2, -2], ids=["spark", "local"])
+def test_each_rank_gets_its_tf_config_and_no_horovod(any_spark, tmp_path, np_):
+    """On a classic session, a Spark Connect session (any_spark), and as local processes."""
+    from sparkhvd.driver.sparkview import is_connect
+
+    if np_ < 0 and is_connect(any_spark):
+        pytest.skip("np < 0 starts no Spark tasks: once is enough")
+    runner = HorovodRunner(np=np_, spark=any_spark if np_ > 0 else None, backend="tf",
+                           output_dir=str(tmp_path))
+    results = runner.run_all(where_am_i)
+    workers = results[0]["tf_config"]["cluster"]["worker"]
+    assert len(workers) == 2 and len(set(workers)) == 2
+    for rank, r in enumerate(results):
+        assert r["tf_config"] == {"cluster": {"worker": workers},
+                                  "task": {"type": "worker", "index": rank}}
+        assert r["rank"] == str(rank) and not r["horovod"]
+    record = json.loads(open(runner.last_run_dir.file("run.json")).read())
+    assert record["backend"] == "tf"
+
+
+def test_workers_train_identically_with_the_keras_helpers(spark, data, tmp_path, rank_lines):
+    runner = HorovodRunner(np=2, spark=spark, backend="tf", output_dir=str(tmp_path))
+    r0, r1 = runner.run_all(digits_keras.train, **data, epochs=8, warmup_epochs=1)
+    assert r0["backend"] == r1["backend"] == "tf"
+    assert r0["start_hash"] == r1["start_hash"], "every worker starts from the same weights"
+    assert r0["hash"] == r1["hash"], "and ends with the same weights"
+    assert r0["accuracy"] >= 0.9
+    run = runner.last_run_dir
+    progress = [line for line in rank_lines if line.startswith("[rank 0] epoch ")]
+    assert len(progress) == 8 and not any(line.startswith("[rank 1] epoch") for line in rank_lines)
+    rows = list(csv.DictReader(open(run.file("metrics.csv"))))
+    assert [int(r["epoch"]) for r in rows] == list(range(1, 9)) and "val_accuracy" in rows[0]
+    assert open(run.file("curves.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    latest = json.loads(open(run.file("checkpoints/latest.json")).read())
+    assert latest["epoch"] == 8 and latest["optimizer"] == "epoch-0008.optimizer.npz"
+
+
+def test_resume_is_exact_on_tf(spark, data, tmp_path):
+    kw = dict(**data, shuffle=False, weights=True, warmup_epochs=3)
+    straight = HorovodRunner(np=2, spark=spark, backend="tf",
+                             output_dir=str(tmp_path / "a")).run(digits_keras.train, epochs=4, **kw)
+    HorovodRunner(np=2, spark=spark, backend="tf", output_dir=str(tmp_path / "b")).run(
+        digits_keras.train, epochs=2, **kw)
+    resumed_runner = HorovodRunner(np=2, spark=spark, backend="tf", resume_from=True,
+                                   output_dir=str(tmp_path / "b"))
+    resumed = resumed_runner.run(digits_keras.train, epochs=4, **kw)
+    assert resumed["initial_epoch"] == 2
+    for a, b in zip(straight["weights"], resumed["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    record = json.loads(open(resumed_runner.last_run_dir.file("run.json")).read())
+    assert record["resume"]["epoch"] == 2 and record["resume"]["restored"]
+
+
+def test_two_workers_match_one_with_the_same_global_batch(spark, data, tmp_path):
+    one = HorovodRunner(np=1, spark=spark, backend="tf", output_dir=str(tmp_path)).run(
+        digits_keras.train, **data, epochs=8, batch_size=64, lr=0.004)
+    two = HorovodRunner(np=2, spark=spark, backend="tf", output_dir=str(tmp_path)).run(
+        digits_keras.train, **data, epochs=8, batch_size=32, lr=0.002)
+    assert one["accuracy"] >= 0.9 and two["accuracy"] >= 0.9
+    assert abs(one["accuracy"] - two["accuracy"]) <= 0.03
+
+
+def _train_from_frames(train, val, epochs):
+    import tensorflow as tf
+
+    from sparkhvd.examples.digits import build_model
+    from sparkhvd.keras import KerasDistributed
+
+    kd = KerasDistributed(epochs=epochs, batch_size=32)
+    with kd.scope():
+        model = build_model()
+        model.compile(optimizer=kd.optimizer(tf.keras.optimizers.Adam(0.002)),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    with train.tf_dataset(32, shuffle=True, seed=1) as ds, val.tf_dataset(64) as vds:
+        model.fit(ds, steps_per_epoch=train.steps_per_epoch(32), validation_data=vds,
+                  validation_steps=val.steps_per_epoch(64), **kd.fit_kwargs(model))
+        _, accuracy = model.evaluate(vds, steps=val.steps_per_epoch(64), verbose=0)
+    return {"steps": train.steps_per_epoch(32), "accuracy": float(accuracy)}
+
+
+def test_dataframe_dataset_on_tf(spark, data, tmp_path):
+    def frame(x, y):
+        return spark.createDataFrame([(x[i].reshape(-1).tolist(), int(y[i])) for i in range(len(x))],
+                                     ["features", "label"])
+
+    shapes = {"features": (8, 8, 1)}
+    train = DataFrameDataset(frame(data["x_train"], data["y_train"]), "features", "label",
+                             shapes=shapes)
+    val = DataFrameDataset(frame(data["x_val"], data["y_val"]), "features", "label",
+                           shapes=shapes)
+    r0, r1 = HorovodRunner(np=2, spark=spark, backend="tf", output_dir=str(tmp_path)).run_all(
+        _train_from_frames, train=train, val=val, epochs=12)
+    train.close()
+    val.close()
+    assert r0["steps"] == r1["steps"] == (len(data["x_train"]) // 2) // 32
+    assert r0["accuracy"] >= 0.9
+
+
+def test_the_demo_job_on_a_standalone_cluster(standalone, tmp_path):
+    sparkhvd_cli = os.path.join(os.path.dirname(sys.executable), "sparkhvd")
+    job = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "train_digits.py")
+    out = subprocess.run(
+        [sparkhvd_cli, "submit", "--preset", "standalone-cpu", "--master", standalone.master_url,
+         job, "--backend", "tf", "--output-url", str(tmp_path / "model"), "--epochs", "15",
+         "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True, timeout=560)
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-4000:])
+    line = next(line for line in out.stdout.splitlines() if line.startswith("JOB OK"))
+    assert "backend tf" in line and f"master {standalone.master_url}" in line
+    assert float(line.split("held-out accuracy ")[1].split(",")[0]) >= 0.9
+
+
+def test_horovod_only_options_are_refused_on_tf():
+    with pytest.raises(ValueError, match="min_np/max_np .* need backend='horovod'"):
+        HorovodRunner(np=3, min_np=2, backend="tf")
+    with pytest.raises(ValueError, match="timeline=True need backend='horovod'"):
+        HorovodRunner(np=2, timeline=True, backend="tf")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        HorovodRunner(np=2, backend="mpi")
