@@ -1,10 +1,12 @@
 # The two commands a newcomer types: `make demo` and `make test` (each sets up first if needed).
 # PROFILE=tf218 selects the TF 2.18 + tf-keras profile (.venv-tf218); PROFILE=modern current
-# TensorFlow with Keras 3 and numpy 2, no horovod (.venv-modern, backend="tf"). See README.
+# TensorFlow with Keras 3 and numpy 2, no horovod (.venv-modern, backend="tf"); PROFILE=torch
+# PyTorch on Spark 4, no TensorFlow, no horovod (.venv-torch, backend="torch"). See README.
 PROFILE ?= tf215
 DEMO_ARGS :=
-# Spark Connect's tests need pyspark[connect] and Spark 4: the modern profile runs them.
-TEST_ARGS := -m "not connect"
+# Spark Connect's tests need pyspark[connect] and Spark 4: the modern profile runs them; the
+# torch backend's, the torch profile.
+TEST_ARGS := -m "not connect and not torch_backend"
 ifeq ($(PROFILE),tf218)
 PY := .venv-tf218/bin/python
 export TF_USE_LEGACY_KERAS := 1
@@ -14,7 +16,15 @@ DEMO_ARGS := --backend tf
 # Spark 4 + Keras 3 + MLflow 3: the tests that start nothing, every test of the tf backend,
 # those marked every_profile (DataFrame data path, scoring, MLflow) and Spark Connect's; never
 # horovod.
-TEST_ARGS := -m "(tf_backend or every_profile or connect or not (spark or ranks or cluster or netns or notebook)) and not horovod"
+TEST_ARGS := -m "(tf_backend or every_profile or connect or not (spark or ranks or cluster or netns or notebook)) and not horovod and not torch_backend"
+else ifeq ($(PROFILE),torch)
+PY := .venv-torch/bin/python
+DEMO_ARGS := --backend torch
+# PyTorch on Spark 4 (classic and Connect), no TensorFlow: the torch backend's tests -- local,
+# Spark, side by side with TorchDistributor, failure matrix, multi-host -- and its unit tests.
+TORCH_TESTS := tests/unit/test_rank.py tests/integration/test_torch.py tests/integration/test_demo.py \
+	tests/integration/test_failures.py tests/cluster/test_multihost_torch.py
+TEST_ARGS := -m "torch_backend or not (spark or ranks or azurite or cluster or netns or notebook or connect or horovod)" $(TORCH_TESTS)
 else
 PY := .venv/bin/python
 endif

@@ -1,11 +1,11 @@
-"""The main job: train a Keras model on scikit-learn's digits with HorovodRunner(np=2).
+"""The main job: train on scikit-learn's digits with HorovodRunner(np=2) (Keras, or PyTorch).
 
 Runs on a local-mode Spark session (2 task slots); rank 0 prints per-epoch metrics on the driver,
 the model comes back as bytes, is saved under runs/<run-id>/, and scores the held-out images as
 a Spark DataFrame on the executors (sparkhvd.predict).
 Exit status 1 if the held-out accuracy is below --min-accuracy.
 
-    python scripts/demo.py [--np 2] [--epochs 30] [--output-dir runs] [--backend horovod|tf]
+    python scripts/demo.py [--np 2] [--epochs 30] [--output-dir runs] [--backend horovod|tf|torch]
 """
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--output-dir", default="runs")
     parser.add_argument("--min-accuracy", type=float, default=0.9)
-    parser.add_argument("--backend", choices=["horovod", "tf"], default="horovod",
-                        help="horovod (Gloo) or tf (tf.distribute; the modern profile's)")
+    parser.add_argument("--backend", choices=["horovod", "tf", "torch"], default="horovod",
+                        help="horovod (Gloo), tf (tf.distribute; the modern profile's) or torch "
+                             "(torch.distributed; the torch profile's)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     for name in ("sparkhvd", "demo"):
@@ -32,15 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
     from sparkhvd import HorovodRunner
-    from sparkhvd.examples.digits import load_digits_split, train_hvd
+    from sparkhvd.examples.digits import load_digits_split, train_hvd, train_torch
 
     x_train, x_test, y_train, y_test = load_digits_split()
     runner = HorovodRunner(np=args.np, output_dir=args.output_dir, backend=args.backend)
-    model_bytes = runner.run(train_hvd, x_train=x_train, y_train=y_train, x_val=x_test,
+    train = train_torch if args.backend == "torch" else train_hvd
+    model_bytes = runner.run(train, x_train=x_train, y_train=y_train, x_val=x_test,
                              y_val=y_test, epochs=args.epochs)
     run_dir = runner.last_run_dir
     log.info("rank 0 returned %d bytes; saved as %s", len(model_bytes),
-             run_dir.file(run_dir.record["model"]))  # model.h5, or model.keras on Keras 3
+             run_dir.file(run_dir.record["model"]))  # model.h5, model.keras (Keras 3), model.pt
 
     # Score the held-out images as a Spark DataFrame, on the executors (the model is loaded once
     # per executor Python worker; nothing is collected on the driver).

@@ -1,4 +1,5 @@
-"""sparkhvd: run single-node TensorFlow/Keras training data-parallel with Horovod on Spark.
+"""sparkhvd: run single-node training data-parallel on Spark executors -- TensorFlow/Keras (Horovod
+or tf.distribute) or PyTorch (torch.distributed).
 
 Public API::
 

@@ -160,15 +160,17 @@ def doctor(preset: str, master: Optional[str], remote: Optional[str], np_: Optio
 @click.option("--output-dir", default="runs", show_default=True, help="Run folders go here.")
 @click.option("--verbosity", type=click.Choice(["rank0", "all"]), default="rank0",
               show_default=True, help="Which ranks' output the console shows.")
-@click.option("--backend", type=click.Choice(["horovod", "tf"]), default="horovod",
-              show_default=True, help="horovod (Gloo), or tf: TF_CONFIG for tf.distribute.")
+@click.option("--backend", type=click.Choice(["horovod", "tf", "torch"]), default="horovod",
+              show_default=True, help="horovod (Gloo); tf: TF_CONFIG for tf.distribute; torch: "
+              "torchrun's MASTER_ADDR/RANK/WORLD_SIZE/LOCAL_RANK for torch.distributed.")
 @click.option("--remote", default=None, help="Run on a Spark Connect session: sc://HOST:15002 "
               "(or local[N] for a local Connect server), where --master/--preset take a "
               "classic one.")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(script: str, np_: int, preset: Optional[str], output_dir: str, verbosity: str,
         backend: str, remote: Optional[str], script_args: tuple[str, ...]) -> None:
-    """Run a plain Horovod training SCRIPT (as for horovodrun) on Spark: sparkhvd run train.py --np 2 -- ARGS."""
+    """Run a plain training SCRIPT on Spark, as horovodrun or torchrun would:
+    sparkhvd run train.py --np 2 [--backend torch] -- ARGS."""
     from sparkhvd.common.errors import SparkhvdError
     from sparkhvd.driver.runner import HorovodRunner
     from sparkhvd.rank.script import read_script, run_script

@@ -25,7 +25,11 @@ MACHINE_VARS = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "USER", "LANG",
                 "TMPDIR", "VIRTUAL_ENV", "JAVA_HOME", "SPARK_HOME", "PYSPARK_PYTHON",
                 "HADOOP_CONF_DIR")
 #: Settings the driver forwards to every rank (exact names, or prefixes ending in ``_``).
-SETTING_VARS = ("TF_", "HOROVOD_", "NCCL_", "OMP_", "KMP_", "CUDA_", "XLA_FLAGS")
+SETTING_VARS = ("TF_", "HOROVOD_", "NCCL_", "GLOO_", "OMP_", "KMP_", "CUDA_", "XLA_FLAGS")
+#: The run's own variables a backend assigns each rank (step 3) beyond ``SPARKHVD_*``, ``TF_*``
+#: and ``HOROVOD_*``: torchrun's, for ``backend="torch"``. Never taken from a host implicitly.
+RUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
 #: Every name a rank may get implicitly (see the module docstring).
 ENV_ALLOWLIST = MACHINE_VARS + SETTING_VARS
 
@@ -37,6 +41,11 @@ def _listed(name: str, names: tuple[str, ...]) -> bool:
 def allowed(name: str, names: tuple[str, ...] = ENV_ALLOWLIST) -> bool:
     """Whether a variable may reach a rank implicitly: listed, and not credential-looking."""
     return _listed(name, names) and not SECRET_NAME.search(name)
+
+
+def run_variable(name: str) -> bool:
+    """Whether ``name`` is one of the run's own variables (kept by a rank's scrub)."""
+    return name.startswith("SPARKHVD_") or name in RUN_VARS
 
 
 def filtered(environ: Mapping[str, str], names: tuple[str, ...] = ENV_ALLOWLIST) -> dict[str, str]:

@@ -10,8 +10,8 @@ import contextlib
 import socket
 from typing import Iterable, Optional
 
-#: The variables that name the interface collectives use.
-IFACE_VARS = ("HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME")
+#: The variables that name the interface collectives use (Horovod's Gloo, NCCL, PyTorch's Gloo).
+IFACE_VARS = ("HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 #: Addresses that mean "this machine".
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -50,8 +50,9 @@ def collective_iface_env(nics: Optional[Iterable[str]], towards: Optional[str]) 
     or driver address), ``lo`` when that cannot be found; nothing when neither is known.
     """
     if nics:
-        names = sorted(nics)  # Gloo takes one interface, NCCL a list (as horovodrun sets them)
-        return {"HOROVOD_GLOO_IFACE": names[0], "NCCL_SOCKET_IFNAME": ",".join(names)}
+        names = sorted(nics)  # Horovod's Gloo takes one interface, NCCL and torch's a list
+        return {"HOROVOD_GLOO_IFACE": names[0], "NCCL_SOCKET_IFNAME": ",".join(names),
+                "GLOO_SOCKET_IFNAME": ",".join(names)}
     if not towards:
         return {}
     iface = None

@@ -91,6 +91,20 @@ def tf_backend() -> str:
     return f"tensorflow {tf.__version__}, keras {keras}: MultiWorkerMirroredStrategy"
 
 
+def torch_backend() -> str:
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError(f"torch {torch.__version__} was built without torch.distributed")
+    kinds = [name for name, ok in (("gloo", dist.is_gloo_available()),
+                                   ("nccl", dist.is_nccl_available())) if ok]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return (f"torch {torch.__version__}: torch.distributed ({', '.join(kinds) or 'no backend'}), "
+            f"{gpus} GPU(s); not supported: elastic torch runs (torchrun --nnodes=MIN:MAX), "
+            "horovod.torch (horovod 0.28 does not build against torch >= 2.1)")
+
+
 def spark_stack() -> str:
     """The pyspark version (inside the supported range) and what sparkhvd uses that it offers."""
     from sparkhvd.driver.stack import check_spark, spark_features
@@ -110,6 +124,7 @@ def stack_checks() -> list[Check]:
               "run `make setup` (builds horovod with TensorFlow + Gloo; needs TensorFlow <= "
               "2.18 with Keras 2 or tf-keras), or use backend='tf'"),
         check("backend tf", tf_backend, "install tensorflow (>= 2.4)"),
+        check("backend torch", torch_backend, "install torch (e.g. pip install torch)"),
     ]
     usable = [b for b in backends if b.ok]
     for b in backends:

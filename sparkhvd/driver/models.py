@@ -1,4 +1,5 @@
-"""Loading a trained Keras model back from a run folder or a model URL (local or abfss)."""
+"""Loading a trained model back from a run folder or a model URL (local or abfss): Keras
+(``.h5``/``.keras``) or PyTorch (TorchScript ``.pt``; a ``state_dict`` ``.state_dict.pt``)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ from typing import Any, Mapping, Optional
 from sparkhvd import storage
 from sparkhvd.storage.kerasio import local_file, suffix_of
 
-MODEL_SUFFIXES = (".h5", ".keras", ".hdf5")
+MODEL_SUFFIXES = (".h5", ".keras", ".hdf5", ".pt")
 
 
 def _newest_run(loc: storage.Location) -> Optional[str]:
@@ -47,19 +48,40 @@ def model_url(url: str, storage_options: Optional[Mapping[str, Any]] = None) -> 
     newest = _newest_run(loc)
     hint = (f" It is a folder of runs: pass one of them, e.g. the newest, "
             f"{shown.rstrip('/')}/{newest}." if newest else
-            " Pass a run folder (it holds run.json) or a model file (.h5 / .keras).")
+            " Pass a run folder (it holds run.json) or a model file (.h5 / .keras / .pt).")
     raise FileNotFoundError(f"No model at {shown}: looked for {shown.rstrip('/')}/run.json (a "
-                            f"run folder) or a model file (.h5 / .keras).{hint}")
+                            f"run folder) or a model file (.h5 / .keras / .pt).{hint}")
+
+
+def is_torch_model(path: str) -> bool:
+    """Whether a model file is PyTorch's (``.pt``: TorchScript, or a ``state_dict``)."""
+    return path.lower().endswith(".pt")
+
+
+def load_torch(data: bytes, **load_kwargs: Any) -> Any:
+    """A TorchScript module (``model.pt``) or a ``state_dict`` (``model.state_dict.pt``)."""
+    import io
+    import zipfile
+
+    import torch
+
+    names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
+        return torch.jit.load(io.BytesIO(data), **load_kwargs)
+    return torch.load(io.BytesIO(data), weights_only=True, **load_kwargs)
 
 
 def load_model(url: str, storage_options: Optional[Mapping[str, Any]] = None, **load_kwargs: Any):
-    """Return the Keras model stored at ``url`` (a run folder or a model file).
+    """Return the model stored at ``url`` (a run folder or a model file): a Keras model, a
+    TorchScript module, or a PyTorch ``state_dict`` (load it into your model class).
 
     Example::
 
         model = sparkhvd.load_model("abfss://models@acct.dfs.core.windows.net/runs/20260101-...")
     """
     loc = model_url(url, storage_options)
+    if is_torch_model(loc.path):
+        return load_torch(storage.read_bytes(loc), **load_kwargs)
     import tensorflow as tf
 
     if loc.is_local:

@@ -16,7 +16,7 @@ import os
 import platform
 import secrets
 import time
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from sparkhvd.driver.stack import package_version
 from sparkhvd.common.fileio import atomic_write
@@ -24,6 +24,8 @@ from sparkhvd.common.fileio import atomic_write
 log = logging.getLogger(__name__)
 
 MODEL_NAMES = {b"\x89HDF\r\n\x1a\n": "model.h5", b"PK\x03\x04": "model.keras"}
+#: A zip archive holding these is a TorchScript module (torch.jit.save), not a .keras file.
+TORCHSCRIPT_MARKERS = ("/constants.pkl", "/code/")
 
 
 def new_run_id() -> str:
@@ -35,8 +37,25 @@ def model_filename(data: bytes) -> Optional[str]:
     """``model.h5`` / ``model.keras`` when ``data`` is a saved Keras model, else ``None``."""
     for magic, name in MODEL_NAMES.items():
         if data[:len(magic)] == magic:
-            return name
+            return "model.pt" if name == "model.keras" and _is_torchscript(data) else name
     return None
+
+
+def _is_torchscript(data: bytes) -> bool:
+    import io
+    import zipfile
+
+    try:
+        names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    except zipfile.BadZipFile:
+        return False
+    return any(marker in name for name in names for marker in TORCHSCRIPT_MARKERS)
+
+
+def is_state_dict(value: Any) -> bool:
+    """Whether ``value`` is a PyTorch ``state_dict`` (names -> tensors)."""
+    return isinstance(value, Mapping) and bool(value) and all(
+        isinstance(k, str) and type(v).__module__.startswith("torch") for k, v in value.items())
 
 
 def versions() -> dict[str, Optional[str]]:
@@ -159,11 +178,21 @@ class RunDir:
         self.record["timings"][timing] = round(time.monotonic() - self._t0, 3)
 
     def save_result(self, result: Any) -> Optional[str]:
-        """Keep what rank 0 returned: model bytes as ``model.h5``/``model.keras``."""
+        """Keep what rank 0 returned: model bytes as ``model.h5``/``model.keras``/``model.pt``
+        (TorchScript), a PyTorch ``state_dict`` as ``model.state_dict.pt``."""
         if isinstance(result, (bytes, bytearray)):
             name = model_filename(bytes(result)) or "result.bin"
             atomic_write(self.file(name), bytes(result))
             return self.file(name)
+        if is_state_dict(result):
+            import io
+
+            import torch
+
+            buffer = io.BytesIO()
+            torch.save(dict(result), buffer)
+            atomic_write(self.file("model.state_dict.pt"), buffer.getvalue())
+            return self.file("model.state_dict.pt")
         return None
 
     def preflight(self) -> None:

@@ -106,10 +106,12 @@ class HorovodRunner:
       default the active one, else ``local[np]``) and a ``conf/`` preset to check ``np``
       against and start a session from.
 
-    ``backend``: ``"horovod"`` (default: Horovod with Gloo; plain Horovod code runs unchanged)
-    or ``"tf"``: ``tf.distribute.MultiWorkerMirroredStrategy`` from a ``TF_CONFIG`` each rank
-    gets -- no horovod at all, so current TensorFlow, Keras 3 and numpy 2 work. Elastic runs,
-    ``launcher="horovod"`` and ``timeline`` are Horovod-only.
+    ``backend``: ``"horovod"`` (default: Horovod with Gloo; plain Horovod code runs unchanged),
+    ``"tf"``: ``tf.distribute.MultiWorkerMirroredStrategy`` from a ``TF_CONFIG`` each rank
+    gets -- no horovod at all, so current TensorFlow, Keras 3 and numpy 2 work -- or
+    ``"torch"``: torchrun's variables for ``torch.distributed`` (``init_process_group()``
+    unchanged; helpers in :mod:`sparkhvd.torch`). Elastic runs, ``launcher="horovod"`` and
+    ``timeline`` are Horovod-only.
 
     Example::
 

@@ -123,9 +123,9 @@ def predict(df: Any, model: Any, features: Union[str, Sequence[str]], *,
                                   argmax=True)
         scored.where("prediction = label").count() / scored.count()
     """
-    from pyspark.ml.functions import predict_batch_udf, vector_to_array
+    from pyspark.ml.functions import predict_batch_udf
 
-    from sparkhvd.driver.data.materialize import check_column_type, check_profile, profile, quoted
+    from sparkhvd.driver.data.materialize import check_column_type, check_profile, profile
     from sparkhvd.storage.kerasio import local_file
 
     names = [features] if isinstance(features, str) else list(features)
@@ -141,6 +141,10 @@ def predict(df: Any, model: Any, features: Union[str, Sequence[str]], *,
     if check:
         check_profile(profile(df, names, kinds, schema), names, allow_nan=False)
     data, suffix = _model_bytes(model, storage_options)
+    columns = _feature_columns(names, kinds)
+    if suffix == ".pt":
+        return _predict_torch(df, data, names, kinds, dict(shapes or {}), columns,
+                              output_col=output_col, batch_size=batch_size, argmax=argmax)
     import tensorflow as tf
 
     with local_file(data, suffix) as path:
@@ -182,6 +186,15 @@ def predict(df: Any, model: Any, features: Union[str, Sequence[str]], *,
 
     udf = predict_batch_udf(make_predict_fn, return_type=return_type, batch_size=batch_size,
                             input_tensor_shapes=tensor_shapes)
+    return df.withColumn(output_col, udf(*columns))
+
+
+def _feature_columns(names: Sequence[str], kinds: Mapping[str, str]) -> list:
+    """The feature columns as float32 (arrays and vectors as ``array<float>``)."""
+    from pyspark.ml.functions import vector_to_array
+
+    from sparkhvd.driver.data.materialize import quoted
+
     columns = []
     for c in names:
         col = quoted(c)
@@ -192,4 +205,73 @@ def predict(df: Any, model: Any, features: Union[str, Sequence[str]], *,
         else:
             col = col.cast("float")
         columns.append(col)
+    return columns
+
+
+def _predict_torch(df: Any, data: bytes, names: Sequence[str], kinds: Mapping[str, str],
+                   shapes: Mapping[str, Sequence[int]], columns: list, *, output_col: str,
+                   batch_size: int, argmax: bool) -> Any:
+    """:func:`predict` for a TorchScript model (``model.pt``): each feature column is one
+    positional input of ``forward``, ``(batch, *shape)`` (``shapes``, else flat; scalars
+    ``(batch, 1)``). The output's width is learnt from one row, on the driver."""
+    import numpy as np
+    from pyspark.ml.functions import predict_batch_udf
+    from pyspark.sql.types import ArrayType, FloatType, LongType
+
+    from sparkhvd.driver.models import load_torch
+
+    if not hasattr(load_torch(data), "forward"):
+        raise TypeError("This run's model is a PyTorch state_dict: scoring needs the module. "
+                        "Fix: return sparkhvd.torch.model_bytes(model) from rank 0 (TorchScript), "
+                        "or load the state_dict into your model and score it yourself.")
+    row = df.select(*columns).limit(1).collect()
+    if not row:
+        raise ValueError("The DataFrame to score is empty.")
+
+    def one_row(values: Sequence[Any]) -> list:
+        """The first row as a batch of one, shaped as the executors will shape theirs."""
+        out = []
+        for c, value in zip(names, values):
+            array = np.asarray(value, dtype="float32").reshape(1, -1)
+            out.append(array.reshape((1,) + tuple(shapes.get(c) or array.shape[1:])))
+        return out
+
+    def run(module: Any, arrays: list) -> Any:
+        import torch
+
+        with torch.no_grad():
+            out = module(*[torch.from_numpy(np.ascontiguousarray(a)) for a in arrays])
+        return out.detach().cpu().numpy() if hasattr(out, "detach") else np.asarray(out)
+
+    example = run(load_torch(data), one_row(list(row[0])))
+    width = int(np.prod(example.shape[1:])) if example.ndim > 1 else 1
+    if argmax and width < 2:
+        raise ValueError("argmax=True needs a model with a vector output (one score per class); "
+                         f"this one outputs shape {tuple(example.shape)}.")
+    return_type = LongType() if argmax else FloatType() if width == 1 else ArrayType(FloatType())
+    shipped = ship_bytes(df.sparkSession, data, ".pt")
+    del data
+
+    def make_predict_fn():
+        from sparkhvd.driver.models import load_torch as load
+
+        module = load(shipped())
+        module.eval()
+
+        def predict_batch(*arrays):
+            shaped = [a.reshape((len(a),) + tuple(shapes.get(c) or (-1,))) for a, c in
+                      zip(arrays, names)]
+            out = run(module, shaped)
+            if argmax:
+                return out.reshape(len(out), -1).argmax(axis=1).astype("int64")
+            out = out.astype("float32")
+            return out.reshape(len(out)) if width == 1 else out.reshape(len(out), -1)
+
+        return predict_batch
+
+    # Spark needs each array column's shape: the one given, else the first row's length.
+    tensor_shapes = [None if kinds[c] == "scalar" else list(shapes.get(c) or [len(value)])
+                     for c, value in zip(names, row[0])]
+    udf = predict_batch_udf(make_predict_fn, return_type=return_type, batch_size=batch_size,
+                            input_tensor_shapes=tensor_shapes)
     return df.withColumn(output_col, udf(*columns))

@@ -86,7 +86,8 @@ def connect_session(remote: str):
 
 
 #: What Spark's worker Python must import, per backend.
-NEEDED_MODULES = {"horovod": "horovod.spark, sparkhvd", "tf": "tensorflow, sparkhvd"}
+NEEDED_MODULES = {"horovod": "horovod.spark, sparkhvd", "tf": "tensorflow, sparkhvd",
+                  "torch": "torch, sparkhvd"}
 
 
 @functools.lru_cache(maxsize=8)

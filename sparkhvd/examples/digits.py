@@ -1,10 +1,9 @@
 """The digits example used by the demo, the spark-submit job and the notebooks.
 
-scikit-learn's digits ship offline (1,797 8x8 images); the model is a small CNN.
+scikit-learn's digits ship offline (1,797 8x8 images); the model is a small CNN (Keras) or a
+small MLP (PyTorch, :func:`train_torch`).
 """
 from __future__ import annotations
-
-
 
 def load_digits_split(seed: int = 0):
     """Digits as float32 images (N, 8, 8, 1) in [0, 1], one 80/20 stratified split."""
@@ -61,6 +60,49 @@ def train_hvd(x_train, y_train, x_val, y_val, epochs: int = 30, batch_size: int 
               validation_data=(x_val, y_val), **kd.fit_kwargs(model))
     saved = model_bytes(model)  # every rank saves (tf.distribute may read collectively) ...
     return saved if kd.rank == 0 else None  # ... rank 0's bytes become runs/<id>/model.h5
+
+
+def train_torch(x_train, y_train, x_val, y_val, epochs: int = 30, batch_size: int = 32,
+                lr: float = 0.002):
+    """Single-node PyTorch code made distributed with sparkhvd.torch (``backend="torch"``):
+    DDP, each rank its slice, rank-averaged metrics, rank-0 checkpoints, TorchScript bytes."""
+    import torch
+
+    import sparkhvd.torch as st
+
+    ctx = st.setup()  # init_process_group from the variables every rank got (gloo / nccl)
+    torch.manual_seed(42)
+    model = ctx.wrap(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 64),
+                                         torch.nn.ReLU(), torch.nn.Linear(64, 10)))
+    opt = torch.optim.Adam(model.parameters(), lr=ctx.scale_lr(lr))
+    per_rank = len(x_train) // ctx.world_size  # equal steps on every rank
+    x = torch.from_numpy(x_train[ctx.rank::ctx.world_size][:per_rank].reshape(per_rank, 64))
+    y = torch.from_numpy(y_train[ctx.rank::ctx.world_size][:per_rank])
+    xv = torch.from_numpy(x_val.reshape(len(x_val), 64))
+    yv = torch.from_numpy(y_val)
+    ckpt = st.Checkpoints(model, opt)
+    shuffle = torch.Generator().manual_seed(ctx.rank)
+    for epoch in range(ckpt.restore(), epochs):
+        model.train()
+        order = torch.randperm(per_rank, generator=shuffle)
+        total, correct = 0.0, 0
+        for start in range(0, per_rank - batch_size + 1, batch_size):
+            idx = order[start:start + batch_size]
+            opt.zero_grad()
+            out = model(x[idx])
+            loss = torch.nn.functional.cross_entropy(out, y[idx])
+            loss.backward()
+            opt.step()
+            total += float(loss) * len(idx)
+            correct += int((out.argmax(1) == y[idx]).sum())
+        model.eval()
+        with torch.no_grad():
+            val_accuracy = float((model(xv).argmax(1) == yv).float().mean())
+        steps = per_rank // batch_size * batch_size
+        st.report(epoch, epochs=epochs, loss=total / steps, accuracy=correct / steps,
+                  val_accuracy=val_accuracy)
+        ckpt.save(epoch)
+    return st.model_bytes(model) if ctx.rank == 0 else None  # runs/<id>/model.pt (TorchScript)
 
 
 def train_elastic(x_train, y_train, x_val, y_val, steps: int = 60, batch_size: int = 32,

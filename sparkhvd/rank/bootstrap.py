@@ -14,7 +14,7 @@ import warnings
 from typing import Any
 
 from sparkhvd.common import protocol
-from sparkhvd.common.environment import allowed
+from sparkhvd.common.environment import allowed, run_variable
 from sparkhvd.common.errors import PayloadError
 from sparkhvd.common.identity import current_rank
 from sparkhvd.common.netif import collective_iface_env
@@ -41,7 +41,7 @@ def scrub_environment(keep: list[str]) -> None:
     """
     keep_set = set(keep)
     for name in list(os.environ):
-        if not (name in keep_set or name.startswith("SPARKHVD_") or allowed(name)):
+        if not (name in keep_set or run_variable(name) or allowed(name)):
             del os.environ[name]
 
 
@@ -95,7 +95,8 @@ def rank_main(payload: bytes, options: dict, *, pickle_result: bool = False) -> 
     try:
         cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else (os.cpu_count() or 1)
-        apply_plan(plan_rank(local_rank, local_size, cpu_count, detect_gpus()))
+        apply_plan(plan_rank(local_rank, local_size, cpu_count, detect_gpus()),
+                   os.environ.get(protocol.BACKEND_ENV))
         import cloudpickle
 
         fn, kwargs = cloudpickle.loads(payload)  # made by sparkhvd.driver.payload.dumps

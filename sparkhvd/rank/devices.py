@@ -91,12 +91,29 @@ def configure_tensorflow(tf: Any, plan: RankPlan) -> Optional[str]:
     return chosen.name
 
 
-def apply_plan(plan: RankPlan) -> None:
-    """Export the plan's environment and pin the GPU (imports TensorFlow only on GPU hosts)."""
+def configure_torch(torch: Any, plan: RankPlan) -> Optional[str]:
+    """Make the plan's GPU the rank's current CUDA device (``torch.device("cuda")``); all GPUs
+    stay visible, so code written for torchrun (``cuda:{LOCAL_RANK}``) keeps working."""
+    if plan.gpu_index is None or not torch.cuda.is_available():
+        return None
+    index = plan.gpu_index % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
+def apply_plan(plan: RankPlan, backend: Optional[str] = None) -> None:
+    """Export the plan's environment and pin the GPU with the rank's framework (imported only on
+    GPU hosts: torch for ``backend="torch"``, else TensorFlow)."""
     os.environ.update(plan.env)
-    if plan.gpu_index is not None:
-        try:
-            import tensorflow as tf
-        except ImportError:
+    if plan.gpu_index is None:
+        return
+    try:
+        if backend == "torch":
+            import torch
+
+            configure_torch(torch, plan)
             return
-        configure_tensorflow(tf, plan)
+        import tensorflow as tf
+    except ImportError:
+        return
+    configure_tensorflow(tf, plan)

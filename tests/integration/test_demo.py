@@ -10,16 +10,21 @@ pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 
 
-@pytest.mark.parametrize("backend", ["horovod", pytest.param("tf", marks=pytest.mark.tf_backend)])
+@pytest.mark.parametrize("backend", ["horovod", pytest.param("tf", marks=pytest.mark.tf_backend),
+                                     pytest.param("torch", marks=pytest.mark.torch_backend)])
 def test_demo_trains_saves_and_reloads(spark, tmp_path, rank_lines, capsys, backend):
-    """`make demo` (and `make demo PROFILE=modern`, which runs it with --backend tf)."""
+    """`make demo` (and `make demo PROFILE=modern|torch`: --backend tf|torch)."""
     import demo
-    from sparkhvd.storage.kerasio import keras_major
 
     assert demo.main(["--epochs", "15", "--output-dir", str(tmp_path), "--backend", backend]) == 0
     (run,) = list(tmp_path.iterdir())
     record = json.loads((run / "run.json").read_text())
-    model = "model.keras" if keras_major() >= 3 else "model.h5"
+    if backend == "torch":
+        model = "model.pt"
+    else:
+        from sparkhvd.storage.kerasio import keras_major
+
+        model = "model.keras" if keras_major() >= 3 else "model.h5"
     assert record["status"] == "succeeded" and record["model"] == model
     assert (run / model).exists()
     assert record["demo"]["test_accuracy"] >= 0.9

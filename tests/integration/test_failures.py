@@ -22,10 +22,13 @@ pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
     pytest.param({"launcher": "horovod"}, id="horovod", marks=pytest.mark.horovod),
     pytest.param({"backend": "tf"}, id="tf", marks=pytest.mark.tf_backend),
     pytest.param({"backend": "tf", "session": "connect"}, id="tf-connect",
-                 marks=pytest.mark.connect)])
+                 marks=pytest.mark.connect),
+    pytest.param({"backend": "torch"}, id="torch", marks=pytest.mark.torch_backend),
+    pytest.param({"backend": "torch", "session": "connect"}, id="torch-connect",
+                 marks=pytest.mark.torch_backend)])
 def how(request):
-    """Every way a Spark run starts: barrier and horovod launchers, the tf backend, and a Spark
-    Connect session. The runner's keyword arguments, the session (``spark``) included."""
+    """Every way a Spark run starts: barrier and horovod launchers, the tf and torch backends, and
+    a Spark Connect session. The runner's keyword arguments, the session (``spark``) included."""
     kwargs = dict(request.param)
     kwargs["spark"] = request.getfixturevalue(kwargs.pop("session", "spark"))
     return kwargs
@@ -134,7 +137,8 @@ def test_driver_interrupt_cancels_everything(how, tmp_path, rank_lines):
 
 
 @pytest.mark.parametrize("backend", [pytest.param("horovod", marks=pytest.mark.horovod),
-                                     pytest.param("tf", marks=pytest.mark.tf_backend)])
+                                     pytest.param("tf", marks=pytest.mark.tf_backend),
+                                     pytest.param("torch", marks=pytest.mark.torch_backend)])
 def test_local_ranks_timeout_and_interrupt_leave_nothing(tmp_path, backend):
     def hangs():
         import time

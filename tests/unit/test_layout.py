@@ -68,7 +68,7 @@ MODULES = dict(_modules())
 
 def test_every_module_lives_in_a_side_or_is_public():
     public = {m for m in MODULES if _side(m) is None}
-    assert public == {"sparkhvd", "sparkhvd.cli", "sparkhvd.keras", "sparkhvd.data",
+    assert public == {"sparkhvd", "sparkhvd.cli", "sparkhvd.keras", "sparkhvd.torch", "sparkhvd.data",
                       "sparkhvd.presets", "sparkhvd.notebook", "sparkhvd.kerasio",
                       "sparkhvd.runfiles", "sparkhvd.examples", "sparkhvd.examples.digits"}, \
         "a new top-level module: put it in the side where it runs"

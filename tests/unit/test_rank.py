@@ -120,3 +120,57 @@ def test_tf_backend_ranks_are_contiguous_per_host_with_a_tf_config_each():
                                                                    "index": rank}}
         assert envs[partition]["SPARKHVD_RANK"] == str(rank)
         assert envs[partition]["SPARKHVD_LOCAL_RANK"] == str(local)
+
+
+def test_torch_backend_gives_every_rank_torchruns_variables():
+    """MASTER_ADDR/PORT are rank 0's host and the port its task reserved; ranks contiguous per
+    host, as on the other backends."""
+    from sparkhvd.common.backends import TaskInfo, get_backend
+    from sparkhvd.common.identity import RankIdentity
+
+    tasks = {0: TaskInfo(0, "b", "10.0.0.2", 5001), 1: TaskInfo(1, "a", "10.0.0.1", 5002),
+             2: TaskInfo(2, "b", "10.0.0.2", 5003)}
+    envs = get_backend("torch").assign(tasks)
+    for partition, rank, local, host in ((0, 0, 0, 0), (2, 1, 1, 0), (1, 2, 0, 1)):
+        env = envs[partition]
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.2", "5001")
+        assert (env["RANK"], env["WORLD_SIZE"]) == (str(rank), "3")
+        assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (str(local), "2" if host == 0
+                                                                 else "1")
+        assert env["GROUP_RANK"] == env["NODE_RANK"] == str(host)
+        assert RankIdentity.from_env(env) == (rank, 3, local, 2 if host == 0 else 1)
+
+
+def test_the_collective_interface_is_chosen_in_one_place():
+    from sparkhvd.common.netif import collective_iface_env
+
+    assert collective_iface_env({"eth1", "eth0"}, "10.0.0.1") == {
+        "HOROVOD_GLOO_IFACE": "eth0", "NCCL_SOCKET_IFNAME": "eth0,eth1",
+        "GLOO_SOCKET_IFNAME": "eth0,eth1"}
+    assert set(collective_iface_env(None, "127.0.0.1").values()) == {"lo"}
+    assert collective_iface_env(None, None) == {}
+
+
+def test_torch_pins_the_planned_gpu_and_leaves_every_gpu_visible():
+    from sparkhvd.rank.devices import RankPlan, configure_torch
+
+    class Cuda:
+        current = None
+
+        @staticmethod
+        def is_available():
+            return True
+
+        @staticmethod
+        def device_count():
+            return 2
+
+        @classmethod
+        def set_device(cls, index):
+            cls.current = index
+
+    class Torch:
+        cuda = Cuda
+
+    assert configure_torch(Torch, RankPlan(gpu_index=3)) == "cuda:1" and Cuda.current == 1
+    assert configure_torch(Torch, RankPlan()) is None

@@ -6,7 +6,9 @@ environment per rank. Like Ray Train's ``Backend.on_start``:
 
 - ``horovod`` (default): Gloo rendezvous through horovod's server, ``HOROVOD_*`` variables;
 - ``tf``: ``TF_CONFIG`` for ``tf.distribute.MultiWorkerMirroredStrategy`` -- no horovod, so it
-  runs on current TensorFlow, Keras 3 and numpy 2.
+  runs on current TensorFlow, Keras 3 and numpy 2;
+- ``torch``: torchrun's ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
+  for ``torch.distributed``'s ``env://`` -- no horovod, no TensorFlow.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from sparkhvd.common.protocol import TaskInfo
 
 __all__ = ["BACKENDS", "Backend", "TaskInfo", "get_backend"]
 
-BACKENDS = ("horovod", "tf")
+BACKENDS = ("horovod", "tf", "torch")
 
 
 class Backend(Protocol):

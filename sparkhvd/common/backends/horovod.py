@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from sparkhvd.common.backends import TaskInfo
-from sparkhvd.common.netif import IFACE_VARS, collective_iface_env
+from sparkhvd.common.netif import IFACE_VARS
 
 
 def assign_ranks(hosts: Mapping[int, str]) -> tuple[list[Any], dict[int, dict[str, str]]]:
@@ -43,11 +43,9 @@ class Backend:
 
         self._server = RendezvousServer(verbose=1 if verbose else 0)
         port = self._server.start()
-        env = {k: str(v) for k, v in create_run_env_vars(driver_host, {"lo"}, port).items()
-               if k not in IFACE_VARS}
-        # Without nics each task picks the interface that reaches the driver (executor side).
-        env.update(collective_iface_env(nics, None))
-        return env
+        # The interface is the launcher's choice (sparkhvd.common.netif), not horovod's.
+        return {k: str(v) for k, v in create_run_env_vars(driver_host, {"lo"}, port).items()
+                if k not in IFACE_VARS}
 
     def assign(self, tasks: Mapping[int, TaskInfo]) -> dict[int, dict[str, str]]:
         slots, envs = assign_ranks({p: t.host for p, t in tasks.items()})

@@ -40,6 +40,7 @@ from sparkhvd.common import protocol
 from sparkhvd.common.backends import TaskInfo, get_backend
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.common.identity import RankIdentity
+from sparkhvd.common.netif import collective_iface_env
 from sparkhvd.driver.outcome import load_result
 from sparkhvd.driver.launchers import LaunchSpec, Sink
 from sparkhvd.driver.launchers.base import SPARK_TIMEOUT, stopper, watch
@@ -244,7 +245,9 @@ class BarrierLauncher:
 
         view = spec.session
         backend = get_backend(spec.backend)
-        run_env = backend.start(spec.driver_host, spec.nics, spec.verbose)
+        # nics given: every rank uses them; else each task picks its way to the driver.
+        run_env = {**backend.start(spec.driver_host, spec.nics, spec.verbose),
+                   **collective_iface_env(spec.nics, None)}
         token = secrets.token_hex(16)
         bind = "127.0.0.1" if spec.placement.executors_here else ""
         server = ControlServer(bind, spec.np, token, sink, run_env, backend)

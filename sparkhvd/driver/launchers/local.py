@@ -17,6 +17,7 @@ from sparkhvd.common.backends import TaskInfo, get_backend
 from sparkhvd.common.environment import process_env
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.common.identity import RankIdentity
+from sparkhvd.common.netif import collective_iface_env
 from sparkhvd.driver.outcome import load_result
 from sparkhvd.executor.process import RankProcess
 from sparkhvd.driver.launchers import LaunchSpec, Sink
@@ -36,7 +37,8 @@ class LocalLauncher:
 
     def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]:
         backend = get_backend(spec.backend)
-        run_env = backend.start("127.0.0.1", {"lo"}, spec.verbose)
+        run_env = {**backend.start("127.0.0.1", {"lo"}, spec.verbose),
+                   **collective_iface_env({"lo"}, None)}
         procs: list[RankProcess] = []
         try:
             plan = backend.assign({

@@ -158,6 +158,66 @@ class DatasetShard:
             if own:
                 reader.close()
 
+    def torch_batches(self, batch_size: int, epoch: int = 0, *, shuffle: bool = False,
+                      seed: int = 0, shuffle_buffer: Optional[int] = None,
+                      device: Any = None) -> Iterator[Any]:
+        """One epoch of this rank's full batches as torch tensors: ``(x, y)``, or ``x`` (a dict
+        of tensors for several feature columns) -- :meth:`batches`, converted without a copy
+        where the arrays allow it. ``device``: move each batch there (e.g. ``"cuda"``)."""
+        import torch
+
+        def tensor(array: np.ndarray) -> Any:
+            if not array.flags.writeable:  # a view of pyarrow's buffer: torch wants its own
+                array = array.copy()
+            value = torch.from_numpy(array)
+            return value.to(device) if device is not None else value
+
+        def convert(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: tensor(v) for k, v in value.items()}
+            if isinstance(value, tuple):
+                return tuple(convert(v) for v in value)
+            return tensor(value)
+
+        for batch in self.batches(batch_size, epoch, shuffle=shuffle, seed=seed,
+                                  shuffle_buffer=shuffle_buffer):
+            yield convert(batch)
+
+    def torch_dataset(self, batch_size: int, *, shuffle: bool = False, seed: int = 0,
+                      shuffle_buffer: Optional[int] = None) -> Any:
+        """This rank's shard as a ``torch.utils.data.IterableDataset`` of full batches.
+
+        Each iteration is one epoch (:meth:`torch_batches`); call ``set_epoch(e)`` before each,
+        as with ``DistributedSampler``, for a new shuffle. Use it with
+        ``DataLoader(ds, batch_size=None)`` (the batches are already made); with
+        ``num_workers=N`` the workers take every N-th batch, so each row is still seen once.
+        """
+        import torch
+
+        shard = self
+
+        class ShardBatches(torch.utils.data.IterableDataset):
+            def __init__(self) -> None:
+                super().__init__()
+                self.epoch = 0
+
+            def set_epoch(self, epoch: int) -> None:
+                self.epoch = int(epoch)
+
+            def __len__(self) -> int:
+                return shard.steps_per_epoch(batch_size)
+
+            def __iter__(self) -> Iterator[Any]:
+                info = torch.utils.data.get_worker_info()
+                workers, me = (info.num_workers, info.id) if info is not None else (1, 0)
+                for step, batch in enumerate(shard.torch_batches(
+                        batch_size, self.epoch, shuffle=shuffle, seed=seed,
+                        shuffle_buffer=shuffle_buffer)):
+                    if step % workers == me:
+                        yield batch
+
+        return ShardBatches()
+
     @contextlib.contextmanager
     def tf_dataset(self, batch_size: int, epochs: Optional[int] = None, *, shuffle: bool = False,
                    seed: int = 0, prefetch: int = 2,

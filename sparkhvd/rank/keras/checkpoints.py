@@ -10,127 +10,19 @@ A checkpoint of epoch N is three files in a checkpoints folder:
 
 With all three, "train 2 epochs, then resume for 2 more" ends where 4 epochs straight would.
 
-Where the folder is (:class:`CheckpointStore`): the run folder (``checkpoints/``, through
-:mod:`sparkhvd.runfiles`, so it works from any host without storage credentials), the checkpoints
-of the run being resumed (read-only, through the same service), or a URL the user gave.
+Where the folder is: :mod:`sparkhvd.rank.checkpoint_store` (shared with the PyTorch helpers).
 """
 from __future__ import annotations
 
 import io
 import json
-from typing import Any, Optional
+from typing import Any
 
-LATEST = "latest.json"
+from sparkhvd.rank.checkpoint_store import (DISCARD, LATEST, CheckpointStore, RunFolderStore,
+                                             UrlStore, latest, url_store)
 
-
-class CheckpointStore:
-    """A checkpoints folder: read, write, check, describe."""
-
-    def write(self, name: str, data: bytes) -> None:
-        raise NotImplementedError
-
-    def read(self, name: str) -> bytes:
-        raise NotImplementedError
-
-    def exists(self, name: str) -> bool:
-        raise NotImplementedError
-
-    def delete(self, name: str) -> None:
-        """Remove a file (best effort; a service-backed store keeps everything)."""
-
-    def describe(self, name: str = "") -> str:
-        raise NotImplementedError
-
-
-class RunFolderStore(CheckpointStore):
-    """``checkpoints/`` of this run (``root="run"``) or of the run resumed (``root="resume"``)."""
-
-    def __init__(self, root: str = "run", prefix: str = "checkpoints",
-                 label: Optional[str] = None) -> None:
-        from sparkhvd.rank.runfiles import run_files
-
-        self.files = run_files()
-        self.root = root
-        self.prefix = prefix if root == "run" else ""
-        self.label = label
-
-    def _path(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
-
-    def write(self, name: str, data: bytes) -> None:
-        self.files.write_bytes(self._path(name), data)
-
-    def read(self, name: str) -> bytes:
-        return self.files.read_bytes(self._path(name), root=self.root)
-
-    def exists(self, name: str) -> bool:
-        return self.files.exists(self._path(name), root=self.root)
-
-    def delete(self, name: str) -> None:
-        import os
-
-        if self.root == "run" and self.files.local:
-            path = os.path.join(self.files.local, self._path(name))
-            if os.path.exists(path):
-                os.unlink(path)
-
-    def describe(self, name: str = "") -> str:
-        if self.label:
-            return f"{self.label}/{name}".rstrip("/")
-        return self.files.describe(self._path(name))
-
-
-class UrlStore(CheckpointStore):
-    """A folder URL the user gave (local path, ``file://``, ``abfss://``)."""
-
-    def __init__(self, url: str, storage_options: Optional[dict] = None) -> None:
-        self.url = str(url).rstrip("/")
-        self.storage_options = storage_options
-
-    def write(self, name: str, data: bytes) -> None:
-        from sparkhvd import storage
-
-        storage.write_bytes(f"{self.url}/{name}", data, self.storage_options)
-
-    def read(self, name: str) -> bytes:
-        from sparkhvd import storage
-
-        return storage.read_bytes(f"{self.url}/{name}", self.storage_options)
-
-    def exists(self, name: str) -> bool:
-        from sparkhvd import storage
-
-        return storage.exists(f"{self.url}/{name}", self.storage_options)
-
-    def delete(self, name: str) -> None:
-        from sparkhvd import storage
-
-        storage.delete(f"{self.url}/{name}", self.storage_options)
-
-    def describe(self, name: str = "") -> str:
-        from sparkhvd.storage import public_url
-
-        return public_url(f"{self.url}/{name}".rstrip("/"))
-
-
-class _Discard(CheckpointStore):
-    """Where a worker that only takes part in saving writes: nowhere."""
-
-    def write(self, name: str, data: bytes) -> None:
-        pass
-
-    def describe(self, name: str = "") -> str:
-        return "(not written by this rank)"
-
-
-DISCARD = _Discard()
-
-
-def url_store(url: str, storage_options: Optional[dict] = None) -> UrlStore:
-    """A store for ``url``: its ``checkpoints/`` when ``url`` is a run folder."""
-    store = UrlStore(url, storage_options)
-    nested = UrlStore(f"{store.url}/checkpoints", storage_options)
-    return nested if nested.exists(LATEST) else store
+__all__ = ["DISCARD", "LATEST", "CheckpointStore", "RunFolderStore", "UrlStore", "latest",
+           "url_store", "save", "restore", "build_optimizer", "optimizer_variables"]
 
 
 def optimizer_variables(optimizer: Any) -> list:
@@ -173,13 +65,6 @@ def save(store: CheckpointStore, model: Any, epoch: int, state: dict) -> str:
             store.write(info["optimizer"], buffer.getvalue())
     store.write(LATEST, json.dumps(info).encode())
     return name
-
-
-def latest(store: CheckpointStore) -> Optional[dict]:
-    """The newest checkpoint's ``latest.json`` record, or None."""
-    if not store.exists(LATEST):
-        return None
-    return json.loads(store.read(LATEST))
 
 
 def restore(store: CheckpointStore, info: dict, model: Any) -> list[str]:

@@ -23,6 +23,7 @@ import os
 from typing import Any, Optional, Sequence, Union
 
 from sparkhvd.common import protocol
+from sparkhvd.rank.checkpoint_store import resume_store
 from sparkhvd.rank.events import emit
 from sparkhvd.rank.runfiles import run_files
 from sparkhvd.rank.keras import checkpoints
@@ -189,16 +190,7 @@ class KerasDistributed:
             self.checkpoint_store = checkpoints.UrlStore(checkpoint, storage_options)
         else:
             self.checkpoint_store = None
-        requested = os.environ.get(protocol.RESUME_URL_ENV)
-        if resume is None:
-            resume = bool(requested)
-        if resume is True:
-            self.resume_store = (checkpoints.RunFolderStore("resume", label=requested)
-                                 if requested else self.checkpoint_store)
-        elif resume:
-            self.resume_store = checkpoints.url_store(str(resume), storage_options)
-        else:
-            self.resume_store = None
+        self.resume_store = resume_store(resume, self.checkpoint_store, storage_options)
         self.initial_epoch = 0
         self.state: dict = {}
         self.warmup: Optional[LearningRateWarmup] = None

@@ -1,0 +1,84 @@
+"""backend="torch" across hosts: the netns cluster (tests/netns_cluster.py), gloo over the veth,
+and a host lost mid-run named in the error. Runs in the torch profile."""
+import json
+import threading
+import time
+
+import pytest
+
+from conftest import still_alive
+from sparkhvd import HorovodRunner, TrainingError
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.netns, pytest.mark.torch_backend, pytest.mark.timeout(420)]
+
+HOSTS = {"h1", "h2", "h3"}
+
+
+def _allreduce():
+    import os
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    return (socket.gethostname(), os.environ.get("GLOO_SOCKET_IFNAME"), total.item(),
+            os.environ["MASTER_ADDR"])
+
+
+def test_ranks_on_three_hosts_with_gloo_on_the_veth(cluster_spark, tmp_path):
+    results = HorovodRunner(np=3, spark=cluster_spark, backend="torch",
+                            output_dir=str(tmp_path)).run_all(_allreduce)
+    assert {host for host, *_ in results} == HOSTS
+    assert {iface for _, iface, *_ in results} == {"eth0"}, "chosen automatically, never lo"
+    assert {total for *_, total, _ in results} == {6.0}
+    assert len({master for *_, master in results}) == 1 and results[0][3] != "127.0.0.1"
+
+
+def _trains_forever():
+    import os
+    import socket
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    print(f"started on {socket.gethostname()} pid {os.getpid()}", flush=True)
+    while True:
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.05)
+
+
+def test_a_host_that_dies_mid_run_is_named(cluster_spark, netns_cluster, tmp_path, rank_lines):
+    def kill_when_started():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and \
+                sum("started on" in line for line in rank_lines) < 3:
+            time.sleep(0.2)
+        kill_when_started.host = next(h for h in ("h3", "h2", "h1")
+                                      if any(f"started on {h}" in line for line in rank_lines))
+        netns_cluster.kill_host(kill_when_started.host)
+
+    thread = threading.Thread(target=kill_when_started, daemon=True)
+    thread.start()
+    runner = HorovodRunner(np=3, spark=cluster_spark, backend="torch",
+                           driver_log_verbosity="all", output_dir=str(tmp_path))
+    try:
+        with pytest.raises(TrainingError) as info:  # the hang guard is the test's timeout
+            runner.run(_trains_forever)
+        thread.join(10)
+        record = json.loads(open(runner.last_run_dir.file("run.json")).read())
+        hosts = {int(k): v for k, v in record["hosts"].items()}
+        lost = kill_when_started.host
+        err = info.value
+        assert err.host == lost and hosts[err.rank] == lost, str(err)
+        survivors = [int(pid) for r, pid in record["rank_pids"].items() if hosts[int(r)] != lost]
+        assert still_alive(survivors, 30.0) == [], "no rank process left on the other hosts"
+    finally:
+        netns_cluster.restore_host(getattr(kill_when_started, "host", "h3"))

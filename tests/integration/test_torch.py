@@ -1,0 +1,219 @@
+"""backend="torch": plain torch.distributed code, side by side with Spark's TorchDistributor; the
+DataFrame data path as torch tensors; the helpers (metrics, checkpoints, exact resume); the
+TorchScript model loaded and scored on the executors. Runs in the torch profile (no TensorFlow,
+no horovod installed)."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import sparkhvd
+from sparkhvd import DataFrameDataset, HorovodRunner, TrainingError
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.torch_backend, pytest.mark.spark, pytest.mark.timeout(600)]
+
+
+def ddp_steps(steps=5, lr=0.1):
+    """A function written for TorchDistributor: env:// rendezvous, DDP, gloo."""
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    data = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randn(16, 4, generator=data)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+        opt.step()
+    weights = [p.detach().flatten().tolist() for p in model.module.parameters()]
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                          "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")}
+    dist.destroy_process_group()
+    return {"weights": weights, "env": env, "rank": rank,
+            "imported": sorted(m for m in ("tensorflow", "horovod") if m in sys.modules)}
+
+
+def by_value(call):
+    """TorchDistributor pickles functions by reference: this test module is not importable on
+    the executors, so pickle it by value for the call (sparkhvd's payload does so itself)."""
+    import importlib
+
+    picklers = [importlib.import_module(name) for name in ("cloudpickle", "pyspark.cloudpickle")
+                if importlib.util.find_spec(name)]
+    module = sys.modules[__name__]
+    for pickler in picklers:
+        pickler.register_pickle_by_value(module)
+    try:
+        return call()
+    finally:
+        for pickler in picklers:
+            pickler.unregister_pickle_by_value(module)
+
+
+def test_a_torchdistributor_function_runs_unchanged_and_matches_torchdistributor(spark,
+                                                                                  tmp_path):
+    ours = HorovodRunner(np=2, spark=spark, backend="torch",
+                         output_dir=str(tmp_path)).run_all(ddp_steps)
+    assert [r["rank"] for r in ours] == [0, 1]
+    assert ours[0]["weights"] == ours[1]["weights"], "DDP averaged the gradients"
+    env0, env1 = ours[0]["env"], ours[1]["env"]
+    assert (env0["RANK"], env1["RANK"], env0["WORLD_SIZE"]) == ("0", "1", "2")
+    assert (env0["LOCAL_RANK"], env1["LOCAL_RANK"], env0["LOCAL_WORLD_SIZE"]) == ("0", "1", "2")
+    assert env0["MASTER_ADDR"] == env1["MASTER_ADDR"] and env0["MASTER_PORT"] == env1["MASTER_PORT"]
+    assert env0["GLOO_SOCKET_IFNAME"] == "lo"
+    assert ours[0]["imported"] == [], "no TensorFlow or horovod import on this path"
+    record = json.loads(open(os.path.join(tmp_path, os.listdir(tmp_path)[0], "run.json")).read())
+    assert record["backend"] == "torch" and record["launcher"] == "barrier"
+
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    theirs = by_value(lambda: TorchDistributor(num_processes=2, local_mode=False,
+                                               use_gpu=False).run(ddp_steps))
+    np.testing.assert_allclose(np.concatenate(ours[0]["weights"]),
+                               np.concatenate(theirs["weights"]), rtol=1e-6)
+
+
+def test_local_ranks(tmp_path):
+    results = HorovodRunner(np=-2, backend="torch", output_dir=str(tmp_path)).run_all(ddp_steps)
+    assert results[0]["weights"] == results[1]["weights"]
+    assert results[0]["env"]["MASTER_ADDR"] == "127.0.0.1"
+
+
+def fit(data, epochs, lr=0.005):
+    import torch
+
+    import sparkhvd.torch as st
+
+    ctx = st.setup()
+    torch.manual_seed(0)
+    model = ctx.wrap(torch.nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    ckpt = st.Checkpoints(model, opt)
+    loader = torch.utils.data.DataLoader(data.torch_dataset(16, shuffle=True, seed=1),
+                                         batch_size=None)
+    for epoch in range(ckpt.restore(), epochs):
+        loader.dataset.set_epoch(epoch)
+        losses = []
+        for x, y in loader:
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x).squeeze(1), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        st.report(epoch, epochs=epochs, loss=sum(losses) / len(losses))
+        ckpt.save(epoch)
+    return st.model_bytes(model) if ctx.rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def linear(spark):
+    df = spark.range(256).selectExpr(
+        "array(CAST(id % 7 AS FLOAT), CAST(id % 5 AS FLOAT), 1.0F) AS x",
+        "CAST(id % 7 + 2 * (id % 5) AS FLOAT) AS y")
+    with DataFrameDataset(df, "x", "y") as ds:
+        yield df, ds
+
+
+def _weights(run_dir):
+    module = sparkhvd.load_model(run_dir)
+    return np.concatenate([p.detach().numpy().ravel() for p in module.parameters()])
+
+
+def test_helpers_checkpoints_exact_resume_model_and_scoring(spark, linear, tmp_path):
+    df, ds = linear
+    straight = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path / "a"))
+    straight.run(fit, data=ds, epochs=4)
+    rows = list(csv.DictReader(open(straight.last_run_dir.file("metrics.csv"))))
+    assert [r["epoch"] for r in rows] == ["1", "2", "3", "4"]
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+
+    first = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path / "b"))
+    first.run(fit, data=ds, epochs=2)
+    assert os.path.exists(first.last_run_dir.file("checkpoints/epoch-0002.pt"))
+    resumed = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path / "b"),
+                            resume_from=True)
+    resumed.run(fit, data=ds, epochs=4)
+    record = resumed.last_run_dir.record
+    assert record["resume"]["epoch"] == 2 and record["resume"]["restored"]
+    assert [r["epoch"] for r in csv.DictReader(open(resumed.last_run_dir.file("metrics.csv")))] \
+        == ["3", "4"]
+    assert record["model"] == "model.pt"
+    np.testing.assert_allclose(_weights(resumed.last_run_dir.path),
+                               _weights(straight.last_run_dir.path), rtol=1e-5, atol=1e-6)
+
+    scored = sparkhvd.predict(df, straight.last_run_dir, features="x")
+    got = scored.select("x", "prediction").collect()
+    module = sparkhvd.load_model(straight.last_run_dir.path)
+    with torch.no_grad():
+        expected = module(torch.tensor([r["x"] for r in got])).squeeze(1).numpy()
+    np.testing.assert_allclose([r["prediction"] for r in got], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_state_dict_result_is_the_runs_model(tmp_path):
+    def returns_state(steps=1):
+        import torch
+
+        torch.manual_seed(0)
+        return torch.nn.Linear(2, 1).state_dict()
+
+    runner = HorovodRunner(np=-2, backend="torch", output_dir=str(tmp_path))
+    state = runner.run(returns_state)
+    assert runner.last_run_dir.record["model"] == "model.state_dict.pt"
+    loaded = sparkhvd.load_model(runner.last_run_dir.path)
+    assert set(loaded) == {"weight", "bias"}
+    assert torch.equal(loaded["weight"], state["weight"])
+
+
+def test_a_rank_error_names_the_rank_with_its_traceback(spark, tmp_path):
+    def fails():
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 1:
+            raise ValueError("bad shard on rank 1")
+        dist.barrier()
+
+    with pytest.raises(TrainingError) as info:
+        HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path)).run(fails)
+    assert info.value.rank == 1 and info.value.exc_type == "ValueError"
+    assert "bad shard on rank 1" in str(info.value)
+
+
+def test_a_torchrun_script_through_the_cli(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import argparse, os
+        import torch
+        import torch.distributed as dist
+
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--value", type=float, default=1.0)
+        args = parser.parse_args()
+        dist.init_process_group("gloo")
+        t = torch.tensor([args.value * (dist.get_rank() + 1)])
+        dist.all_reduce(t)
+        print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: sum {t.item():g}",
+              flush=True)
+        dist.destroy_process_group()
+    """))
+    out = subprocess.run([sys.executable, "-m", "sparkhvd.cli", "run", str(script), "--np", "-2",
+                          "--backend", "torch", "--output-dir", str(tmp_path / "runs"),
+                          "--", "--value", "2"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "rank 0 of 2: sum 6" in out.stdout + out.stderr
