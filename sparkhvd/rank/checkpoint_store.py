@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 LATEST = "latest.json"
 
@@ -128,6 +128,25 @@ def latest(store: CheckpointStore) -> Optional[dict]:
     if not store.exists(LATEST):
         return None
     return json.loads(store.read(LATEST))
+
+
+def announce_resume(store: CheckpointStore, file: Optional[str] = None, epoch: int = 0,
+                    problems: Sequence[str] = ()) -> None:
+    """Rank 0 says what it resumed from (``file`` None: nothing found), on its console line
+    and to the driver (``run.json``'s ``resume``), for every framework's helpers."""
+    from sparkhvd.common import protocol
+    from sparkhvd.rank.events import emit
+
+    if file is None:
+        print(f"resume: no checkpoint under {store.describe()}; training from scratch",
+              flush=True)
+        emit(protocol.Resumed(rank=0, source=None, epoch=0))
+        return
+    where = store.describe(file)
+    for problem in problems:
+        print(f"resume: WARNING: {problem}", flush=True)
+    print(f"resume: restored {where}; continuing at epoch {epoch + 1}", flush=True)
+    emit(protocol.Resumed(rank=0, source=where, epoch=epoch))
 
 
 def resume_store(resume: object, own: Optional[CheckpointStore],

@@ -31,7 +31,7 @@ from typing import Any, Optional
 from sparkhvd.common import protocol
 from sparkhvd.common.identity import current_rank
 from sparkhvd.rank.checkpoint_store import (DISCARD, LATEST, CheckpointStore, RunFolderStore,
-                                            UrlStore, latest, resume_store)
+                                            UrlStore, announce_resume, latest, resume_store)
 from sparkhvd.rank.events import emit
 
 
@@ -189,9 +189,7 @@ class Checkpoints:
         info = latest(self.resume_from)
         if info is None:
             if self.rank == 0:
-                print(f"resume: no checkpoint under {self.resume_from.describe()}; training "
-                      "from scratch", flush=True)
-                emit(protocol.Resumed(rank=0, source=None, epoch=0))
+                announce_resume(self.resume_from)
             return 0
         device = next(iter(unwrap(self.model).parameters()), torch.zeros(0)).device
         state = torch.load(io.BytesIO(self.resume_from.read(info["file"])), map_location=device,
@@ -201,10 +199,7 @@ class Checkpoints:
             self.optimizer.load_state_dict(state["optimizer"])
         self.restored = {"epoch": int(state["epoch"]), **(state.get("extra") or {})}
         if self.rank == 0:
-            where = self.resume_from.describe(info["file"])
-            print(f"resume: restored {where}; continuing at epoch {state['epoch'] + 1}",
-                  flush=True)
-            emit(protocol.Resumed(rank=0, source=where, epoch=int(state["epoch"])))
+            announce_resume(self.resume_from, info["file"], int(state["epoch"]))
         return int(state["epoch"])
 
 

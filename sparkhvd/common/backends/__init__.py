@@ -17,7 +17,7 @@ from typing import Mapping, Optional, Protocol
 
 from sparkhvd.common.protocol import TaskInfo
 
-__all__ = ["BACKENDS", "Backend", "TaskInfo", "get_backend"]
+__all__ = ["BACKENDS", "Backend", "TaskInfo", "get_backend", "hosts_in_order"]
 
 BACKENDS = ("horovod", "tf", "torch")
 
@@ -39,6 +39,41 @@ class Backend(Protocol):
 
     def stop(self) -> None:
         """Stop what :meth:`start` started."""
+
+
+class PeerBackend:
+    """A backend whose ranks find each other themselves (``tf``, ``torch``): nothing runs on
+    the driver; each task reserves a port for its rank, and :meth:`assign` is pure, so tasks
+    that cannot reach the driver run it themselves."""
+
+    name = ""
+    needs_port = True
+    assigns_in_tasks = True
+
+    def start(self, driver_host: str, nics: Optional[set], verbose: bool) -> dict[str, str]:
+        from sparkhvd.common.protocol import BACKEND_ENV
+
+        return {BACKEND_ENV: self.name}
+
+    def assign(self, tasks: Mapping[int, TaskInfo]) -> dict[int, dict[str, str]]:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        pass
+
+
+def hosts_in_order(hosts: Mapping[int, str]) -> dict[str, list[int]]:
+    """host -> its partitions: the one rank order every backend follows.
+
+    Ranks are contiguous per host (so local ranks, GPU pinning and ``LOCAL_RANK`` mean the same
+    on every backend); hosts are ordered by their lowest partition and partitions keep their
+    order within a host, so the assignment is deterministic. Ranks are the partitions in the
+    order of ``[p for parts in hosts_in_order(...).values() for p in parts]``.
+    """
+    by_host: dict[str, list[int]] = {}
+    for partition in sorted(hosts):
+        by_host.setdefault(hosts[partition], []).append(partition)
+    return by_host
 
 
 def get_backend(name: str) -> Backend:

@@ -3,22 +3,17 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from sparkhvd.common.backends import TaskInfo
+from sparkhvd.common.backends import TaskInfo, hosts_in_order
 from sparkhvd.common.netif import IFACE_VARS
 
 
 def assign_ranks(hosts: Mapping[int, str]) -> tuple[list[Any], dict[int, dict[str, str]]]:
-    """partition -> host; returns horovod's slots and partition -> slot variables.
-
-    Ranks are contiguous per host; hosts are ordered by their lowest partition and partitions
-    keep their order within a host, so the assignment is deterministic.
-    """
+    """partition -> host; returns horovod's slots and partition -> slot variables, in the rank
+    order of :func:`~sparkhvd.common.backends.hosts_in_order`."""
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
     from horovod.runner.gloo_run import create_slot_env_vars
 
-    by_host: dict[str, list[int]] = {}
-    for partition in sorted(hosts):
-        by_host.setdefault(hosts[partition], []).append(partition)
+    by_host = hosts_in_order(hosts)
     spec = ",".join(f"{host}:{len(parts)}" for host, parts in by_host.items())
     slots = get_host_assignments(parse_hosts(spec), len(hosts))
     envs = {by_host[slot.hostname][slot.local_rank]:

@@ -8,28 +8,19 @@ same thing on both backends. Nothing here or on the rank side imports horovod.
 from __future__ import annotations
 
 import json
-from typing import Mapping, Optional
+from typing import Mapping
 
 from sparkhvd.common.identity import RankIdentity
-from sparkhvd.common.protocol import BACKEND_ENV
-from sparkhvd.common.backends import TaskInfo
+from sparkhvd.common.backends import PeerBackend, TaskInfo, hosts_in_order
 
 
-class Backend:
+class Backend(PeerBackend):
     """``TF_CONFIG`` per rank; the strategy's own gRPC/collectives do the rest."""
 
     name = "tf"
-    needs_port = True
-    #: :meth:`assign` needs nothing from the driver: tasks that cannot reach it run it themselves.
-    assigns_in_tasks = True
-
-    def start(self, driver_host: str, nics: Optional[set], verbose: bool) -> dict[str, str]:
-        return {BACKEND_ENV: self.name}
 
     def assign(self, tasks: Mapping[int, TaskInfo]) -> dict[int, dict[str, str]]:
-        by_host: dict[str, list[int]] = {}
-        for partition in sorted(tasks):
-            by_host.setdefault(tasks[partition].host, []).append(partition)
+        by_host = hosts_in_order({p: t.host for p, t in tasks.items()})
         order = [p for parts in by_host.values() for p in parts]
         workers = [f"{tasks[p].address or tasks[p].host}:{tasks[p].port}" for p in order]
         envs = {}
@@ -40,6 +31,3 @@ class Backend:
                                          "task": {"type": "worker", "index": rank}}),
                 **RankIdentity(rank, len(order), local.index(partition), len(local)).as_env()}
         return envs
-
-    def stop(self) -> None:
-        pass

@@ -9,29 +9,20 @@ contiguous per host, as on the other backends. No horovod, no TensorFlow.
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping
 
-from sparkhvd.common.backends import TaskInfo
+from sparkhvd.common.backends import PeerBackend, TaskInfo, hosts_in_order
 from sparkhvd.common.identity import RankIdentity
-from sparkhvd.common.protocol import BACKEND_ENV
 
 
-class Backend:
+class Backend(PeerBackend):
     """torchrun's variables per rank; ``torch.distributed`` does the rest (gloo or nccl)."""
 
     name = "torch"
-    #: rank 0's task reserves ``MASTER_PORT`` (every task reserves one: rank 0 is known later).
-    needs_port = True
-    #: :meth:`assign` needs nothing from the driver: tasks that cannot reach it run it themselves.
-    assigns_in_tasks = True
-
-    def start(self, driver_host: str, nics: Optional[set], verbose: bool) -> dict[str, str]:
-        return {BACKEND_ENV: self.name}
+    # Every task reserves a port (rank 0 is known only once all registered): MASTER_PORT.
 
     def assign(self, tasks: Mapping[int, TaskInfo]) -> dict[int, dict[str, str]]:
-        by_host: dict[str, list[int]] = {}
-        for partition in sorted(tasks):
-            by_host.setdefault(tasks[partition].host, []).append(partition)
+        by_host = hosts_in_order({p: t.host for p, t in tasks.items()})
         order = [p for parts in by_host.values() for p in parts]
         master = tasks[order[0]]
         hosts = list(by_host)
@@ -47,6 +38,3 @@ class Backend:
                 "NODE_RANK": str(hosts.index(tasks[partition].host)),
                 **me.as_env()}
         return envs
-
-    def stop(self) -> None:
-        pass

@@ -23,8 +23,7 @@ import os
 from typing import Any, Optional, Sequence, Union
 
 from sparkhvd.common import protocol
-from sparkhvd.rank.checkpoint_store import resume_store
-from sparkhvd.rank.events import emit
+from sparkhvd.rank.checkpoint_store import announce_resume, resume_store
 from sparkhvd.rank.runfiles import run_files
 from sparkhvd.rank.keras import checkpoints
 from sparkhvd.rank.keras.callbacks import (BroadcastInitialState, EpochProgress,
@@ -230,20 +229,13 @@ class KerasDistributed:
             info = checkpoints.latest(self.resume_store)
             if info is None:
                 if self.rank == 0:
-                    print(f"resume: no checkpoint under {self.resume_store.describe()}; "
-                          "training from scratch", flush=True)
-                    emit(protocol.Resumed(rank=0, source=None, epoch=0))
+                    announce_resume(self.resume_store)
             else:
                 with self.scope():
                     problems = checkpoints.restore(self.resume_store, info, model)
                 epoch, state = int(info["epoch"]), dict(info.get("state") or {})
                 if self.rank == 0:
-                    where = self.resume_store.describe(info["file"])
-                    for problem in problems:
-                        print(f"resume: WARNING: {problem}", flush=True)
-                    print(f"resume: restored {where}; continuing at epoch {epoch + 1}",
-                          flush=True)
-                    emit(protocol.Resumed(rank=0, source=where, epoch=epoch))
+                    announce_resume(self.resume_store, info["file"], epoch, problems)
         if self.resume_store is not None:
             epoch, state = self.flavour.share((epoch, state))
         self.initial_epoch, self.state = int(epoch), dict(state)
