@@ -24,6 +24,11 @@ from typing import Any, Mapping, Optional
 from sparkhvd.common.identity import current_rank
 
 
+#: A shard up to this size (bytes in memory) is read once and kept: later epochs and full
+#: permutations come from memory. Larger shards are streamed every epoch.
+MEMORY_CACHE_BYTES = 512 << 20
+
+
 @dataclass(frozen=True)
 class ShardSource:
     """The materialised Parquet as the ranks see it."""
@@ -37,7 +42,7 @@ class ShardSource:
     features: tuple[str, ...]
     label: Optional[str]
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    memory_cache: int = 512 << 20
+    memory_cache: int = MEMORY_CACHE_BYTES
     #: Read-only, time-limited options minted for the ranks (never the driver's credentials).
     storage_options: Mapping[str, Any] = field(default_factory=dict)
 

@@ -58,15 +58,29 @@ def is_torch_model(path: str) -> bool:
     return path.lower().endswith(".pt")
 
 
-def load_torch(data: bytes, **load_kwargs: Any) -> Any:
-    """A TorchScript module (``model.pt``) or a ``state_dict`` (``model.state_dict.pt``)."""
+#: A zip archive holding these is a TorchScript module (torch.jit.save), not a .keras file.
+TORCHSCRIPT_MARKERS = ("/constants.pkl", "/code/")
+
+
+def is_torchscript(data: bytes) -> bool:
+    """Whether ``data`` is a TorchScript archive (told from a .keras zip by its entries)."""
     import io
     import zipfile
 
+    try:
+        names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    except zipfile.BadZipFile:
+        return False
+    return any(marker in name for name in names for marker in TORCHSCRIPT_MARKERS)
+
+
+def load_torch(data: bytes, **load_kwargs: Any) -> Any:
+    """A TorchScript module (``model.pt``) or a ``state_dict`` (``model.state_dict.pt``)."""
+    import io
+
     import torch
 
-    names = zipfile.ZipFile(io.BytesIO(data)).namelist()
-    if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
+    if is_torchscript(data):
         return torch.jit.load(io.BytesIO(data), **load_kwargs)
     return torch.load(io.BytesIO(data), weights_only=True, **load_kwargs)
 

@@ -24,8 +24,6 @@ from sparkhvd.common.fileio import atomic_write
 log = logging.getLogger(__name__)
 
 MODEL_NAMES = {b"\x89HDF\r\n\x1a\n": "model.h5", b"PK\x03\x04": "model.keras"}
-#: A zip archive holding these is a TorchScript module (torch.jit.save), not a .keras file.
-TORCHSCRIPT_MARKERS = ("/constants.pkl", "/code/")
 
 
 def new_run_id() -> str:
@@ -34,22 +32,16 @@ def new_run_id() -> str:
 
 
 def model_filename(data: bytes) -> Optional[str]:
-    """``model.h5`` / ``model.keras`` when ``data`` is a saved Keras model, else ``None``."""
+    """``model.h5`` / ``model.keras`` for a saved Keras model, ``model.pt`` for TorchScript, else
+    ``None``."""
     for magic, name in MODEL_NAMES.items():
         if data[:len(magic)] == magic:
-            return "model.pt" if name == "model.keras" and _is_torchscript(data) else name
+            if name == "model.keras":
+                from sparkhvd.driver.models import is_torchscript
+
+                return "model.pt" if is_torchscript(data) else name
+            return name
     return None
-
-
-def _is_torchscript(data: bytes) -> bool:
-    import io
-    import zipfile
-
-    try:
-        names = zipfile.ZipFile(io.BytesIO(data)).namelist()
-    except zipfile.BadZipFile:
-        return False
-    return any(marker in name for name in names for marker in TORCHSCRIPT_MARKERS)
 
 
 def is_state_dict(value: Any) -> bool:

@@ -220,7 +220,8 @@ def _predict_torch(df: Any, data: bytes, names: Sequence[str], kinds: Mapping[st
 
     from sparkhvd.driver.models import load_torch
 
-    if not hasattr(load_torch(data), "forward"):
+    module = load_torch(data)
+    if not hasattr(module, "forward"):
         raise TypeError("This run's model is a PyTorch state_dict: scoring needs the module. "
                         "Fix: return sparkhvd.torch.model_bytes(model) from rank 0 (TorchScript), "
                         "or load the state_dict into your model and score it yourself.")
@@ -243,7 +244,8 @@ def _predict_torch(df: Any, data: bytes, names: Sequence[str], kinds: Mapping[st
             out = module(*[torch.from_numpy(np.ascontiguousarray(a)) for a in arrays])
         return out.detach().cpu().numpy() if hasattr(out, "detach") else np.asarray(out)
 
-    example = run(load_torch(data), one_row(list(row[0])))
+    example = run(module, one_row(list(row[0])))
+    del module
     width = int(np.prod(example.shape[1:])) if example.ndim > 1 else 1
     if argmax and width < 2:
         raise ValueError("argmax=True needs a model with a vector output (one score per class); "

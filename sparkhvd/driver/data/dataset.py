@@ -17,14 +17,11 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from sparkhvd.common.shards import ShardSource
+from sparkhvd.common.shards import MEMORY_CACHE_BYTES, ShardSource
 from sparkhvd.storage import public_url
 
 log = logging.getLogger(__name__)
 
-#: A shard up to this size (bytes in memory) is read once and kept: later epochs and full
-#: permutations come from memory. Larger shards are streamed every epoch.
-MEMORY_CACHE_BYTES = 512 << 20
 
 
 def _as_list(value: Union[str, Sequence[str]], what: str) -> list[str]:
