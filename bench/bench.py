@@ -25,6 +25,8 @@ Cases (each run ``--repeat`` times; median, min and max are reported):
   (``ru_maxrss``) and rows/s per rank; in memory vs streamed at 100k.
 - B7 scoring: ``sparkhvd.predict`` on local[2] executors vs collecting the rows to the driver
   and calling ``model.predict``, rows/s.
+- B9 an over-partitioned DataFrame (2,000 rows in 1,000 partitions): materialise + one epoch at
+  np=2, partitions merged into one wave of write tasks vs one Parquet file per partition.
 
 B2 and B4 warm every variant up once, then let the variants take turns.
 
@@ -577,8 +579,51 @@ def case_b7(repeat: int, tiny: bool) -> list[dict]:
              "rows": n, "floats_per_row": width} for variant, runs in timings.items()]
 
 
+# -- B9 ----------------------------------------------------------------------------------------
+def _count_rows(ds):
+    return sum(len(x) for x, _ in ds.batches(50, 0))
+
+
+def case_b9(repeat: int, tiny: bool) -> list[dict]:
+    """An over-partitioned DataFrame (2,000 rows in 1,000 partitions): materialise it and read
+    one epoch on np=2, merged into one wave of write tasks (sparkhvd) vs one Parquet file per
+    partition (what it did before)."""
+    from pyspark.sql import functions as F
+
+    from sparkhvd import DataFrameDataset, HorovodRunner
+    from sparkhvd.driver.data import materialize as mat
+
+    spark = _spark()
+    rows, parts = (200, 100) if tiny else (2_000, 1_000)
+    out = tempfile.mkdtemp(prefix="bench-b9-")
+    df = spark.range(rows, numPartitions=parts).select(F.col("id").cast("double").alias("x"),
+                                                       (F.col("id") % 2).alias("y"))
+    merged = mat.file_count
+    results = []
+    for label, count in (("merged into one wave of tasks (sparkhvd)", merged),
+                         ("one Parquet file per partition (before)",
+                          lambda *_: None)):
+        mat.file_count = count
+        values = []
+        try:
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                ds = DataFrameDataset(df.select("x", "y"), "x", "y")
+                try:
+                    HorovodRunner(np=2, spark=spark, output_dir=out).run(_count_rows, ds=ds)
+                finally:
+                    ds.close()
+                values.append(time.perf_counter() - t0)
+        finally:
+            mat.file_count = merged
+        results.append({"case": "B9", "variant": f"{rows:,} rows in {parts:,} partitions, "
+                        f"materialise + one epoch np=2: {label}", "unit": "s", **_stats(values)})
+    return results
+
+
 CASES = {"B1": case_b1, "B1C": case_b1c, "B1T": case_b1t, "B2": case_b2, "B3": case_b3,
-         "B4": case_b4, "B5": case_b5, "B6": case_b6, "B7": case_b7, "B8": case_b8}
+         "B4": case_b4, "B5": case_b5, "B6": case_b6, "B7": case_b7, "B8": case_b8,
+         "B9": case_b9}
 
 
 def environment() -> dict:

@@ -16,7 +16,7 @@ import importlib
 from typing import Any
 
 from sparkhvd.common.errors import (EnvironmentMismatchError, NotEnoughSlotsError, PayloadError,
-    RankFailure, SessionError, SparkhvdError, StorageError, TrainingError)
+    RankFailure, SessionError, SparkhvdError, StallError, StorageError, TrainingError)
 
 # The rest is imported on first use: every rank process imports this package, and numpy,
 # fsspec and friends would add ~0.2 s to each rank's start for nothing.
@@ -32,6 +32,7 @@ _LAZY = {
     "SessionConfig": ("driver.settings", "SessionConfig"),
     "ENV_ALLOWLIST": ("common.environment", "ENV_ALLOWLIST"),
     "storage": ("storage", None),
+    "stacks": ("driver.stacks", "request_stacks"),
 }
 
 
@@ -55,5 +56,6 @@ __all__ = [
     "HorovodRunner", "ScalingConfig", "LaunchConfig", "RunConfig", "SessionConfig",
     "TrainingError", "NotEnoughSlotsError", "PayloadError", "EnvironmentMismatchError",
     "SessionError", "SparkhvdError", "RankFailure", "RunDir", "ENV_ALLOWLIST", "StorageError",
-    "load_model", "predict", "storage", "DataFrameDataset", "__version__",
+    "load_model", "predict", "storage", "DataFrameDataset", "stacks", "StallError",
+    "__version__",
 ]

@@ -191,6 +191,22 @@ def run(script: str, np_: int, preset: Optional[str], output_dir: str, verbosity
     click.echo(f"run folder: {runner.last_run_dir.url}")
 
 
+@main.command()
+@click.argument("run_folder", type=click.Path(exists=True, file_okay=False))
+@click.option("--timeout", type=float, default=30.0, show_default=True,
+              help="Seconds to wait for the running driver's answer.")
+def stacks(run_folder: str, timeout: float) -> None:
+    """Print every rank's Python stacks (all threads) of a run that is running now, with which
+    rank waits in a collective and which is elsewhere: sparkhvd stacks runs/<run-id>. Also
+    saved as logs/stacks-<time>.txt in the run folder."""
+    from sparkhvd.driver.stacks import request_stacks
+
+    try:
+        click.echo(request_stacks(run_folder, timeout=timeout))
+    except (FileNotFoundError, TimeoutError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def spark_submit_command(preset: str, master: Optional[str], job: str,
                          job_args: tuple[str, ...] = ()) -> list[str]:
     """The full ``spark-submit`` command line for a job under a preset."""

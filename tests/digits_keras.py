@@ -79,3 +79,50 @@ def train(x_train, y_train, x_val, y_val, epochs, batch_size=32, warmup_epochs=0
             "initial_epoch": kd.initial_epoch,
             "warmup": kd.warmup.recorded if kd.warmup else [],
             "target_lr": kd.warmup.target_lr if kd.warmup else None, "size": kd.size}
+
+
+def pausing_data():
+    """1,024 digits as (8, 8, 1) floats for :func:`train_pausing`."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    return dict(x_train=(digits.images / 16.0).astype("float32")[..., None][:1024],
+                y_train=digits.target.astype("int64")[:1024])
+
+
+def train_pausing(x_train, y_train, epochs, pause_at=None):
+    """Deterministic Keras training with per-epoch checkpoints (KerasDistributed); on a fresh
+    start it waits at ``pause_at`` -- after that epoch's checkpoint -- so a test can kill a rank
+    there. A retried attempt resumes past it and does not wait."""
+    import os
+    import socket
+    import time
+
+    import tensorflow as tf
+
+    from sparkhvd.keras import KerasDistributed
+
+    kd = KerasDistributed(epochs=epochs, batch_size=32)
+    tf.keras.utils.set_random_seed(7)
+    n = (len(x_train) // kd.size // 32) * 32
+    x, y = x_train[kd.rank::kd.size][:n], y_train[kd.rank::kd.size][:n]
+    with kd.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Input((8, 8, 1)), tf.keras.layers.Flatten(),
+                                     tf.keras.layers.Dense(32, activation="relu"),
+                                     tf.keras.layers.Dense(10, activation="softmax")])
+        model.compile(optimizer=kd.optimizer(tf.keras.optimizers.SGD(0.01)),
+                      loss="sparse_categorical_crossentropy")
+
+    class Pause(tf.keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if pause_at is not None and kd.initial_epoch == 0 and epoch == pause_at:
+                print(f"pid {os.getpid()} on {socket.gethostname()} paused", flush=True)
+                time.sleep(600)
+
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    fit = kd.fit_kwargs(model)
+    fit["callbacks"] = [*fit["callbacks"], Pause()]
+    model.fit(ds.with_options(options), steps_per_epoch=n // 32, **fit)
+    return {"weights": model.get_weights(), "initial_epoch": kd.initial_epoch}

@@ -68,13 +68,14 @@ class TrainingError(SparkhvdError, RuntimeError):
         return self
 
     def _compose(self) -> str:
+        # The host is on the first line: it is the line run.json, MLflow and a notebook's
+        # error summary keep, and for a lost host it is the whole story.
+        where = f"rank {self.rank} (host {self.host})" if self.host else f"rank {self.rank}"
         if self.exc_type:
-            head = f"Training failed on rank {self.rank}: {self.exc_type}: {self.remote_message}"
+            head = f"Training failed on {where}: {self.exc_type}: {self.remote_message}"
         else:
-            head = f"Training failed on rank {self.rank}: {self.remote_message}"
+            head = f"Training failed on {where}: {self.remote_message}"
         parts = [head]
-        if self.host:
-            parts.append(f"(rank {self.rank} ran on host {self.host})")
         others = sorted({f.rank for f in self.failures} - {self.rank})
         if others:
             parts.append(f"(ranks {', '.join(map(str, others))} failed after it)")
@@ -83,6 +84,11 @@ class TrainingError(SparkhvdError, RuntimeError):
         if self.run_dir:
             parts.append(f"\nRank logs: {self.run_dir}/logs/")
         return "\n".join(parts)
+
+
+class StallError(SparkhvdError, TimeoutError):
+    """No rank made progress for ``stall_timeout`` and ``on_stall="stop"`` was asked; the
+    message says where each rank was (their stacks are in ``logs/stacks-*.txt``)."""
 
 
 class NotEnoughSlotsError(SparkhvdError, RuntimeError):

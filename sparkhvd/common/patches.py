@@ -209,49 +209,42 @@ def _prefix_connection(src_connection: Any, dst_stream: Any, prefix: str, index:
 
     horovod's decoder is strict, so one non-UTF-8 byte from a rank kills the forwarder thread and
     the rank then blocks on a full pipe forever; and a line without a newline grows without
-    bound. Here bytes decode with replacement characters, and a line longer than
+    bound. Here bytes decode with replacement characters, a line longer than
     :data:`sparkhvd.common.protocol.MAX_CHUNK_BYTES` goes out in pieces tagged ``<stdout+>`` (the
-    driver joins them back in the rank log).
+    driver joins them back in the rank log), and a progress update (``\r``) as its own line
+    tagged ``<stdout~>`` (:mod:`sparkhvd.common.outputlines`).
     """
     import codecs
     import os
-    import re
     import time
 
+    from sparkhvd.common.outputlines import OUTPUT_FLAGS, OutputSplitter
     from sparkhvd.common.protocol import MAX_CHUNK_BYTES
 
     gone = []
 
-    def write(text: str, partial: bool = False) -> None:
+    def write(text: str, flag: str) -> None:
         if gone:  # the driver stopped listening: keep draining the rank, drop its output
             return
         if index is not None and prefix is not None:
             stamp = time.asctime() if prefix_output_with_timestamp else ""
-            text = f"{stamp}[{index}]<{prefix}{'+' if partial else ''}>:{text}"
+            text = f"{stamp}[{index}]<{prefix}{flag}>:{text}"
         try:
-            dst_stream.write(text + ("\n" if partial else ""))
+            dst_stream.write(text + "\n")
             dst_stream.flush()
         except Exception:  # noqa: BLE001 - horovod's stream raises once it is closed
             gone.append(True)
 
     decoder = codecs.getincrementaldecoder("utf8")("replace")
-    line_buffer = ""
+    splitter = OutputSplitter()
     try:
         while True:
-            buf = os.read(src_connection.fileno(), 65536)
-            text = decoder.decode(buf or b"", final=not buf)
-            for piece in re.split("([\r\n])", text):
-                line_buffer += piece
-                if piece in ("\r", "\n"):
-                    write(line_buffer)
-                    line_buffer = ""
-                elif len(line_buffer) >= MAX_CHUNK_BYTES:
-                    write(line_buffer, partial=True)
-                    line_buffer = ""
+            buf = os.read(src_connection.fileno(), MAX_CHUNK_BYTES)
+            pieces = splitter.feed(decoder.decode(buf or b"", final=not buf))
+            for kind, text in pieces + (splitter.close() if not buf else []):
+                write(text, OUTPUT_FLAGS[kind])
             if not buf:
                 break
-        if line_buffer:
-            write(line_buffer)
     finally:
         src_connection.close()
 

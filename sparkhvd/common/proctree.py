@@ -6,8 +6,9 @@ psutil is imported inside the functions, so that importing this module costs not
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
-from typing import Iterable
+from typing import Any, Iterable
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -57,14 +58,34 @@ def stop_processes(procs: list, grace_s: float = 5.0) -> None:
 
 
 def stop_pids(pids: Iterable[int], grace_s: float = 5.0) -> None:
-    """:func:`stop_processes` for PIDs of this machine (those already gone are skipped)."""
+    """:func:`stop_processes` for PIDs of this machine and everything they started (those
+    already gone are skipped): the descendants are listed *before* anything is stopped, since a
+    killed parent's children are re-parented out of reach."""
     import psutil
 
-    procs = []
+    procs: dict[int, Any] = {}
     for pid in pids:
         with contextlib.suppress(psutil.Error):
-            procs.append(psutil.Process(pid))
-    stop_processes(procs, grace_s)
+            proc = psutil.Process(pid)
+            procs[proc.pid] = proc
+            for child in proc.children(recursive=True):
+                procs.setdefault(child.pid, child)
+    stop_processes(list(procs.values()), grace_s)
+
+
+def end_tree_on_term() -> None:
+    """On SIGTERM, end this process's descendants, then die of SIGTERM as usual.
+
+    For ranks that no supervisor of ours watches (horovod's launcher starts them itself): a
+    stopped rank must not leave the processes it started behind.
+    """
+    def on_term(signum: int, _frame: Any) -> None:
+        signal.signal(signum, signal.SIG_IGN)
+        kill_descendants()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_term)
 
 
 def end_children(grace_s: float = 1.0) -> None:
@@ -88,7 +109,6 @@ def kill_descendants(rounds: int = 3) -> None:
 
 def kill_group(pgid: int) -> None:
     """SIGKILL a process group (a rank started in its own session), if it is still there."""
-    import os
 
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)

@@ -63,6 +63,15 @@ GLOO_AUTO_ENV = "SPARKHVD_GLOO_AUTO"
 #: The backend the ranks run on, when it is not horovod ("tf": see sparkhvd.common.backends.tf).
 BACKEND_ENV = "SPARKHVD_BACKEND"
 
+#: The signal that makes a rank write every thread's stack (``faulthandler``, set up in the
+#: rank by :mod:`sparkhvd.rank.stacks`).
+STACKS_SIGNAL = "SIGUSR1"
+#: Set when the rank must also look for stack requests in the run folder itself (launchers
+#: without a channel to remote ranks: horovod's).
+STACKS_POLL_ENV = "SPARKHVD_STACKS_POLL"
+#: The run-folder file a stack request is written to (by the driver, for ranks that poll).
+STACKS_REQUEST_FILE = "control/stacks-request.json"
+
 #: Prefix of an event printed as text (launchers without a channel of ours).
 #: What an elastic rank returns: (ELASTIC_RESULT, final rank, value-or-None) -- Spark tasks
 #: return in launch order, and a lost executor's task may have been retried as an empty one.
@@ -78,12 +87,15 @@ MAX_CHUNK_BYTES = 64 * 1024
 
 @dataclass
 class Line:
-    """Part of a rank's output: a whole line, or a piece of a long one (``partial``)."""
+    """Part of a rank's output: a whole line, a piece of a long one (``partial``), or a progress
+    bar's intermediate state (``update``, see :mod:`sparkhvd.common.outputlines`)."""
 
     rank: int
     tag: str  # "stdout" or "stderr"
     text: str
     partial: bool = False
+    #: a progress update (the line was redrawn with ``\r``): shown live, not kept
+    update: bool = False
 
 
 @dataclass
@@ -138,6 +150,19 @@ def exit_status(exc: SystemExit) -> int:
 
 
 @dataclass
+class Stacks:
+    """Every thread's Python stack in one rank process, when the driver asked
+    (:class:`DumpStacks`): ``source`` says who took them (``faulthandler`` in the rank,
+    ``py-spy`` from outside when the rank could not answer)."""
+
+    rank: int
+    pid: int = 0
+    host: str = ""
+    text: str = ""
+    source: str = "faulthandler"
+
+
+@dataclass
 class Heartbeat:
     """A Spark task is alive (sent every second; silence means a lost host)."""
 
@@ -174,16 +199,21 @@ class Abort:
 
 
 @dataclass
+class DumpStacks:
+    """The driver asks a task for its rank's stacks (the task signals the rank)."""
+
+
+@dataclass
 class Detached:
     """The driver's answer to :class:`Hello` when some task could not reach it: run without
     the control channel and return everything in the Spark job's rows."""
 
 
-Message = Union[Line, Started, Error, Metrics, Resumed, Exit, Heartbeat, Hello, Assign, Abort,
-                Detached]
+Message = Union[Line, Started, Error, Metrics, Resumed, Exit, Stacks, Heartbeat, Hello, Assign,
+                Abort, DumpStacks, Detached]
 KINDS: dict[str, type] = {cls.__name__.lower(): cls for cls in
-                          (Line, Started, Error, Metrics, Resumed, Exit, Heartbeat, Hello, Assign,
-                           Abort, Detached)}
+                          (Line, Started, Error, Metrics, Resumed, Exit, Stacks, Heartbeat, Hello,
+                           Assign, Abort, DumpStacks, Detached)}
 
 
 def to_dict(msg: Any) -> dict:

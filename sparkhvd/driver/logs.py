@@ -7,14 +7,19 @@
 - The console shows rank 0's lines and every rank's errors (``driver_log_verbosity="rank0"``),
   or every line (``"all"``); TensorFlow/Gloo start-up noise only with ``verbose=True``; a line
   longer than :data:`~sparkhvd.common.protocol.MAX_SHOWN_CHARS` is cut there, with a note saying so.
+- A progress bar's updates (``\r``, :mod:`sparkhvd.common.outputlines`) are redrawn in place where
+  the console can (a terminal, a notebook) and filed nowhere; each bar's final state is a normal
+  line, on the console and in the rank log.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
 import threading
+import time
 from typing import IO, Optional
 
 from sparkhvd.common.protocol import MAX_SHOWN_CHARS, Line
@@ -65,6 +70,22 @@ if not rank_logger.handlers:
     rank_logger.propagate = False
 
 
+#: Progress updates are redrawn at most this often.
+LIVE_INTERVAL_S = 0.1
+#: A live progress line is cut to this width (the final state is never cut).
+LIVE_WIDTH = 160
+
+
+def console_can_redraw() -> bool:
+    """Whether the driver's console redraws a line on ``\r``: a terminal or a Jupyter kernel."""
+    if "ipykernel" in sys.modules:
+        return True
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def is_noise(text: str) -> bool:
     """Whether a rank's output line is start-up noise hidden unless verbose."""
     return any(p.search(text) for p in NOISE)
@@ -88,7 +109,8 @@ class RankLogRouter:
     """
 
     def __init__(self, verbosity: str = "rank0", log_dir: Optional[str] = None,
-                 verbose: bool = False, logger: Optional[logging.Logger] = None) -> None:
+                 verbose: bool = False, logger: Optional[logging.Logger] = None,
+                 live: Optional[bool] = None) -> None:
         self.verbosity = check_verbosity(verbosity)
         self.verbose = verbose
         self.log_dir = log_dir
@@ -99,13 +121,21 @@ class RankLogRouter:
         self._pending: dict[tuple[int, str], list] = {}  # (rank, tag) -> [shown, total chars]
         self._lock = threading.RLock()
         self._closed = False
+        #: progress updates are drawn in place (a terminal or a notebook can redraw a line)
+        self.live = console_can_redraw() if live is None else live
+        self._live_at = 0.0
+        self._live_len = 0
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
 
     def line(self, msg: Line) -> None:
-        """Record one line (or one piece of a long line) of a rank's output."""
+        """Record one line (or one piece of a long line, or a progress update) of a rank's
+        output."""
         text = redact(msg.text.rstrip("\r"))
         rank, key = msg.rank, (msg.rank, msg.tag)
+        if msg.update:
+            self._update(rank, msg.tag, text)
+            return
         with self._lock:
             if self._closed:
                 return
@@ -125,12 +155,38 @@ class RankLogRouter:
                          f"whole in {where}]")
             self._show(rank, msg.tag, shown)
 
+    def _update(self, rank: int, tag: str, text: str) -> None:
+        """A progress bar's intermediate state: redrawn in place where the console can (a
+        terminal, a notebook), at most every :data:`LIVE_INTERVAL_S`; never filed -- the bar's
+        final state arrives as a normal line."""
+        if not self.live or not text or not self.should_show(rank, tag, text):
+            return
+        now = time.monotonic()
+        with self._lock:
+            if self._closed or now - self._live_at < LIVE_INTERVAL_S:
+                return
+            self._live_at = now
+            shown = f"[rank {rank}] {text}"[:LIVE_WIDTH]
+            pad = " " * max(0, self._live_len - len(shown))
+            with contextlib.suppress(Exception):
+                sys.stdout.write(f"\r{shown}{pad}")
+                sys.stdout.flush()
+            self._live_len = len(shown)
+
+    def _clear_live(self) -> None:
+        if self._live_len:
+            with contextlib.suppress(Exception):
+                sys.stdout.write("\r" + " " * self._live_len + "\r")
+                sys.stdout.flush()
+            self._live_len = 0
+
     def _show(self, rank: int, tag: str, text: str) -> None:
         tail = self._tail.setdefault(rank, [])
         tail.append(text)
         del tail[:-40]
         if self.should_show(rank, tag, text):
             label = f"[rank {rank}]" if rank >= 0 else "[horovod]"
+            self._clear_live()
             self.logger.info("%s %s", label, text)
 
     def should_show(self, rank: int, tag: str, text: str) -> bool:
@@ -149,6 +205,13 @@ class RankLogRouter:
                     self._in_traceback[rank] = False  # the exception line closes the block
                 return True
         return bool(_ERRORISH.search(text))
+
+    def line_all(self, text: str) -> None:
+        """A line of the driver's own in every rank log opened so far (e.g. a retry's start)."""
+        with self._lock:
+            for f in self._files.values():
+                f.write(text + "\n")
+                f.flush()
 
     def open(self, rank: int) -> Optional[IO[str]]:
         """The rank's log file (created on first use; ``launcher.log`` for rank -1)."""
@@ -169,6 +232,7 @@ class RankLogRouter:
     def close(self) -> None:
         """Show what is left of unfinished lines and close the per-rank files."""
         with self._lock:
+            self._clear_live()
             for (rank, tag) in list(self._pending):
                 self.line(Line(rank, tag, "", partial=False))
             for f in self._files.values():

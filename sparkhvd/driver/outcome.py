@@ -41,11 +41,22 @@ class RunOutcome:
         #: how the ranks' reports came (barrier launcher): "live" over the control channel, or
         #: "rows" in the Spark job's result rows when the executors could not reach the driver
         self.channel: Optional[str] = None
+        #: when a rank last showed progress (any output line or report but stacks)
+        self.last_progress = time.monotonic()
+        #: rank -> (when it arrived, its latest Stacks)
+        self.stacks: dict[int, tuple[float, protocol.Stacks]] = {}
+        #: the run's :class:`~sparkhvd.driver.stacks.RunMonitor` (stalls, stack requests)
+        self.monitor: Any = None
         self._error_seen: dict[int, float] = {}
         self._lock = threading.Lock()
 
     def receive(self, msg: Any) -> None:
         """Take one message from a launcher (any thread)."""
+        if isinstance(msg, protocol.Stacks):
+            with self._lock:
+                self.stacks[msg.rank] = (time.monotonic(), msg)
+            return
+        self.last_progress = time.monotonic()
         if isinstance(msg, protocol.Line):
             self.router.line(msg)
             return
@@ -85,6 +96,16 @@ class RunOutcome:
                                          host=self.hosts.get(rank))
         return None
 
+    def stacks_after(self, since: float) -> dict[int, protocol.Stacks]:
+        """The stacks that arrived after ``since`` (monotonic time), per rank."""
+        with self._lock:
+            return {rank: msg for rank, (at, msg) in self.stacks.items() if at >= since}
+
+    def stacks_since(self, since: float, ranks: list[int]) -> bool:
+        """Whether every one of ``ranks`` sent its stacks after ``since``."""
+        got = self.stacks_after(since)
+        return all(rank in got for rank in ranks)
+
     def pid_record(self) -> dict:
         """For ``run.json``: ``rank_pids`` (rank -> pid), all ``pids``, ``hosts`` (rank -> host)."""
         with self._lock:
@@ -106,7 +127,7 @@ class RunOutcome:
             own.exit_code = failure.exit_code
             own.host = own.host or host
             first = own
-        elif reported and not (failure.vanished or failure.lost):
+        elif reported and not (failure.vanished or failure.lost or killed(failure)):
             first = reported[0]
         else:
             first = RankFailure(rank=failure.rank if failure.rank is not None else -1,
@@ -116,6 +137,61 @@ class RunOutcome:
                                 if failure.rank is not None else "")
         others = [f for f in reported if f is not first]
         return TrainingError(first, [first, *others], run_dir=run_dir)
+
+
+def killed(failure: LaunchFailure) -> bool:
+    """Whether the failed rank's process was killed by a signal (SIGKILL from the OOM killer, a
+    lost container, an operator) -- then the other ranks' errors are consequences."""
+    code = failure.exit_code
+    return code is not None and (code < 0 or code > 128)
+
+
+#: Signals that end a process from outside; a rank dying of another one (SIGSEGV, SIGABRT)
+#: crashed by itself, which a retry would only repeat.
+_EXTERNAL_SIGNALS = {9, 15, 1, 2}
+
+
+def retry_reason(error: Any) -> Optional[str]:
+    """Why a failed attempt may be retried (``max_retries``), or None.
+
+    Retried: a rank, executor or host was *lost* -- its process vanished, its Spark task stopped
+    answering, or it was killed from outside (SIGKILL, SIGTERM). Not retried: anything the
+    training function raised, a crash of its own (SIGSEGV), a timeout, an interrupt.
+    """
+    if not isinstance(error, LaunchFailure):
+        return None
+    where = f"rank {error.rank}" + (f" on host {error.host}" if error.host else "")
+    if error.lost:
+        return f"the Spark task of {where} stopped answering (host lost)"
+    if error.vanished:
+        return f"{where} vanished (its executor or host was lost)"
+    code = error.exit_code
+    signum = -code if code is not None and code < 0 else \
+        (code - 128 if code is not None and code > 128 else None)
+    if signum in _EXTERNAL_SIGNALS:
+        return f"the process of {where} was killed by signal {signum}"
+    return None
+
+
+def attempt_record(attempt: int, status: str, error: Any, resume: Optional[str],
+                   retry: Optional[str]) -> dict:
+    """One entry of ``run.json``'s ``attempts``."""
+    import datetime as _dt
+
+    entry: dict[str, Any] = {"attempt": attempt, "status": status, "resumed_from": resume,
+                             "ended_at": _dt.datetime.now().isoformat(timespec="seconds")}
+    if error is not None:
+        entry["error"] = str(error).split("\n", 1)[0]
+        entry["retryable"] = retry
+    return entry
+
+
+def merge_epochs(earlier: list[dict], later: list[dict]) -> list[dict]:
+    """Rank 0's per-epoch records over attempts: a retried epoch's newer record wins."""
+    by_epoch: dict[Any, dict] = {}
+    for record in [*earlier, *later]:
+        by_epoch[record.get("epoch", len(by_epoch))] = record
+    return [by_epoch[k] for k in sorted(by_epoch, key=lambda e: (not isinstance(e, int), e))]
 
 
 def _how(failure: LaunchFailure) -> str:

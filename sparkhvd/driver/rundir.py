@@ -151,6 +151,12 @@ class RunDir:
         """Absolute local path of a file inside the run folder."""
         return os.path.join(self.path, name)
 
+    def own_checkpoints(self) -> Optional[str]:
+        """This run's checkpoints folder when it holds a complete checkpoint (what a retry
+        resumes from), else None."""
+        folder = self.file("checkpoints")
+        return folder if os.path.exists(os.path.join(folder, "latest.json")) else None
+
     def update(self, **fields: Any) -> None:
         """Merge ``fields`` into the record and rewrite ``run.json`` atomically."""
         from sparkhvd.common.redaction import redact

@@ -10,12 +10,13 @@ import datetime as _dt
 import inspect
 import logging
 import os
+import shutil
 from typing import Any, Callable, Mapping, Optional, Union
 
 from sparkhvd.common import protocol
 from sparkhvd.common.backends import BACKENDS
 from sparkhvd.common.environment import rank_env
-from sparkhvd.common.errors import LaunchFailure, PayloadError, StorageError
+from sparkhvd.common.errors import LaunchFailure, PayloadError, StallError, StorageError
 from sparkhvd.common.protocol import RankOptions
 from sparkhvd.common.redaction import remember_environment
 from sparkhvd.driver import payload as _payload
@@ -23,7 +24,7 @@ from sparkhvd.driver.arguments import Prepared
 from sparkhvd.driver.launchers import (LaunchFacts, LaunchSpec, Placement, check_launch,
                                        choose_launcher, get_launcher)
 from sparkhvd.driver.logs import RankLogRouter
-from sparkhvd.driver.outcome import RunOutcome
+from sparkhvd.driver.outcome import RunOutcome, attempt_record, merge_epochs, retry_reason
 from sparkhvd.driver.rundir import RunDir, resolve_resume_source
 from sparkhvd.driver.settings import (LaunchConfig, RunConfig, ScalingConfig, SessionConfig,
                                       group_keywords)
@@ -31,30 +32,21 @@ from sparkhvd.driver.stack import check_horovod_installed, check_keras
 
 log = logging.getLogger(__name__)
 
-#: Keyword arguments of ``run()``/``run_all()`` themselves: a training function cannot take them.
-RESERVED_KWARGS = ("timeout",)
+#: ``run()``'s own limit, unambiguous whatever the training function's parameters are called.
+RUN_TIMEOUT = "run_timeout"
 
 
 def check_arguments(fn: Callable, kwargs: Mapping[str, Any]) -> None:
     """Bind ``kwargs`` to ``fn``'s signature on the driver, before anything starts.
 
     Raises:
-        PayloadError: naming the missing/unexpected argument, or a required parameter whose
-            name ``run()`` reserves for itself.
+        PayloadError: naming the missing/unexpected argument.
     """
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins and some C callables: nothing to check
         return
     name = getattr(fn, "__qualname__", repr(fn))
-    for param in signature.parameters.values():
-        if param.name in RESERVED_KWARGS and param.default is param.empty and \
-                param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
-            raise PayloadError(
-                f"{name}() has a required parameter {param.name!r}, but run() reserves that "
-                f"keyword for itself (run(fn, {param.name}=...) is run()'s own "
-                f"{param.name}). Fix: rename the parameter, or give it a default. Reserved: "
-                f"{', '.join(RESERVED_KWARGS)}.")
     params = signature.parameters
     if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
         unexpected = [k for k in kwargs if k not in params or
@@ -66,8 +58,7 @@ def check_arguments(fn: Callable, kwargs: Mapping[str, Any]) -> None:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise PayloadError(
                 f"run() cannot call {name}{signature}: unexpected keyword argument "
-                f"{unexpected[0]!r}{hint}. Fix: pass the function's own parameter names. "
-                f"Reserved by run(): {', '.join(RESERVED_KWARGS)}.")
+                f"{unexpected[0]!r}{hint}. Fix: pass the function's own parameter names.")
     try:
         signature.bind(**kwargs)
     except TypeError as exc:
@@ -75,8 +66,36 @@ def check_arguments(fn: Callable, kwargs: Mapping[str, Any]) -> None:
             f"run() cannot call {name}{signature} with the arguments given "
             f"({', '.join(kwargs) or 'none'}): {exc}. Fix: pass the function's parameters by "
             f"name, e.g. run({getattr(fn, '__name__', 'fn')}, "
-            f"{', '.join(f'{p}=...' for p in list(signature.parameters)[:2])}). "
-            f"Reserved by run(): {', '.join(RESERVED_KWARGS)}.") from None
+            f"{', '.join(f'{p}=...' for p in list(signature.parameters)[:2])}).") from None
+
+
+def split_run_limit(fn: Callable, kwargs: dict[str, Any], run_timeout: Any) -> Optional[float]:
+    """The run's own time limit, taken out of ``kwargs`` -- never guessed.
+
+    ``run_timeout=`` is always the run's limit, and then every other keyword is ``fn``'s
+    (``timeout`` too). Without it, ``timeout=`` is the run's limit -- unless ``fn`` has a
+    parameter called ``timeout``: then it could mean either, and a PayloadError says how to say
+    which.
+    """
+    if run_timeout is not _UNSET:
+        return run_timeout
+    if "timeout" not in kwargs:
+        return None
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    own = params.get("timeout")
+    if own is not None and own.kind in (own.POSITIONAL_OR_KEYWORD, own.KEYWORD_ONLY):
+        name = getattr(fn, "__name__", "fn")
+        value = kwargs["timeout"]
+        raise PayloadError(
+            f"run({name}, timeout={value!r}) is ambiguous: {name}() has its own 'timeout' "
+            f"parameter, so timeout= could be the run's time limit or {name}'s argument. Say "
+            f"which: run({name}, run_timeout=600, timeout={value!r}) passes timeout={value!r} "
+            f"to {name} and stops the run after 600 s; run({name}, run_timeout=None, "
+            f"timeout={value!r}) passes it with no limit on the run.")
+    return kwargs.pop("timeout")
 
 
 #: A keyword setting the caller did not give (its default lives in sparkhvd.driver.settings).
@@ -131,7 +150,9 @@ class HorovodRunner:
                  launcher: str = _UNSET, verbose: bool = _UNSET,
                  nics: Optional[set[str]] = _UNSET, slot_wait_s: float = _UNSET,
                  heartbeat_timeout: float = _UNSET,
-                 mlflow: Union[None, bool, str] = _UNSET) -> None:
+                 mlflow: Union[None, bool, str] = _UNSET,
+                 stall_timeout: Optional[float] = _UNSET, on_stall: str = _UNSET,
+                 max_retries: int = _UNSET) -> None:
         given = {k: v for k, v in locals().items()
                  if v is not _UNSET and k not in ("self", "backend", "scaling", "launch",
                                                    "run_config", "session", "__class__")}
@@ -170,25 +191,31 @@ class HorovodRunner:
                            bool(self.run_config.timeline))
 
     # -- public API ----------------------------------------------------------------------
-    def run(self, fn: Callable[..., Any], *, timeout: Optional[float] = None, **kwargs: Any) -> Any:
+    def run(self, fn: Callable[..., Any], /, *, run_timeout: Optional[float] = _UNSET,
+            **kwargs: Any) -> Any:
         """Run ``fn(**kwargs)`` on every rank and return rank 0's return value.
 
-        ``timeout`` (seconds, reserved keyword): stop the ranks, cancel the Spark job and raise
-        ``TimeoutError`` if the training runs longer. ``KeyboardInterrupt`` (a notebook's stop
-        button) likewise stops everything and propagates; the session stays usable.
+        ``run_timeout`` (seconds): stop the ranks, cancel the Spark job and raise
+        ``TimeoutError`` -- with every rank's stack (``logs/stacks-*.txt``) and which rank was
+        where -- if the training runs longer. ``timeout=`` means the same when ``fn`` has no
+        ``timeout`` parameter of its own; when it has one, ``timeout=`` alone is refused as
+        ambiguous (:func:`split_run_limit`). ``KeyboardInterrupt`` (a notebook's stop button)
+        likewise stops everything and propagates; the session stays usable.
 
         Raises:
             PayloadError: ``fn`` or an argument cannot be sent to the ranks, or ``kwargs`` do not
                 fit ``fn``'s parameters (before launch).
             NotEnoughSlotsError: the session has fewer task slots than ``np`` (in seconds).
             TrainingError: a rank failed; names the rank, its host, the exception and traceback.
-            TimeoutError: ``timeout`` passed.
+            TimeoutError: the run's time limit passed.
         """
+        timeout = split_run_limit(fn, kwargs, run_timeout)
         return self._execute(fn, kwargs, return_all=False, timeout=timeout)[0]
 
-    def run_all(self, fn: Callable[..., Any], *, timeout: Optional[float] = None,
+    def run_all(self, fn: Callable[..., Any], /, *, run_timeout: Optional[float] = _UNSET,
                 **kwargs: Any) -> list[Any]:
         """Like :meth:`run`, but return every rank's return value, in rank order."""
+        timeout = split_run_limit(fn, kwargs, run_timeout)
         return self._execute(fn, kwargs, return_all=True, timeout=timeout)
 
     # -- internals -----------------------------------------------------------------------
@@ -196,7 +223,8 @@ class HorovodRunner:
                  timeout: Optional[float] = None) -> list:
         if timeout is not None and (isinstance(timeout, bool) or
                                     not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise ValueError(f"timeout must be a positive number of seconds; got {timeout!r}")
+            raise ValueError(f"run_timeout (or timeout=) must be a positive number of seconds; "
+                             f"got {timeout!r}")
         if not callable(fn):
             _payload.dumps(fn, {})  # raises the PayloadError that explains it
         check_arguments(fn, kwargs)
@@ -243,7 +271,8 @@ class HorovodRunner:
         router = RankLogRouter(config.driver_log_verbosity, log_dir=run_dir.logs,
                                verbose=launch.verbose)
         outcome = RunOutcome(router)
-        files = None
+        metrics: list[dict] = []
+        attempts: list[dict] = []
         results: list = []
         status, error, raise_as = "succeeded", None, None
         try:
@@ -254,37 +283,34 @@ class HorovodRunner:
                 tracker = MlflowTracker(config.mlflow)
                 tracker.start(run_dir, {**run_dir.record_params(),
                                         "launcher": placement.launcher}, kwargs)
-                outcome.listeners.append(tracker.metrics)
             resume = self._resume_source(run_dir)
-            files, files_env = self._start_files(placement, run_dir, resume)
-            env.update(files_env)
-            spec = LaunchSpec(
-                np=self.scaling.size, payload=blob, env=env, placement=placement,
-                options=RankOptions(verbose=launch.verbose, return_all=return_all,
-                                    elastic=bool(self.elastic),
-                                    env_keep=tuple(sorted(set(launch.env) | set(env)))),
-                start_timeout=launch.start_timeout, timeout=timeout, verbose=launch.verbose,
-                elastic=self.elastic, heartbeat_timeout=launch.heartbeat_timeout,
-                backend=self.backend)
-            run_dir.mark("launch")
-            log.info("Launching %d rank(s) %s; logs in %s", spec.np,
-                     f"on Spark ({spec.session.describe()})" if spark else "as local processes",
-                     run_dir.logs)
-            results = get_launcher(placement.launcher).launch(spec, outcome)
-            if outcome.channel:
-                run_dir.update(control=outcome.channel)
-        except LaunchFailure as failure:
-            status, raise_as = "failed", failure
-            error = outcome.training_error(failure, None)
+            for attempt in range(1, config.max_retries + 2):
+                outcome = RunOutcome(router)
+                if tracker is not None:
+                    outcome.listeners.append(tracker.metrics)
+                results, status, error, raise_as = self._attempt(
+                    outcome, placement, run_dir, resume, dict(env), blob,
+                    return_all=return_all, timeout=timeout)
+                metrics = merge_epochs(metrics, outcome.metrics)
+                reason = retry_reason(raise_as)
+                attempts.append(attempt_record(attempt, status, error, resume, reason))
+                run_dir.update(attempts=attempts)
+                if reason is None or attempt > config.max_retries:
+                    break
+                resume = run_dir.own_checkpoints() or resume
+                log.warning("sparkhvd: attempt %d of %d failed because %s; relaunching %s "
+                            "(attempt %d, max_retries=%d)", attempt, config.max_retries + 1,
+                            reason, f"from {resume}" if resume else "from the start",
+                            attempt + 1, config.max_retries)
+                router.line_all(f"---- attempt {attempt + 1}: relaunched after {reason} ----")
+                placement = self._place(spark, run_dir)
         except BaseException as exc:
             status = ("interrupted" if isinstance(exc, KeyboardInterrupt) else
                       "timed out" if isinstance(exc, TimeoutError) else "failed")
             error = raise_as = exc
         finally:
-            if files is not None:
-                files.stop()
             router.close()
-            self._write_curves(run_dir, outcome.metrics)
+            self._write_curves(run_dir, metrics)
         extra: dict[str, Any] = {}
         if error is None:
             run_dir.mark("finished")
@@ -304,6 +330,63 @@ class HorovodRunner:
             exc.result = results[0] if not return_all else results
             raise
         return results
+
+    def _attempt(self, outcome: RunOutcome, placement: Placement, run_dir: RunDir,
+                 resume: Optional[str], env: dict[str, str], blob: bytes, *, return_all: bool,
+                 timeout: Optional[float]) -> tuple[list, str, Any, Any]:
+        """One launch of the ranks: ``(results, status, error, raise_as)`` -- a rank's failure
+        is returned (the caller may retry), anything else propagates."""
+        from sparkhvd.driver.stacks import RunMonitor
+
+        launch = self.launch_config
+        self._monitor = outcome.monitor = RunMonitor(
+            outcome, run_dir.path, stall_timeout=launch.stall_timeout, on_stall=launch.on_stall)
+        files = None
+        try:
+            files, files_env = self._start_files(placement, run_dir, resume)
+            env.update(files_env)
+            spec = LaunchSpec(
+                np=self.scaling.size, payload=blob, env=env, placement=placement,
+                options=RankOptions(verbose=launch.verbose, return_all=return_all,
+                                    elastic=bool(self.elastic),
+                                    env_keep=tuple(sorted(set(launch.env) | set(env)))),
+                start_timeout=launch.start_timeout, timeout=timeout, verbose=launch.verbose,
+                elastic=self.elastic, heartbeat_timeout=launch.heartbeat_timeout,
+                backend=self.backend)
+            run_dir.mark("launch")
+            log.info("Launching %d rank(s) %s; logs in %s", spec.np,
+                     f"on Spark ({spec.session.describe()})" if spec.session else
+                     "as local processes", run_dir.logs)
+            results = get_launcher(placement.launcher).launch(spec, outcome)
+            if outcome.channel:
+                run_dir.update(control=outcome.channel)
+            return results, "succeeded", None, None
+        except LaunchFailure as failure:
+            return [], "failed", outcome.training_error(failure, None), failure
+        except StallError as exc:
+            return [], "stalled", exc, exc
+        finally:
+            self._monitor = None
+            if outcome.monitor is not None and outcome.monitor.reports:
+                saved = [os.path.relpath(r.path, run_dir.path) for r in outcome.monitor.reports
+                         if r.path]
+                run_dir.update(stacks=[*(run_dir.record.get("stacks") or []), *saved])
+            if files is not None:
+                files.stop()
+            # the stack requests polling ranks read: the run's business only while it runs
+            shutil.rmtree(run_dir.file(os.path.dirname(protocol.STACKS_REQUEST_FILE)),
+                          ignore_errors=True)
+
+    def dump_stacks(self) -> str:
+        """Every rank's stacks now, from another thread while :meth:`run` runs: the report's
+        text (also saved as ``logs/stacks-<time>.txt``). ``sparkhvd stacks <run folder>`` does
+        the same from another process."""
+        monitor = getattr(self, "_monitor", None)
+        if monitor is None:
+            raise RuntimeError("No run of this HorovodRunner is running: dump_stacks() asks a "
+                               "running run's ranks (call it from another thread, or use "
+                               "`sparkhvd stacks <run folder>` from a terminal).")
+        return monitor.collect("requested from Python").text()
 
     def _place(self, spark: Any, run_dir: RunDir) -> Placement:
         """Which launcher, where the driver is reached, and whether the ranks share its disk."""

@@ -20,6 +20,10 @@ from sparkhvd.driver.launchers import LAUNCHERS
 from sparkhvd.driver.logs import check_verbosity
 
 
+#: What a stall does: warn (the run goes on) or stop the run.
+ON_STALL = ("warn", "stop")
+
+
 def _seconds(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"{name} must be a positive number of seconds; got {value!r}")
@@ -100,6 +104,11 @@ class LaunchConfig:
             else each task uses the interface that reaches the driver.
         env: extra environment variables for the ranks (see :mod:`sparkhvd.common.environment`).
         verbose: show TensorFlow/Gloo start-up noise and horovod's own debug output.
+        stall_timeout: when no rank has shown progress (an output line, metrics, any report)
+            for this long, collect every rank's stacks (``logs/stacks-*.txt``) and warn, naming
+            which rank is where; ``None`` turns it off.
+        on_stall: ``"warn"`` (the run goes on) or ``"stop"`` (the stall ends the run with a
+            ``StallError``).
     """
 
     launcher: str = "auto"
@@ -109,6 +118,8 @@ class LaunchConfig:
     nics: Optional[frozenset] = None
     env: Mapping[str, str] = field(default_factory=dict)
     verbose: bool = False
+    stall_timeout: Optional[float] = 600.0
+    on_stall: str = "warn"
 
     def __post_init__(self) -> None:
         from sparkhvd.common.environment import rank_env
@@ -122,6 +133,10 @@ class LaunchConfig:
                 or self.slot_wait_s < 0:
             raise ValueError(f"slot_wait_s must be a number of seconds >= 0; "
                              f"got {self.slot_wait_s!r}")
+        if self.stall_timeout is not None:
+            set_(self, "stall_timeout", _seconds("stall_timeout", self.stall_timeout))
+        if self.on_stall not in ON_STALL:
+            raise ValueError(f"on_stall must be one of {ON_STALL}; got {self.on_stall!r}")
         set_(self, "nics", frozenset(self.nics) if self.nics else None)
         rank_env(dict(self.env or {}))  # validates names and values now rather than at run()
         set_(self, "env", _frozen_map(self.env))
@@ -143,6 +158,9 @@ class RunConfig:
         mlflow: ``True`` or an experiment name: track the run in MLflow.
         driver_log_verbosity: ``"rank0"`` (rank 0's output and every rank's errors on the
             console) or ``"all"``.
+        max_retries: relaunch a run that failed because an executor, host or rank process was
+            lost -- not because the training function raised -- up to this many times, each
+            attempt resuming from the run's own latest checkpoint (``run.json`` records them).
     """
 
     output_dir: str = "runs"
@@ -151,9 +169,13 @@ class RunConfig:
     timeline: bool = False
     mlflow: Union[None, bool, str] = None
     driver_log_verbosity: str = "rank0"
+    max_retries: int = 0
 
     def __post_init__(self) -> None:
         check_verbosity(self.driver_log_verbosity)
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or \
+                self.max_retries < 0:
+            raise ValueError(f"max_retries must be an int >= 0; got {self.max_retries!r}")
         object.__setattr__(self, "storage_options", _frozen_map(self.storage_options))
 
     def __repr__(self) -> str:  # storage_options hold credentials: never shown

@@ -160,6 +160,18 @@ class SparkView:
             return self.conf("spark.pyspark.python")
         return self.sc.pythonExec or "python3"
 
+    def task_slots(self, fallback: int = 8) -> int:
+        """How many tasks the cluster runs at once, as well as it can be told cheaply
+        (``defaultParallelism`` on classic; the slot count from settings on Connect)."""
+        try:
+            if not self.connect:
+                return max(1, int(self.sc.defaultParallelism))
+            from sparkhvd.driver.slots import slots_without_context
+
+            return max(1, slots_without_context(self).slots)
+        except Exception:  # noqa: BLE001 - only a sizing hint
+            return fallback
+
     def job(self, name: str, description: str) -> "SparkJob":
         return SparkJob(self, name, description)
 

@@ -111,6 +111,16 @@ class MlflowTracker:
             return
         mlflow_status = {"succeeded": "FINISHED", "failed": "FAILED"}.get(status, "KILLED")
         try:
+            attempts = run_dir.record.get("attempts") or []
+            if attempts:  # retries (max_retries): how many, and why each attempt ended
+                self.client.set_tag(self.run_id, "sparkhvd.attempts", str(len(attempts)))
+                self.client.log_metric(self.run_id, "retries", len(attempts) - 1)
+                for entry in attempts[:-1]:
+                    self.client.set_tag(self.run_id, f"sparkhvd.attempt{entry['attempt']}",
+                                        str(entry.get("retryable") or entry.get("error"))[:500])
+        except Exception as exc:  # noqa: BLE001 - tracking must not hide the run's outcome
+            log.warning("MLflow: could not record the attempts: %s", redact(str(exc)))
+        try:
             local = run_dir.path if os.path.isdir(run_dir.path) else None
             if local:
                 for name in ("run.json", "metrics.csv", "curves.png", "timeline.json"):

@@ -98,8 +98,8 @@ class _Kept:
         self.lock = threading.Lock()
 
     def add(self, msg: Any) -> None:
-        if isinstance(msg, protocol.Heartbeat):
-            return
+        if isinstance(msg, protocol.Heartbeat) or getattr(msg, "update", False):
+            return  # progress updates are for a live console only
         data = protocol.encode(msg)
         with self.lock:
             self.messages.append((isinstance(msg, protocol.Line), data))
@@ -225,7 +225,8 @@ def barrier_task(payload: bytes, options: Mapping[str, Any], env: Mapping[str, s
             channel.send(protocol.Heartbeat(rank=rank))
 
     def watch_driver() -> None:  # an abort, or a lost driver, ends the rank
-        channel.receive()
+        while isinstance(channel.receive(), protocol.DumpStacks):
+            proc.request_stacks()
         if not done.is_set():
             proc.terminate()
 

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,8 @@ TERM_GRACE_S = 3.0
 DRAIN_S = 5.0
 #: Longest event line (an exception with a long traceback).
 MAX_EVENT_BYTES = 8 << 20
+#: A rank that has not sent its stacks this long after the signal is read with py-spy.
+STACKS_ANSWER_S = 2.0
 
 
 def _term_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -62,6 +65,9 @@ class RankProcess:
         self.proc: Optional[subprocess.Popen] = None
         self.work: Optional[str] = None
         self._pumps: list[threading.Thread] = []
+        #: the rank process itself (the supervisor's child), once it announced itself
+        self.rank_pid: Optional[int] = None
+        self._stacks_seen = threading.Event()
 
     @property
     def pid(self) -> Optional[int]:
@@ -95,18 +101,22 @@ class RankProcess:
 
     # -- pumps --------------------------------------------------------------------------------
     def _pump_lines(self, pipe: Any, tag: str) -> None:
+        from sparkhvd.common.outputlines import PARTIAL, UPDATE, OutputSplitter
+
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        splitter = OutputSplitter()
         try:
             while True:
-                chunk = pipe.readline(protocol.MAX_CHUNK_BYTES)
+                chunk = pipe.read1(protocol.MAX_CHUNK_BYTES)
+                pieces = splitter.feed(decoder.decode(chunk, final=not chunk)) if chunk else \
+                    splitter.feed(decoder.decode(b"", final=True)) + splitter.close()
+                for kind, text in pieces:
+                    with contextlib.suppress(Exception):
+                        self.on_line(protocol.Line(self.rank, tag, text,
+                                                   partial=kind == PARTIAL,
+                                                   update=kind == UPDATE))
                 if not chunk:
                     break
-                whole = chunk.endswith(b"\n")
-                text = decoder.decode(chunk, final=whole)
-                if whole:
-                    text = text[:-1].rstrip("\r")
-                with contextlib.suppress(Exception):
-                    self.on_line(protocol.Line(self.rank, tag, text, partial=not whole))
         finally:
             pipe.close()
 
@@ -120,10 +130,39 @@ class RankProcess:
                     msg = protocol.decode(line)
                 except ValueError:
                     continue
+                if isinstance(msg, protocol.Started):
+                    self.rank_pid = msg.pid
+                elif isinstance(msg, protocol.Stacks):
+                    self._stacks_seen.set()
                 with contextlib.suppress(Exception):
                     self.on_event(msg)
         finally:
             pipe.close()
+
+    # -- stacks -------------------------------------------------------------------------------
+    def request_stacks(self, answer_s: float = STACKS_ANSWER_S) -> None:
+        """Ask the rank for every thread's stack (it answers with a Stacks event); if it has not
+        answered within ``answer_s``, take them with py-spy where installed (in a thread)."""
+        pid = self.rank_pid
+        if pid is None or self.poll() is not None:
+            return
+        self._stacks_seen.clear()
+        with contextlib.suppress(OSError):
+            os.kill(pid, getattr(signal, protocol.STACKS_SIGNAL))
+
+        def fallback() -> None:
+            from sparkhvd.common import pyspy
+
+            if self._stacks_seen.wait(answer_s) or not pyspy.available():
+                return
+            text = pyspy.dump(pid)
+            if text:
+                with contextlib.suppress(Exception):
+                    self.on_event(protocol.Stacks(rank=self.rank, pid=pid, text=text,
+                                                  host=socket.gethostname(), source="py-spy"))
+
+        threading.Thread(target=fallback, daemon=True, name=f"sparkhvd-rank{self.rank}-stacks"
+                         ).start()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def poll(self) -> Optional[int]:

@@ -11,7 +11,8 @@ from sparkhvd.rank.keras.callbacks import (BroadcastInitialState, EpochProgress,
     LearningRateWarmup, MetricAverage, RankZeroCheckpoint, RunFolderTensorBoard,
     latest_checkpoint, warmup_lr)
 from sparkhvd.rank.keras.distributed import KerasDistributed
+from sparkhvd.rank.keras.plain import StrategyMissingError, in_strategy
 
 __all__ = ["KerasDistributed", "BroadcastInitialState", "MetricAverage", "LearningRateWarmup",
            "EpochProgress", "RankZeroCheckpoint", "RunFolderTensorBoard", "latest_checkpoint",
-           "warmup_lr"]
+           "warmup_lr", "in_strategy", "StrategyMissingError"]

@@ -18,10 +18,11 @@ from sparkhvd.common.environment import allowed, run_variable
 from sparkhvd.common.errors import PayloadError
 from sparkhvd.common.identity import current_rank
 from sparkhvd.common.netif import collective_iface_env
-from sparkhvd.common.proctree import become_subreaper, end_children
+from sparkhvd.common.proctree import become_subreaper, end_children, end_tree_on_term
 from sparkhvd.rank.arguments import open_argument
 from sparkhvd.rank.devices import apply_plan, detect_gpus, plan_rank
 from sparkhvd.rank.events import announce, emit, error_event, events
+from sparkhvd.rank.stacks import install as install_stacks
 
 _NOISY_MODULES = r"(petastorm|pyarrow|tensorflow|keras|horovod|numpy|pandas|google|absl)(\..*)?"
 
@@ -85,7 +86,10 @@ def rank_main(payload: bytes, options: dict, *, pickle_result: bool = False) -> 
     scrub_environment(list(options.get("env_keep", ())))
     pick_gloo_iface()
     become_subreaper()
+    if not pickle_result:  # no supervisor of ours (horovod's launcher): end our tree ourselves
+        end_tree_on_term()
     announce(rank)
+    install_stacks()  # every thread's stack on request, however stuck the rank is
     if options.get("elastic"):
         from sparkhvd.common.patches import follow_elastic_resets
 
@@ -95,8 +99,12 @@ def rank_main(payload: bytes, options: dict, *, pickle_result: bool = False) -> 
     try:
         cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else (os.cpu_count() or 1)
-        apply_plan(plan_rank(local_rank, local_size, cpu_count, detect_gpus()),
-                   os.environ.get(protocol.BACKEND_ENV))
+        backend = os.environ.get(protocol.BACKEND_ENV)
+        apply_plan(plan_rank(local_rank, local_size, cpu_count, detect_gpus()), backend)
+        if backend == "tf":  # plain TF code runs unchanged (imports nothing now)
+            from sparkhvd.rank.keras.plain import install
+
+            install()
         import cloudpickle
 
         fn, kwargs = cloudpickle.loads(payload)  # made by sparkhvd.driver.payload.dumps

@@ -84,7 +84,7 @@ def test_lines_errors_and_record_across_hosts(cluster_spark, tmp_path, rank_line
     hosts = {int(k): v for k, v in record["hosts"].items()}
     assert set(hosts.values()) == HOSTS and len(record["rank_pids"]) == 3
     assert err.rank == 2 and err.exc_type == "ValueError" and err.host == hosts[2]
-    assert f"(rank 2 ran on host {hosts[2]})" in str(err)
+    assert str(err).startswith(f"Training failed on rank 2 (host {hosts[2]}): ValueError")
     assert err.remote_message == f"bad shard on {hosts[2]}"
     for rank, host in hosts.items():
         assert f"[rank {rank}] hello from {host} as rank {rank}" in rank_lines
@@ -267,6 +267,9 @@ def test_a_host_that_dies_mid_run(cluster_spark, netns_cluster, tmp_path, rank_l
         err = info.value
         assert err.rank == lost_rank and err.host == act.host, str(err)
         assert "vanished" in err.remote_message or "stopped answering" in err.remote_message
+        # The first line -- what run.json and a notebook's error summary keep -- names the host.
+        assert f"rank {lost_rank} (host {act.host})" in str(err).splitlines()[0], str(err)
+        assert act.host in record["error"]["message"], record["error"]
         survivors = [int(pid) for r, pid in record["rank_pids"].items()
                      if hosts[int(r)] != act.host]
         assert still_alive(survivors, 30.0) == [], "no rank process left on the surviving hosts"
@@ -332,3 +335,73 @@ def test_doctor_reports_hosts_interfaces_and_reachability(cluster_spark, netns_c
         assert host in out
     assert "eth0" in out and out.count("yes (from 10.231.") >= 3
     assert cluster_spark.sparkContext._jsc is not None, "doctor left the session running"
+
+
+def test_a_lost_host_is_retried_from_the_last_checkpoint(cluster_spark, netns_cluster, tmp_path,
+                                                         rank_lines):
+    """max_retries=1 across hosts: the host of rank 2 dies after epoch 2's checkpoint (and a
+    fresh one takes its place); the run resumes at epoch 3 and ends with the weights of an
+    uninterrupted run."""
+    import numpy as np
+
+    from digits_keras import pausing_data, train_pausing
+
+    data = pausing_data()
+    straight = HorovodRunner(np=3, spark=cluster_spark, output_dir=str(tmp_path / "a")).run(
+        train_pausing, epochs=4, **data)
+    lost = {}
+
+    def kill_when_paused():
+        wait_for(lambda: sum("paused" in line for line in rank_lines) >= 3, 240, "3 paused")
+        line = next(line for line in rank_lines if line.startswith("[rank 2]") and "paused" in line)
+        lost["host"] = line.split(" on ")[1].split()[0]
+        netns_cluster.kill_host(lost["host"])
+        netns_cluster.restore_host(lost["host"])
+
+    thread = threading.Thread(target=kill_when_paused, daemon=True)
+    thread.start()
+    runner = HorovodRunner(np=3, spark=cluster_spark, max_retries=1, driver_log_verbosity="all",
+                           output_dir=str(tmp_path / "b"))
+    try:
+        result = runner.run(train_pausing, epochs=4, pause_at=2, **data)
+    finally:
+        thread.join(120)
+    assert result["initial_epoch"] == 2
+    for a, b in zip(straight["weights"], result["weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    first, second = record_of(runner)["attempts"]
+    assert lost["host"] in first["error"] and first["retryable"], first
+    assert second["status"] == "succeeded"
+
+
+def load_batch():
+    time.sleep(600)
+
+
+def rank2_elsewhere():
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    hvd.init()
+    if hvd.rank() == 2:
+        load_batch()
+    hvd.allreduce(tf.constant(1.0))
+
+
+@pytest.mark.parametrize("launcher", ["barrier", "horovod"])
+def test_a_hang_across_hosts_names_where_each_rank_is(cluster_spark, tmp_path, launcher):
+    """Every rank's stacks come back from every host -- over the barrier launcher's control
+    channel, or (horovod's launcher, no channel of ours) through the run folder the ranks poll."""
+    runner = HorovodRunner(np=3, spark=cluster_spark, launcher=launcher,
+                           output_dir=str(tmp_path))
+    with pytest.raises(TimeoutError) as info:
+        runner.run(rank2_elsewhere, run_timeout=30 if launcher == "barrier" else 45)
+    message = str(info.value)
+    assert "rank 2 is in test_multihost.py:" in message and "load_batch()" in message, message
+    assert "ranks 0, 1 wait in" in message and "allreduce" in message, message
+    stacks = message.rsplit("Every rank's stacks: ", 1)[1].strip()
+    text = open(stacks).read()
+    for rank in range(3):
+        assert f"=== rank {rank} (pid" in text
+    assert {line.split(" on host ")[1].split(";")[0] for line in text.splitlines()
+            if line.startswith("=== rank")} == HOSTS

@@ -98,3 +98,51 @@ def test_doctor_fails_with_fix_for_unreachable_storage(tmp_path):
                          env={**os.environ, "COLUMNS": "250"})
     assert out.returncode == 1
     assert "FAIL" in out.stdout and "check the URL" in out.stdout
+
+
+def _check_progress_output(console: str, log: str, epochs: int) -> None:
+    """Every epoch's header and final bar on the console, tagged; nothing cut; a readable log."""
+    lines = console.splitlines()
+    for epoch in range(1, epochs + 1):
+        assert f"[rank 0] Epoch {epoch}/{epochs}" in lines, console[-3000:]
+    finals = [line for line in lines if line.startswith("[rank 0] 100/100 [====")]
+    assert len(finals) == epochs, console[-3000:]
+    assert all("loss:" in line and "accuracy:" in line for line in finals)
+    assert "line cut" not in console and "\r" not in console and "\b" not in console
+    assert "\r" not in log and "\b" not in log
+    assert max(len(line) for line in log.splitlines()) < 1000
+    assert sum(line.startswith("100/100 [====") for line in log.splitlines()) == epochs
+
+
+@pytest.mark.ranks
+@pytest.mark.timeout(300)
+def test_keras_progress_bars_through_sparkhvd_run(tmp_path):
+    """Horovod's Keras MNIST example shape (verbose=1 on rank 0) through `sparkhvd run`: each
+    bar's final state is a tagged line, nothing is cut, the rank log is readable."""
+    import glob
+
+    import plaincode
+
+    script = os.path.join(os.path.dirname(plaincode.__file__), "hvd_keras_mnist.py")
+    out = subprocess.run([SPARKHVD, "run", script, "--np", "-2", "--output-dir",
+                          str(tmp_path / "runs"), "--", "6"],
+                         capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    [log] = glob.glob(str(tmp_path / "runs" / "*" / "logs" / "rank-0.log"))
+    _check_progress_output(out.stdout, open(log).read(), 6)
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_keras_progress_bars_on_horovods_launcher(spark, tmp_path, rank_lines):
+    """The same through launcher="horovod", whose output travels through horovod's own pipes."""
+    import plaincode
+
+    from sparkhvd import HorovodRunner
+    from sparkhvd.rank.script import read_script, run_script
+
+    script = os.path.join(os.path.dirname(plaincode.__file__), "hvd_keras_mnist.py")
+    runner = HorovodRunner(np=2, spark=spark, launcher="horovod", output_dir=str(tmp_path))
+    runner.run(run_script, source=read_script(script), path=script, argv=["3"])
+    _check_progress_output("\n".join(rank_lines),
+                           open(runner.last_run_dir.file("logs/rank-0.log")).read(), 3)

@@ -404,3 +404,23 @@ def test_windows_span_pieces_of_any_size(shuffle):
         assert seen.tolist() != sorted(seen.tolist())
     else:
         assert seen.tolist() == list(range(len(seen))), "in order: the pieces' rows as they are"
+
+
+def _ids(ds):
+    return sorted(int(v) for x, _ in ds.batches(50, 0) for v in x)
+
+
+def test_an_over_partitioned_dataframe_is_merged_not_one_file_per_partition(spark, tmp_path):
+    """2,000 rows spread over 1,000 partitions: written in one wave of tasks (at most the
+    session's task slots), every row read once -- seconds, not minutes (see bench B9)."""
+    from pyspark.sql import functions as F
+
+    df = spark.range(2000, numPartitions=1000).select(F.col("id").cast("double").alias("x"),
+                                                      (F.col("id") % 2).alias("y"))
+    ds = DataFrameDataset(df, "x", "y").materialize()
+    try:
+        assert len(ds._manifest.files) <= spark.sparkContext.defaultParallelism
+        r0, r1 = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path)).run_all(_ids, ds=ds)
+        assert sorted(r0 + r1) == [float(i) for i in range(2000)]
+    finally:
+        ds.close()

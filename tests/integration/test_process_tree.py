@@ -45,6 +45,32 @@ def test_children_of_a_rank_end_with_it(mode, spark_for, tmp_path):
     assert runner.run(lambda: "again") == "again"
 
 
+def test_children_of_a_stopped_rank_end_with_it(mode, spark_for, tmp_path):
+    """Rank 1 raises while rank 0 -- which started a child -- is still busy: the run stops
+    rank 0, and its child goes too (horovod's launcher used to leave it behind)."""
+    pids_file = tmp_path / "children.txt"
+
+    def busy_with_a_child(pids_file):
+        import os
+        import subprocess
+        import time
+
+        if os.environ["HOROVOD_RANK"] == "0":
+            child = subprocess.Popen(["sleep", "600"])
+            with open(pids_file, "a") as f:
+                f.write(f"{child.pid}\n")
+            time.sleep(600)
+        while not os.path.exists(pids_file):
+            time.sleep(0.05)
+        raise ValueError("rank 1 gives up")
+
+    runner = runner_for(mode, spark_for, tmp_path / "runs")
+    with pytest.raises(TrainingError, match="rank 1 gives up"):
+        runner.run(busy_with_a_child, pids_file=str(pids_file))
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert still_alive(pids, grace=5.0) == [], "rank 0's child outlived the run"
+
+
 def test_local_ranks_die_with_their_driver(tmp_path):
     """SIGKILL the driver of an np=-2 run: its rank processes (and their children) go too."""
     pids_file = tmp_path / "pids.txt"

@@ -73,9 +73,24 @@ def test_arguments_are_bound_on_the_driver(tmp_path):
     with pytest.raises(PayloadError, match="missing a required argument: 'epochs'"):
         runner.run(train, lr=0.2)
 
-    def wants_timeout(timeout):
+    def wants_timeout(timeout=5):
         return timeout
 
-    with pytest.raises(PayloadError, match="run\\(\\) reserves that keyword"):
-        runner.run(wants_timeout)
+    # The function has its own timeout: run(timeout=30) could mean either, so it is refused
+    # with both ways to say it -- never guessed.
+    with pytest.raises(PayloadError, match="ambiguous") as info:
+        runner.run(wants_timeout, timeout=30)
+    assert "run(wants_timeout, run_timeout=600, timeout=30)" in str(info.value)
     assert not list(tmp_path.iterdir()), "nothing started for a bad call"
+    # Said explicitly, both readings work.
+    assert runner.run(wants_timeout, run_timeout=60, timeout=30) == 30
+    assert runner.run(wants_timeout, run_timeout=None) == 5
+    # A function without a timeout parameter: timeout= is the run's limit, as it always was.
+    with pytest.raises(TimeoutError):
+        runner.run(_sleeps, timeout=2)
+
+
+def _sleeps():
+    import time
+
+    time.sleep(60)

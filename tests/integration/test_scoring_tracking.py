@@ -201,6 +201,34 @@ def test_mlflow_failed_and_interrupted_runs(tmp_path, mlflow_server, monkeypatch
     assert client.get_run(record["mlflow"]["run_id"]).info.status == "KILLED"
 
 
+def _killed_on_the_first_attempt(marker):
+    import os
+    import signal
+
+    rank = os.environ.get("SPARKHVD_RANK", os.environ.get("HOROVOD_RANK"))
+    if not os.path.exists(marker) and rank == "1":
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer, say: not the function's fault
+    return "done"
+
+
+@pytest.mark.ranks
+def test_mlflow_records_retries(tmp_path, mlflow_server, monkeypatch, backend):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    runner = HorovodRunner(np=-2, output_dir=str(tmp_path), mlflow=True, backend=backend,
+                           max_retries=2)
+    assert runner.run(_killed_on_the_first_attempt, marker=str(tmp_path / "m")) == "done"
+    record = json.loads(open(runner.last_run_dir.file("run.json")).read())
+    assert [a["status"] for a in record["attempts"]] == ["failed", "succeeded"]
+    assert "killed by signal 9" in record["attempts"][0]["retryable"]
+    run = MlflowClient(mlflow_server).get_run(record["mlflow"]["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["sparkhvd.attempts"] == "2"
+    assert "killed by signal 9" in run.data.tags["sparkhvd.attempt1"]
+    assert run.data.metrics["retries"] == 1
+
+
 @pytest.mark.ranks
 def test_mlflow_default_store_is_local_and_offline(tmp_path, monkeypatch, backend):
     """MLflow's own default store, with no extra environment variable: ./mlruns on MLflow 2,

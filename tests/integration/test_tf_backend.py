@@ -145,3 +145,50 @@ def test_horovod_only_options_are_refused_on_tf():
         HorovodRunner(np=2, timeline=True, backend="tf")
     with pytest.raises(ValueError, match="backend must be one of"):
         HorovodRunner(np=2, backend="mpi")
+
+
+# -- other people's plain TensorFlow code, unchanged ---------------------------------------------
+def test_tf_tutorial_code_trains_unchanged(spark, tmp_path):
+    """TF's multi-worker tutorial shape (strategy from TF_CONFIG, model built in its scope):
+    under Keras 3 it fails bare; here every rank gets the fix, and the workers agree."""
+    from plaincode.tf_multiworker_tutorial import main
+
+    runner = HorovodRunner(np=2, spark=spark, backend="tf", output_dir=str(tmp_path))
+    r0, r1 = runner.run_all(main, epochs=3)
+    assert r0 == pytest.approx(r1, rel=1e-6), "both workers end with the same weights"
+
+
+def test_a_function_without_a_strategy_is_refused_before_training(spark, tmp_path):
+    """spark-tensorflow-distributor's example shape (no strategy: MirroredStrategyRunner runs
+    it inside one). Bare, each worker would train its own model: refused at fit, with the fix;
+    through sparkhvd.keras.in_strategy it trains as one model."""
+    from plaincode.tf_strategyless import train
+
+    from sparkhvd import TrainingError
+    from sparkhvd.keras import in_strategy
+
+    runner = HorovodRunner(np=2, spark=spark, backend="tf", output_dir=str(tmp_path))
+    with pytest.raises(TrainingError, match="StrategyMissingError") as info:
+        runner.run(train, epochs=1)
+    assert "MultiWorkerMirroredStrategy" in str(info.value)
+    assert "sparkhvd.keras.in_strategy(train)" in str(info.value)
+    w0, w1 = runner.run_all(in_strategy(train), epochs=3)
+    for a, b in zip(w0, w1):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6)
+    # One worker needs no strategy: nothing to refuse.
+    assert HorovodRunner(np=-1, backend="tf", output_dir=str(tmp_path)).run(train, epochs=1)
+
+
+@pytest.mark.timeout(400)
+def test_sparkhvd_run_backend_tf_runs_a_plain_multiworker_script(tmp_path):
+    import plaincode
+
+    script = os.path.join(os.path.dirname(plaincode.__file__), "tf_multiworker_tutorial.py")
+    cli = os.path.join(os.path.dirname(sys.executable), "sparkhvd")
+    out = subprocess.run([cli, "run", script, "--np", "-2", "--backend", "tf", "--verbosity",
+                          "all", "--output-dir", str(tmp_path / "runs"), "--", "2"],
+                         capture_output=True, text=True, timeout=380)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    sums = sorted(line.split("checksum ")[1] for line in out.stdout.splitlines()
+                  if "checksum" in line)
+    assert len(sums) == 2 and sums[0] == sums[1], out.stdout[-2000:]

@@ -217,3 +217,29 @@ def test_a_torchrun_script_through_the_cli(tmp_path):
                           "--", "--value", "2"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "rank 0 of 2: sum 6" in out.stdout + out.stderr
+
+
+def load_batch():
+    import time
+
+    time.sleep(600)
+
+
+def rank1_elsewhere():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        load_batch()
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_hang_names_the_rank_that_is_elsewhere(spark, tmp_path):
+    """rank 1 sits in load_batch(), rank 0 waits in all_reduce: the TimeoutError says so."""
+    runner = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path))
+    with pytest.raises(TimeoutError) as info:
+        runner.run(rank1_elsewhere, run_timeout=15)
+    message = str(info.value)
+    assert "rank 1 is in test_torch.py:" in message and "load_batch()" in message, message
+    assert "rank 0 waits in all_reduce" in message, message

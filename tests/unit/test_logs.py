@@ -173,3 +173,42 @@ def test_control_server_ignores_a_connection_with_a_wrong_token(shown):
 @pytest.mark.parametrize("code,status", [(None, 0), (0, 0), (3, 3), ("bad input", 1)])
 def test_sys_exit_codes_map_to_the_status_python_would_exit_with(code, status):
     assert protocol.exit_status(SystemExit(code)) == status
+
+
+def test_carriage_returns_are_updates_and_newlines_end_lines():
+    from sparkhvd.common.outputlines import LINE, UPDATE, OutputSplitter
+
+    s = OutputSplitter()
+    keras = "Epoch 1/2\n" + "".join(f"\r{i}/3 [..]\b\b\b" for i in range(1, 3)) + "\r3/3 [==] - loss: 1\n"
+    pieces = s.feed(keras[:17]) + s.feed(keras[17:]) + s.close()
+    assert pieces == [(LINE, "Epoch 1/2"), (UPDATE, ""), (UPDATE, "1/3 [..]"),
+                      (UPDATE, "2/3 [..]"), (LINE, "3/3 [==] - loss: 1")]
+    # "\r\n" is a newline, even split across reads
+    assert s.feed("a\r") + s.feed("\nb") + s.close() == [(LINE, "a"), (LINE, "b")]
+
+
+def test_progress_updates_are_drawn_live_and_only_final_states_are_kept(tmp_path, monkeypatch):
+    import io
+    import time
+
+    from sparkhvd.common.protocol import Line
+    from sparkhvd.driver import logs as logs_module
+    from sparkhvd.driver.logs import RankLogRouter
+
+    console = io.StringIO()
+    monkeypatch.setattr(logs_module.sys, "stdout", console)
+    monkeypatch.setattr(logs_module, "LIVE_INTERVAL_S", 0.0)
+    router = RankLogRouter(log_dir=str(tmp_path), live=True)
+    router.line(Line(0, "stdout", "1/3 [..]", update=True))
+    router.line(Line(0, "stdout", "2/3 [..]", update=True))
+    router.line(Line(0, "stdout", "3/3 [==] - loss: 1"))
+    router.close()
+    shown = console.getvalue()
+    assert "\r[rank 0] 1/3 [..]" in shown and "\r[rank 0] 2/3 [..]" in shown
+    assert shown.rstrip().endswith("[rank 0] 3/3 [==] - loss: 1")
+    assert open(tmp_path / "rank-0.log").read() == "3/3 [==] - loss: 1\n"
+    quiet = RankLogRouter(log_dir=str(tmp_path / "q"), live=False)  # a pipe, a CI log
+    console.truncate(0)
+    quiet.line(Line(0, "stdout", "1/3 [..]", update=True))
+    quiet.close()
+    assert console.getvalue() == ""

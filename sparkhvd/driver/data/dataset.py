@@ -169,7 +169,8 @@ class DataFrameDataset:
             try:
                 written = mat.write(selected, url,
                                     storage.delegate(url, self.storage_options, write=True),
-                                    max(1, mat.ROW_GROUP_BYTES // row_bytes))
+                                    max(1, mat.ROW_GROUP_BYTES // row_bytes),
+                                    mat.file_count(found["rows"], row_bytes, view.task_slots()))
             except BaseException:
                 mat._delete(url, self.storage_options)
                 raise

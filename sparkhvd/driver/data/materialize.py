@@ -182,6 +182,22 @@ def row_bytes(columns: Sequence[str], kinds: Mapping[str, str], schema: Mapping[
     return max(1, total)
 
 
+#: Aim for Parquet files of about this size when merging an over-partitioned DataFrame.
+FILE_BYTES = 128 << 20
+
+
+def file_count(rows: int, row_bytes: int, cores: int) -> int:
+    """How many files (write tasks) to materialise ``rows`` rows into.
+
+    Every write task costs a Python worker and a file, so a 2,000-row DataFrame spread over
+    1,000 partitions must not become 1,000 tasks and files (it took minutes). Merging keeps one
+    wave of tasks (``cores``, the cluster's task slots) so a large scan is not narrowed, and
+    enough files of about :data:`FILE_BYTES` for large data; a DataFrame with fewer partitions
+    keeps its own (``coalesce`` never splits).
+    """
+    return max(1, cores, -(-rows * row_bytes // FILE_BYTES))
+
+
 def _partition_writer(url: str, options: Mapping[str, Any], rows_per_group: int) -> Any:
     """The function ``mapInArrow`` runs on the executors (see the module docstring)."""
 
@@ -223,10 +239,15 @@ def _partition_writer(url: str, options: Mapping[str, Any], rows_per_group: int)
 
 
 def write(df: Any, url: str, executor_options: Mapping[str, Any],
-          rows_per_group: int) -> list[tuple[str, int, list[int]]]:
-    """Write ``df`` under ``url`` from the executors; ``(file, rows, row groups)`` in row order."""
+          rows_per_group: int, files: Optional[int] = None) -> list[tuple[str, int, list[int]]]:
+    """Write ``df`` under ``url`` from the executors; ``(file, rows, row groups)`` in row order.
+
+    ``files``: at most this many files (partitions are merged in order, see :func:`file_count`).
+    """
     import warnings
 
+    if files:
+        df = df.coalesce(files)  # narrow: no shuffle, row order kept
     with warnings.catch_warnings():  # pyspark's own pandas/pyarrow version checks warn
         warnings.simplefilter("ignore", DeprecationWarning)
         rows = df.mapInArrow(_partition_writer(url, dict(executor_options), rows_per_group),

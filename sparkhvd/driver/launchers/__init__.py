@@ -92,6 +92,9 @@ class Sink(Protocol):
     pid_hosts: dict[int, str]
     #: How the reports came (barrier launcher): ``"live"`` or ``"rows"``; set by the launcher.
     channel: Optional[str]
+    #: The run's :class:`~sparkhvd.driver.stacks.RunMonitor` (or None): a launcher passes it to
+    #: ``watch`` and may set its ``ask_stacks`` to its own way of reaching the ranks.
+    monitor: Any
 
     def receive(self, msg: Any) -> None:
         """One message from a rank (output line or event)."""

@@ -183,6 +183,16 @@ class ControlServer(socketserver.ThreadingTCPServer):
                 "network is down", host=task.info.host, vanished=True, lost=True)
         return None
 
+    def ask_stacks(self) -> None:
+        """Ask every task for its rank's stacks (the task signals the rank)."""
+        with self.cond:
+            conns = [t.conn for t in self.tasks.values()
+                     if t.conn is not None and t.ended_at is None]
+        data = protocol.encode(protocol.DumpStacks())
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.sendall(data)
+
     def abort(self) -> None:
         """Tell every task to kill its rank now (and registrations still waiting to give up)."""
         with self.cond:
@@ -289,9 +299,13 @@ class BarrierLauncher:
             job.cancel()
 
         stop = stopper(cancel, sink)
+        monitor = getattr(sink, "monitor", None)
+        if monitor is not None:
+            monitor.ask_stacks = server.ask_stacks
         try:
             collected = watch(target, timeout=spec.timeout, check=check, stop=stop,
-                              name="sparkhvd-barrier", timeout_message=SPARK_TIMEOUT)
+                              name="sparkhvd-barrier", timeout_message=SPARK_TIMEOUT,
+                              monitor=monitor)
             tasks = gather_rows(collected)
             server.wait_ended(10.0)
             replay_rows(server, sink, tasks)

@@ -28,11 +28,13 @@ SPARK_TIMEOUT = ("The training did not finish within {timeout:g} s; the ranks we
 
 def watch(target: Callable[[], Any], *, timeout: Optional[float],
           check: Callable[[float], None], stop: Callable[[], None],
-          name: str, timeout_message: str, poll_s: float = 0.1) -> Any:
+          name: str, timeout_message: str, poll_s: float = 0.1, monitor: Any = None) -> Any:
     """Run ``target()`` in a thread; return its value or raise its exception.
 
-    ``check(elapsed_s)`` runs at every poll and may raise (a failed rank); past ``timeout`` a
-    ``TimeoutError(timeout_message)`` is raised. On any exception ``stop()`` runs first.
+    ``check(elapsed_s)`` runs at every poll and may raise (a failed rank); so does the run's
+    ``monitor`` (:class:`~sparkhvd.driver.stacks.RunMonitor`: stack requests, stalls). Past
+    ``timeout`` a ``TimeoutError(timeout_message)`` is raised, with where each rank was (their
+    stacks are collected before they are stopped). On any exception ``stop()`` runs first.
     """
     outcome: dict = {}
 
@@ -50,8 +52,11 @@ def watch(target: Callable[[], Any], *, timeout: Optional[float],
             thread.join(poll_s)
             elapsed = time.monotonic() - started
             check(elapsed)
+            if monitor is not None:
+                monitor.tick()
             if timeout is not None and elapsed > timeout:
-                raise TimeoutError(timeout_message.format(timeout=timeout))
+                explained = monitor.explain_timeout() if monitor is not None else ""
+                raise TimeoutError(timeout_message.format(timeout=timeout) + explained)
     except BaseException:
         try:
             stop()

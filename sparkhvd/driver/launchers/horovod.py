@@ -25,7 +25,7 @@ from sparkhvd.driver.sparkview import cancel_job_group, session_stopped, stopped
 
 log = logging.getLogger(__name__)
 
-_LINE = re.compile(r"^(?:[^\[]*?)\[(?P<idx>\d+)\]<(?P<tag>stdout|stderr)(?P<partial>\+?)>:"
+_LINE = re.compile(r"^(?:[^\[]*?)\[(?P<idx>\d+)\]<(?P<tag>stdout|stderr)(?P<flag>[+~]?)>:"
                    r"(?P<text>.*)$", re.S)
 _PROCESS_FAILED = re.compile(r"Process name: (?P<name>\S+)\s+Exit code: (?P<code>-?\d+|None)")
 
@@ -79,16 +79,17 @@ class HorovodOutput:
         m = _LINE.match(raw.rstrip("\r"))
         if m:
             idx, tag, text = int(m.group("idx")), m.group("tag"), m.group("text")
-            partial = bool(m.group("partial"))
+            partial, update = m.group("flag") == "+", m.group("flag") == "~"
         else:
-            idx, tag, text, partial = -1, channel_tag, raw.rstrip("\r"), False
+            idx, tag, text, partial, update = -1, channel_tag, raw.rstrip("\r"), False, False
         msg = protocol.from_text(text)
         if msg is not None:
             if isinstance(msg, protocol.Started):
                 self.index_to_rank[idx] = msg.rank
             self.sink.receive(msg)
             return
-        self.sink.receive(protocol.Line(self.index_to_rank.get(idx, idx), tag, text, partial))
+        self.sink.receive(protocol.Line(self.index_to_rank.get(idx, idx), tag, text, partial,
+                                        update))
 
     def drain(self) -> None:
         self.stdout.drain()
@@ -180,6 +181,8 @@ class HorovodLauncher:
         remote = not spec.placement.executors_here
         if remote and not spec.nics:  # each rank picks the interface that reaches the driver
             common["env"][protocol.GLOO_AUTO_ENV] = "1"
+        if remote:  # no channel of ours to ranks on other hosts: they look for stack requests
+            common["env"][protocol.STACKS_POLL_ENV] = "1"
         quiet_cancelled_spark_thread()
         with horovod_driver_hooks(stop_event, elastic=bool(spec.elastic), mapper=mapper,
                                   driver_host=spec.driver_host if remote else None) as hooks:
@@ -191,7 +194,8 @@ class HorovodLauncher:
             try:
                 results = watch(target, timeout=spec.timeout, check=check,
                                 stop=stopper(cancel, sink), name="sparkhvd-horovod",
-                                timeout_message=SPARK_TIMEOUT)
+                                timeout_message=SPARK_TIMEOUT,
+                                monitor=getattr(sink, "monitor", None))
             except RuntimeError as exc:
                 failure = parse_failure(exc)
                 if failure is not None:

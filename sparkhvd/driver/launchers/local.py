@@ -78,8 +78,11 @@ class LocalLauncher:
                 for proc in procs:
                     proc.terminate()
 
+            monitor = getattr(sink, "monitor", None)
+            if monitor is not None:
+                monitor.ask_stacks = lambda: [proc.request_stacks() for proc in procs]
             watch(wait_all, timeout=spec.timeout, check=check, stop=stop,
-                  name="sparkhvd-local",
+                  name="sparkhvd-local", monitor=monitor,
                   timeout_message="The training did not finish within {timeout:g} s; the "
                   "rank processes were stopped.")
             check(0.0)

@@ -86,16 +86,9 @@ class _TFFlavour:
     save_everywhere = True
 
     def __init__(self) -> None:
-        import tensorflow as tf
+        from sparkhvd.rank.keras.plain import multiworker_strategy
 
-        from sparkhvd.common.patches import patch_keras_multiworker
-
-        patch_keras_multiworker()
-        gpus = tf.config.list_physical_devices("GPU")  # must not start the runtime yet
-        kind = tf.distribute.experimental.CommunicationImplementation
-        options = tf.distribute.experimental.CommunicationOptions(
-            implementation=kind.NCCL if gpus else kind.RING)
-        self.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        self.strategy = multiworker_strategy()
         resolver = self.strategy.cluster_resolver
         self.rank = int(resolver.task_id or 0) if resolver is not None else 0
         self.size = int(self.strategy.num_replicas_in_sync)
