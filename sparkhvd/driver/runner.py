@@ -177,6 +177,8 @@ class HorovodRunner:
 
             _import_mlflow()  # a missing extra is said now, not after training
         self.last_run_dir: Optional[RunDir] = None
+        #: the running attempt's RunMonitor (for dump_stacks from another thread)
+        self._monitor: Any = None
 
     @property
     def np(self) -> int:
