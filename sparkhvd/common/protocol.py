@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -65,7 +66,7 @@ BACKEND_ENV = "SPARKHVD_BACKEND"
 
 #: The signal that makes a rank write every thread's stack (``faulthandler``, set up in the
 #: rank by :mod:`sparkhvd.rank.stacks`).
-STACKS_SIGNAL = "SIGUSR1"
+STACKS_SIGNAL = signal.SIGUSR1
 #: Set when the rank must also look for stack requests in the run folder itself (launchers
 #: without a channel to remote ranks: horovod's).
 STACKS_POLL_ENV = "SPARKHVD_STACKS_POLL"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from typing import Optional
+from typing import Any, Optional
 
 #: py-spy gets this long to read a process.
 PY_SPY_TIMEOUT_S = 10.0
@@ -17,6 +17,19 @@ PY_SPY_TIMEOUT_S = 10.0
 
 def available() -> bool:
     return shutil.which("py-spy") is not None
+
+
+def stacks_event(rank: int, pid: int) -> Optional[Any]:
+    """A rank's :class:`~sparkhvd.common.protocol.Stacks` read with py-spy, or None."""
+    import socket
+
+    from sparkhvd.common import protocol
+
+    text = dump(pid)
+    if not text:
+        return None
+    return protocol.Stacks(rank=rank, pid=pid, host=socket.gethostname(), text=text,
+                           source="py-spy")
 
 
 def dump(pid: int) -> Optional[str]:

@@ -32,10 +32,6 @@ from sparkhvd.driver.stack import check_horovod_installed, check_keras
 
 log = logging.getLogger(__name__)
 
-#: ``run()``'s own limit, unambiguous whatever the training function's parameters are called.
-RUN_TIMEOUT = "run_timeout"
-
-
 def check_arguments(fn: Callable, kwargs: Mapping[str, Any]) -> None:
     """Bind ``kwargs`` to ``fn``'s signature on the driver, before anything starts.
 

@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import re
-import signal
 import socket
 import sysconfig
 import time
@@ -88,11 +87,9 @@ def parse(msg: protocol.Stacks) -> RankStacks:
         m = _FAULTHANDLER.match(line) or _PYSPY.match(line)
         if m and threads:
             threads[-1][1].append(Frame(m.group("file"), int(m.group("line")), m.group("func")))
+    # unnamed threads: faulthandler lists the main thread last
     main = next((frames for name, frames in threads if name == "MainThread"),
                 threads[-1][1] if threads else [])
-    if msg.source == "faulthandler" and not any(n == "MainThread" for n, _ in threads):
-        # faulthandler lists the main thread last when it could not name the threads
-        main = threads[-1][1] if threads else []
     return RankStacks(msg.rank, msg.host, msg.pid, msg.source, msg.text, main)
 
 
@@ -256,17 +253,13 @@ class RunMonitor:
     def _signal_local_ranks(self) -> None:
         for pid in self._local_pids().values():
             with contextlib.suppress(OSError):
-                os.kill(pid, getattr(signal, protocol.STACKS_SIGNAL))
+                os.kill(pid, protocol.STACKS_SIGNAL)
 
     def _py_spy(self, rank: int) -> Optional[protocol.Stacks]:
         from sparkhvd.common import pyspy
 
         pid = self._local_pids().get(rank)
-        text = pyspy.dump(pid) if pid is not None else None
-        if not text:
-            return None
-        return protocol.Stacks(rank=rank, pid=pid, host=socket.gethostname(), text=text,
-                               source="py-spy")
+        return pyspy.stacks_event(rank, pid) if pid is not None else None
 
     def _save(self, report: StackReport) -> Optional[str]:
         if not self.run_path:

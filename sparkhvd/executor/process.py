@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -148,18 +147,17 @@ class RankProcess:
             return
         self._stacks_seen.clear()
         with contextlib.suppress(OSError):
-            os.kill(pid, getattr(signal, protocol.STACKS_SIGNAL))
+            os.kill(pid, protocol.STACKS_SIGNAL)
 
         def fallback() -> None:
             from sparkhvd.common import pyspy
 
             if self._stacks_seen.wait(answer_s) or not pyspy.available():
                 return
-            text = pyspy.dump(pid)
-            if text:
+            event = pyspy.stacks_event(self.rank, pid)
+            if event is not None:
                 with contextlib.suppress(Exception):
-                    self.on_event(protocol.Stacks(rank=self.rank, pid=pid, text=text,
-                                                  host=socket.gethostname(), source="py-spy"))
+                    self.on_event(event)
 
         threading.Thread(target=fallback, daemon=True, name=f"sparkhvd-rank{self.rank}-stacks"
                          ).start()

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import select
-import signal
 import socket
 import threading
 from typing import Optional
@@ -84,7 +83,7 @@ def _poll_requests() -> None:
             seen = request.get("id") if request.get("at", 0) < _state["started"] else None
         if request.get("id") != seen:
             seen = request.get("id")
-            os.kill(os.getpid(), getattr(signal, protocol.STACKS_SIGNAL))
+            os.kill(os.getpid(), protocol.STACKS_SIGNAL)
 
 
 def install() -> None:
@@ -96,7 +95,7 @@ def install() -> None:
     read_fd, write_fd = os.pipe()
     os.set_inheritable(write_fd, False)
     _state["file"] = os.fdopen(write_fd, "w")  # kept open for faulthandler
-    faulthandler.register(getattr(signal, protocol.STACKS_SIGNAL), file=_state["file"],
+    faulthandler.register(protocol.STACKS_SIGNAL, file=_state["file"],
                           all_threads=True, chain=False)
     threading.Thread(target=_read_dumps, args=(read_fd,), daemon=True,
                      name="sparkhvd-stacks").start()
