@@ -14,13 +14,14 @@ PROFILE=${PROFILE:-tf215}
 HOROVOD=1
 EXTRAS=spark,dev
 case "$PROFILE" in
-  tf215) VENV=.venv; CONSTRAINTS=constraints.txt; TF_PKGS=("tensorflow-cpu==2.15.1") ;;
+  tf215) VENV=.venv; CONSTRAINTS=constraints.txt; FRAMEWORK_PKGS=("tensorflow-cpu==2.15.1") ;;
   tf218) VENV=.venv-tf218; CONSTRAINTS=constraints-tf218.txt
-         TF_PKGS=("tensorflow-cpu==2.18.1" "tf-keras==2.18.0"); export TF_USE_LEGACY_KERAS=1 ;;
+         FRAMEWORK_PKGS=("tensorflow-cpu==2.18.1" "tf-keras==2.18.0"); export TF_USE_LEGACY_KERAS=1 ;;
   modern) VENV=.venv-modern; CONSTRAINTS=constraints-modern.txt; HOROVOD=0; EXTRAS=spark,connect,dev
-          TF_PKGS=("tensorflow-cpu==2.21.0") ;;
-  torch) VENV=.venv-torch; CONSTRAINTS=constraints-torch.txt; HOROVOD=0; EXTRAS=spark,connect,dev
-         TF_PKGS=("torch==2.13.0") ;;
+          FRAMEWORK_PKGS=("tensorflow-cpu==2.21.0") ;;
+  # torch's ecosystem too (Lightning, transformers, accelerate, DeepSpeed): the tests run them.
+  torch) VENV=.venv-torch; CONSTRAINTS=constraints-torch.txt; HOROVOD=0
+         EXTRAS=spark,connect,dev,torch,torch-clients; FRAMEWORK_PKGS=("torch==2.13.0") ;;
   *) printf '[setup] ERROR: unknown PROFILE=%s (use tf215, tf218, modern or torch)\n' "$PROFILE" >&2; exit 1 ;;
 esac
 
@@ -42,9 +43,11 @@ PIP=("$PY" -m pip --disable-pip-version-check)
 stamp="$VENV/.stamp-deps-$(cat "$CONSTRAINTS" pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   say "installing the pinned stack ($CONSTRAINTS) into $VENV"
-  "${PIP[@]}" install -q --upgrade "pip<25" wheel "setuptools<70"
-  # TensorFlow first: horovod's build looks for it.
-  "${PIP[@]}" install -q -c "$CONSTRAINTS" "${TF_PKGS[@]}" "cmake<4"
+  # horovod's build needs setuptools < 70; torch (and DeepSpeed's op builds) need >= 77.
+  if [ "$HOROVOD" = 1 ]; then SETUPTOOLS="setuptools<70"; else SETUPTOOLS="setuptools>=77"; fi
+  "${PIP[@]}" install -q --upgrade "pip<25" wheel "$SETUPTOOLS"
+  # The framework first: horovod's build looks for TensorFlow, DeepSpeed's for torch.
+  "${PIP[@]}" install -q -c "$CONSTRAINTS" "${FRAMEWORK_PKGS[@]}" "cmake<4"
   "${PIP[@]}" install -q -c "$CONSTRAINTS" --no-build-isolation -e ".[$EXTRAS]"
   rm -f "$VENV"/.stamp-deps-* "$VENV"/.stamp-horovod-*
   touch "$stamp"

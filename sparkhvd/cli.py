@@ -166,14 +166,20 @@ def doctor(preset: str, master: Optional[str], remote: Optional[str], np_: Optio
 @click.option("--remote", default=None, help="Run on a Spark Connect session: sc://HOST:15002 "
               "(or local[N] for a local Connect server), where --master/--preset take a "
               "classic one.")
+@click.option("--ranks-per-task", type=int, default=1, show_default=True,
+              help="Ranks each Spark task starts (one per GPU of the task); np counts ranks.")
+@click.option("--local-ranks", type=click.Choice(["host", "task"]), default=None,
+              help="What LOCAL_RANK counts: host (torchrun's numbering, the default with one "
+              "rank per task) or task (TorchDistributor's: every Spark task its own node).")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(script: str, np_: int, preset: Optional[str], output_dir: str, verbosity: str,
-        backend: str, remote: Optional[str], script_args: tuple[str, ...]) -> None:
+        backend: str, remote: Optional[str], ranks_per_task: int, local_ranks: Optional[str],
+        script_args: tuple[str, ...]) -> None:
     """Run a plain training SCRIPT on Spark, as horovodrun or torchrun would:
     sparkhvd run train.py --np 2 [--backend torch] -- ARGS."""
     from sparkhvd.common.errors import SparkhvdError
     from sparkhvd.driver.runner import HorovodRunner
-    from sparkhvd.rank.script import read_script, run_script
+    from sparkhvd.common.script import read_script, run_script
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("sparkhvd").setLevel(logging.INFO)
@@ -184,7 +190,8 @@ def run(script: str, np_: int, preset: Optional[str], output_dir: str, verbosity
 
             spark = connect_session(remote)
         runner = HorovodRunner(np=np_, preset=preset, output_dir=output_dir, spark=spark,
-                               driver_log_verbosity=verbosity, backend=backend)
+                               driver_log_verbosity=verbosity, backend=backend,
+                               ranks_per_task=ranks_per_task, local_ranks=local_ranks)
         runner.run(run_script, source=read_script(script), path=script, argv=list(script_args))
     except (SparkhvdError, ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None

@@ -27,9 +27,12 @@ MACHINE_VARS = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "USER", "LANG",
 #: Settings the driver forwards to every rank (exact names, or prefixes ending in ``_``).
 SETTING_VARS = ("TF_", "HOROVOD_", "NCCL_", "GLOO_", "OMP_", "KMP_", "CUDA_", "XLA_FLAGS")
 #: The run's own variables a backend assigns each rank (step 3) beyond ``SPARKHVD_*``, ``TF_*``
-#: and ``HOROVOD_*``: torchrun's, for ``backend="torch"``. Never taken from a host implicitly.
+#: and ``HOROVOD_*``: torchrun's, for ``backend="torch"`` (:mod:`sparkhvd.common.backends.torch`).
+#: Never taken from a host implicitly.
 RUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-            "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
+            "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+            "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+            "TORCHELASTIC_MAX_RESTARTS")
 #: Every name a rank may get implicitly (see the module docstring).
 ENV_ALLOWLIST = MACHINE_VARS + SETTING_VARS
 

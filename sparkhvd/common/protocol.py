@@ -44,6 +44,27 @@ class RankOptions:
         return {**dataclasses.asdict(self), "env_keep": list(self.env_keep)}
 
 
+@dataclass(frozen=True)
+class TaskSpec:
+    """What the driver gives every Spark task of a barrier launch (pickled with the task)."""
+
+    payload: bytes
+    #: :meth:`RankOptions.as_dict`
+    options: dict
+    #: variables every rank gets from the driver
+    env: dict
+    #: ``(host, port)`` of the driver's control server
+    driver: tuple
+    token: str
+    start_timeout: float
+    backend: str
+    #: the backend's variables for every rank (what its ``start()`` returned)
+    run_env: dict
+    ranks_per_task: int = 1
+    #: every task its own node (``LOCAL_RANK`` within the task; the task's GPUs made visible)
+    node_per_task: bool = False
+
+
 # -- environment a launcher sets for each rank ----------------------------------------------
 #: Local path of the run folder when the rank shares the driver's disk.
 RUN_URL_ENV = "SPARKHVD_RUN_URL"
@@ -172,31 +193,58 @@ class Heartbeat:
 
 @dataclass
 class TaskInfo:
-    """One Spark task: where its rank will run (``port``: one it reserved for its rank)."""
+    """One rank's place, as a backend sees it: its *slot* (the task's partition, or
+    ``partition * ranks_per_task + i`` for the ``i``-th rank of a task that runs several), the
+    host, the address its peers reach, the port reserved for it, and its *node* -- what
+    ``LOCAL_RANK`` counts within (the host by default; the Spark task under
+    ``local_ranks="task"``, see :func:`node_of`)."""
 
     partition: int
     host: str
     address: str = ""
     port: Optional[int] = None
+    node: str = ""
+
+
+def node_of(host: str, partition: int, per_task: bool) -> str:
+    """The node a task's ranks belong to: its host (torchrun's numbering) or, ``per_task``,
+    the task itself (TorchDistributor's: every Spark task its own node)."""
+    return f"{host}#task{partition}" if per_task else host
+
+
+def rank_slots(partition: int, host: str, address: str, ports: list, ranks_per_task: int,
+               per_task: bool) -> dict[int, TaskInfo]:
+    """The :class:`TaskInfo` of each rank one task runs, keyed by slot (the one numbering of
+    the driver, the tasks in rows mode and the local launcher)."""
+    node = node_of(host, partition, per_task)
+    return {partition * ranks_per_task + i:
+            TaskInfo(partition * ranks_per_task + i, host, address,
+                     ports[i] if i < len(ports) else None, node)
+            for i in range(ranks_per_task)}
 
 
 @dataclass
-class Hello(TaskInfo):
-    """A Spark task registers with the driver: its :class:`TaskInfo` and the run's token."""
+class Hello:
+    """A Spark task registers with the driver: where it runs, one reserved port per rank it
+    will start (when the backend needs them), and the run's token."""
 
+    partition: int
+    host: str
+    address: str = ""
+    ports: list = field(default_factory=list)
     token: str = ""
 
 
 @dataclass
 class Assign:
-    """The driver's answer to :class:`Hello`: the rank's environment."""
+    """The driver's answer to :class:`Hello`: each of the task's ranks' environment."""
 
-    env: dict
+    envs: list
 
 
 @dataclass
 class Abort:
-    """The driver tells a task to kill its rank now."""
+    """The driver tells a task to kill its ranks now."""
 
 
 @dataclass

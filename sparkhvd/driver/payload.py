@@ -6,6 +6,7 @@ a message naming it, instead of deep inside a Spark task.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -15,6 +16,7 @@ import os
 import sys
 import sysconfig
 import threading
+import types
 from importlib import metadata
 from types import ModuleType
 from typing import Any, Callable, Iterator, Mapping
@@ -132,6 +134,28 @@ def _raise_payload_error(fn: Callable, kwargs: Mapping[str, Any], cause: Excepti
     raise PayloadError("\n".join(lines)) from cause
 
 
+def _code_reduce_keeping_file(code: types.CodeType) -> Any:
+    """cloudpickle's reduction of a code object, with the file it came from kept: cloudpickle
+    3.1.3 names every function it pickles by value ``<dynamic-code>``, so a rank's traceback and
+    the hang summary would lose the user's ``train.py:42``."""
+    from cloudpickle import cloudpickle as impl
+
+    ctor, args = impl._code_reduce(code)
+    return ctor, tuple(code.co_filename if isinstance(a, str) and a == "<dynamic-code>" else a
+                       for a in args)
+
+
+def dumps_keeping_files(obj: Any) -> bytes:
+    """``cloudpickle.dumps(obj)``, code objects keeping their file names (see above)."""
+    class Pickler(cloudpickle.Pickler):
+        dispatch_table = collections.ChainMap(
+            {types.CodeType: _code_reduce_keeping_file}, cloudpickle.Pickler.dispatch_table)
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
 def dumps(fn: Callable, kwargs: Mapping[str, Any], *,
           max_bytes: int = MAX_PAYLOAD_BYTES) -> bytes:
     """Serialise ``fn`` and ``kwargs`` for the ranks.
@@ -150,7 +174,7 @@ def dumps(fn: Callable, kwargs: Mapping[str, Any], *,
         _raise_payload_error(fn, kwargs, None)
     try:
         with _pickled_by_value(_by_value_modules(fn, kwargs)):
-            blob = cloudpickle.dumps((fn, kwargs))
+            blob = dumps_keeping_files((fn, kwargs))
     except Exception as exc:  # noqa: BLE001
         _raise_payload_error(fn, kwargs, exc)
         raise  # unreachable: _raise_payload_error always raises

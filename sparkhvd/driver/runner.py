@@ -14,7 +14,7 @@ import shutil
 from typing import Any, Callable, Mapping, Optional, Union
 
 from sparkhvd.common import protocol
-from sparkhvd.common.backends import BACKENDS
+from sparkhvd.common.backends import BACKENDS, RunTag
 from sparkhvd.common.environment import rank_env
 from sparkhvd.common.errors import LaunchFailure, PayloadError, StallError, StorageError
 from sparkhvd.common.protocol import RankOptions
@@ -104,9 +104,12 @@ class HorovodRunner:
     Settings come in four groups (:mod:`sparkhvd.driver.settings`), given as objects or -- as
     always -- as keywords, each filed into its group:
 
-    - ``scaling=ScalingConfig(np, min_np, max_np)``: how many ranks (``np > 0``: Spark task
-      slots, checked up front; ``np < 0``: local processes on the driver); ``min_np``/``max_np``
-      make an elastic run (``horovod.spark.run_elastic``, see the README).
+    - ``scaling=ScalingConfig(np, min_np, max_np, ranks_per_task, local_ranks)``: how many
+      ranks (``np > 0``: Spark task slots, checked up front; ``np < 0``: local processes on the
+      driver); ``min_np``/``max_np`` make an elastic run (``horovod.spark.run_elastic``, see
+      the README); ``ranks_per_task`` ranks in each Spark task (one per GPU of a node), and
+      what ``LOCAL_RANK`` counts (``local_ranks``: ``"host"``, torchrun's, or ``"task"``,
+      TorchDistributor's).
     - ``launch=LaunchConfig(launcher, start_timeout, heartbeat_timeout, slot_wait_s, nics, env,
       verbose)``: how ranks start. ``launcher="auto"`` is one Spark barrier stage unless the
       run is elastic or the session uses dynamic allocation (then ``horovod.spark.run``);
@@ -143,6 +146,7 @@ class HorovodRunner:
                  output_dir: str = _UNSET, storage_options: Optional[Mapping[str, Any]] = _UNSET,
                  resume_from: Any = _UNSET, timeline: bool = _UNSET, preset: Any = _UNSET,
                  min_np: Optional[int] = _UNSET, max_np: Optional[int] = _UNSET,
+                 ranks_per_task: int = _UNSET, local_ranks: Optional[str] = _UNSET,
                  launcher: str = _UNSET, verbose: bool = _UNSET,
                  nics: Optional[set[str]] = _UNSET, slot_wait_s: float = _UNSET,
                  heartbeat_timeout: float = _UNSET,
@@ -186,7 +190,7 @@ class HorovodRunner:
 
     def _launch_facts(self) -> LaunchFacts:
         return LaunchFacts(self.backend, self.launch_config.launcher, bool(self.elastic),
-                           bool(self.run_config.timeline))
+                           bool(self.run_config.timeline), self.scaling.node_per_task)
 
     # -- public API ----------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], /, *, run_timeout: Optional[float] = _UNSET,
@@ -264,6 +268,8 @@ class HorovodRunner:
             self._finish(run_dir, "failed", exc)
             raise
         run_dir.update(status="starting", np=self.np, mode=self.scaling.mode,
+                       ranks_per_task=self.scaling.ranks_per_task,
+                       local_ranks="task" if self.scaling.node_per_task else "host",
                        backend=self.backend, function=getattr(fn, "__qualname__", repr(fn)),
                        started_at=_dt.datetime.now().isoformat(timespec="seconds"))
         router = RankLogRouter(config.driver_log_verbosity, log_dir=run_dir.logs,
@@ -288,7 +294,8 @@ class HorovodRunner:
                     outcome.listeners.append(tracker.metrics)
                 results, status, error, raise_as = self._attempt(
                     outcome, placement, run_dir, resume, dict(env), blob,
-                    return_all=return_all, timeout=timeout)
+                    return_all=return_all, timeout=timeout,
+                    run=RunTag(run_dir.run_id, attempt - 1, config.max_retries))
                 metrics = merge_epochs(metrics, outcome.metrics)
                 reason = retry_reason(raise_as)
                 attempts.append(attempt_record(attempt, status, error, resume, reason))
@@ -331,7 +338,7 @@ class HorovodRunner:
 
     def _attempt(self, outcome: RunOutcome, placement: Placement, run_dir: RunDir,
                  resume: Optional[str], env: dict[str, str], blob: bytes, *, return_all: bool,
-                 timeout: Optional[float]) -> tuple[list, str, Any, Any]:
+                 timeout: Optional[float], run: RunTag) -> tuple[list, str, Any, Any]:
         """One launch of the ranks: ``(results, status, error, raise_as)`` -- a rank's failure
         is returned (the caller may retry), anything else propagates."""
         from sparkhvd.driver.stacks import RunMonitor
@@ -350,7 +357,8 @@ class HorovodRunner:
                                     env_keep=tuple(sorted(set(launch.env) | set(env)))),
                 start_timeout=launch.start_timeout, timeout=timeout, verbose=launch.verbose,
                 elastic=self.elastic, heartbeat_timeout=launch.heartbeat_timeout,
-                backend=self.backend)
+                backend=self.backend, ranks_per_task=self.scaling.ranks_per_task,
+                node_per_task=self.scaling.node_per_task, run=run)
             run_dir.mark("launch")
             log.info("Launching %d rank(s) %s; logs in %s", spec.np,
                      f"on Spark ({spec.session.describe()})" if spec.session else
@@ -399,8 +407,9 @@ class HorovodRunner:
         run_dir.update(spark_master=view.master, spark_app_id=view.app_id, session=view.kind)
         name = choose_launcher(self._launch_facts().with_session(view))
         check_worker_python(view, self.backend)
-        slots = check_slots(view, self.scaling.size, wait_s=0 if view.master.startswith("local")
-                            else self.launch_config.slot_wait_s)
+        slots = check_slots(view, self.scaling.tasks, wait_s=0 if view.master.startswith("local")
+                            else self.launch_config.slot_wait_s,
+                            ranks_per_task=self.scaling.ranks_per_task)
         run_dir.update(slots=slots.slots, launcher=name)
         here = view.executors_here()
         return Placement(name, driver_host=view.driver_host(), executors_here=here,

@@ -43,11 +43,21 @@ class ScalingConfig:
             as local processes on the driver, without Spark tasks (quick debugging).
         min_np, max_np: elastic training (``horovod.spark.run_elastic``): the run goes on while
             between ``min_np`` and ``max_np`` ranks are alive.
+        ranks_per_task: ranks each Spark task starts (default 1): a node with k GPUs scheduled
+            as one task (``spark.task.resource.gpu.amount=k``) runs one rank per GPU, as
+            ``torchrun --nproc-per-node k`` would. ``np`` counts ranks, so it must be a multiple.
+        local_ranks: what ``LOCAL_RANK`` counts -- ``"host"``: the ranks on the host, numbered
+            as ``torchrun --nproc-per-node`` does (the default with one rank per task);
+            ``"task"``: the ranks of the Spark task, every task its own node, as Spark's
+            ``TorchDistributor`` numbers them (the default, and the only choice, with several
+            ranks per task).
     """
 
     np: int
     min_np: Optional[int] = None
     max_np: Optional[int] = None
+    ranks_per_task: int = 1
+    local_ranks: Optional[str] = None
 
     def __post_init__(self) -> None:
         np = self.np
@@ -61,6 +71,25 @@ class ScalingConfig:
             if np < 0 or not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= np <= hi):
                 raise ValueError(f"Elastic training needs 1 <= min_np <= np <= max_np with np > 0; "
                                  f"got min_np={self.min_np}, np={np}, max_np={self.max_np}.")
+        k = self.ranks_per_task
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"ranks_per_task must be an int >= 1; got {k!r}")
+        if abs(np) % k:
+            raise ValueError(
+                f"np={np} is not a multiple of ranks_per_task={k}: np counts ranks, and every "
+                f"Spark task starts {k}. Fix: np={(abs(np) // k + 1) * k * (1 if np > 0 else -1)}"
+                f" or ranks_per_task=1.")
+        if self.local_ranks not in (None, "host", "task"):
+            raise ValueError(f"local_ranks must be 'host' (torchrun's numbering) or 'task' "
+                             f"(TorchDistributor's); got {self.local_ranks!r}")
+        if self.local_ranks == "host" and k > 1:
+            raise ValueError(
+                f"local_ranks='host' cannot number ranks_per_task={k}: a task that runs several "
+                "ranks is their node (LOCAL_RANK 0..k-1 over the task's GPUs, as torchrun on a "
+                "node). Fix: leave local_ranks unset (or 'task').")
+        if (k > 1 or self.local_ranks == "task") and self.elastic is not None:
+            raise ValueError("Elastic training (min_np/max_np) runs one rank per Spark task with "
+                             "horovod's numbering; drop ranks_per_task/local_ranks='task'.")
 
     def elastic_range(self, np: int) -> tuple[Any, Any]:
         return (np if self.min_np is None else self.min_np,
@@ -79,6 +108,17 @@ class ScalingConfig:
     @property
     def mode(self) -> str:
         return "spark" if self.spark else "local"
+
+    @property
+    def tasks(self) -> int:
+        """How many Spark tasks (or, ``np < 0``, groups of local processes) the ranks need."""
+        return self.size // self.ranks_per_task
+
+    @property
+    def node_per_task(self) -> bool:
+        """Whether every task is its own node (``LOCAL_RANK`` counts within the task): the one
+        place that decides the numbering (``local_ranks``, see the class docstring)."""
+        return self.local_ranks == "task" or self.ranks_per_task > 1
 
     @property
     def elastic(self) -> Optional[tuple[int, int]]:

@@ -61,8 +61,8 @@ def count_slots(master: str, conf: Mapping[str, str], *, cpu_count: int,
         slots = int(cores // task_cpus)
         return SlotCount(slots, master,
                          f"local mode with {cores} core(s), spark.task.cpus={task_cpus:g}",
-                         f"start the session with master local[N] where N >= np "
-                         f"(e.g. SparkSession.builder.master('local[{max(2, cores + 1)}]')), "
+                         "start the session with master local[N] where N >= {tasks} "
+                         "(e.g. SparkSession.builder.master('local[{tasks}]')), "
                          "or let HorovodRunner create one by stopping the current session")
     m = _LOCAL_CLUSTER.match(master)
     if m:
@@ -188,8 +188,9 @@ def slots_without_context(view) -> SlotCount:
         "(or in the cluster's Spark config), then run again.")
 
 
-def check_slots(target, np: int, *, wait_s: float = 0.0) -> SlotCount:
-    """Raise :class:`NotEnoughSlotsError` unless the session can run ``np`` tasks at once.
+def check_slots(target, np: int, *, wait_s: float = 0.0, ranks_per_task: int = 1) -> SlotCount:
+    """Raise :class:`NotEnoughSlotsError` unless the session can run ``np`` tasks at once
+    (each starting ``ranks_per_task`` ranks: the message counts both).
 
     ``target``: a :class:`~sparkhvd.driver.sparkview.SparkView` (classic or Connect) or a
     SparkContext. On a cluster, executors may still be registering: poll up to ``wait_s``.
@@ -198,7 +199,7 @@ def check_slots(target, np: int, *, wait_s: float = 0.0) -> SlotCount:
 
     if isinstance(target, SparkView):
         if target.connect:
-            return _enough(slots_without_context(target), np)
+            return _enough(slots_without_context(target), np, ranks_per_task)
         target = target.sc
     deadline = time.monotonic() + wait_s
     while True:
@@ -206,12 +207,15 @@ def check_slots(target, np: int, *, wait_s: float = 0.0) -> SlotCount:
         if found.slots >= np or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
-    return _enough(found, np)
+    return _enough(found, np, ranks_per_task)
 
 
-def _enough(found: SlotCount, np: int) -> SlotCount:
-    if found.slots < np:
+def _enough(found: SlotCount, tasks: int, ranks_per_task: int = 1) -> SlotCount:
+    if found.slots < tasks:
+        wants = (f"np={tasks}" if ranks_per_task == 1 else
+                 f"np={tasks * ranks_per_task} with ranks_per_task={ranks_per_task}")
         raise NotEnoughSlotsError(
-            f"np={np} needs {np} Spark task slots running at the same time, but the session "
-            f"({found.master}) has {found.slots}: {found.detail}. Fix: {found.fix}.")
+            f"{wants} needs {tasks} Spark task slots running at the same time, but the session "
+            f"({found.master}) has {found.slots}: {found.detail}. "
+            f"Fix: {found.fix.format(tasks=tasks)}.")
     return found

@@ -4,9 +4,12 @@ The stage is a DataFrame barrier stage (``mapInArrow(..., barrier=True)``), the 
 and Spark Connect sessions; each task returns its rows (:data:`ROW_SCHEMA`) through
 ``collect()``.
 
+A task runs one rank, or ``ranks_per_task`` of them (a node's GPUs scheduled as one task): each
+is its own supervised process, numbered and reported on its own.
+
 1. Connect to the driver's control server and register (:class:`~sparkhvd.common.protocol.Hello`:
-   partition, host, address, a reserved port if the backend needs one).
-2. **Live** (every task reached the driver): receive the rank's variables
+   partition, host, address, a reserved port per rank if the backend needs them).
+2. **Live** (every task reached the driver): receive the ranks' variables
    (:class:`~sparkhvd.common.protocol.Assign`); forward output lines and events as they come, send a
    heartbeat every second, kill the rank when the driver says :class:`~sparkhvd.common.protocol.Abort`
    or goes away.
@@ -19,7 +22,7 @@ and Spark Connect sessions; each task returns its rows (:data:`ROW_SCHEMA`) thro
    (this executor's variables *filtered*, the driver's, the rank's), the GPU Spark gave the task
    is pinned, the interface that reaches the driver is picked when no ``nics`` were given, and
    the rank runs as a :class:`~sparkhvd.executor.process.RankProcess`.
-4. The rows carry the exit status and the pickled result, in chunks.
+4. The rows carry the exit statuses and the pickled results, in chunks.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import json
 import os
 import socket
 import threading
+import time
 from typing import Any, Iterator, Mapping, Optional
 
 from sparkhvd.common import protocol
@@ -46,6 +50,8 @@ ROW_SCHEMA = "partition long, kind string, seq long, data binary"
 CHUNK_BYTES = 4 << 20
 #: Rows mode keeps at most this much of a rank's output (the newest lines win; events stay).
 ROWS_LOG_BYTES = 8 << 20
+#: After one of a task's ranks failed, its siblings get this long to end by themselves.
+SIBLING_GRACE_S = 10.0
 
 
 class _Channel:
@@ -127,45 +133,68 @@ def _rows(partition: int, kind: str, data: bytes) -> Iterator[Any]:
                               ("seq", pa.int64()), ("data", pa.binary())]))
 
 
-def arrow_barrier_task(payload: bytes, options: Mapping[str, Any], env: Mapping[str, str],
-                       driver: tuple[str, int], token: str, start_timeout: float,
-                       backend: str, run_env: Mapping[str, str], batches: Any) -> Any:
+def result_kind(index: int) -> str:
+    """The row kind of the ``index``-th rank's result in a task's rows."""
+    return "result" if index == 0 else f"result{index}"
+
+
+def arrow_barrier_task(spec: protocol.TaskSpec, batches: Any) -> Any:
     """One barrier task of ``mapInArrow`` (see the module docstring): yields Arrow batches of
     :data:`ROW_SCHEMA`."""
     for _ in batches:  # the stage's one input row per task
         pass
-    partition, status, result, events = barrier_task(payload, options, env, driver, token,
-                                                     start_timeout, backend, run_env)
+    partition, status, results, events = barrier_task(spec)
     yield from _rows(partition, "status", json.dumps(status).encode())
-    if result is not None:
-        yield from _rows(partition, "result", result)
+    for index, result in enumerate(results):
+        if result is not None:
+            yield from _rows(partition, result_kind(index), result)
     if events is not None:
         yield from _rows(partition, "events", events)
 
 
-def _rows_plan(backend: str, run_env: Mapping[str, str], gathered: list[dict],
-               partition: int) -> dict[str, str]:
-    """Rows mode: the rank's variables, assigned by the tasks themselves."""
-    from sparkhvd.common.backends import TaskInfo, get_backend
+def _rows_plan(spec: protocol.TaskSpec, gathered: list[dict], partition: int) -> list[dict]:
+    """Rows mode: the variables of each of this task's ranks, assigned by the tasks themselves."""
+    from sparkhvd.common.backends import get_backend
 
-    chosen = get_backend(backend)
+    chosen = get_backend(spec.backend)
     if not getattr(chosen, "assigns_in_tasks", False):
         raise RuntimeError(
-            f"backend={backend!r} needs every Spark task to reach the driver (its rendezvous "
-            "runs there), but some could not connect to its control channel. Fix: let the "
-            "executors reach this machine (firewall, spark.driver.host; `sparkhvd doctor` "
-            "checks it), or use backend='tf', which runs without that channel.")
-    infos = {g["partition"]: TaskInfo(g["partition"], g["host"], g["address"], g["port"])
-             for g in gathered}
-    return {**run_env, **chosen.assign(infos)[partition]}
+            f"backend={spec.backend!r} needs every Spark task to reach the driver (its "
+            "rendezvous runs there), but some could not connect to its control channel. Fix: "
+            "let the executors reach this machine (firewall, spark.driver.host; `sparkhvd "
+            "doctor` checks it), or use backend='tf', which runs without that channel.")
+    k = spec.ranks_per_task
+    slots: dict = {}
+    for g in gathered:
+        slots.update(protocol.rank_slots(g["partition"], g["host"], g["address"], g["ports"], k,
+                                         spec.node_per_task))
+    plan = chosen.assign(slots)
+    return [{**spec.run_env, **plan[slot]} for slot in range(partition * k, (partition + 1) * k)]
 
 
-def barrier_task(payload: bytes, options: Mapping[str, Any], env: Mapping[str, str],
-                 driver: tuple[str, int], token: str, start_timeout: float, backend: str,
-                 run_env: Mapping[str, str]) -> tuple[int, dict, Optional[bytes],
-                                                      Optional[bytes]]:
-    """One Spark barrier task: ``(partition, status, result, events)`` -- ``events`` only in
-    rows mode."""
+def _rank_env(spec: protocol.TaskSpec, assigned: Mapping[str, str], gpus: Any,
+              connected: bool) -> dict[str, str]:
+    """One rank's whole environment on this executor (module docstring, step 3)."""
+    rank_env = process_env(os.environ, spec.env, assigned)
+    if not connected:  # the run-folder service is on the driver: out of reach
+        for name in (protocol.FILES_ADDR_ENV, protocol.FILES_TOKEN_ENV):
+            rank_env.pop(name, None)
+    if gpus is not None and gpus.addresses:
+        if spec.node_per_task:
+            # The task is the node: its GPUs are the node's (cuda:LOCAL_RANK), as
+            # TorchDistributor sets them -- unless the user set the variable on purpose.
+            if "CUDA_VISIBLE_DEVICES" not in spec.env:
+                rank_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus.addresses)
+        else:
+            rank_env[protocol.TASK_GPUS_ENV] = ",".join(gpus.addresses)
+    if not rank_env.get("HOROVOD_GLOO_IFACE"):  # no nics given: the one that reaches the driver
+        rank_env.update(collective_iface_env(None, spec.driver[0]))
+    return rank_env
+
+
+def barrier_task(spec: protocol.TaskSpec) -> tuple[int, dict, list, Optional[bytes]]:
+    """One Spark barrier task: ``(partition, status, results, events)`` -- a pickled result
+    (or None) per rank the task ran; ``events`` only in rows mode."""
     from pyspark import BarrierTaskContext
 
     from sparkhvd.common.backends import get_backend
@@ -174,21 +203,23 @@ def barrier_task(payload: bytes, options: Mapping[str, Any], env: Mapping[str, s
     partition = context.partitionId()
     gpus = context.resources().get("gpu")
     host = socket.gethostname()
-    channel = _connect(driver, min(float(start_timeout), CONNECT_TIMEOUT_S))
-    address = channel.sock.getsockname()[0] if channel else route_address(driver[0])
-    port = _reserve_port(address) if get_backend(backend).needs_port else None
-    status: dict[str, Any] = {"mode": "live", "host": host, "rank": None, "code": None}
+    channel = _connect(spec.driver, min(float(spec.start_timeout), CONNECT_TIMEOUT_S))
+    address = channel.sock.getsockname()[0] if channel else route_address(spec.driver[0])
+    ports = [_reserve_port(address) for _ in range(spec.ranks_per_task)] \
+        if get_backend(spec.backend).needs_port else []
+    status: dict[str, Any] = {"mode": "live", "host": host, "rank": None, "ranks": [],
+                              "codes": [], "code": None}
     reply: Any = None
     if channel is not None:
-        channel.send(protocol.Hello(token=token, partition=partition, host=host,
-                                    address=address, port=port))
+        channel.send(protocol.Hello(token=spec.token, partition=partition, host=host,
+                                    address=address, ports=ports))
         reply = channel.receive()
         if not isinstance(reply, (protocol.Assign, protocol.Detached)):
             channel.close()
-            return partition, status, None, None  # the driver gave up before the run started
+            return partition, status, [], None  # the driver gave up before the run started
     kept = None
     if isinstance(reply, protocol.Assign):
-        assigned = reply.env
+        assigned = reply.envs
     else:  # this task could not reach the driver, or the driver says another could not
         if channel is not None:
             channel.close()
@@ -197,59 +228,79 @@ def barrier_task(payload: bytes, options: Mapping[str, Any], env: Mapping[str, s
         # Every task comes here (the driver detaches the registered ones), so the barrier's
         # allGather -- about a second -- is paid only without the channel.
         gathered = [json.loads(g) for g in context.allGather(json.dumps(
-            {"partition": partition, "host": host, "address": address, "port": port}))]
+            {"partition": partition, "host": host, "address": address, "ports": ports}))]
         try:
-            assigned = _rows_plan(backend, run_env, gathered, partition)
+            assigned = _rows_plan(spec, gathered, partition)
         except RuntimeError as exc:
             rank = sorted(g["partition"] for g in gathered).index(partition)
             kept.add(protocol.Error(rank=rank, exc_type="RuntimeError", message=str(exc),
                                     traceback="", time=0.0))
-            status.update(rank=rank, code=1)
-            return partition, status, None, kept.blob()
-    rank_env = process_env(os.environ, env, assigned)
-    if channel is None:  # the run-folder service is on the driver: out of reach
-        for name in (protocol.FILES_ADDR_ENV, protocol.FILES_TOKEN_ENV):
-            rank_env.pop(name, None)
-    if gpus is not None and gpus.addresses:
-        rank_env[protocol.TASK_GPUS_ENV] = ",".join(gpus.addresses)
-    if not rank_env.get("HOROVOD_GLOO_IFACE"):  # no nics given: the one that reaches the driver
-        rank_env.update(collective_iface_env(None, driver[0]))
-    rank = RankIdentity.from_env(assigned, default_rank=partition).rank
-    status["rank"] = rank
+            status.update(rank=rank, ranks=[rank], codes=[1], code=1)
+            return partition, status, [], kept.blob()
+    ranks = [RankIdentity.from_env(env, default_rank=partition).rank for env in assigned]
+    status.update(rank=ranks[0], ranks=ranks)
     send = channel.send if channel is not None else kept.add
-    proc = RankProcess(payload, options, rank_env, rank=rank, on_line=send, on_event=send)
+    procs = [RankProcess(spec.payload, spec.options,
+                         _rank_env(spec, env, gpus, channel is not None), rank=rank,
+                         on_line=send, on_event=send) for rank, env in zip(ranks, assigned)]
+    codes = _run_ranks(procs, channel)
+    status.update(codes=codes, code=next((c for c in codes if c), 0))
+    results = [proc.result() if code == 0 else None for proc, code in zip(procs, codes)]
+    for proc in procs:
+        proc.close()
+    if kept is not None and kept.dropped:
+        status["dropped_lines"] = kept.dropped
+    return partition, status, results, kept.blob() if kept is not None else None
+
+
+def _run_ranks(procs: list[RankProcess], channel: Optional[_Channel]) -> list[Optional[int]]:
+    """Start the task's ranks, watch them (heartbeats, the driver's aborts and stack
+    requests), report each exit; their exit statuses. A failed rank's siblings in the task get
+    :data:`SIBLING_GRACE_S` to end by themselves (a broken collective) before they are
+    stopped -- the driver aborts them sooner when it is reachable."""
     done = threading.Event()
 
     def heartbeat() -> None:
         while not done.wait(HEARTBEAT_S):
-            channel.send(protocol.Heartbeat(rank=rank))
+            channel.send(protocol.Heartbeat(rank=procs[0].rank))
 
-    def watch_driver() -> None:  # an abort, or a lost driver, ends the rank
+    def watch_driver() -> None:  # an abort, or a lost driver, ends the ranks
         while isinstance(channel.receive(), protocol.DumpStacks):
-            proc.request_stacks()
+            for proc in procs:
+                proc.request_stacks()
         if not done.is_set():
-            proc.terminate()
+            for proc in procs:
+                proc.terminate()
 
-    result = None
+    codes: list[Optional[int]] = [None] * len(procs)
     try:
-        proc.start()
+        for proc in procs:
+            proc.start()
         if channel is not None:
             threading.Thread(target=heartbeat, daemon=True, name="sparkhvd-heartbeat").start()
             threading.Thread(target=watch_driver, daemon=True, name="sparkhvd-watch").start()
-        code = proc.wait()
-        proc.finish()
-        done.set()
-        status["code"] = code
-        if channel is not None:
-            channel.send(protocol.Exit(rank=rank, code=code))
-        result = proc.result() if code == 0 else None
+        failed_at: Optional[float] = None
+        while any(c is None for c in codes):
+            for i, proc in enumerate(procs):
+                if codes[i] is None and proc.poll() is not None:
+                    proc.finish()
+                    codes[i] = proc.poll()
+                    if codes[i] and failed_at is None:
+                        failed_at = time.monotonic()
+                    if channel is not None:
+                        channel.send(protocol.Exit(rank=proc.rank, code=codes[i]))
+            if failed_at is not None and time.monotonic() - failed_at > SIBLING_GRACE_S:
+                for proc in procs:
+                    proc.terminate()
+            if len(procs) == 1 and codes[0] is None:
+                procs[0].wait()  # one rank: block on it rather than poll
+            elif any(c is None for c in codes):
+                done.wait(0.05)
     finally:
         done.set()
-        if proc.proc is not None and proc.poll() is None:
-            proc.terminate()
+        for proc in procs:
+            if proc.proc is not None and proc.poll() is None:
+                proc.terminate()
         if channel is not None:
             channel.close()
-        proc.close()
-    if kept is not None and kept.dropped:
-        status["dropped_lines"] = kept.dropped
-    return partition, status, result, kept.blob() if kept is not None else None
+    return codes

@@ -121,6 +121,13 @@ def rank_main(payload: bytes, options: dict, *, pickle_result: bool = False) -> 
             from sparkhvd.rank.runfiles import publish_timeline
 
             publish_timeline(events.rank)
+        try:
+            from sparkhvd.rank.runfiles import publish_outputs
+
+            publish_outputs()
+        except Exception as exc:  # noqa: BLE001 - said, never hiding the function's outcome
+            print(f"sparkhvd: could not copy output_dir() files into the run folder: {exc}",
+                  file=sys.stderr, flush=True)
         end_children()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):

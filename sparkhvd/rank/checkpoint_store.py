@@ -13,6 +13,8 @@ import os
 from typing import Optional, Sequence
 
 LATEST = "latest.json"
+#: A sharded checkpoint's list of files (with sizes), written once every rank's are in.
+MANIFEST = "manifest.json"
 
 
 class CheckpointStore:
@@ -20,6 +22,11 @@ class CheckpointStore:
 
     def write(self, name: str, data: bytes) -> None:
         raise NotImplementedError
+
+    def write_file(self, name: str, local_path: str) -> None:
+        """Copy a local file in as ``name`` (streamed where the store can)."""
+        with open(local_path, "rb") as f:
+            self.write(name, f.read())
 
     def read(self, name: str) -> bytes:
         raise NotImplementedError
@@ -51,6 +58,9 @@ class RunFolderStore(CheckpointStore):
 
     def write(self, name: str, data: bytes) -> None:
         self.files.write_bytes(self._path(name), data)
+
+    def write_file(self, name: str, local_path: str) -> None:
+        self.files.write_file(self._path(name), local_path)
 
     def read(self, name: str) -> bytes:
         return self.files.read_bytes(self._path(name), root=self.root)

@@ -172,3 +172,38 @@ def publish_timeline(rank: int) -> None:
                 hvd.shutdown()
     if os.path.exists(path):
         files.write_file("timeline.json", path)
+
+
+#: output_folder(): name -> the local folder on this host whose files go to the run folder.
+_outputs: dict[str, str] = {}
+
+
+def output_folder(name: str) -> str:
+    """A folder for ``<run folder>/<name>/`` (see :func:`sparkhvd.torch.output_dir`): the run
+    folder's own when this host sees it, else a local one :func:`publish_outputs` copies in."""
+    name = clean_path(name)
+    files = run_files()
+    if not files.available:  # not in a sparkhvd run (plain torchrun, a test): here
+        path = os.path.abspath(name)
+    elif files.local:
+        path = os.path.join(files.local, name)
+    elif name in _outputs:
+        return _outputs[name]
+    else:
+        import tempfile
+
+        path = _outputs[name] = tempfile.mkdtemp(prefix=f"sparkhvd-{name.replace('/', '-')}-")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def publish_outputs() -> None:
+    """Copy every file of the local output folders into the run folder (the rank's last act)."""
+    files = run_files()
+    if not files.available:
+        return
+    for name, local in list(_outputs.items()):
+        for root, _, names in os.walk(local):
+            for file in names:
+                path = os.path.join(root, file)
+                files.write_file(f"{name}/{os.path.relpath(path, local)}", path)

@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.identity import current_rank
-from sparkhvd.rank.checkpoint_store import (DISCARD, LATEST, CheckpointStore, RunFolderStore,
-                                            UrlStore, announce_resume, latest, resume_store)
+from sparkhvd.rank.checkpoint_store import (DISCARD, LATEST, MANIFEST, CheckpointStore,
+                                            RunFolderStore, UrlStore, announce_resume, latest,
+                                            resume_store)
 from sparkhvd.rank.events import emit
 
 
@@ -203,6 +205,146 @@ class Checkpoints:
         return int(state["epoch"])
 
 
+class ShardedCheckpoints:
+    """Every rank's shards of a sharded model (FSDP2 ``fully_shard``, DeepSpeed-style state, or
+    plain DDP) with ``torch.distributed.checkpoint`` (DCP), in the run folder, and exact resume.
+
+    A checkpoint of epoch N is the folder ``checkpoints/epoch-000N/``: each rank's ``*.distcp``
+    files and rank 0's ``.metadata`` -- written by DCP into a folder on the rank's own host, then
+    copied into the run folder (straight on the driver's disk, else through the driver's
+    run-folder service: no storage credentials on the ranks, and the driver publishes them to
+    ``abfss://`` with the run folder) -- then ``manifest.json`` (every file with its size) and
+    ``latest.json``, written by rank 0 only after every rank said its files are in. A checkpoint
+    without them was torn and is never read.
+
+    Args:
+        model: the (sharded) model.
+        optimizer: its optimizer (its sharded state is saved and restored too).
+        url: a folder URL instead of the run folder.
+        resume: as for :class:`Checkpoints` (``None``: when ``HorovodRunner(resume_from=...)``
+            asked).
+
+    Call :meth:`save` and :meth:`restore` on every rank (they are collectives).
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, *, url: Optional[str] = None,
+                 storage_options: Optional[dict] = None, resume: Any = None) -> None:
+        from sparkhvd.rank.runfiles import run_files
+
+        self.model, self.optimizer = model, optimizer
+        self.rank = current_rank().rank
+        if url:
+            self.store: Optional[CheckpointStore] = UrlStore(url, storage_options)
+        else:
+            self.store = RunFolderStore("run") if run_files().available else None
+        self.resume_from = resume_store(resume, self.store, storage_options)
+        self.restored: dict = {}
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.optimizer is None:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            return {"model": get_model_state_dict(self.model)}
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def save(self, epoch: int, **extra: Any) -> Optional[str]:
+        """After epoch ``epoch`` (0-based), on every rank: the checkpoint's folder name."""
+        import shutil
+        import tempfile
+
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        if self.store is None:
+            return None
+        done = epoch + 1
+        name = f"epoch-{done:04d}"
+        local = tempfile.mkdtemp(prefix="sparkhvd-dcp-")
+        try:
+            dcp.save(self._state(), storage_writer=dcp.FileSystemWriter(local))
+            mine = []
+            for root, _, files in os.walk(local):
+                for file in files:
+                    path = os.path.join(root, file)
+                    rel = os.path.relpath(path, local)
+                    self.store.write_file(f"{name}/{rel}", path)
+                    mine.append({"file": rel, "size": os.path.getsize(path), "rank": self.rank})
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        everyone = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)  # every rank's files are in
+        if self.rank == 0:
+            files = sorted((f for part in everyone for f in part), key=lambda f: f["file"])
+            self.store.write(f"{name}/{MANIFEST}", json.dumps(
+                {"epoch": done, "files": files, "extra": extra}).encode())
+            self.store.write(LATEST, json.dumps({"epoch": done, "file": name,
+                                                 "sharded": True}).encode())
+        if dist.is_initialized():
+            dist.barrier()
+        return name
+
+    def restore(self) -> int:
+        """Load the newest checkpoint into the model and optimizer, if resuming (every rank);
+        the epoch to start from (0 otherwise)."""
+        import shutil
+        import tempfile
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        if self.resume_from is None:
+            return 0
+        info = latest(self.resume_from)
+        if info is None:
+            if self.rank == 0:
+                announce_resume(self.resume_from)
+            return 0
+        folder = info["file"]
+        manifest = json.loads(self.resume_from.read(f"{folder}/{MANIFEST}"))
+        local = tempfile.mkdtemp(prefix="sparkhvd-dcp-")
+        try:
+            for entry in manifest["files"]:
+                path = os.path.join(local, entry["file"])
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(self.resume_from.read(f"{folder}/{entry['file']}"))
+            state = self._state()
+            dcp.load(state, storage_reader=dcp.FileSystemReader(local))
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        if self.optimizer is None:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(self.model, state["model"])
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+        epoch = int(manifest["epoch"])
+        self.restored = {"epoch": epoch, **(manifest.get("extra") or {})}
+        if self.rank == 0:
+            announce_resume(self.resume_from, folder, epoch)
+        return epoch
+
+
+def output_dir(name: str) -> str:
+    """A folder for files a library writes itself -- Lightning's ``default_root_dir``,
+    Hugging Face ``TrainingArguments(output_dir=...)`` -- that ends up in the run folder as
+    ``<run folder>/<name>/``.
+
+    On the driver's machine it *is* that folder. Elsewhere it is a folder on this rank's host
+    whose files are copied into the run folder (through the driver's run-folder service) when
+    the training function ends, however it ends -- nothing written there is lost.
+    """
+    from sparkhvd.rank.runfiles import output_folder
+
+    return output_folder(name)
+
+
 def model_bytes(model: Any, example_input: Any = None) -> bytes:
     """``model`` as TorchScript bytes: the run's model file (``model.pt``), which
     :func:`sparkhvd.load_model` and :func:`sparkhvd.predict` load without your Python class.
@@ -231,5 +373,6 @@ def model_bytes(model: Any, example_input: Any = None) -> bytes:
         module.train(was_training)
 
 
-__all__ = ["TorchContext", "setup", "unwrap", "report", "Checkpoints", "model_bytes"]
+__all__ = ["TorchContext", "setup", "unwrap", "report", "Checkpoints", "ShardedCheckpoints",
+           "output_dir", "model_bytes"]
 

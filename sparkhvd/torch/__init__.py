@@ -1,5 +1,10 @@
-"""PyTorch helpers for ``HorovodRunner(backend="torch")``: process group, DDP, rank-averaged
-metrics to the driver, rank-0 checkpoints with exact resume, TorchScript model bytes.
+"""PyTorch on Spark: Spark's ``TorchDistributor`` as a drop-in, and helpers for
+``HorovodRunner(backend="torch")`` -- process group, DDP, rank-averaged metrics to the driver,
+rank-0 and sharded (``torch.distributed.checkpoint``) checkpoints with exact resume, a folder
+whose files land in the run folder, TorchScript model bytes.
+
+    from sparkhvd.torch import TorchDistributor        # instead of pyspark.ml.torch.distributor
+    TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(train, 1e-3)
 
     import sparkhvd.torch as st
 
@@ -9,9 +14,21 @@ metrics to the driver, rank-0 checkpoints with exact resume, TorchScript model b
         ...
         st.report(epoch, loss=float(loss))
 
-(implementation: :mod:`sparkhvd.rank.torchdist`)
+(implementation: :mod:`sparkhvd.rank.torchdist` in the ranks, :mod:`sparkhvd.driver.
+torch_distributor` on the driver -- imported only when used, so a rank stays light)
 """
-from sparkhvd.rank.torchdist import (Checkpoints, TorchContext, model_bytes, report, setup,
-                                     unwrap)
+from typing import Any
 
-__all__ = ["Checkpoints", "TorchContext", "model_bytes", "report", "setup", "unwrap"]
+from sparkhvd.rank.torchdist import (Checkpoints, ShardedCheckpoints, TorchContext, model_bytes,
+                                     output_dir, report, setup, unwrap)
+
+__all__ = ["Checkpoints", "ShardedCheckpoints", "TorchContext", "TorchDistributor",
+           "model_bytes", "output_dir", "report", "setup", "unwrap"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TorchDistributor":
+        from sparkhvd.driver.torch_distributor import TorchDistributor
+
+        return TorchDistributor
+    raise AttributeError(f"module 'sparkhvd.torch' has no attribute {name!r}")

@@ -139,7 +139,7 @@ def test_keras_progress_bars_on_horovods_launcher(spark, tmp_path, rank_lines):
     import plaincode
 
     from sparkhvd import HorovodRunner
-    from sparkhvd.rank.script import read_script, run_script
+    from sparkhvd.common.script import read_script, run_script
 
     script = os.path.join(os.path.dirname(plaincode.__file__), "hvd_keras_mnist.py")
     runner = HorovodRunner(np=2, spark=spark, launcher="horovod", output_dir=str(tmp_path))

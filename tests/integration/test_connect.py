@@ -293,7 +293,7 @@ def test_tasks_that_reached_the_driver_are_detached_when_another_cannot():
         def hello(partition):
             sock = socket.create_connection(server.server_address, timeout=30)
             sock.sendall(protocol.encode(protocol.Hello(token="t0ken", partition=partition,
-                                                        host="h", address="127.0.0.1", port=1)))
+                                                        host="h", address="127.0.0.1", ports=[1])))
             return sock, sock.makefile("rb")
 
         sock, reader = hello(0)

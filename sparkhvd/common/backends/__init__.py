@@ -13,13 +13,26 @@ environment per rank. Like Ray Train's ``Backend.on_start``:
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Mapping, Optional, Protocol
 
 from sparkhvd.common.protocol import TaskInfo
 
-__all__ = ["BACKENDS", "Backend", "TaskInfo", "get_backend", "hosts_in_order"]
+__all__ = ["BACKENDS", "Backend", "RunTag", "TaskInfo", "get_backend", "hosts_in_order",
+           "nodes_of"]
 
 BACKENDS = ("horovod", "tf", "torch")
+
+
+@dataclass(frozen=True)
+class RunTag:
+    """Which run and which attempt the ranks belong to (for backends that tell their ranks, as
+    torchrun's ``TORCHELASTIC_RUN_ID``/``TORCHELASTIC_RESTART_COUNT`` do)."""
+
+    run_id: str = ""
+    #: 0 for the first attempt, 1 for the first retry (``max_retries``), ...
+    restart_count: int = 0
+    max_restarts: int = 0
 
 
 class Backend(Protocol):
@@ -31,7 +44,8 @@ class Backend(Protocol):
     #: Whether tasks can run :meth:`assign` themselves when they cannot reach the driver.
     assigns_in_tasks: bool
 
-    def start(self, driver_host: str, nics: Optional[set], verbose: bool) -> dict[str, str]:
+    def start(self, driver_host: str, nics: Optional[set], verbose: bool,
+              run: RunTag = RunTag()) -> dict[str, str]:
         """Start what the ranks rendezvous through; variables every rank gets."""
 
     def assign(self, tasks: Mapping[int, TaskInfo]) -> dict[int, dict[str, str]]:
@@ -50,10 +64,15 @@ class PeerBackend:
     needs_port = True
     assigns_in_tasks = True
 
-    def start(self, driver_host: str, nics: Optional[set], verbose: bool) -> dict[str, str]:
+    def start(self, driver_host: str, nics: Optional[set], verbose: bool,
+              run: RunTag = RunTag()) -> dict[str, str]:
         from sparkhvd.common.protocol import BACKEND_ENV
 
-        return {BACKEND_ENV: self.name}
+        return {BACKEND_ENV: self.name, **self.run_env(run)}
+
+    def run_env(self, run: RunTag) -> dict[str, str]:
+        """Variables about the run itself that every rank gets (none by default)."""
+        return {}
 
     def assign(self, tasks: Mapping[int, TaskInfo]) -> dict[int, dict[str, str]]:
         raise NotImplementedError
@@ -62,13 +81,19 @@ class PeerBackend:
         pass
 
 
-def hosts_in_order(hosts: Mapping[int, str]) -> dict[str, list[int]]:
-    """host -> its partitions: the one rank order every backend follows.
+def nodes_of(tasks: Mapping[int, TaskInfo]) -> dict[int, str]:
+    """slot -> the node its rank belongs to (the host, unless the launcher made every Spark
+    task its own node: :func:`~sparkhvd.common.protocol.node_of`)."""
+    return {p: t.node or t.host for p, t in tasks.items()}
 
-    Ranks are contiguous per host (so local ranks, GPU pinning and ``LOCAL_RANK`` mean the same
-    on every backend); hosts are ordered by their lowest partition and partitions keep their
-    order within a host, so the assignment is deterministic. Ranks are the partitions in the
-    order of ``[p for parts in hosts_in_order(...).values() for p in parts]``.
+
+def hosts_in_order(hosts: Mapping[int, str]) -> dict[str, list[int]]:
+    """node (host) -> its slots: the one rank order every backend follows.
+
+    Ranks are contiguous per node (so local ranks, GPU pinning and ``LOCAL_RANK`` mean the same
+    on every backend); nodes are ordered by their lowest slot and slots keep their order within
+    a node, so the assignment is deterministic. Ranks are the slots in the order of
+    ``[p for parts in hosts_in_order(...).values() for p in parts]``.
     """
     by_host: dict[str, list[int]] = {}
     for partition in sorted(hosts):

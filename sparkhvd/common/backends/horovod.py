@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from sparkhvd.common.backends import TaskInfo, hosts_in_order
+from sparkhvd.common.backends import RunTag, TaskInfo, hosts_in_order
 from sparkhvd.common.netif import IFACE_VARS
 
 
@@ -32,7 +32,8 @@ class Backend:
     def __init__(self) -> None:
         self._server: Any = None
 
-    def start(self, driver_host: str, nics: Optional[set], verbose: bool) -> dict[str, str]:
+    def start(self, driver_host: str, nics: Optional[set], verbose: bool,
+              run: RunTag = RunTag()) -> dict[str, str]:
         from horovod.runner.gloo_run import create_run_env_vars
         from horovod.runner.http.http_server import RendezvousServer
 

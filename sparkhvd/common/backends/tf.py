@@ -11,7 +11,7 @@ import json
 from typing import Mapping
 
 from sparkhvd.common.identity import RankIdentity
-from sparkhvd.common.backends import PeerBackend, TaskInfo, hosts_in_order
+from sparkhvd.common.backends import PeerBackend, TaskInfo, hosts_in_order, nodes_of
 
 
 class Backend(PeerBackend):
@@ -20,12 +20,13 @@ class Backend(PeerBackend):
     name = "tf"
 
     def assign(self, tasks: Mapping[int, TaskInfo]) -> dict[int, dict[str, str]]:
-        by_host = hosts_in_order({p: t.host for p, t in tasks.items()})
+        nodes = nodes_of(tasks)
+        by_host = hosts_in_order(nodes)
         order = [p for parts in by_host.values() for p in parts]
         workers = [f"{tasks[p].address or tasks[p].host}:{tasks[p].port}" for p in order]
         envs = {}
         for rank, partition in enumerate(order):
-            local = by_host[tasks[partition].host]
+            local = by_host[nodes[partition]]
             envs[partition] = {
                 "TF_CONFIG": json.dumps({"cluster": {"worker": workers},
                                          "task": {"type": "worker", "index": rank}}),

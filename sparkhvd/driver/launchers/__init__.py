@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional, Protocol
 
+from sparkhvd.common.backends import RunTag
 from sparkhvd.common.protocol import RankOptions
 
 #: What ``HorovodRunner(launcher=...)`` accepts.
@@ -68,9 +69,19 @@ class LaunchSpec:
     elastic: Optional[tuple[int, int]] = None
     #: A Spark task silent for this long is a lost host (barrier launcher).
     heartbeat_timeout: float = 15.0
+    #: Ranks each task starts (``np`` is a multiple), and whether each task is its own node.
+    ranks_per_task: int = 1
+    node_per_task: bool = False
+    #: The run and attempt, for backends that tell their ranks (torchrun's variables).
+    run: RunTag = RunTag()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
+
+    @property
+    def tasks(self) -> int:
+        """How many tasks (groups of ``ranks_per_task`` ranks) the launch starts."""
+        return self.np // self.ranks_per_task
 
     @property
     def driver_host(self) -> str:
@@ -126,6 +137,8 @@ class LaunchFacts:
     requested: str = "auto"
     elastic: bool = False
     timeline: bool = False
+    #: ``ranks_per_task > 1`` or ``local_ranks="task"``: ranks numbered per task.
+    per_task: bool = False
     #: None until a session is known.
     connect: Optional[bool] = None
     dynamic: Optional[bool] = None
@@ -135,6 +148,11 @@ class LaunchFacts:
         SparkView`)."""
         dynamic = str(view.conf("spark.dynamicAllocation.enabled", "false")).lower() == "true"
         return dataclasses.replace(self, connect=bool(view.connect), dynamic=dynamic)
+
+    @property
+    def not_horovod(self) -> bool:
+        """Settings horovod's rendezvous cannot number (it counts local ranks per host)."""
+        return self.per_task and (self.backend == "horovod" or self.requested == "horovod")
 
     @property
     def horovod_only(self) -> list[str]:
@@ -153,6 +171,10 @@ def _dynamic_why(f: LaunchFacts) -> str:
 
 #: Every launcher/backend/session rule, in the order they are checked: (applies?, message).
 RULES: tuple[tuple[Callable[[LaunchFacts], bool], Callable[[LaunchFacts], str]], ...] = (
+    (lambda f: f.not_horovod,
+     lambda f: "ranks_per_task > 1 and local_ranks='task' number ranks per Spark task, which "
+               "horovod's rendezvous cannot (it counts local ranks per host). Fix: "
+               "backend='torch' or 'tf' on the barrier launcher, or one rank per task."),
     (lambda f: f.backend != "horovod" and bool(f.horovod_only),
      lambda f: f"{' and '.join(f.horovod_only)} need backend='horovod'; backend={f.backend!r} "
                "runs on sparkhvd's barrier launcher (see the README's 'Choosing a backend')."),

@@ -40,6 +40,7 @@ from sparkhvd.common import protocol
 from sparkhvd.common.backends import TaskInfo, get_backend
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.common.identity import RankIdentity
+from sparkhvd.common.protocol import TaskSpec, rank_slots
 from sparkhvd.common.netif import collective_iface_env
 from sparkhvd.driver.outcome import load_result
 from sparkhvd.driver.launchers import LaunchSpec, Sink
@@ -57,15 +58,31 @@ DETACH_AFTER_S = 15.0
 
 @dataclass
 class _Task:
-    """What the driver knows about one barrier task and its rank."""
+    """What the driver knows about one barrier task and its ranks."""
 
     info: TaskInfo
     conn: Any = None
-    rank: Optional[int] = None
-    exit_code: Optional[int] = None
+    #: the task's ranks, in the order it starts them (one, or ``ranks_per_task``)
+    ranks: list = field(default_factory=list)
+    #: rank -> exit status, as each rank ends
+    codes: dict = field(default_factory=dict)
     ended_at: Optional[float] = None
     vanished: bool = False
     last_seen: float = field(default_factory=time.monotonic)
+    #: when each rank ended (its exit status, or the connection broke)
+    rank_ended: dict = field(default_factory=dict)
+
+    @property
+    def rank(self) -> Optional[int]:
+        """The task's first rank (its only one, unless it runs several)."""
+        return self.ranks[0] if self.ranks else None
+
+    def failed(self) -> list[tuple[float, int, Optional[int]]]:
+        """``(when, rank, exit status)`` of each rank that failed (status None: vanished)."""
+        out = [(self.rank_ended[r], r, c) for r, c in self.codes.items() if c]
+        if self.vanished:
+            out += [(self.ended_at or 0.0, r, None) for r in self.ranks if r not in self.codes]
+        return sorted(out, key=lambda e: (e[0], e[2] is None))
 
 
 class ControlServer(socketserver.ThreadingTCPServer):
@@ -75,9 +92,12 @@ class ControlServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
 
     def __init__(self, bind_host: str, np: int, token: str, sink: Sink,
-                 run_env: dict, backend: Any) -> None:
+                 run_env: dict, backend: Any, ranks_per_task: int = 1,
+                 node_per_task: bool = False) -> None:
         super().__init__((bind_host, 0), _ControlHandler)
+        #: ``np``: how many tasks register; each runs ``ranks_per_task`` ranks
         self.np, self.token, self.sink = np, token, sink
+        self.ranks_per_task, self.node_per_task = ranks_per_task, node_per_task
         self.run_env, self.backend = dict(run_env), backend
         self.tasks: dict[int, _Task] = {}
         self.plan: Optional[dict[int, dict[str, str]]] = None
@@ -86,10 +106,12 @@ class ControlServer(socketserver.ThreadingTCPServer):
         #: some task cannot reach this server: the registered ones are told to run without it
         self.detached = False
         self.first_hello: Optional[float] = None
+        self.ports: dict[int, list] = {}
 
     # -- called from handler threads ------------------------------------------------------
-    def register(self, task: _Task) -> Optional[dict[str, str]]:
-        """Block until all ``np`` tasks registered; the task's variables, or None if aborted."""
+    def register(self, task: _Task, ports: list) -> Optional[list]:
+        """Block until all ``np`` tasks registered; the variables of each of the task's ranks,
+        or None if aborted."""
         with self.cond:
             if task.info.partition in self.tasks:  # a Spark retry of a started task: never twice
                 return None
@@ -97,11 +119,17 @@ class ControlServer(socketserver.ThreadingTCPServer):
                 return DETACHED
             self.first_hello = self.first_hello or time.monotonic()
             self.tasks[task.info.partition] = task
+            self.ports[task.info.partition] = ports
             if len(self.tasks) == self.np and self.plan is None:
-                self.plan = self.backend.assign({p: t.info for p, t in self.tasks.items()})
+                slots: dict[int, TaskInfo] = {}
+                for p, t in self.tasks.items():
+                    slots.update(rank_slots(p, t.info.host, t.info.address, self.ports[p],
+                                            self.ranks_per_task, self.node_per_task))
+                self.plan = self.backend.assign(slots)
                 now = time.monotonic()
                 for p, t in self.tasks.items():
-                    t.rank = RankIdentity.from_env(self.plan[p], default_rank=p).rank
+                    t.ranks = [RankIdentity.from_env(self.plan[slot], default_rank=slot).rank
+                               for slot in self._slots(p)]
                     t.last_seen = now
                 self.cond.notify_all()
             while self.plan is None and not self.aborted and not self.detached:
@@ -111,7 +139,12 @@ class ControlServer(socketserver.ThreadingTCPServer):
             if self.detached:
                 self.tasks.pop(task.info.partition, None)
                 return DETACHED
-            return {**self.run_env, **self.plan[task.info.partition]}
+            return [{**self.run_env, **self.plan[slot]}
+                    for slot in self._slots(task.info.partition)]
+
+    def _slots(self, partition: int) -> range:
+        k = self.ranks_per_task
+        return range(partition * k, (partition + 1) * k)
 
     def detach_if_incomplete(self, after_s: float) -> None:
         """Some tasks registered but not all, ``after_s`` after the first: the others cannot
@@ -128,20 +161,31 @@ class ControlServer(socketserver.ThreadingTCPServer):
         task.last_seen = time.monotonic()
         if isinstance(msg, protocol.Heartbeat):
             return
-        if isinstance(msg, protocol.Line):
-            msg.rank = task.rank if task.rank is not None else msg.rank
+        if isinstance(msg, protocol.Line) and len(task.ranks) == 1:
+            msg.rank = task.rank
         if isinstance(msg, protocol.Started) and not msg.host:
             msg.host = task.info.host
         self.sink.receive(msg)
 
-    def ended(self, task: _Task, code: Optional[int]) -> None:
+    def rank_exited(self, task: _Task, rank: int, code: Optional[int]) -> None:
+        """One of the task's ranks reported its exit status."""
+        with self.cond:
+            if rank not in task.codes:
+                task.codes[rank] = code
+                task.rank_ended[rank] = time.monotonic()
+            self.cond.notify_all()
+        self.sink.receive(protocol.Exit(rank=rank, code=code))
+
+    def ended(self, task: _Task) -> None:
+        """The task's connection closed: ranks that reported no exit status vanished."""
         with self.cond:
             if task.ended_at is None:
-                task.exit_code, task.ended_at = code, time.monotonic()
-                task.vanished = code is None
+                task.ended_at = time.monotonic()
+                task.vanished = any(r not in task.codes for r in task.ranks)
             self.cond.notify_all()
-        if task.rank is not None:
-            self.sink.receive(protocol.Exit(rank=task.rank, code=code))
+        for rank in task.ranks:
+            if rank not in task.codes:
+                self.sink.receive(protocol.Exit(rank=rank, code=None))
 
     # -- called from the driver's watch loop ----------------------------------------------
     def wait_ended(self, timeout_s: float) -> None:
@@ -159,16 +203,15 @@ class ControlServer(socketserver.ThreadingTCPServer):
         """The first failed, vanished or silent task, as a LaunchFailure (or None)."""
         with self.cond:
             tasks = list(self.tasks.values())
-        failed = [t for t in tasks if t.ended_at is not None and (t.vanished or t.exit_code)]
+        failed = [(*f, t) for t in tasks for f in t.failed()]
         if failed:
-            task = min(failed, key=lambda t: t.ended_at)
-            where = f"rank {task.rank} (Spark partition {task.info.partition} on host " \
+            _, rank, code, task = min(failed, key=lambda f: (f[0], f[2] is None))
+            where = f"rank {rank} (Spark partition {task.info.partition} on host " \
                     f"{task.info.host})"
-            if task.vanished:
-                return LaunchFailure(task.rank, None, f"{where} vanished without an exit status",
+            if code is None:
+                return LaunchFailure(rank, None, f"{where} vanished without an exit status",
                                      host=task.info.host, vanished=True)
-            return LaunchFailure(task.rank, task.exit_code,
-                                 f"{where} exited with status {task.exit_code}",
+            return LaunchFailure(rank, code, f"{where} exited with status {code}",
                                  host=task.info.host)
         if self.plan is None:
             return None
@@ -219,29 +262,30 @@ class _ControlHandler(socketserver.StreamRequestHandler):
                         self.client_address[0])
             return
         task = _Task(TaskInfo(int(hello.partition), str(hello.host),
-                              hello.address or self.client_address[0], hello.port),
+                              hello.address or self.client_address[0]),
                      conn=self.connection)
-        env = server.register(task)
-        if env is None:
+        envs = server.register(task, list(hello.ports or []))
+        if envs is None:
             return
-        if env is DETACHED:
+        if envs is DETACHED:
             self.wfile.write(protocol.encode(protocol.Detached()))
             self.wfile.flush()
             return
-        self.wfile.write(protocol.encode(protocol.Assign(env=env)))
+        self.wfile.write(protocol.encode(protocol.Assign(envs=envs)))
         self.wfile.flush()
-        code: Optional[int] = None
         try:
             for raw in self.rfile:
                 msg = protocol.decode(raw)
                 if isinstance(msg, protocol.Exit):
-                    code = msg.code
-                    break
+                    server.rank_exited(task, msg.rank, msg.code)
+                    if len(task.codes) == len(task.ranks):
+                        break
+                    continue
                 server.deliver(task, msg)
-        except (OSError, ValueError) as exc:  # a broken connection: the rank is lost
+        except (OSError, ValueError) as exc:  # a broken connection: the ranks are lost
             log.debug("control connection of partition %d broke: %s", task.info.partition, exc)
         finally:
-            server.ended(task, code)
+            server.ended(task)
 
 
 class BarrierLauncher:
@@ -251,26 +295,30 @@ class BarrierLauncher:
     name = "barrier"
 
     def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]:
-        from sparkhvd.executor.barrier import ROW_SCHEMA, arrow_barrier_task
+        from sparkhvd.executor.barrier import ROW_SCHEMA, arrow_barrier_task, result_kind
 
         view = spec.session
         backend = get_backend(spec.backend)
         # nics given: every rank uses them; else each task picks its way to the driver.
-        run_env = {**backend.start(spec.driver_host, spec.nics, spec.verbose),
+        run_env = {**backend.start(spec.driver_host, spec.nics, spec.verbose, spec.run),
                    **collective_iface_env(spec.nics, None)}
         token = secrets.token_hex(16)
         bind = "127.0.0.1" if spec.placement.executors_here else ""
-        server = ControlServer(bind, spec.np, token, sink, run_env, backend)
+        server = ControlServer(bind, spec.tasks, token, sink, run_env, backend,
+                               spec.ranks_per_task, spec.node_per_task)
         threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True,
                          name="sparkhvd-control").start()
         job = view.job(f"sparkhvd-{token[:12]}", f"sparkhvd: {spec.np} rank(s)")
-        mapper = functools.partial(arrow_barrier_task, spec.payload, spec.options.as_dict(),
-                                   dict(spec.env), control_address(spec, server), token,
-                                   float(spec.start_timeout), spec.backend, dict(run_env))
+        mapper = functools.partial(arrow_barrier_task, TaskSpec(
+            payload=spec.payload, options=spec.options.as_dict(), env=dict(spec.env),
+            driver=control_address(spec, server), token=token,
+            start_timeout=float(spec.start_timeout), backend=spec.backend,
+            run_env=dict(run_env), ranks_per_task=spec.ranks_per_task,
+            node_per_task=spec.node_per_task))
         waited = {"warned": False}
 
         def target() -> list:
-            return job.run(lambda: view.barrier_collect(spec.np, mapper, ROW_SCHEMA))
+            return job.run(lambda: view.barrier_collect(spec.tasks, mapper, ROW_SCHEMA))
 
         def check(elapsed: float) -> None:
             if view.stopped():
@@ -282,7 +330,7 @@ class BarrierLauncher:
             if server.plan is None and not server.detached and elapsed > spec.start_timeout:
                 if not view.connect:
                     raise TimeoutError(
-                        f"The {spec.np} Spark task(s) did not all start within start_timeout="
+                        f"The {spec.tasks} Spark task(s) did not all start within start_timeout="
                         f"{spec.start_timeout:g} s, or could not reach this driver's control "
                         f"channel ({spec.driver_host}). Check the cluster's free task slots "
                         "and `sparkhvd doctor --np N`; or raise start_timeout.")
@@ -322,9 +370,10 @@ class BarrierLauncher:
         sink.channel = "rows" if "rows" in modes else "live"
         results: list[Any] = [None] * spec.np
         for partition, task in server.tasks.items():
-            data = tasks.get(partition, {}).get("result")
-            if task.rank is not None and data is not None:
-                results[task.rank] = load_result(task.rank, data)
+            for i, rank in enumerate(task.ranks):
+                data = tasks.get(partition, {}).get(result_kind(i))
+                if data is not None:
+                    results[rank] = load_result(rank, data)
         return results
 
 
@@ -368,14 +417,18 @@ def replay_rows(server: ControlServer, sink: Sink, tasks: dict[int, dict[str, An
     # The rank that raised first ends first, so it is the one the error names (as when live).
     for _, _, partition, messages in sorted(replayed, key=lambda r: (r[0], r[1])):
         status = tasks[partition]["status"]
-        entry = _Task(TaskInfo(partition, status.get("host", "?")), rank=status.get("rank"))
+        entry = _Task(TaskInfo(partition, status.get("host", "?")),
+                      ranks=list(status.get("ranks") or []))
         server.tasks[partition] = entry
         for msg in messages:
             server.deliver(entry, msg)
         if status.get("dropped_lines"):
             log.warning("rank %s: %d older output line(s) were not kept (rows mode keeps the "
                         "newest 8 MB)", status.get("rank"), status["dropped_lines"])
-        server.ended(entry, status.get("code"))
+        for rank, code in zip(entry.ranks, status.get("codes") or []):
+            if code is not None:
+                server.rank_exited(entry, rank, code)
+        server.ended(entry)
 
 
 def _stop_servers(server: ControlServer, backend: Any) -> None:

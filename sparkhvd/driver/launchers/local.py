@@ -18,6 +18,7 @@ from sparkhvd.common.environment import process_env
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.common.identity import RankIdentity
 from sparkhvd.common.netif import collective_iface_env
+from sparkhvd.common.protocol import rank_slots
 from sparkhvd.driver.outcome import load_result
 from sparkhvd.executor.process import RankProcess
 from sparkhvd.driver.launchers import LaunchSpec, Sink
@@ -37,14 +38,17 @@ class LocalLauncher:
 
     def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]:
         backend = get_backend(spec.backend)
-        run_env = {**backend.start("127.0.0.1", {"lo"}, spec.verbose),
+        run_env = {**backend.start("127.0.0.1", {"lo"}, spec.verbose, spec.run),
                    **collective_iface_env({"lo"}, None)}
         procs: list[RankProcess] = []
         try:
-            plan = backend.assign({
-                i: TaskInfo(i, "localhost", "127.0.0.1",
-                            _free_port() if backend.needs_port else None)
-                for i in range(spec.np)})
+            slots: dict[int, TaskInfo] = {}
+            for task in range(spec.tasks):  # groups of ranks_per_task play the Spark tasks
+                ports = [_free_port() for _ in range(spec.ranks_per_task)] \
+                    if backend.needs_port else []
+                slots.update(rank_slots(task, "localhost", "127.0.0.1", ports,
+                                        spec.ranks_per_task, spec.node_per_task))
+            plan = backend.assign(slots)
             for partition in range(spec.np):
                 assigned = {**run_env, **plan[partition]}
                 rank = RankIdentity.from_env(assigned, default_rank=partition).rank

@@ -1,4 +1,5 @@
-"""Running a plain Horovod training script (one written for ``horovodrun``) in every rank."""
+"""Running a training script written for `horovodrun` or `torchrun` in every rank: read on the
+driver (:func:`read_script`), run as ``__main__`` in the rank (:func:`run_script`)."""
 from __future__ import annotations
 
 import os
