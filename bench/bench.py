@@ -25,6 +25,8 @@ Cases (each run ``--repeat`` times; median, min and max are reported):
   (``ru_maxrss``) and rows/s per rank; in memory vs streamed at 100k.
 - B7 scoring: ``sparkhvd.predict`` on local[2] executors vs collecting the rows to the driver
   and calling ``model.predict``, rows/s.
+- B10 a real client's throughput: a Hugging Face Trainer through sparkhvd's TorchDistributor
+  drop-in and through Spark's (torch profile)
 - B9 an over-partitioned DataFrame (2,000 rows in 1,000 partitions): materialise + one epoch at
   np=2, partitions merged into one wave of write tasks vs one Parquet file per partition.
 
@@ -284,6 +286,62 @@ def case_b8(repeat: int, tiny: bool) -> list[dict]:
             TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
             .run(_torch_digits, epochs)["samples_per_s"])
     return [{"case": "B8", "variant": f"digits MLP DDP, {epochs} epochs, {name}",
+             "unit": "samples/s", **_stats(values)} for name, values in results.items()]
+
+
+def _hf_throughput(steps):
+    """A Hugging Face Trainer fine-tuning a small BERT built from a config (no hub): samples/s
+    of its training loop, both ranks together, as Trainer itself reports it."""
+    import os
+
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=128, max_position_embeddings=64, num_labels=2))
+    ids = torch.randint(0, 1000, (2048, 32), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": ids[i], "attention_mask": torch.ones(32, dtype=torch.long),
+             "labels": int(ids[i, 0] % 2)} for i in range(len(ids))]
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=steps,
+                             per_device_train_batch_size=16, report_to=[], use_cpu=True,
+                             disable_tqdm=True, logging_steps=10_000, save_strategy="no",
+                             dataloader_num_workers=0, seed=0)
+    metrics = Trainer(model=model, args=args, train_dataset=data).train().metrics
+    return {"samples_per_s": float(metrics["train_samples_per_second"])}
+
+
+def case_b10(repeat: int, tiny: bool) -> list[dict]:
+    """A real client's training throughput, np=2 on CPU: the same Hugging Face Trainer function
+    through sparkhvd (backend='torch', the drop-in TorchDistributor) and through Spark's
+    TorchDistributor, taking turns (samples/s of the training loop; launch excluded)."""
+    why = _torch_unavailable()
+    import importlib.util
+
+    if not why and importlib.util.find_spec("transformers") is None:
+        why = "transformers is not installed in this profile"
+    if why:
+        return [{"case": "B10", "variant": "HF Trainer, sparkhvd vs TorchDistributor",
+                 "unit": "samples/s", "skipped": f"{why}: make bench CASE=B10 PROFILE=torch"}]
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    from sparkhvd.torch import TorchDistributor as DropIn
+
+    spark = _spark()
+    out = tempfile.mkdtemp(prefix="bench-b10-")
+    steps = 5 if tiny else 60
+    results: dict[str, list[float]] = {"sparkhvd.torch.TorchDistributor": [],
+                                       "Spark's TorchDistributor(local_mode=False)": []}
+    for _ in range(max(1, repeat)):
+        results["sparkhvd.torch.TorchDistributor"].append(
+            DropIn(num_processes=2, local_mode=False, use_gpu=False, spark=spark,
+                   output_dir=out).run(_hf_throughput, steps)["samples_per_s"])
+        results["Spark's TorchDistributor(local_mode=False)"].append(
+            TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+            .run(_hf_throughput, steps)["samples_per_s"])
+    return [{"case": "B10", "variant": f"HF Trainer (BERT 2x64), {steps} steps, {name}",
              "unit": "samples/s", **_stats(values)} for name, values in results.items()]
 
 
@@ -623,7 +681,7 @@ def case_b9(repeat: int, tiny: bool) -> list[dict]:
 
 CASES = {"B1": case_b1, "B1C": case_b1c, "B1T": case_b1t, "B2": case_b2, "B3": case_b3,
          "B4": case_b4, "B5": case_b5, "B6": case_b6, "B7": case_b7, "B8": case_b8,
-         "B9": case_b9}
+         "B9": case_b9, "B10": case_b10}
 
 
 def environment() -> dict:
@@ -744,6 +802,12 @@ def goals(rows: list[dict]) -> list[str]:
         out.append(f"| B1T torch no-op ≤ 0.2 × TorchDistributor | {ours_t:.2f} s vs "
                    f"{theirs_t:.2f} s ({ours_t / theirs_t:.2f}×) | "
                    f"{'yes' if ours_t <= 0.2 * theirs_t else 'no'} |")
+    hf_ours = [v for (c, n), v in runs.items() if c == "B10" and "sparkhvd" in n]
+    hf_theirs = [v for (c, n), v in runs.items() if c == "B10" and "Spark's" in n]
+    if hf_ours and hf_theirs and len(hf_ours[0]) == len(hf_theirs[0]):
+        hf = statistics.median(a / b for a, b in zip(hf_ours[0], hf_theirs[0]))
+        out.append(f"| B10 HF Trainer throughput ≥ 1.0 × TorchDistributor (per-round ratio) | "
+                   f"{hf:.2f}× | {'yes' if hf >= 1.0 else 'no'} |")
     ratio = paired("B2", "sparkhvd", "pyarrow")
     if ratio is not None:
         out.append(f"| B2 ≥ 0.8 × pyarrow ceiling (per-round ratio) | {ratio:.2f}× | "
@@ -793,8 +857,8 @@ def write_markdown(path: Path, env: dict, rows: list[dict]) -> None:
             cases.append(r["case"])
     if len(when) > 1:
         lines += ["Cases measured at different times (same machine; B1C runs in the modern "
-                  "profile, `make bench CASE=B1C PROFILE=modern`, B1T and B8 in the torch one, "
-                  "`make bench CASE=\"B1T B8\" PROFILE=torch`, the others in the default "
+                  "profile, `make bench CASE=B1C PROFILE=modern`, B1T, B8 and B10 in the torch one, "
+                  "`make bench CASE=\"B1T B8 B10\" PROFILE=torch`, the others in the default "
                   "one): " +
                   "; ".join(f"{', '.join(c)} at {d}" for d, c in sorted(when.items())) + ".", ""]
     lines += [

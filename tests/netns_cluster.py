@@ -177,7 +177,7 @@ class NetnsCluster:
             with urllib.request.urlopen(f"http://{self.driver_ip}:{self.webui}/json/",
                                         timeout=5) as r:
                 return int(json.load(r).get("aliveworkers", 0))
-        except OSError:
+        except (OSError, ValueError):  # not up yet, or still serving its HTML page
             return 0
 
     def wait_for_workers(self, n: int, timeout: float = 120) -> None:

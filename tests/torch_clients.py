@@ -20,9 +20,16 @@ def _weights(module) -> list[float]:
 
 
 def lightning_fit(devices: int = 1, num_nodes: int = 2, root: str | None = None) -> dict:
-    """A LightningModule trained with ``Trainer(strategy="ddp", devices, num_nodes)``."""
+    """A LightningModule trained with ``Trainer(strategy="ddp", devices, num_nodes)``; with
+    ``root``, Lightning's checkpoints go to ``<run folder>/<root>`` (``sparkhvd.torch.output_dir``).
+    """
     import lightning as L
     import torch
+
+    if root is not None:
+        import sparkhvd.torch as st
+
+        root = st.output_dir(root)
 
     class Regression(L.LightningModule):
         def __init__(self) -> None:
@@ -53,8 +60,14 @@ def lightning_fit(devices: int = 1, num_nodes: int = 2, root: str | None = None)
 
 
 def hf_trainer(output_dir: str | None = None, save_steps: int = 0) -> dict:
-    """A tiny BERT fine-tuned by ``transformers.Trainer`` for 10 steps."""
+    """A tiny BERT fine-tuned by ``transformers.Trainer`` for 10 steps; with ``output_dir``, its
+    checkpoints go to ``<run folder>/<output_dir>`` (``sparkhvd.torch.output_dir``)."""
     import tempfile
+
+    if output_dir is not None:
+        import sparkhvd.torch as st
+
+        output_dir = st.output_dir(output_dir)
 
     import torch
     from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments

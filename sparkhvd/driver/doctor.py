@@ -95,14 +95,25 @@ def torch_backend() -> str:
     import torch
     import torch.distributed as dist
 
+    from sparkhvd.driver.stack import package_version
+
     if not dist.is_available():
         raise RuntimeError(f"torch {torch.__version__} was built without torch.distributed")
     kinds = [name for name, ok in (("gloo", dist.is_gloo_available()),
                                    ("nccl", dist.is_nccl_available())) if ok]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    clients = [f"{name} {package_version(dist_name)}" for name, dist_name in TORCH_CLIENTS
+               if package_version(dist_name)]
     return (f"torch {torch.__version__}: torch.distributed ({', '.join(kinds) or 'no backend'}), "
-            f"{gpus} GPU(s); not supported: elastic torch runs (torchrun --nnodes=MIN:MAX), "
+            f"{gpus} GPU(s); torchrun's worker variables, so these run unchanged: "
+            f"{', '.join(clients) or 'none of Lightning, transformers, accelerate, DeepSpeed installed'}"
+            "; not supported: elastic torch runs (torchrun --nnodes=MIN:MAX), "
             "horovod.torch (horovod 0.28 does not build against torch >= 2.1)")
+
+
+#: The PyTorch libraries the tests run unchanged: (shown name, distribution).
+TORCH_CLIENTS = (("Lightning", "lightning"), ("transformers", "transformers"),
+                 ("accelerate", "accelerate"), ("DeepSpeed", "deepspeed"))
 
 
 def spark_stack() -> str:

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from sparkhvd.common import protocol
 
@@ -57,11 +57,30 @@ def emit(msg: Any) -> None:
 
 
 def error_event(rank: int, exc: BaseException) -> protocol.Error:
-    """The :class:`~sparkhvd.common.protocol.Error` event for an exception that ended a rank."""
-    return protocol.Error(
-        rank=rank, exc_type=type(exc).__name__, message=str(exc),
-        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        time=time.time())
+    """The :class:`~sparkhvd.common.protocol.Error` event for an exception that ended a rank
+    (with the fix, where the cause is known: :func:`known_fix`)."""
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    fix = known_fix(exc, trace, os.environ)
+    return protocol.Error(rank=rank, exc_type=type(exc).__name__,
+                          message=f"{exc}{fix}" if fix else str(exc), traceback=trace,
+                          time=time.time())
+
+
+def known_fix(exc: BaseException, trace: str, environ: Mapping[str, str]) -> str:
+    """The fix for a failure whose cause sparkhvd knows better than the library that raised it.
+
+    Lightning's ``Trainer(devices=1, num_nodes=N)`` -- TorchDistributor's shape, where every
+    Spark task is a node -- indexes its one device with ``LOCAL_RANK``, so under torchrun's
+    numbering (several ranks on a host) rank 1 fails with a bare ``IndexError``."""
+    if isinstance(exc, IndexError) and "lightning" in trace and "root_device" in trace and \
+            environ.get("LOCAL_RANK", "0") != "0":
+        return (f" -- Lightning's Trainer has fewer devices than this host's ranks "
+                f"(LOCAL_RANK={environ['LOCAL_RANK']}, LOCAL_WORLD_SIZE="
+                f"{environ.get('LOCAL_WORLD_SIZE')}): Trainer(devices=1, num_nodes=N) is "
+                "TorchDistributor's shape, every Spark task its own node. Fix: "
+                "HorovodRunner(..., local_ranks='task') (or sparkhvd.torch.TorchDistributor, or "
+                "`sparkhvd run --local-ranks task`), or Trainer(devices=<ranks per host>).")
+    return ""
 
 
 def announce(rank: int) -> None:

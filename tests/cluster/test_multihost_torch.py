@@ -82,3 +82,32 @@ def test_a_host_that_dies_mid_run_is_named(cluster_spark, netns_cluster, tmp_pat
         assert still_alive(survivors, 30.0) == [], "no rank process left on the other hosts"
     finally:
         netns_cluster.restore_host(getattr(kill_when_started, "host", "h3"))
+
+
+def test_sharded_checkpoints_and_library_checkpoints_from_hosts_that_cannot_see_the_run_folder(
+        cluster_spark, tmp_path):
+    """FSDP2 on three hosts: every rank's DCP shards reach the run folder through the driver's
+    run-folder service (no host sees the driver's disk), and resume_from=True restores them
+    exactly; a Hugging Face Trainer's own checkpoints land in the run folder the same way."""
+    import os
+
+    import torch_clients
+
+    def runner(folder, **kw):
+        return HorovodRunner(np=3, spark=cluster_spark, backend="torch",
+                             output_dir=str(tmp_path / folder), **kw)
+
+    straight = runner("a").run_all(torch_clients.fsdp2, epochs=3)
+    runner("b").run_all(torch_clients.fsdp2, epochs=1)
+    resumed = runner("b", resume_from=True)
+    records = resumed.run_all(torch_clients.fsdp2, epochs=3)
+    assert {r["start"] for r in records} == {1}
+    assert [r["weights"] for r in records] == [straight[0]["weights"]] * 3
+    manifest = json.loads(open(resumed.last_run_dir.file(
+        "checkpoints/epoch-0003/manifest.json")).read())
+    assert {f["rank"] for f in manifest["files"]} == {0, 1, 2}
+
+    hf = runner("hf", env={"HF_HUB_OFFLINE": "1"})
+    hf.run(torch_clients.hf_trainer, output_dir="hf", save_steps=5)
+    saved = os.listdir(hf.last_run_dir.file("hf"))
+    assert {"checkpoint-5", "checkpoint-10"} <= set(saved), saved

@@ -288,3 +288,13 @@ def test_ranks_per_task_is_checked_against_the_slots(spark):
 
     with pytest.raises(NotEnoughSlotsError, match="np=6 with ranks_per_task=2 needs 3 Spark task"):
         HorovodRunner(np=6, ranks_per_task=2, spark=spark, backend="torch").run(ranks_env)
+
+
+def test_torchdistributors_lightning_shape_on_torchruns_numbering_says_the_fix(tmp_path):
+    """Trainer(devices=1, num_nodes=2) with two ranks on one host: Lightning's bare IndexError
+    comes with the one-line fix."""
+    with pytest.raises(TrainingError) as info:
+        HorovodRunner(np=-2, backend="torch", output_dir=str(tmp_path)).run(
+            torch_clients.lightning_fit)
+    assert info.value.exc_type == "IndexError"
+    assert "local_ranks='task'" in str(info.value), str(info.value)
