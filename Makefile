@@ -24,6 +24,7 @@ DEMO_ARGS := --backend torch
 # Spark, side by side with TorchDistributor, failure matrix, multi-host -- and its unit tests.
 TORCH_TESTS := tests/unit/test_rank.py tests/integration/test_torch.py tests/integration/test_demo.py \
 	tests/integration/test_torch_ecosystem.py tests/unit/test_torch_layout.py \
+	tests/integration/test_checkpoint_faults.py \
 	tests/integration/test_failures.py tests/cluster/test_multihost_torch.py
 TEST_ARGS := -m "torch_backend or not (spark or ranks or azurite or cluster or netns or notebook or connect or horovod)" $(TORCH_TESTS)
 else

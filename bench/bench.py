@@ -331,7 +331,7 @@ def case_b10(repeat: int, tiny: bool) -> list[dict]:
 
     spark = _spark()
     out = tempfile.mkdtemp(prefix="bench-b10-")
-    steps = 5 if tiny else 60
+    steps = 5 if tiny else 300
     results: dict[str, list[float]] = {"sparkhvd.torch.TorchDistributor": [],
                                        "Spark's TorchDistributor(local_mode=False)": []}
     for _ in range(max(1, repeat)):

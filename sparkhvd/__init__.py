@@ -15,8 +15,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from sparkhvd.common.errors import (EnvironmentMismatchError, NotEnoughSlotsError, PayloadError,
-    RankFailure, SessionError, SparkhvdError, StallError, StorageError, TrainingError)
+from sparkhvd.common.errors import (CheckpointError, EnvironmentMismatchError, NotEnoughSlotsError,
+    PayloadError, RankFailure, SessionError, SparkhvdError, StallError, StorageError,
+    TrainingError)
 
 # The rest is imported on first use: every rank process imports this package, and numpy,
 # fsspec and friends would add ~0.2 s to each rank's start for nothing.
@@ -57,5 +58,6 @@ __all__ = [
     "TrainingError", "NotEnoughSlotsError", "PayloadError", "EnvironmentMismatchError",
     "SessionError", "SparkhvdError", "RankFailure", "RunDir", "ENV_ALLOWLIST", "StorageError",
     "load_model", "predict", "storage", "DataFrameDataset", "stacks", "StallError",
+    "CheckpointError",
     "__version__",
 ]

@@ -107,6 +107,11 @@ class SessionError(SparkhvdError, RuntimeError):
     """The SparkSession cannot be used (stopped before or during the run)."""
 
 
+class CheckpointError(SparkhvdError, RuntimeError):
+    """No checkpoint to resume from is usable (every one truncated, missing or unreadable): the
+    message names the folder, each file and why, and the fix. Raised before training."""
+
+
 class StorageError(SparkhvdError, OSError):
     """Storage could not be reached or written; the message names the URL and the likely cause.
 

@@ -78,6 +78,8 @@ RESUME_URL_ENV = "SPARKHVD_RESUME_URL"
 EVENTS_FD_ENV = "SPARKHVD_EVENTS_FD"
 #: GPU addresses Spark assigned to the rank's task.
 TASK_GPUS_ENV = "SPARKHVD_TASK_GPUS"
+#: How many of the run's ranks share this rank's host (its cores), whatever a node is.
+HOST_RANKS_ENV = "SPARKHVD_HOST_RANKS"
 #: Where rank 0 writes the Horovod timeline on its own host before it goes to the run folder.
 TIMELINE_ENV = "HOROVOD_TIMELINE"
 #: Set when the rank itself must pick the network interface that reaches the rendezvous.
@@ -155,6 +157,8 @@ class Resumed:
     rank: int
     source: Optional[str]
     epoch: int = 0
+    #: checkpoints passed over (newest first), each "file: why"
+    skipped: list = field(default_factory=list)
 
 
 @dataclass

@@ -87,6 +87,22 @@ class RunFileService(socketserver.ThreadingTCPServer):
         url, options = self.resume
         return storage.read_bytes(f"{url.rstrip('/')}/{path}", options)
 
+    def listdir(self, root: str, path: str) -> list[str]:
+        """Names directly below a folder (empty when there is none)."""
+        path = clean_path(path) if path else ""
+        if root == "run":
+            folder = os.path.join(self.run_path, path)
+            return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        if self.resume is None:
+            return []
+        from sparkhvd import storage
+
+        url, options = self.resume
+        try:
+            return storage.listdir(f"{url.rstrip('/')}/{path}".rstrip("/"), options)
+        except (FileNotFoundError, OSError):
+            return []
+
     def exists(self, root: str, path: str) -> bool:
         path = clean_path(path)
         if root == "run":
@@ -157,6 +173,8 @@ class _Handler(socketserver.StreamRequestHandler):
                 sock.sendall(data)
             elif op == "exists":
                 send_json(sock, {"ok": True, "exists": server.exists(root, path)})
+            elif op == "list":
+                send_json(sock, {"ok": True, "names": server.listdir(root, path)})
             else:
                 raise PermissionError(f"unknown operation {op!r}")
         except (ValueError, PermissionError) as exc:

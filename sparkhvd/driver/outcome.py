@@ -123,7 +123,11 @@ class RunOutcome:
             reported = sorted(self.failures.values(), key=lambda f: f.time)
         host = failure.host or (self.hosts.get(failure.rank) if failure.rank is not None else None)
         own = next((f for f in reported if f.rank == failure.rank), None)
-        if own is not None:
+        cause = next((f for f in reported if f.exc_type in CAUSES), None)
+        if cause is not None:  # whichever rank exited first, this explains the others
+            cause.host = cause.host or self.hosts.get(cause.rank)
+            first = cause
+        elif own is not None:
             own.exit_code = failure.exit_code
             own.host = own.host or host
             first = own
@@ -137,6 +141,11 @@ class RunOutcome:
                                 if failure.rank is not None else "")
         others = [f for f in reported if f is not first]
         return TrainingError(first, [first, *others], run_dir=run_dir)
+
+
+#: Errors that are the cause of a run's failure wherever they were raised: a rank that raised
+#: one is named first even when a peer's consequence ("Horovod has been shut down") came first.
+CAUSES = frozenset({"CheckpointError"})
 
 
 def killed(failure: LaunchFailure) -> bool:
@@ -174,12 +183,20 @@ def retry_reason(error: Any) -> Optional[str]:
 
 
 def attempt_record(attempt: int, status: str, error: Any, resume: Optional[str],
-                   retry: Optional[str]) -> dict:
-    """One entry of ``run.json``'s ``attempts``."""
+                   retry: Optional[str], outcome: Optional["RunOutcome"] = None) -> dict:
+    """One entry of ``run.json``'s ``attempts``: how it ended, what it resumed from and what it
+    restored, and its ranks' PIDs and hosts."""
     import datetime as _dt
 
     entry: dict[str, Any] = {"attempt": attempt, "status": status, "resumed_from": resume,
                              "ended_at": _dt.datetime.now().isoformat(timespec="seconds")}
+    if outcome is not None:
+        pids = outcome.pid_record()
+        entry["rank_pids"], entry["hosts"] = pids["rank_pids"], pids["hosts"]
+        if outcome.resumed is not None:
+            entry["restored"] = outcome.resumed.source
+            if outcome.resumed.skipped:
+                entry["skipped"] = list(outcome.resumed.skipped)
     if error is not None:
         entry["error"] = str(error).split("\n", 1)[0]
         entry["retryable"] = retry

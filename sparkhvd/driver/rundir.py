@@ -9,6 +9,7 @@ Layout::
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import logging
@@ -150,6 +151,23 @@ class RunDir:
     def file(self, name: str) -> str:
         """Absolute local path of a file inside the run folder."""
         return os.path.join(self.path, name)
+
+    def remove_torn(self) -> list[str]:
+        """Remove what a writer killed mid-write left in this run's checkpoints folder (atomic
+        writes' ``.tmp-*`` files): before each attempt, so a retry starts clean. Returns the
+        names removed (for the log)."""
+        folder = self.file("checkpoints")
+        removed = []
+        for root, _, names in os.walk(folder):
+            for name in names:
+                if name.startswith(".tmp-"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(root, name))
+                        removed.append(os.path.relpath(os.path.join(root, name), folder))
+        if removed:
+            log.warning("removed %d torn temporary file(s) a killed writer left in %s: %s",
+                        len(removed), folder, ", ".join(sorted(removed)[:5]))
+        return removed
 
     def own_checkpoints(self) -> Optional[str]:
         """This run's checkpoints folder when it holds a complete checkpoint (what a retry

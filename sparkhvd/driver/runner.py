@@ -289,6 +289,7 @@ class HorovodRunner:
                                         "launcher": placement.launcher}, kwargs)
             resume = self._resume_source(run_dir)
             for attempt in range(1, config.max_retries + 2):
+                run_dir.remove_torn()  # a retry never trips over a killed writer's leftovers
                 outcome = RunOutcome(router)
                 if tracker is not None:
                     outcome.listeners.append(tracker.metrics)
@@ -298,8 +299,9 @@ class HorovodRunner:
                     run=RunTag(run_dir.run_id, attempt - 1, config.max_retries))
                 metrics = merge_epochs(metrics, outcome.metrics)
                 reason = retry_reason(raise_as)
-                attempts.append(attempt_record(attempt, status, error, resume, reason))
-                run_dir.update(attempts=attempts)
+                attempts.append(attempt_record(attempt, status, error, resume, reason, outcome))
+                run_dir.update(attempts=attempts, **self._resume_record(run_dir, outcome,
+                                                                        warn=False))
                 if reason is None or attempt > config.max_retries:
                     break
                 resume = run_dir.own_checkpoints() or resume
@@ -461,14 +463,24 @@ class HorovodRunner:
             log.warning("could not write the training curves: %s", exc)
 
     @staticmethod
-    def _resume_record(run_dir: RunDir, outcome: Optional[RunOutcome]) -> dict:
+    def _resume_record(run_dir: RunDir, outcome: Optional[RunOutcome], warn: bool = True) -> dict:
+        """``run.json``'s ``resume``: what was asked, and what the (latest) attempt restored --
+        with the checkpoints it skipped, and why."""
         requested = (run_dir.record.get("resume") or {}).get("requested")
+        if not requested and outcome is not None and outcome.resumed is not None and \
+                outcome.resumed.source:
+            requested = run_dir.file("checkpoints")  # a retry resumed from the run's own
         if not requested:
             return {}
         resumed = outcome.resumed if outcome is not None else None
         if resumed is not None and resumed.source:
-            return {"resume": {"requested": requested, "restored": resumed.source,
-                               "epoch": resumed.epoch}, "resumed_from": requested}
+            restored = {"requested": requested, "restored": resumed.source,
+                        "epoch": resumed.epoch}
+            if resumed.skipped:
+                restored["skipped"] = list(resumed.skipped)
+            return {"resume": restored, "resumed_from": requested}
+        if not warn:
+            return {}
         warning = (f"resume_from asked to resume from {requested}, but no checkpoint was "
                    "restored: the ranks trained from scratch. Use "
                    "sparkhvd.keras.KerasDistributed in the training function (it restores "

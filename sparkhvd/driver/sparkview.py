@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import socket
+import threading
 from typing import Any, Callable, Optional
 
 from sparkhvd.common.errors import SessionError
@@ -68,6 +69,20 @@ def stopped_session_error(during: bool) -> SessionError:
         f"The SparkSession was stopped {when}. Fix: create a new one "
         "(SparkSession.builder.getOrCreate()) and pass it as spark=, or pass spark=None to let "
         "HorovodRunner use the active session or start a local one.")
+
+
+def lost_server_error(endpoint: str, why: str) -> SessionError:
+    return SessionError(
+        f"The Spark Connect server at {endpoint} was lost while the ranks ran ({why}): the run "
+        "was stopped, and its ranks with it. Fix: reconnect when the server is back "
+        "(SparkSession.builder.remote(...).getOrCreate()) and run again -- with resume_from=True "
+        "to continue from the run's last checkpoint.")
+
+
+#: How long a cleanup call to a session that may be gone (cancel a job) may take.
+CLEANUP_S = 5.0
+#: How long a check that a Spark Connect server still answers may take.
+PROBE_S = 2.0
 
 
 class SparkView:
@@ -121,6 +136,46 @@ class SparkView:
         if self.connect:
             return bool(getattr(self.spark, "is_stopped", False))
         return session_stopped(self.sc)
+
+    def endpoint(self) -> Optional[tuple[str, int]]:
+        """``(host, port)`` of the Spark Connect server (``None`` on classic sessions)."""
+        if not self.connect:
+            return None
+        builder = getattr(getattr(self.spark, "client", None), "_builder", None)
+        host, _, port = str(getattr(builder, "endpoint", "") or "").rpartition(":")
+        return (host.strip("[]"), int(port)) if host and port.isdigit() else None
+
+    def lost(self) -> Optional[SessionError]:
+        """A :class:`SessionError` when the session is gone -- a Spark Connect server that no
+        longer accepts connections, a stopped SparkContext -- else None. Bounded: a TCP connect
+        of at most :data:`PROBE_S`, never a Spark call (pyspark's Connect client retries a dead
+        server for minutes)."""
+        if not self.connect:
+            return stopped_session_error(during=True) if self.stopped() else None
+        endpoint = self.endpoint()
+        if endpoint is None:
+            return None
+        try:
+            socket.create_connection(endpoint, timeout=PROBE_S).close()
+        except OSError as exc:
+            return lost_server_error(f"sc://{endpoint[0]}:{endpoint[1]}",
+                                     exc.strerror or type(exc).__name__)
+        return None
+
+    def abandon(self) -> None:
+        """Give up a Spark Connect session whose server is gone: close its client locally,
+        without the goodbye calls (release the session, clean its ML cache) that pyspark would
+        otherwise retry against the dead server for minutes -- at interpreter exit too. The
+        session is unusable either way; the error says to reconnect."""
+        client = getattr(self.spark, "client", None) if self.connect else None
+        if client is None:
+            return
+        with contextlib.suppress(Exception):
+            client._closed = True  # pyspark's own flag: calls fail at once, exit skips cleanup
+        channel = getattr(client, "_channel", None)
+        if channel is not None:
+            threading.Thread(target=lambda: channel.close(), daemon=True,
+                             name="sparkhvd-close-channel").start()
 
     def describe(self) -> str:
         """For the console: ``local[2]`` or ``spark://h:7077 via Spark Connect (sc://h:15002)``."""
@@ -208,16 +263,27 @@ class SparkJob:
                     self.view.spark.removeTag(self.name)
 
     def cancel(self) -> None:
-        """Cancel the run's jobs; a stopped session has none left to cancel."""
+        """Cancel the run's jobs; a stopped session has none left to cancel. Bounded by
+        :data:`CLEANUP_S`: a Connect server that went away would keep the call in pyspark's
+        retry loop for minutes, so it runs in a thread that is left behind."""
         if self.view.stopped():
             return
-        try:
-            if self.view.has_tags:
-                self.view.spark.interruptTag(self.name)
-            else:
-                self.view.sc.cancelJobGroup(self.name)
-        except Exception as exc:  # noqa: BLE001 - stopped meanwhile
-            log.debug("could not cancel Spark job %s: %s", self.name, exc)
+
+        def cancel() -> None:
+            try:
+                if self.view.has_tags:
+                    self.view.spark.interruptTag(self.name)
+                else:
+                    self.view.sc.cancelJobGroup(self.name)
+            except Exception as exc:  # noqa: BLE001 - stopped meanwhile
+                log.debug("could not cancel Spark job %s: %s", self.name, exc)
+
+        thread = threading.Thread(target=cancel, daemon=True, name="sparkhvd-cancel")
+        thread.start()
+        thread.join(CLEANUP_S)
+        if thread.is_alive():
+            log.debug("cancelling Spark job %s did not return within %g s; left behind",
+                      self.name, CLEANUP_S)
 
 
 def cancel_job_group(sc: Any, group: str) -> None:

@@ -118,6 +118,12 @@ class MlflowTracker:
                 for entry in attempts[:-1]:
                     self.client.set_tag(self.run_id, f"sparkhvd.attempt{entry['attempt']}",
                                         str(entry.get("retryable") or entry.get("error"))[:500])
+            resume = run_dir.record.get("resume") or {}
+            if resume.get("restored"):
+                self.client.set_tag(self.run_id, "sparkhvd.resumed_from", resume["restored"])
+            if resume.get("skipped"):  # checkpoints passed over: which, and why
+                self.client.set_tag(self.run_id, "sparkhvd.resume_skipped",
+                                    "; ".join(resume["skipped"])[:5000])
         except Exception as exc:  # noqa: BLE001 - tracking must not hide the run's outcome
             log.warning("MLflow: could not record the attempts: %s", redact(str(exc)))
         try:

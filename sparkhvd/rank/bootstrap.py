@@ -100,7 +100,10 @@ def rank_main(payload: bytes, options: dict, *, pickle_result: bool = False) -> 
         cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else (os.cpu_count() or 1)
         backend = os.environ.get(protocol.BACKEND_ENV)
-        apply_plan(plan_rank(local_rank, local_size, cpu_count, detect_gpus()), backend)
+        # threads are shared by the ranks on this host (a node may be one Spark task)
+        sharing = int(os.environ.get(protocol.HOST_RANKS_ENV) or local_size)
+        apply_plan(plan_rank(local_rank, local_size, cpu_count, detect_gpus(),
+                             threads_shared_by=sharing), backend)
         if backend == "tf":  # plain TF code runs unchanged (imports nothing now)
             from sparkhvd.rank.keras.plain import install
 

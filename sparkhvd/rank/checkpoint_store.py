@@ -8,13 +8,15 @@ gave. ``latest.json`` names the newest complete checkpoint, so a partial one is 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from typing import Optional, Sequence
+import re
+from typing import Callable, Mapping, Optional, Sequence, TypeVar
+
+T = TypeVar("T")
 
 LATEST = "latest.json"
-#: A sharded checkpoint's list of files (with sizes), written once every rank's are in.
-MANIFEST = "manifest.json"
 
 
 class CheckpointStore:
@@ -33,6 +35,10 @@ class CheckpointStore:
 
     def exists(self, name: str) -> bool:
         raise NotImplementedError
+
+    def list(self) -> list[str]:
+        """The names in the folder (empty where it cannot be listed)."""
+        return []
 
     def delete(self, name: str) -> None:
         """Remove a file (best effort; a service-backed store keeps everything)."""
@@ -68,6 +74,9 @@ class RunFolderStore(CheckpointStore):
     def exists(self, name: str) -> bool:
         return self.files.exists(self._path(name), root=self.root)
 
+    def list(self) -> list[str]:
+        return self.files.listdir(self.prefix, root=self.root)
+
     def delete(self, name: str) -> None:
         if self.root == "run" and self.files.local:
             path = os.path.join(self.files.local, self._path(name))
@@ -101,6 +110,14 @@ class UrlStore(CheckpointStore):
         from sparkhvd import storage
 
         return storage.exists(f"{self.url}/{name}", self.storage_options)
+
+    def list(self) -> list[str]:
+        from sparkhvd import storage
+
+        try:
+            return storage.listdir(self.url, self.storage_options)
+        except (FileNotFoundError, OSError):
+            return []
 
     def delete(self, name: str) -> None:
         from sparkhvd import storage
@@ -140,6 +157,129 @@ def latest(store: CheckpointStore) -> Optional[dict]:
     return json.loads(store.read(LATEST))
 
 
+# -- writing a checkpoint so that it can be checked, and resuming from the newest good one ----
+def digest(data: bytes) -> dict:
+    """What a checkpoint records of each file: its size and SHA-256."""
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def record_name(epoch: int) -> str:
+    """The record of epoch N's checkpoint: ``epoch-000N.json`` (its files, sizes, checksums)."""
+    return f"epoch-{epoch:04d}.json"
+
+
+def write_checkpoint(store: CheckpointStore, epoch: int, files: Mapping[str, bytes],
+                     info: dict) -> dict:
+    """Write a checkpoint: its files, then its record (each file's size and checksum), then
+    ``latest.json`` -- so a record never names a file that is not complete."""
+    for name, data in files.items():
+        store.write(name, data)
+    return commit_checkpoint(store, epoch, {n: digest(d) for n, d in files.items()}, info)
+
+
+def commit_checkpoint(store: CheckpointStore, epoch: int, files: Mapping[str, dict],
+                      info: dict) -> dict:
+    """Write the record of a checkpoint whose ``files`` (name -> :func:`digest`) are in, then
+    ``latest.json``."""
+    record = {**info, "epoch": epoch, "files": dict(files)}
+    data = json.dumps(record).encode()
+    store.write(record_name(epoch), data)
+    store.write(LATEST, data)
+    return record
+
+
+def _candidates(store: CheckpointStore, problems: list[str]) -> list[dict]:
+    """Every checkpoint record the folder has, newest first: ``latest.json`` and each
+    ``epoch-000N.json`` (a corrupt ``latest.json`` is a problem, not the end)."""
+    records: dict[int, dict] = {}
+    names = store.list()
+    for name in [LATEST, *sorted((n for n in names if _RECORD.match(n)), reverse=True)]:
+        if name == LATEST and names and LATEST not in names:
+            continue
+        try:
+            record = json.loads(store.read(name))
+            epoch = int(record["epoch"])
+        except FileNotFoundError:
+            continue
+        except Exception as exc:  # noqa: BLE001 - any unreadable record is one problem
+            problems.append(f"{store.describe(name)}: unreadable ({_why(exc)})")
+            continue
+        records.setdefault(epoch, record)
+    return [records[e] for e in sorted(records, reverse=True)]
+
+
+def _files_of(record: dict) -> dict[str, Optional[dict]]:
+    """name -> expected digest (None for checkpoints written before records had them)."""
+    if isinstance(record.get("files"), dict):
+        return dict(record["files"])
+    legacy = [record.get("file"), record.get("optimizer")]
+    return {name: None for name in legacy if isinstance(name, str)}
+
+
+def _read_checked(store: CheckpointStore, record: dict,
+                  problems: list[str]) -> Optional[dict[str, bytes]]:
+    files: dict[str, bytes] = {}
+    for name, expected in _files_of(record).items():
+        try:
+            data = store.read(name)
+        except FileNotFoundError:
+            problems.append(f"{store.describe(name)}: missing")
+            return None
+        if expected is not None and len(data) != expected.get("size"):
+            problems.append(f"{store.describe(name)}: truncated or changed ({len(data):,} of "
+                            f"{expected.get('size'):,} bytes)")
+            return None
+        if expected is not None and hashlib.sha256(data).hexdigest() != expected.get("sha256"):
+            problems.append(f"{store.describe(name)}: checksum mismatch (corrupt)")
+            return None
+        files[name] = data
+    return files
+
+
+def restore_newest(store: CheckpointStore, load: Callable[[dict, dict[str, bytes]], T]
+                   ) -> tuple[Optional[dict], Optional[T], list[str]]:
+    """Resume from the newest checkpoint in ``store`` that is complete and readable.
+
+    Each candidate's files are checked against its record (size, SHA-256) and then given to
+    ``load(record, files)``; a candidate that fails either is skipped with a problem naming the
+    file and why, and the next older one is tried. Returns ``(record, load's value, problems)``,
+    or ``(None, None, [])`` when the folder has no checkpoint at all (train from scratch).
+
+    Raises:
+        CheckpointError: the folder has checkpoints but none is usable -- never a silent start
+            from scratch, never a raw h5py/zip/pickle error.
+    """
+    problems: list[str] = []
+    candidates = _candidates(store, problems)
+    for record in candidates:
+        files = _read_checked(store, record, problems)
+        if files is None:
+            continue
+        try:
+            return record, load(record, files), problems
+        except Exception as exc:  # noqa: BLE001 - an unreadable checkpoint is skipped
+            name = record.get("file") or next(iter(files), "?")
+            problems.append(f"{store.describe(name)}: unreadable ({_why(exc)})")
+    if not problems:
+        return None, None, []
+    from sparkhvd.common.errors import CheckpointError
+
+    raise CheckpointError(
+        f"No usable checkpoint to resume from in {store.describe()}: "
+        + "; ".join(problems) + ". Fix: resume from an earlier run folder "
+        "(HorovodRunner(resume_from='<run folder>')), or train from scratch with "
+        "resume_from=False (or the helper's resume=False); the files above are kept as they "
+        "are.")
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).split("\n", 1)[0]
+    return f"{type(exc).__name__}: {text[:200]}"
+
+
+_RECORD = re.compile(r"^epoch-\d{4,}\.json$")
+
+
 def announce_resume(store: CheckpointStore, file: Optional[str] = None, epoch: int = 0,
                     problems: Sequence[str] = ()) -> None:
     """Rank 0 says what it resumed from (``file`` None: nothing found), on its console line
@@ -156,7 +296,7 @@ def announce_resume(store: CheckpointStore, file: Optional[str] = None, epoch: i
     for problem in problems:
         print(f"resume: WARNING: {problem}", flush=True)
     print(f"resume: restored {where}; continuing at epoch {epoch + 1}", flush=True)
-    emit(protocol.Resumed(rank=0, source=where, epoch=epoch))
+    emit(protocol.Resumed(rank=0, source=where, epoch=epoch, skipped=list(problems)))
 
 
 def resume_store(resume: object, own: Optional[CheckpointStore],

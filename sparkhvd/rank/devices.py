@@ -23,7 +23,7 @@ class RankPlan:
 
 
 def plan_rank(local_rank: int, local_size: int, cpu_count: int, gpus: list[str],
-              environ: Optional[dict] = None) -> RankPlan:
+              environ: Optional[dict] = None, threads_shared_by: Optional[int] = None) -> RankPlan:
     """Decide GPU pinning and thread counts for one rank (pure; unit-tested).
 
     - GPUs present: the rank is pinned to the GPU Spark assigned to its task (``spark.task.
@@ -32,7 +32,9 @@ def plan_rank(local_rank: int, local_size: int, cpu_count: int, gpus: list[str],
       each other's memory.
     - CPU only: the cores are shared among the local ranks through TF's intra/inter-op thread
       pools and OpenMP, so two ranks on a 2-core executor do not each spawn 2+ threads.
-    Settings the user already exported are never overridden.
+    ``threads_shared_by``: the ranks that share this host's cores (default ``local_size``;
+    more when every Spark task is its own node). Settings the user already exported are never
+    overridden.
     """
     environ = os.environ if environ is None else environ
     local_size = max(1, local_size)
@@ -42,7 +44,7 @@ def plan_rank(local_rank: int, local_size: int, cpu_count: int, gpus: list[str],
         if key not in environ:
             plan.env[key] = value
 
-    threads = max(1, cpu_count // local_size)
+    threads = max(1, cpu_count // max(1, threads_shared_by or local_size))
     if gpus:
         assigned = [a.strip() for a in environ.get(TASK_GPUS_ENV, "").split(",") if a.strip()]
         plan.gpu_index = (gpus.index(assigned[0]) if assigned and assigned[0] in gpus

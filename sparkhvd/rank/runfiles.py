@@ -132,6 +132,17 @@ class RunFiles:
         self._request({"op": "get", "root": root, "path": path}, sink=out)
         return out.getvalue()
 
+    def listdir(self, path: str = "", *, root: str = "run") -> list[str]:
+        """Names directly below a folder of the run folder (or the resume source); empty when
+        there is none."""
+        path = clean_path(path) if path else ""
+        if root == "run" and self.local:
+            folder = os.path.join(self.local, path)
+            return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        if self.addr is None:
+            return []
+        return list(self._request({"op": "list", "root": root, "path": path}).get("names", []))
+
     def exists(self, path: str, *, root: str = "run") -> bool:
         """Whether ``path`` exists in the run folder (or the resume source)."""
         path = clean_path(path)

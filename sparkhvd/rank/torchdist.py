@@ -23,7 +23,6 @@ Nothing here imports TensorFlow or horovod.
 from __future__ import annotations
 
 import io
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -31,9 +30,9 @@ from typing import Any, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.identity import current_rank
-from sparkhvd.rank.checkpoint_store import (DISCARD, LATEST, MANIFEST, CheckpointStore,
-                                            RunFolderStore, UrlStore, announce_resume, latest,
-                                            resume_store)
+from sparkhvd.rank.checkpoint_store import (DISCARD, CheckpointStore, RunFolderStore, UrlStore,
+                                            announce_resume, commit_checkpoint, digest,
+                                            restore_newest, resume_store, write_checkpoint)
 from sparkhvd.rank.events import emit
 
 
@@ -178,30 +177,35 @@ class Checkpoints:
                     "optimizer": self.optimizer.state_dict() if self.optimizer else None,
                     "epoch": done, "extra": extra}, buffer)
         name = f"epoch-{done:04d}.pt"
-        self.store.write(name, buffer.getvalue())
-        self.store.write(LATEST, json.dumps({"epoch": done, "file": name}).encode())
+        write_checkpoint(self.store, done, {name: buffer.getvalue()}, {"file": name})
         return name
 
     def restore(self) -> int:
-        """Load the newest checkpoint, if resuming; the epoch to start from (0 otherwise)."""
+        """Load the newest usable checkpoint, if resuming; the epoch to start from (0
+        otherwise). A truncated, missing or unreadable newest checkpoint is skipped with a
+        warning (the next older one is used); none usable is a ``CheckpointError``."""
         import torch
 
         if self.resume_from is None:
             return 0
-        info = latest(self.resume_from)
-        if info is None:
+
+        def load(record: dict, files: dict) -> dict:
+            device = next(iter(unwrap(self.model).parameters()), torch.zeros(0)).device
+            state = torch.load(io.BytesIO(files[record["file"]]), map_location=device,
+                               weights_only=False)
+            unwrap(self.model).load_state_dict(state["model"])
+            if self.optimizer is not None and state.get("optimizer"):
+                self.optimizer.load_state_dict(state["optimizer"])
+            return state
+
+        record, state, skipped = restore_newest(self.resume_from, load)
+        if record is None or state is None:
             if self.rank == 0:
                 announce_resume(self.resume_from)
             return 0
-        device = next(iter(unwrap(self.model).parameters()), torch.zeros(0)).device
-        state = torch.load(io.BytesIO(self.resume_from.read(info["file"])), map_location=device,
-                           weights_only=False)
-        unwrap(self.model).load_state_dict(state["model"])
-        if self.optimizer is not None and state.get("optimizer"):
-            self.optimizer.load_state_dict(state["optimizer"])
         self.restored = {"epoch": int(state["epoch"]), **(state.get("extra") or {})}
         if self.rank == 0:
-            announce_resume(self.resume_from, info["file"], int(state["epoch"]))
+            announce_resume(self.resume_from, record["file"], int(state["epoch"]), skipped)
         return int(state["epoch"])
 
 
@@ -213,9 +217,10 @@ class ShardedCheckpoints:
     files and rank 0's ``.metadata`` -- written by DCP into a folder on the rank's own host, then
     copied into the run folder (straight on the driver's disk, else through the driver's
     run-folder service: no storage credentials on the ranks, and the driver publishes them to
-    ``abfss://`` with the run folder) -- then ``manifest.json`` (every file with its size) and
-    ``latest.json``, written by rank 0 only after every rank said its files are in. A checkpoint
-    without them was torn and is never read.
+    ``abfss://`` with the run folder) -- then its record ``epoch-000N.json`` (every file with its
+    rank, size and SHA-256) and ``latest.json``, written by rank 0 only after every rank said its
+    files are in. A checkpoint without a record was torn and is never read; one whose files do
+    not match it is skipped for the next older one.
 
     Args:
         model: the (sharded) model.
@@ -265,25 +270,24 @@ class ShardedCheckpoints:
         local = tempfile.mkdtemp(prefix="sparkhvd-dcp-")
         try:
             dcp.save(self._state(), storage_writer=dcp.FileSystemWriter(local))
-            mine = []
+            mine = {}
             for root, _, files in os.walk(local):
                 for file in files:
                     path = os.path.join(root, file)
-                    rel = os.path.relpath(path, local)
-                    self.store.write_file(f"{name}/{rel}", path)
-                    mine.append({"file": rel, "size": os.path.getsize(path), "rank": self.rank})
+                    rel = f"{name}/{os.path.relpath(path, local)}"
+                    with open(path, "rb") as f:
+                        mine[rel] = {**digest(f.read()), "rank": self.rank}
+                    self.store.write_file(rel, path)
         finally:
             shutil.rmtree(local, ignore_errors=True)
-        everyone = [mine]
+        everyone: list = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)  # every rank's files are in
         if self.rank == 0:
-            files = sorted((f for part in everyone for f in part), key=lambda f: f["file"])
-            self.store.write(f"{name}/{MANIFEST}", json.dumps(
-                {"epoch": done, "files": files, "extra": extra}).encode())
-            self.store.write(LATEST, json.dumps({"epoch": done, "file": name,
-                                                 "sharded": True}).encode())
+            files = {k: v for part in everyone for k, v in sorted(part.items())}
+            commit_checkpoint(self.store, done, files,
+                              {"file": name, "sharded": True, "extra": extra})
         if dist.is_initialized():
             dist.barrier()
         return name
@@ -299,24 +303,26 @@ class ShardedCheckpoints:
 
         if self.resume_from is None:
             return 0
-        info = latest(self.resume_from)
-        if info is None:
+
+        def load(record: dict, files: dict) -> dict:
+            local = tempfile.mkdtemp(prefix="sparkhvd-dcp-")
+            try:
+                for rel, data in files.items():
+                    path = os.path.join(local, os.path.relpath(rel, record["file"]))
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    with open(path, "wb") as f:
+                        f.write(data)
+                state = self._state()
+                dcp.load(state, storage_reader=dcp.FileSystemReader(local))
+                return state
+            finally:
+                shutil.rmtree(local, ignore_errors=True)
+
+        record, state, skipped = restore_newest(self.resume_from, load)
+        if record is None or state is None:
             if self.rank == 0:
                 announce_resume(self.resume_from)
             return 0
-        folder = info["file"]
-        manifest = json.loads(self.resume_from.read(f"{folder}/{MANIFEST}"))
-        local = tempfile.mkdtemp(prefix="sparkhvd-dcp-")
-        try:
-            for entry in manifest["files"]:
-                path = os.path.join(local, entry["file"])
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "wb") as f:
-                    f.write(self.resume_from.read(f"{folder}/{entry['file']}"))
-            state = self._state()
-            dcp.load(state, storage_reader=dcp.FileSystemReader(local))
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
         if self.optimizer is None:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -324,10 +330,10 @@ class ShardedCheckpoints:
         else:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])
-        epoch = int(manifest["epoch"])
-        self.restored = {"epoch": epoch, **(manifest.get("extra") or {})}
+        epoch = int(record["epoch"])
+        self.restored = {"epoch": epoch, **(record.get("extra") or {})}
         if self.rank == 0:
-            announce_resume(self.resume_from, folder, epoch)
+            announce_resume(self.resume_from, record["file"], epoch, skipped)
         return epoch
 
 

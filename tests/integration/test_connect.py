@@ -312,3 +312,57 @@ def test_tasks_that_reached_the_driver_are_detached_when_another_cannot():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _trains_until_stopped():
+    import os
+    import time
+
+    print(f"training started pid {os.getpid()}", flush=True)
+    while True:
+        time.sleep(0.1)
+
+
+def test_a_lost_connect_server_ends_the_run_in_seconds_with_its_name(tmp_path, monkeypatch,
+                                                                       rank_lines):
+    """The Connect server's JVM SIGKILLed after both ranks started: run() raises a SessionError
+    naming the sc:// endpoint within 60 s (pyspark's client alone would retry for ~10 minutes),
+    and no rank process is left."""
+    import signal
+    import threading
+    import time
+
+    from conftest import ConnectServer, connect_unavailable, still_alive, wait_for
+    from sparkhvd import SessionError
+
+    why = connect_unavailable()
+    if why:
+        pytest.skip(why)
+    server = ConnectServer(tmp_path)  # its own server: this test kills it
+    killed: dict = {}
+    try:
+        session = server.session()
+        monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")
+
+        def kill_when_started():
+            if wait_for(lambda: sum("training started" in line for line in rank_lines) >= 2,
+                        180):
+                os.killpg(server.proc.pid, signal.SIGKILL)
+                killed["at"] = time.monotonic()
+
+        threading.Thread(target=kill_when_started, daemon=True).start()
+        backend = "tf" if __import__("importlib").util.find_spec("tensorflow") else "torch"
+        runner = HorovodRunner(np=2, spark=session, backend=backend, driver_log_verbosity="all",
+                               output_dir=str(tmp_path / "runs"))
+        with pytest.raises(SessionError) as info:
+            runner.run(_trains_until_stopped)
+        took = time.monotonic() - killed["at"]
+        assert took < 60, f"run() took {took:.0f} s after the server died"
+        message = str(info.value)
+        assert server.url in message and "was lost" in message and "reconnect" in message
+        record = runner.last_run_dir.record
+        assert record["status"] == "failed" and "was lost" in record["error"]["message"]
+        pids = [int(p) for p in record["rank_pids"].values()]
+        assert len(pids) == 2 and still_alive(pids, 30.0) == [], "no rank process left"
+    finally:
+        server.stop()

@@ -37,6 +37,8 @@ def test_torchdistributor_numbering_makes_every_task_its_own_node():
            for p, e in envs.items()}
     assert got == {0: ("0", "0", "1", "0"), 1: ("1", "0", "1", "1"), 2: ("2", "0", "1", "2")}
     assert {e["GROUP_WORLD_SIZE"] for e in envs.values()} == {"3"}
+    # the cores are still shared by the ranks on a host: host b runs two
+    assert [envs[p][protocol.HOST_RANKS_ENV] for p in (0, 1, 2)] == ["2", "1", "2"]
 
 
 def test_several_ranks_per_task_are_a_node_each_with_their_own_port():

@@ -87,6 +87,17 @@ def nodes_of(tasks: Mapping[int, TaskInfo]) -> dict[int, str]:
     return {p: t.node or t.host for p, t in tasks.items()}
 
 
+def host_ranks(tasks: Mapping[int, TaskInfo]) -> dict[int, dict[str, str]]:
+    """slot -> the variable that says how many ranks share its host's cores (a node may be a
+    Spark task, so ``LOCAL_WORLD_SIZE`` need not say it)."""
+    from collections import Counter
+
+    from sparkhvd.common.protocol import HOST_RANKS_ENV
+
+    count = Counter(t.host for t in tasks.values())
+    return {p: {HOST_RANKS_ENV: str(count[t.host])} for p, t in tasks.items()}
+
+
 def hosts_in_order(hosts: Mapping[int, str]) -> dict[str, list[int]]:
     """node (host) -> its slots: the one rank order every backend follows.
 

@@ -11,7 +11,7 @@ import json
 from typing import Mapping
 
 from sparkhvd.common.identity import RankIdentity
-from sparkhvd.common.backends import PeerBackend, TaskInfo, hosts_in_order, nodes_of
+from sparkhvd.common.backends import PeerBackend, TaskInfo, host_ranks, hosts_in_order, nodes_of
 
 
 class Backend(PeerBackend):
@@ -25,10 +25,12 @@ class Backend(PeerBackend):
         order = [p for parts in by_host.values() for p in parts]
         workers = [f"{tasks[p].address or tasks[p].host}:{tasks[p].port}" for p in order]
         envs = {}
+        sharing = host_ranks(tasks)
         for rank, partition in enumerate(order):
             local = by_host[nodes[partition]]
             envs[partition] = {
                 "TF_CONFIG": json.dumps({"cluster": {"worker": workers},
                                          "task": {"type": "worker", "index": rank}}),
-                **RankIdentity(rank, len(order), local.index(partition), len(local)).as_env()}
+                **RankIdentity(rank, len(order), local.index(partition), len(local)).as_env(),
+                **sharing[partition]}
         return envs

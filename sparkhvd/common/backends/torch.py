@@ -26,7 +26,8 @@ from __future__ import annotations
 import secrets
 from typing import Mapping
 
-from sparkhvd.common.backends import PeerBackend, RunTag, TaskInfo, hosts_in_order, nodes_of
+from sparkhvd.common.backends import (PeerBackend, RunTag, TaskInfo, host_ranks,
+                                       hosts_in_order, nodes_of)
 from sparkhvd.common.identity import RankIdentity
 
 
@@ -46,6 +47,7 @@ class Backend(PeerBackend):
         order = [p for parts in by_node.values() for p in parts]
         master = tasks[order[0]]
         node_index = {node: i for i, node in enumerate(by_node)}
+        sharing = host_ranks(tasks)
         envs = {}
         for rank, slot in enumerate(order):
             local = by_node[nodes[slot]]
@@ -57,5 +59,5 @@ class Backend(PeerBackend):
                 "LOCAL_RANK": str(me.local_rank), "LOCAL_WORLD_SIZE": str(me.local_size),
                 "GROUP_RANK": group, "NODE_RANK": group, "GROUP_WORLD_SIZE": str(len(by_node)),
                 "ROLE_RANK": str(me.rank), "ROLE_WORLD_SIZE": str(me.size),
-                "ROLE_NAME": "default", **me.as_env()}
+                "ROLE_NAME": "default", **me.as_env(), **sharing[slot]}
         return envs

@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 #: :meth:`ControlServer.register`'s answer when the run goes on without the channel.
 DETACHED: dict = {}
+#: How often a running launch checks that its session is still there (a Spark Connect server).
+LIVENESS_S = 3.0
 #: A run whose tasks did not all register this long after the first did goes on without the
 #: channel (a task gives up connecting after ``task.barrier.CONNECT_TIMEOUT_S``).
 DETACH_AFTER_S = 15.0
@@ -315,7 +317,7 @@ class BarrierLauncher:
             start_timeout=float(spec.start_timeout), backend=spec.backend,
             run_env=dict(run_env), ranks_per_task=spec.ranks_per_task,
             node_per_task=spec.node_per_task))
-        waited = {"warned": False}
+        waited = {"warned": False, "probed": 0.0}
 
         def target() -> list:
             return job.run(lambda: view.barrier_collect(spec.tasks, mapper, ROW_SCHEMA))
@@ -324,6 +326,14 @@ class BarrierLauncher:
             if view.stopped():
                 raise stopped_session_error(during=True)
             failure = server.failure(spec.heartbeat_timeout) or sink.stale_error()
+            if failure is not None or elapsed - waited["probed"] >= LIVENESS_S:
+                # a rank lost, or time to look: is it the session that is gone? (a lost
+                # Connect server takes its executors' ranks with it, and says nothing)
+                waited["probed"] = elapsed
+                lost = view.lost()
+                if lost is not None:
+                    view.abandon()
+                    raise lost
             if failure is not None:
                 raise failure
             server.detach_if_incomplete(DETACH_AFTER_S)

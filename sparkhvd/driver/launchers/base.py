@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from sparkhvd.common.errors import SessionError
 from sparkhvd.common.proctree import stop_pids
 
 log = logging.getLogger(__name__)
@@ -57,11 +58,12 @@ def watch(target: Callable[[], Any], *, timeout: Optional[float],
             if timeout is not None and elapsed > timeout:
                 explained = monitor.explain_timeout() if monitor is not None else ""
                 raise TimeoutError(timeout_message.format(timeout=timeout) + explained)
-    except BaseException:
+    except BaseException as exc:
         try:
             stop()
         finally:
-            thread.join(60)
+            # a lost session leaves Spark's call in its client's retries: do not wait for it
+            thread.join(2 if isinstance(exc, SessionError) else 60)
         raise
     if "error" in outcome:
         raise outcome["error"]

@@ -249,6 +249,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
             old = self.saved.pop(0)
             self.store.delete(old)
             self.store.delete(old.rsplit(".", 1)[0] + ".optimizer.npz")
+            self.store.delete(old.rsplit(".", 1)[0] + ".json")
 
 
 def latest_checkpoint(url: str, storage_options: Optional[dict] = None) -> Optional[tuple[int, str]]:

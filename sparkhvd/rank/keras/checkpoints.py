@@ -1,12 +1,14 @@
 """Rank 0's checkpoints: where they live, and everything needed to continue exactly.
 
-A checkpoint of epoch N is three files in a checkpoints folder:
+A checkpoint of epoch N is these files in a checkpoints folder:
 
 - ``epoch-000N.h5`` (``.keras`` on Keras 3) -- the model (loadable with
   ``tf.keras.models.load_model``),
 - ``epoch-000N.optimizer.npz`` -- every optimizer variable (Adam's moments, the step count),
-- ``latest.json`` -- written last, so it never names a partial checkpoint:
-  ``{"epoch": N, "file": ..., "optimizer": ..., "state": {"lr": ..., "warmup_target_lr": ...}}``.
+- ``epoch-000N.json`` and then ``latest.json`` -- written last, so they never name a partial
+  checkpoint: ``{"epoch": N, "file": ..., "optimizer": ..., "files": {name: {size, sha256}},
+  "state": {"lr": ..., "warmup_target_lr": ...}}``. Resuming checks every file against it and
+  falls back to the newest complete one (:func:`~sparkhvd.rank.checkpoint_store.restore_newest`).
 
 With all three, "train 2 epochs, then resume for 2 more" ends where 4 epochs straight would.
 
@@ -15,14 +17,15 @@ Where the folder is: :mod:`sparkhvd.rank.checkpoint_store` (shared with the PyTo
 from __future__ import annotations
 
 import io
-import json
-from typing import Any
+from typing import Any, Optional
 
 from sparkhvd.rank.checkpoint_store import (DISCARD, LATEST, CheckpointStore, RunFolderStore,
-                                             UrlStore, latest, url_store)
+                                             UrlStore, latest, record_name, restore_newest,
+                                             url_store, write_checkpoint)
 
 __all__ = ["DISCARD", "LATEST", "CheckpointStore", "RunFolderStore", "UrlStore", "latest",
-           "url_store", "save", "restore", "build_optimizer", "optimizer_variables"]
+           "url_store", "save", "restore", "restore_latest", "build_optimizer",
+           "optimizer_variables", "record_name"]
 
 
 def optimizer_variables(optimizer: Any) -> list:
@@ -52,8 +55,8 @@ def save(store: CheckpointStore, model: Any, epoch: int, state: dict) -> str:
 
     data, suffix = checkpoint_bytes(model)
     name = f"epoch-{epoch:04d}{suffix}"
-    store.write(name, data)
-    info: dict = {"epoch": epoch, "file": name, "state": state}
+    files = {name: data}
+    info: dict = {"file": name, "state": state}
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         variables = optimizer_variables(optimizer)
@@ -62,13 +65,23 @@ def save(store: CheckpointStore, model: Any, epoch: int, state: dict) -> str:
             np.savez(buffer, **{f"v{i}": v.numpy() for i, v in enumerate(variables)})
             info["optimizer"] = f"epoch-{epoch:04d}.optimizer.npz"
             info["optimizer_names"] = [v.name for v in variables]
-            store.write(info["optimizer"], buffer.getvalue())
-    store.write(LATEST, json.dumps(info).encode())
+            files[info["optimizer"]] = buffer.getvalue()
+    write_checkpoint(store, epoch, files, info)
     return name
 
 
-def restore(store: CheckpointStore, info: dict, model: Any) -> list[str]:
-    """Load the checkpoint ``info`` names into ``model`` (and its optimizer).
+def restore_latest(store: CheckpointStore, model: Any) -> tuple[Optional[dict], list[str]]:
+    """Load the newest usable checkpoint into ``model``: its record (None: there is none) and
+    what was skipped or not restored, for the warning (CheckpointError: none is usable)."""
+    record, problems, skipped = restore_newest(store, lambda info, files: restore(
+        store, info, model, files))
+    return record, [*skipped, *(problems or [])]
+
+
+def restore(store: CheckpointStore, info: dict, model: Any,
+            files: Optional[dict] = None) -> list[str]:
+    """Load the checkpoint ``info`` names into ``model`` (and its optimizer); ``files``: its
+    files' bytes, already read and checked.
 
     Returns what could not be restored (e.g. an optimizer of another shape), for a warning.
     """
@@ -76,8 +89,10 @@ def restore(store: CheckpointStore, info: dict, model: Any) -> list[str]:
 
     from sparkhvd.storage.kerasio import local_file, suffix_of
 
+    files = files or {}
     problems: list[str] = []
-    with local_file(store.read(info["file"]), suffix_of(info["file"])) as path:
+    data = files.get(info["file"]) or store.read(info["file"])
+    with local_file(data, suffix_of(info["file"])) as path:
         model.load_weights(path)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or not info.get("optimizer"):
@@ -85,7 +100,7 @@ def restore(store: CheckpointStore, info: dict, model: Any) -> list[str]:
             if optimizer is not None else []
     build_optimizer(optimizer, model)
     variables = optimizer_variables(optimizer)
-    saved = np.load(io.BytesIO(store.read(info["optimizer"])))
+    saved = np.load(io.BytesIO(files.get(info["optimizer"]) or store.read(info["optimizer"])))
     values = [saved[f"v{i}"] for i in range(len(saved.files))]
     if len(values) != len(variables) or any(tuple(v.shape) != a.shape
                                             for v, a in zip(variables, values)):

@@ -219,13 +219,12 @@ class KerasDistributed:
             with self.scope():
                 checkpoints.build_optimizer(model.optimizer, model)
         if self.resume_store is not None and (self.rank == 0 or self.flavour.restore_everywhere):
-            info = checkpoints.latest(self.resume_store)
+            with self.scope():
+                info, problems = checkpoints.restore_latest(self.resume_store, model)
             if info is None:
                 if self.rank == 0:
                     announce_resume(self.resume_store)
             else:
-                with self.scope():
-                    problems = checkpoints.restore(self.resume_store, info, model)
                 epoch, state = int(info["epoch"]), dict(info.get("state") or {})
                 if self.rank == 0:
                     announce_resume(self.resume_store, info["file"], epoch, problems)

@@ -1,0 +1,176 @@
+"""Resume never dies on a bad checkpoint: a truncated newest file, a missing one, a corrupt
+``latest.json``, all of them bad -- on the PyTorch helpers (torch profile) and Keras (default
+profile). Each is met the way a user meets it: train, damage the run folder, resume_from=True."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from sparkhvd import HorovodRunner, TrainingError
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def torch_fit(epochs):
+    """Deterministic per epoch (data seeded by the epoch), rank-0 checkpoints every epoch."""
+    import torch
+    import torch.distributed as dist
+
+    import sparkhvd.torch as st
+
+    ctx = st.setup()
+    torch.manual_seed(0)
+    model = ctx.wrap(torch.nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ckpt = st.Checkpoints(model, opt)
+    start = ckpt.restore()
+    for epoch in range(start, epochs):
+        x = torch.randn(16, 3, generator=torch.Generator().manual_seed(epoch * 10 + ctx.rank))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        ckpt.save(epoch)
+    weights = [round(float(v), 6) for p in model.parameters() for v in p.detach().flatten()]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return {"start": start, "weights": weights}
+
+
+@pytest.fixture(scope="module")
+def torch_runs(tmp_path_factory):
+    pytest.importorskip("torch")
+    base = tmp_path_factory.mktemp("ckpt")
+    straight = HorovodRunner(np=-2, backend="torch", output_dir=str(base / "straight")).run(
+        torch_fit, epochs=4)
+    return base, straight
+
+
+def _damaged_run(base, name, damage):
+    out = str(base / name)
+    runner = HorovodRunner(np=-2, backend="torch", output_dir=out)
+    runner.run(torch_fit, epochs=2)
+    folder = runner.last_run_dir.file("checkpoints")
+    damage(folder)
+    return out, folder
+
+
+def _truncate(folder):
+    path = os.path.join(folder, "epoch-0002.pt")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+
+
+@pytest.mark.torch_backend
+@pytest.mark.parametrize("how", ["truncated", "missing", "latest.json corrupt"])
+def test_a_bad_newest_checkpoint_is_skipped_for_the_newest_good_one(torch_runs, how, rank_lines):
+    base, straight = torch_runs
+    damage = {"truncated": _truncate,
+              "missing": lambda f: os.unlink(os.path.join(f, "epoch-0002.pt")),
+              "latest.json corrupt": lambda f: open(os.path.join(f, "latest.json"), "w").write(
+                  '{"epoch": 2, "fi')}[how]
+    out, folder = _damaged_run(base, how.replace(" ", "-"), damage)
+    resumed = HorovodRunner(np=-2, backend="torch", output_dir=out, resume_from=True)
+    result = resumed.run(torch_fit, epochs=4)
+    assert result["weights"] == straight["weights"], "continued exactly from what it restored"
+    record = resumed.last_run_dir.record["resume"]
+    if how == "latest.json corrupt":  # the newest checkpoint itself is fine: found by its record
+        assert result["start"] == 2 and record["restored"].endswith("epoch-0002.pt")
+        assert "latest.json: unreadable" in record["skipped"][0]
+    else:
+        assert result["start"] == 1 and record["restored"].endswith("epoch-0001.pt")
+        why = "truncated" if how == "truncated" else "missing"
+        assert len(record["skipped"]) == 1 and "epoch-0002.pt" in record["skipped"][0] \
+            and why in record["skipped"][0], record
+        assert any("resume: WARNING" in line and "epoch-0002.pt" in line for line in rank_lines)
+
+
+@pytest.mark.torch_backend
+def test_no_usable_checkpoint_fails_before_training_naming_every_file(torch_runs):
+    base, _ = torch_runs
+
+    def ruin(folder):
+        for name in ("epoch-0001.pt", "epoch-0002.pt"):
+            open(os.path.join(folder, name), "wb").write(b"not a checkpoint")
+
+    out, folder = _damaged_run(base, "all-bad", ruin)
+    resumed = HorovodRunner(np=-2, backend="torch", output_dir=out, resume_from=True)
+    with pytest.raises(TrainingError) as info:
+        resumed.run(torch_fit, epochs=4)
+    err = info.value
+    assert err.exc_type == "CheckpointError" and err.rank == 0, "the cause, not a consequence"
+    message = str(err)
+    assert folder in message and "epoch-0002.pt" in message and "epoch-0001.pt" in message
+    assert "resume_from=False" in message, "the fix"
+    assert not os.path.exists(resumed.last_run_dir.file("checkpoints/epoch-0003.pt"))
+
+
+def test_a_truncated_keras_checkpoint_falls_back_with_a_warning(data, backend, spark, tmp_path):
+    """The h5py 'truncated file' case, as an interrupted copy leaves it: the newest complete
+    checkpoint is used instead, and run.json says what was skipped."""
+    pytest.importorskip("tensorflow")
+    import digits_keras
+
+    out = str(tmp_path)
+    first = HorovodRunner(np=2, spark=spark, backend=backend, output_dir=out)
+    first.run(digits_keras.train, **data, epochs=2, shuffle=False)
+    folder = first.last_run_dir.file("checkpoints")
+    newest = json.loads(open(os.path.join(folder, "latest.json")).read())["file"]
+    path = os.path.join(folder, newest)
+    open(path, "r+b").truncate(os.path.getsize(path) // 2)
+    resumed = HorovodRunner(np=2, spark=spark, backend=backend, output_dir=out, resume_from=True)
+    resumed.run(digits_keras.train, **data, epochs=3, shuffle=False)
+    record = resumed.last_run_dir.record["resume"]
+    assert record["epoch"] == 1 and newest in record["skipped"][0] and \
+        "truncated" in record["skipped"][0], record
+
+
+def torch_fit_killed_once(epochs):
+    """torch_fit, except that on the first attempt rank 0 leaves a torn temporary (as a writer
+    killed mid-write does) and is SIGKILLed after epoch 2's checkpoint."""
+    import os
+    import signal
+
+    import torch
+
+    import sparkhvd.torch as st
+
+    ctx = st.setup()
+    torch.manual_seed(0)
+    model = ctx.wrap(torch.nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ckpt = st.Checkpoints(model, opt)
+    start = ckpt.restore()
+    for epoch in range(start, epochs):
+        x = torch.randn(16, 3, generator=torch.Generator().manual_seed(epoch * 10 + ctx.rank))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        ckpt.save(epoch)
+        if epoch == 1 and ctx.rank == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            folder = os.path.join(os.environ["SPARKHVD_RUN_URL"], "checkpoints")
+            with open(os.path.join(folder, ".tmp-0a1b2c-epoch-0003.pt"), "wb") as f:
+                f.write(b"\0" * 4096)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return {"start": start, "restarts": os.environ["TORCHELASTIC_RESTART_COUNT"],
+            "weights": [round(float(v), 6) for p in model.parameters()
+                        for v in p.detach().flatten()]}
+
+
+@pytest.mark.torch_backend
+def test_a_retry_removes_the_torn_temporary_and_records_each_attempt(torch_runs):
+    base, straight = torch_runs
+    runner = HorovodRunner(np=-2, backend="torch", output_dir=str(base / "retry"), max_retries=1)
+    result = runner.run(torch_fit_killed_once, epochs=4)
+    assert result["weights"] == straight["weights"] and result["start"] == 2
+    assert result["restarts"] == "1", "TORCHELASTIC_RESTART_COUNT says which attempt this is"
+    folder = runner.last_run_dir.file("checkpoints")
+    assert not [n for n in os.listdir(folder) if n.startswith(".tmp-")], "torn file removed"
+    record = json.loads(open(runner.last_run_dir.file("run.json")).read())
+    first, second = record["attempts"]
+    assert first["status"] == "failed" and "signal 9" in first["retryable"]
+    assert sorted(first["rank_pids"]) == sorted(second["rank_pids"]) == ["0", "1"]
+    assert set(first["rank_pids"].values()).isdisjoint(second["rank_pids"].values())
+    assert first["hosts"] and second["restored"].endswith("epoch-0002.pt")
+    assert record["resume"]["restored"].endswith("epoch-0002.pt"), "resume says what was restored"
