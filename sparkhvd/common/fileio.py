@@ -6,15 +6,34 @@ a temporary file in the same folder, is flushed and fsynced, then renamed over t
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 from typing import IO, Iterator
 
 
+#: Errors of a disk or store that cannot take the write (full, over quota, read-only, failing).
+_FULL_OR_FAILING = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+
+
+def explain_write_error(path: str, exc: OSError) -> OSError:
+    """``exc`` (a full, read-only or failing disk) as an ``OSError`` that names the file being
+    written and the free space there -- the raw ``[Errno 28] No space left on device`` names
+    neither."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**20:,.1f} MiB free in {folder}"
+    except OSError:
+        free = f"free space in {folder} unknown"
+    return OSError(exc.errno, f"{exc.strerror or exc} while writing {path} ({free}); nothing "
+                              "partial was left under that name", path)
+
+
 @contextlib.contextmanager
 def atomic_open(path: str, mode: str = "wb", **kwargs) -> Iterator[IO]:
-    """A file to write; it replaces ``path`` only if the block finishes without error."""
+    """A file to write; it replaces ``path`` only if the block finishes without error. A full
+    or failing disk is said with the path and the free space (:func:`explain_write_error`)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix="-" + os.path.basename(path))
@@ -24,6 +43,12 @@ def atomic_open(path: str, mode: str = "wb", **kwargs) -> Iterator[IO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if exc.errno in _FULL_OR_FAILING:
+            raise explain_write_error(path, exc) from exc
+        raise
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -172,9 +172,27 @@ def write_checkpoint(store: CheckpointStore, epoch: int, files: Mapping[str, byt
                      info: dict) -> dict:
     """Write a checkpoint: its files, then its record (each file's size and checksum), then
     ``latest.json`` -- so a record never names a file that is not complete."""
-    for name, data in files.items():
-        store.write(name, data)
-    return commit_checkpoint(store, epoch, {n: digest(d) for n, d in files.items()}, info)
+    try:
+        for name, data in files.items():
+            store.write(name, data)
+        return commit_checkpoint(store, epoch, {n: digest(d) for n, d in files.items()}, info)
+    except OSError as exc:
+        raise not_written(store, epoch, exc) from exc
+
+
+def not_written(store: CheckpointStore, epoch: int, exc: OSError) -> OSError:
+    """A checkpoint write that failed (a full disk, a store refusing writes), with what is still
+    there to resume from."""
+    try:
+        last = latest(store)
+    except Exception:  # noqa: BLE001 - the store may be failing altogether
+        last = None
+    kept = (f"the last complete checkpoint is {store.describe(last['file'])} (epoch "
+            f"{last['epoch']}; latest.json still names it, so the run folder is resumable)"
+            if last else "no earlier checkpoint was written")
+    return OSError(exc.errno, f"checkpoint of epoch {epoch} not written: {exc}. {kept}. Fix: "
+                              "free space (or point output_dir at a larger disk), then run again "
+                              "with resume_from=True.")
 
 
 def commit_checkpoint(store: CheckpointStore, epoch: int, files: Mapping[str, dict],

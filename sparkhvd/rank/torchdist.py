@@ -32,7 +32,8 @@ from sparkhvd.common import protocol
 from sparkhvd.common.identity import current_rank
 from sparkhvd.rank.checkpoint_store import (DISCARD, CheckpointStore, RunFolderStore, UrlStore,
                                             announce_resume, commit_checkpoint, digest,
-                                            restore_newest, resume_store, write_checkpoint)
+                                            not_written, restore_newest, resume_store,
+                                            write_checkpoint)
 from sparkhvd.rank.events import emit
 
 
@@ -278,6 +279,8 @@ class ShardedCheckpoints:
                     with open(path, "rb") as f:
                         mine[rel] = {**digest(f.read()), "rank": self.rank}
                     self.store.write_file(rel, path)
+        except OSError as exc:
+            raise not_written(self.store, done, exc) from exc
         finally:
             shutil.rmtree(local, ignore_errors=True)
         everyone: list = [mine]

@@ -174,3 +174,54 @@ def test_a_retry_removes_the_torn_temporary_and_records_each_attempt(torch_runs)
     assert set(first["rank_pids"].values()).isdisjoint(second["rank_pids"].values())
     assert first["hosts"] and second["restored"].endswith("epoch-0002.pt")
     assert record["resume"]["restored"].endswith("epoch-0002.pt"), "resume says what was restored"
+
+
+def torch_fit_big(epochs):
+    """Checkpoints of ~0.7 MB (a 300x300 layer and its momentum)."""
+    import torch
+
+    import sparkhvd.torch as st
+
+    ctx = st.setup()
+    model = ctx.wrap(torch.nn.Linear(300, 300))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    ckpt = st.Checkpoints(model, opt)
+    for epoch in range(ckpt.restore(), epochs):
+        opt.zero_grad()
+        model(torch.randn(4, 300)).sum().backward()
+        opt.step()
+        ckpt.save(epoch)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs (root, as in CI): a run folder on a disk that fills up."""
+    import subprocess
+
+    path = tmp_path / "small"
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.torch_backend
+def test_a_full_disk_names_the_file_the_free_space_and_the_last_good_checkpoint(small_disk):
+    runner = HorovodRunner(np=-2, backend="torch", output_dir=str(small_disk))
+    with pytest.raises(TrainingError) as info:
+        runner.run(torch_fit_big, epochs=6)
+    message = str(info.value)
+    assert "No space left on device" in message and "MiB free" in message, message
+    folder = runner.last_run_dir.file("checkpoints")
+    latest = json.loads(open(os.path.join(folder, "latest.json")).read())
+    assert f"last complete checkpoint is {folder}/{latest['file']}" in message, message
+    assert "resume_from=True" in message
+    names = os.listdir(folder)
+    assert not [n for n in names if n.startswith(".tmp-")], "nothing partial left"
+    assert f"epoch-{latest['epoch'] + 1:04d}.pt" not in names
+    record = json.loads(open(os.path.join(folder, f"epoch-{latest['epoch']:04d}.json")).read())
+    size = os.path.getsize(os.path.join(folder, latest["file"]))
+    assert record["files"][latest["file"]]["size"] == size, "the named checkpoint is whole"
