@@ -276,17 +276,23 @@ def case_b8(repeat: int, tiny: bool) -> list[dict]:
     spark = _spark()
     out = tempfile.mkdtemp(prefix="bench-b8-")
     epochs = 2 if tiny else 20
-    results: dict[str, list[float]] = {"sparkhvd HorovodRunner(backend='torch')": [],
-                                       "TorchDistributor(local_mode=False)": []}
+    return _turns("B8", f"digits MLP DDP, {epochs} epochs", repeat, {
+        "sparkhvd HorovodRunner(backend='torch')":
+            lambda: HorovodRunner(np=2, spark=spark, backend="torch", output_dir=out)
+            .run(_torch_digits, epochs=epochs),
+        "TorchDistributor(local_mode=False)":
+            lambda: TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+            .run(_torch_digits, epochs)})
+
+
+def _turns(case: str, label: str, repeat: int, sides: dict) -> list[dict]:
+    """Each side's ``samples_per_s``, the sides taking turns ``repeat`` times."""
+    results: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(max(1, repeat)):
-        results["sparkhvd HorovodRunner(backend='torch')"].append(
-            HorovodRunner(np=2, spark=spark, backend="torch", output_dir=out)
-            .run(_torch_digits, epochs=epochs)["samples_per_s"])
-        results["TorchDistributor(local_mode=False)"].append(
-            TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
-            .run(_torch_digits, epochs)["samples_per_s"])
-    return [{"case": "B8", "variant": f"digits MLP DDP, {epochs} epochs, {name}",
-             "unit": "samples/s", **_stats(values)} for name, values in results.items()]
+        for name, run in sides.items():
+            results[name].append(run()["samples_per_s"])
+    return [{"case": case, "variant": f"{label}, {name}", "unit": "samples/s", **_stats(values)}
+            for name, values in results.items()]
 
 
 def _hf_throughput(steps):
@@ -332,17 +338,13 @@ def case_b10(repeat: int, tiny: bool) -> list[dict]:
     spark = _spark()
     out = tempfile.mkdtemp(prefix="bench-b10-")
     steps = 5 if tiny else 300
-    results: dict[str, list[float]] = {"sparkhvd.torch.TorchDistributor": [],
-                                       "Spark's TorchDistributor(local_mode=False)": []}
-    for _ in range(max(1, repeat)):
-        results["sparkhvd.torch.TorchDistributor"].append(
-            DropIn(num_processes=2, local_mode=False, use_gpu=False, spark=spark,
-                   output_dir=out).run(_hf_throughput, steps)["samples_per_s"])
-        results["Spark's TorchDistributor(local_mode=False)"].append(
-            TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
-            .run(_hf_throughput, steps)["samples_per_s"])
-    return [{"case": "B10", "variant": f"HF Trainer (BERT 2x64), {steps} steps, {name}",
-             "unit": "samples/s", **_stats(values)} for name, values in results.items()]
+    return _turns("B10", f"HF Trainer (BERT 2x64), {steps} steps", repeat, {
+        "sparkhvd.torch.TorchDistributor":
+            lambda: DropIn(num_processes=2, local_mode=False, use_gpu=False, spark=spark,
+                           output_dir=out).run(_hf_throughput, steps),
+        "Spark's TorchDistributor(local_mode=False)":
+            lambda: TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+            .run(_hf_throughput, steps)})
 
 
 # -- B2 ----------------------------------------------------------------------------------------

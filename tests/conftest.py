@@ -53,6 +53,25 @@ def wait_for(condition, timeout: float, interval: float = 0.05) -> bool:
     return True
 
 
+def by_value(call, *modules):
+    """Run ``call()`` with ``modules`` pickled by value: Spark's TorchDistributor pickles
+    functions by reference, and test modules are not importable on its executors (sparkhvd's
+    payload pickles them by value itself)."""
+    import importlib
+
+    picklers = [importlib.import_module(name) for name in ("cloudpickle", "pyspark.cloudpickle")
+                if importlib.util.find_spec(name)]
+    for pickler in picklers:
+        for module in modules:
+            pickler.register_pickle_by_value(module)
+    try:
+        return call()
+    finally:
+        for pickler in picklers:
+            for module in modules:
+                pickler.unregister_pickle_by_value(module)
+
+
 def still_alive(pids, grace=20.0):
     """The PIDs still running (not zombies) after waiting up to ``grace`` seconds for them."""
     import time

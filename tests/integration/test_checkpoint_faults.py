@@ -13,8 +13,13 @@ from sparkhvd import HorovodRunner, TrainingError
 pytestmark = pytest.mark.timeout(600)
 
 
-def torch_fit(epochs):
-    """Deterministic per epoch (data seeded by the epoch), rank-0 checkpoints every epoch."""
+def torch_fit(epochs, killed_once=False):
+    """Deterministic per epoch (data seeded by the epoch), rank-0 checkpoints every epoch.
+    ``killed_once``: on the first attempt rank 0 leaves a torn temporary (as a writer killed
+    mid-write does) and is SIGKILLed after epoch 2's checkpoint."""
+    import os
+    import signal
+
     import torch
     import torch.distributed as dist
 
@@ -32,10 +37,17 @@ def torch_fit(epochs):
         model(x).pow(2).mean().backward()
         opt.step()
         ckpt.save(epoch)
+        if killed_once and epoch == 1 and ctx.rank == 0 and \
+                os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            folder = os.path.join(os.environ["SPARKHVD_RUN_URL"], "checkpoints")
+            with open(os.path.join(folder, ".tmp-0a1b2c-epoch-0003.pt"), "wb") as f:
+                f.write(b"\0" * 4096)
+            os.kill(os.getpid(), signal.SIGKILL)
     weights = [round(float(v), 6) for p in model.parameters() for v in p.detach().flatten()]
     if dist.is_initialized():
         dist.destroy_process_group()
-    return {"start": start, "weights": weights}
+    return {"start": start, "weights": weights,
+            "restarts": os.environ.get("TORCHELASTIC_RESTART_COUNT")}
 
 
 @pytest.fixture(scope="module")
@@ -126,43 +138,11 @@ def test_a_truncated_keras_checkpoint_falls_back_with_a_warning(data, backend, s
         "truncated" in record["skipped"][0], record
 
 
-def torch_fit_killed_once(epochs):
-    """torch_fit, except that on the first attempt rank 0 leaves a torn temporary (as a writer
-    killed mid-write does) and is SIGKILLed after epoch 2's checkpoint."""
-    import os
-    import signal
-
-    import torch
-
-    import sparkhvd.torch as st
-
-    ctx = st.setup()
-    torch.manual_seed(0)
-    model = ctx.wrap(torch.nn.Linear(3, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ckpt = st.Checkpoints(model, opt)
-    start = ckpt.restore()
-    for epoch in range(start, epochs):
-        x = torch.randn(16, 3, generator=torch.Generator().manual_seed(epoch * 10 + ctx.rank))
-        opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        opt.step()
-        ckpt.save(epoch)
-        if epoch == 1 and ctx.rank == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
-            folder = os.path.join(os.environ["SPARKHVD_RUN_URL"], "checkpoints")
-            with open(os.path.join(folder, ".tmp-0a1b2c-epoch-0003.pt"), "wb") as f:
-                f.write(b"\0" * 4096)
-            os.kill(os.getpid(), signal.SIGKILL)
-    return {"start": start, "restarts": os.environ["TORCHELASTIC_RESTART_COUNT"],
-            "weights": [round(float(v), 6) for p in model.parameters()
-                        for v in p.detach().flatten()]}
-
-
 @pytest.mark.torch_backend
 def test_a_retry_removes_the_torn_temporary_and_records_each_attempt(torch_runs):
     base, straight = torch_runs
     runner = HorovodRunner(np=-2, backend="torch", output_dir=str(base / "retry"), max_retries=1)
-    result = runner.run(torch_fit_killed_once, epochs=4)
+    result = runner.run(torch_fit, epochs=4, killed_once=True)
     assert result["weights"] == straight["weights"] and result["start"] == 2
     assert result["restarts"] == "1", "TORCHELASTIC_RESTART_COUNT says which attempt this is"
     folder = runner.last_run_dir.file("checkpoints")

@@ -125,15 +125,26 @@ def test_unreachable_control_channel_still_ends_well(connect, tmp_path, monkeypa
 def test_backends_that_need_the_driver_say_so_without_the_channel():
     """Without the control channel the tasks assign ranks themselves: tf can, horovod (its
     rendezvous runs on the driver) cannot -- an error with the fix, not a hang."""
+    from sparkhvd.common.protocol import TaskSpec
     from sparkhvd.executor.barrier import _rows_plan
 
-    gathered = [{"partition": p, "host": "h", "address": "127.0.0.1", "port": 4000 + p}
+    def spec(backend, run_env, **kw):
+        return TaskSpec(payload=b"", options={}, env={}, driver=("127.0.0.1", 1), token="t",
+                        start_timeout=1.0, backend=backend, run_env=run_env, **kw)
+
+    gathered = [{"partition": p, "host": "h", "address": "127.0.0.1", "ports": [4000 + p]}
                 for p in (0, 1)]
-    env = _rows_plan("tf", {"SPARKHVD_BACKEND": "tf"}, gathered, 1)
+    [env] = _rows_plan(spec("tf", {"SPARKHVD_BACKEND": "tf"}), gathered, 1)
     assert env["SPARKHVD_RANK"] == "1" and json.loads(env["TF_CONFIG"])["cluster"]["worker"] \
         == ["127.0.0.1:4000", "127.0.0.1:4001"]
+    # two ranks per task: each task assigns both of its own, numbered within the task
+    gathered = [{"partition": p, "host": "h", "address": "127.0.0.1",
+                 "ports": [4000 + 2 * p, 4001 + 2 * p]} for p in (0, 1)]
+    envs = _rows_plan(spec("tf", {}, ranks_per_task=2, node_per_task=True), gathered, 1)
+    assert [(e["SPARKHVD_RANK"], e["SPARKHVD_LOCAL_RANK"]) for e in envs] == [("2", "0"),
+                                                                             ("3", "1")]
     with pytest.raises(RuntimeError, match="backend='horovod' needs every Spark task to reach"):
-        _rows_plan("horovod", {}, gathered, 0)
+        _rows_plan(spec("horovod", {}), gathered, 0)
 
 
 def test_dataframe_dataset_streams_shards_on_connect(connect, tmp_path, monkeypatch):

@@ -14,6 +14,8 @@ import textwrap
 import numpy as np
 import pytest
 
+import conftest
+
 import sparkhvd
 from sparkhvd import DataFrameDataset, HorovodRunner, TrainingError
 
@@ -50,20 +52,8 @@ def ddp_steps(steps=5, lr=0.1):
 
 
 def by_value(call):
-    """TorchDistributor pickles functions by reference: this test module is not importable on
-    the executors, so pickle it by value for the call (sparkhvd's payload does so itself)."""
-    import importlib
-
-    picklers = [importlib.import_module(name) for name in ("cloudpickle", "pyspark.cloudpickle")
-                if importlib.util.find_spec(name)]
-    module = sys.modules[__name__]
-    for pickler in picklers:
-        pickler.register_pickle_by_value(module)
-    try:
-        return call()
-    finally:
-        for pickler in picklers:
-            pickler.unregister_pickle_by_value(module)
+    """Spark's class pickles by reference: this test's modules go by value for the call."""
+    return conftest.by_value(call, sys.modules[__name__])
 
 
 def test_a_torchdistributor_function_runs_unchanged_and_matches_torchdistributor(spark,

@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+import conftest
+
 import torch_clients
 from sparkhvd import HorovodRunner, TrainingError
 
@@ -181,22 +183,8 @@ def steps(lr, n=3):
 
 
 def by_value(call):
-    """Spark's class pickles by reference; this test's modules are not importable on its
-    executors, so pickle them by value for the call (sparkhvd does so itself)."""
-    import importlib
-
-    picklers = [importlib.import_module(name) for name in ("cloudpickle", "pyspark.cloudpickle")
-                if importlib.util.find_spec(name)]
-    modules = [sys.modules[__name__], torch_clients]
-    for pickler in picklers:
-        for module in modules:
-            pickler.register_pickle_by_value(module)
-    try:
-        return call()
-    finally:
-        for pickler in picklers:
-            for module in modules:
-                pickler.unregister_pickle_by_value(module)
+    """Spark's class pickles by reference: this test's modules go by value for the call."""
+    return conftest.by_value(call, sys.modules[__name__], torch_clients)
 
 
 def test_the_drop_in_gives_what_sparks_class_gives(spark, tmp_path):

@@ -33,7 +33,7 @@ class Backend:
         self._server: Any = None
 
     def start(self, driver_host: str, nics: Optional[set], verbose: bool,
-              run: RunTag = RunTag()) -> dict[str, str]:
+              run: Optional[RunTag] = None) -> dict[str, str]:
         from horovod.runner.gloo_run import create_run_env_vars
         from horovod.runner.http.http_server import RendezvousServer
 
