@@ -76,6 +76,8 @@ FILES_TOKEN_ENV = "SPARKHVD_FILES_TOKEN"
 RESUME_URL_ENV = "SPARKHVD_RESUME_URL"
 #: File descriptor of the rank's event pipe.
 EVENTS_FD_ENV = "SPARKHVD_EVENTS_FD"
+#: PID of the process that started a rank's supervisor (it ends with that process).
+PARENT_PID_ENV = "SPARKHVD_PARENT_PID"
 #: GPU addresses Spark assigned to the rank's task.
 TASK_GPUS_ENV = "SPARKHVD_TASK_GPUS"
 #: How many of the run's ranks share this rank's host (its cores), whatever a node is.

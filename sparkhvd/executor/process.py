@@ -22,7 +22,7 @@ import threading
 from typing import Any, Callable, Mapping, Optional
 
 from sparkhvd.common import protocol
-from sparkhvd.common.proctree import die_with_parent, kill_group
+from sparkhvd.common.proctree import kill_group
 
 #: The rank process gets this long to stop after SIGTERM before its group is SIGKILLed.
 TERM_GRACE_S = 3.0
@@ -32,12 +32,6 @@ DRAIN_S = 5.0
 MAX_EVENT_BYTES = 8 << 20
 #: A rank that has not sent its stacks this long after the signal is read with py-spy.
 STACKS_ANSWER_S = 2.0
-
-
-def _term_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """SIGTERM the supervisor when the process that started it dies (driver or task); the
-    supervisor then ends the rank and all it started."""
-    die_with_parent(signal.SIGTERM)
 
 
 class RankProcess:
@@ -78,14 +72,17 @@ class RankProcess:
         with open(payload_path, "wb") as f:
             f.write(self.payload)
         read_fd, write_fd = os.pipe()
-        env = {**self.env, protocol.EVENTS_FD_ENV: str(write_fd)}
+        # The supervisor asks for SIGTERM when this process dies (PR_SET_PDEATHSIG) itself, at
+        # once: no preexec_fn, whose Python code between fork and exec aborts a child of a
+        # process that has gRPC loaded (a Spark Connect client, TorchDistributor's imports).
+        env = {**self.env, protocol.EVENTS_FD_ENV: str(write_fd),
+               protocol.PARENT_PID_ENV: str(os.getpid())}
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "sparkhvd.rank.supervisor", payload_path, self.work,
                  json.dumps(self.options)],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(write_fd,),
-                preexec_fn=_term_with_parent)
+                stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(write_fd,))
         finally:
             os.close(write_fd)
         events = os.fdopen(read_fd, "rb")

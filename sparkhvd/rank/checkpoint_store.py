@@ -22,6 +22,9 @@ LATEST = "latest.json"
 class CheckpointStore:
     """A checkpoints folder: read, write, check, describe."""
 
+    #: the record of the last checkpoint this process committed here (None: none yet)
+    committed: Optional[dict] = None
+
     def write(self, name: str, data: bytes) -> None:
         raise NotImplementedError
 
@@ -183,10 +186,12 @@ def write_checkpoint(store: CheckpointStore, epoch: int, files: Mapping[str, byt
 def not_written(store: CheckpointStore, epoch: int, exc: OSError) -> OSError:
     """A checkpoint write that failed (a full disk, a store refusing writes), with what is still
     there to resume from."""
-    try:
-        last = latest(store)
-    except Exception:  # noqa: BLE001 - the store may be failing altogether
-        last = None
+    last = store.committed
+    if last is None:
+        try:
+            last = latest(store)
+        except Exception:  # noqa: BLE001 - the store may be failing altogether
+            last = None
     kept = (f"the last complete checkpoint is {store.describe(last['file'])} (epoch "
             f"{last['epoch']}; latest.json still names it, so the run folder is resumable)"
             if last else "no earlier checkpoint was written")
@@ -203,6 +208,7 @@ def commit_checkpoint(store: CheckpointStore, epoch: int, files: Mapping[str, di
     data = json.dumps(record).encode()
     store.write(record_name(epoch), data)
     store.write(LATEST, data)
+    store.committed = record  # what a later failed write names as the last good one
     return record
 
 

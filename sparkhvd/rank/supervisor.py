@@ -22,7 +22,7 @@ import signal
 import sys
 
 from sparkhvd.common.proctree import become_subreaper, die_with_parent, kill_descendants
-from sparkhvd.common.protocol import exit_status
+from sparkhvd.common.protocol import PARENT_PID_ENV, exit_status
 
 
 def run_rank(payload_path: str, work: str, options: dict) -> int:
@@ -82,6 +82,12 @@ def _child(argv: list[str], supervisor: int) -> None:
 
 def supervise(argv: list[str]) -> None:
     """Fork the rank, wait for it, end its descendants, exit like it."""
+    # End with whoever started us (a Spark task, the driver): asked here rather than between
+    # fork and exec; if it already died, the check below sees us re-parented.
+    die_with_parent(signal.SIGTERM)
+    starter = os.environ.pop(PARENT_PID_ENV, "")
+    if starter.isdigit() and os.getppid() != int(starter):
+        os._exit(143)
     become_subreaper()
     me = os.getpid()
     pid = os.fork()

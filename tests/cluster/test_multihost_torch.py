@@ -103,9 +103,8 @@ def test_sharded_checkpoints_and_library_checkpoints_from_hosts_that_cannot_see_
     records = resumed.run_all(torch_clients.fsdp2, epochs=3)
     assert {r["start"] for r in records} == {1}
     assert [r["weights"] for r in records] == [straight[0]["weights"]] * 3
-    manifest = json.loads(open(resumed.last_run_dir.file(
-        "checkpoints/epoch-0003/manifest.json")).read())
-    assert {f["rank"] for f in manifest["files"]} == {0, 1, 2}
+    record = json.loads(open(resumed.last_run_dir.file("checkpoints/epoch-0003.json")).read())
+    assert {f["rank"] for f in record["files"].values()} == {0, 1, 2}
 
     hf = runner("hf", env={"HF_HUB_OFFLINE": "1"})
     hf.run(torch_clients.hf_trainer, output_dir="hf", save_steps=5)

@@ -52,9 +52,12 @@ def test_lightning_in_torchdistributors_shape_on_both_distributors(spark, tmp_pa
 
     from sparkhvd.torch import TorchDistributor
 
-    ours = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark,
-                            output_dir=str(tmp_path / "a")).run(torch_clients.lightning_fit, 1, 2)
+    distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark,
+                                   output_dir=str(tmp_path / "a"))
+    ours = distributor.run(torch_clients.lightning_fit, 1, 2, root="lightning")
     assert ours["world"] == 2 and ours["environment"] == "TorchElasticEnvironment"
+    saved = os.listdir(distributor.last_run_dir.file("lightning/checkpoints"))
+    assert [n for n in saved if n.endswith(".ckpt")], "Lightning's own checkpoint, in the run folder"
     theirs = by_value(lambda: SparksClass(num_processes=2, local_mode=False, use_gpu=False)
                       .run(torch_clients.lightning_fit, 1, 2))
     assert ours["weights"] == theirs["weights"]
@@ -126,11 +129,12 @@ def test_fsdp2_sharded_checkpoints_resume_exactly(spark, tmp_path):
     assert same_on_every_rank(records) == four
     restored = resumed.last_run_dir.record["resume"]
     assert restored["epoch"] == 2 and restored["restored"].endswith("epoch-0002")
-    folder = resumed.last_run_dir.file("checkpoints/epoch-0004")
-    manifest = json.loads(open(os.path.join(folder, "manifest.json")).read())
-    assert {f["rank"] for f in manifest["files"]} == {0, 1}, "both ranks' shards"
-    for entry in manifest["files"]:
-        assert os.path.getsize(os.path.join(folder, entry["file"])) == entry["size"]
+    folder = resumed.last_run_dir.file("checkpoints")
+    record = json.loads(open(os.path.join(folder, "epoch-0004.json")).read())
+    assert {f["rank"] for f in record["files"].values()} == {0, 1}, "both ranks' shards"
+    for name, entry in record["files"].items():
+        assert name.startswith("epoch-0004/")
+        assert os.path.getsize(os.path.join(folder, name)) == entry["size"]
     assert json.loads(open(resumed.last_run_dir.file("checkpoints/latest.json")).read())[
         "file"] == "epoch-0004"
 
@@ -269,6 +273,60 @@ def test_two_tasks_of_two_ranks_each(spark, tmp_path):
         HorovodRunner(np=4, ranks_per_task=2, spark=spark, backend="torch",
                       output_dir=str(tmp_path)).run(ranks_env, fail_rank=3)
     assert info.value.rank == 3 and "bad batch on rank 3" in str(info.value)
+
+
+def load_batch():
+    import time
+
+    time.sleep(600)
+
+
+def rank3_elsewhere():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 3:
+        load_batch()
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_hang_with_two_ranks_per_task_names_each_rank(spark, tmp_path):
+    """Stacks hold per rank: the Spark task signals each of its ranks."""
+    runner = HorovodRunner(np=4, ranks_per_task=2, spark=spark, backend="torch",
+                           output_dir=str(tmp_path))
+    with pytest.raises(TimeoutError) as info:
+        runner.run(rank3_elsewhere, run_timeout=15)
+    message = str(info.value)
+    assert "rank 3 is in test_torch_ecosystem.py:" in message and "load_batch()" in message
+    assert "ranks 0, 1, 2 wait in all_reduce" in message, message
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here: runs wherever one is")
+def test_on_gpus_nccl_and_one_rank_per_gpu(tmp_path):
+    """Wherever a GPU is present: every GPU a rank (np=-N local processes), each on
+    cuda:LOCAL_RANK, nccl all_reduce; DeepSpeed ZeRO-1 on the GPU accelerator."""
+    gpus = torch.cuda.device_count()
+
+    def on_gpu():
+        import os
+
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl")
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        total = torch.ones(1, device="cuda")
+        dist.all_reduce(total)
+        return {"device": torch.cuda.current_device(), "sum": total.item()}
+
+    records = HorovodRunner(np=-gpus, backend="torch", output_dir=str(tmp_path)).run_all(on_gpu)
+    assert [r["device"] for r in records] == list(range(gpus))
+    assert {r["sum"] for r in records} == {float(gpus)}
+    ds = HorovodRunner(np=-gpus, backend="torch", output_dir=str(tmp_path)).run_all(
+        torch_clients.deepspeed_zero1)
+    assert {r["world"] for r in ds} == {gpus}
 
 
 def test_ranks_per_task_is_checked_against_the_slots(spark):
