@@ -121,7 +121,15 @@ class NetnsCluster:
                 "--port", str(self.master_port), "--webui-port", str(self.webui)])
             for host in self.hosts:
                 self.start_worker(host)
-            self.wait_for_workers(len(self.hosts), timeout)
+            try:
+                self.wait_for_workers(len(self.hosts), timeout)
+            except RuntimeError:  # a worker JVM that died while starting (a busy machine):
+                died = [h for h in self.hosts if self.procs[h.name].poll() is not None]
+                if not died:  # once more, then give up with its logs
+                    raise
+                for host in died:
+                    self.start_worker(host)
+                self.wait_for_workers(len(self.hosts), timeout)
         except BaseException:
             self.down()
             raise
