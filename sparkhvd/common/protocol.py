@@ -218,15 +218,18 @@ def node_of(host: str, partition: int, per_task: bool) -> str:
     return f"{host}#task{partition}" if per_task else host
 
 
+def task_slots(partition: int, ranks_per_task: int) -> range:
+    """The slots of one task's ranks, in the order it starts them."""
+    return range(partition * ranks_per_task, (partition + 1) * ranks_per_task)
+
+
 def rank_slots(partition: int, host: str, address: str, ports: list, ranks_per_task: int,
                per_task: bool) -> dict[int, TaskInfo]:
     """The :class:`TaskInfo` of each rank one task runs, keyed by slot (the one numbering of
     the driver, the tasks in rows mode and the local launcher)."""
     node = node_of(host, partition, per_task)
-    return {partition * ranks_per_task + i:
-            TaskInfo(partition * ranks_per_task + i, host, address,
-                     ports[i] if i < len(ports) else None, node)
-            for i in range(ranks_per_task)}
+    return {slot: TaskInfo(slot, host, address, ports[i] if i < len(ports) else None, node)
+            for i, slot in enumerate(task_slots(partition, ranks_per_task))}
 
 
 @dataclass

@@ -169,7 +169,7 @@ def _rows_plan(spec: protocol.TaskSpec, gathered: list[dict], partition: int) ->
         slots.update(protocol.rank_slots(g["partition"], g["host"], g["address"], g["ports"], k,
                                          spec.node_per_task))
     plan = chosen.assign(slots)
-    return [{**spec.run_env, **plan[slot]} for slot in range(partition * k, (partition + 1) * k)]
+    return [{**spec.run_env, **plan[slot]} for slot in protocol.task_slots(partition, k)]
 
 
 def _rank_env(spec: protocol.TaskSpec, assigned: Mapping[str, str], gpus: Any,

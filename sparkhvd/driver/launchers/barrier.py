@@ -40,7 +40,7 @@ from sparkhvd.common import protocol
 from sparkhvd.common.backends import TaskInfo, get_backend
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.common.identity import RankIdentity
-from sparkhvd.common.protocol import TaskSpec, rank_slots
+from sparkhvd.common.protocol import TaskSpec, rank_slots, task_slots
 from sparkhvd.common.netif import collective_iface_env
 from sparkhvd.driver.outcome import load_result
 from sparkhvd.driver.launchers import LaunchSpec, Sink
@@ -145,8 +145,7 @@ class ControlServer(socketserver.ThreadingTCPServer):
                     for slot in self._slots(task.info.partition)]
 
     def _slots(self, partition: int) -> range:
-        k = self.ranks_per_task
-        return range(partition * k, (partition + 1) * k)
+        return task_slots(partition, self.ranks_per_task)
 
     def detach_if_incomplete(self, after_s: float) -> None:
         """Some tasks registered but not all, ``after_s`` after the first: the others cannot
