@@ -22,8 +22,8 @@ PY := .venv-torch/bin/python
 DEMO_ARGS := --backend torch
 # PyTorch on Spark 4 (classic and Connect), no TensorFlow: the torch backend's tests -- local,
 # Spark, side by side with TorchDistributor, failure matrix, multi-host -- and its unit tests.
-TORCH_TESTS := tests/unit/test_rank.py tests/integration/test_torch.py tests/integration/test_demo.py \
-	tests/integration/test_torch_ecosystem.py tests/unit/test_torch_layout.py \
+TORCH_TESTS := tests/unit/test_rank_placement.py tests/integration/test_torch.py tests/integration/test_demo.py \
+	tests/integration/test_torch_ecosystem.py tests/unit/test_torch_numbering.py \
 	tests/integration/test_checkpoint_faults.py \
 	tests/integration/test_failures.py tests/cluster/test_multihost_torch.py
 TEST_ARGS := -m "torch_backend or not (spark or ranks or azurite or cluster or netns or notebook or connect or horovod)" $(TORCH_TESTS)
@@ -31,7 +31,7 @@ else
 PY := .venv/bin/python
 endif
 
-.PHONY: setup demo test unit test-keras bench clean cluster-up cluster-down
+.PHONY: setup demo test unit lint test-keras bench clean cluster-up cluster-down
 
 setup:
 	@PROFILE=$(PROFILE) bash scripts/setup.sh
@@ -46,9 +46,16 @@ test: setup
 unit: setup
 	$(PY) -m pytest tests/unit
 
+# ruff (pyflakes, import order, bugbear) and mypy (strict on common/ and the wire types), both
+# configured in pyproject.toml; .ci/run runs this first.
+LINT_PATHS := sparkhvd tests bench scripts jobs
+lint: setup
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m mypy
+
 # The Keras tests (unit + 2-rank integration), e.g. `make test-keras PROFILE=tf218`.
 test-keras: setup
-	$(PY) -m pytest tests/unit/test_keras_unit.py tests/integration/test_keras.py tests/unit/test_env_compat.py
+	$(PY) -m pytest tests/unit/test_keras_unit.py tests/integration/test_keras.py tests/unit/test_environment.py
 
 # Benchmarks (never part of `make test`): `make bench` or `make bench CASE=B1`.
 CASE ?=

@@ -371,7 +371,7 @@ def case_b2(repeat: int, tiny: bool) -> list[dict]:
     os.environ.update(HOROVOD_RANK="0", HOROVOD_SIZE="2")
     half = rows_n // 2
     try:
-        from sparkhvd.rank.data.shard import DatasetShard
+        from sparkhvd.data.shard import DatasetShard
 
         def epoch(memory_cache):
             def run():
@@ -500,8 +500,8 @@ def case_b3(repeat: int, tiny: bool) -> list[dict]:
 # -- B4 ----------------------------------------------------------------------------------------
 def case_b4(repeat: int, tiny: bool) -> list[dict]:
     from azure.storage.blob import BlobServiceClient
-    from conftest import Azurite
 
+    from conftest import Azurite
     from sparkhvd import storage
 
     size = (4 << 20) if tiny else (200 << 20)
@@ -651,7 +651,7 @@ def case_b9(repeat: int, tiny: bool) -> list[dict]:
     from pyspark.sql import functions as F
 
     from sparkhvd import DataFrameDataset, HorovodRunner
-    from sparkhvd.driver.data import materialize as mat
+    from sparkhvd.data import materialize as mat
 
     spark = _spark()
     rows, parts = (200, 100) if tiny else (2_000, 1_000)
@@ -687,7 +687,7 @@ CASES = {"B1": case_b1, "B1C": case_b1c, "B1T": case_b1t, "B2": case_b2, "B3": c
 
 
 def environment() -> dict:
-    from sparkhvd.driver.rundir import versions
+    from sparkhvd.runfolder.rundir import versions
 
     return {"date": _dt.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(),
             "machine": platform.machine(), "spark_master": "local[2]", "np": 2,

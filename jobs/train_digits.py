@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import tensorflow as tf
 
-    from sparkhvd.storage.kerasio import local_file
-    from sparkhvd.driver.rundir import model_filename
+    from sparkhvd.keras.modelio import local_file
+    from sparkhvd.runfolder.rundir import model_filename
 
     saved = storage.read_bytes(args.output_url)
     suffix = os.path.splitext(model_filename(saved) or "model.h5")[1]  # HDF5, or Keras 3's zip

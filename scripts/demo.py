@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                              ).first()[0]
     log.info("reloaded model, scored on the executors: held-out accuracy %.4f (%d test images)",
              accuracy, len(x_test))
-    run_dir.update(demo={"test_accuracy": round(float(accuracy), 4)})
+    run_dir.record.annotate(demo={"test_accuracy": round(float(accuracy), 4)})
     if accuracy < args.min_accuracy:
         log.error("accuracy %.4f is below %.2f", accuracy, args.min_accuracy)
         return 1

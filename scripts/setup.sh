@@ -28,8 +28,8 @@ esac
 say() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 
-"$PYTHON" -c 'import sys; sys.exit(0 if (3, 9) <= sys.version_info[:2] <= (3, 11) else 1)' \
-  || die "Python 3.9-3.11 is required (TensorFlow 2.15, horovod 0.28); found $("$PYTHON" --version 2>&1). Set PYTHON=/path/to/python3.11."
+"$PYTHON" -c 'import sys; sys.exit(0 if (3, 10) <= sys.version_info[:2] <= (3, 11) else 1)' \
+  || die "Python 3.10-3.11 is required (TensorFlow 2.15, horovod 0.28); found $("$PYTHON" --version 2>&1). Set PYTHON=/path/to/python3.11."
 command -v java >/dev/null 2>&1 \
   || die "Java (11 or 17) is required by Spark. Install it, e.g. 'apt-get install -y openjdk-17-jre-headless', or set JAVA_HOME."
 

@@ -6,26 +6,44 @@ Public API::
     from sparkhvd import HorovodRunner, TrainingError
     model_bytes = HorovodRunner(np=2).run(train_fn, lr=0.1, epochs=3)
 
-The code is arranged by where it runs: ``driver/``, ``executor/`` (inside a Spark task),
-``rank/`` (the rank process), ``common/`` and ``storage/`` (shared); this module and
-``keras``, ``data``, ``cli`` re-export what users import.
+The launch machinery is arranged by where it runs: ``driver/``, ``executor/`` (inside a Spark
+task), ``rank/`` (the rank process), ``common/`` (shared). Features live in their own folders with
+both halves -- ``data/``, ``keras/``, ``torch/``, ``runfolder/``, ``scoring/``, ``storage/``,
+``ops/`` (CLI, doctor, presets, notebook helpers, tracking) -- each module tagged with the side it
+runs on (``__side__``; tests/unit/test_package_layout.py checks that imports point one way).
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
+from importlib.abc import Loader, MetaPathFinder
+from importlib.machinery import ModuleSpec
+from types import ModuleType
 from typing import Any
 
-from sparkhvd.common.errors import (CheckpointError, EnvironmentMismatchError, NotEnoughSlotsError,
-    PayloadError, RankFailure, SessionError, SparkhvdError, StallError, StorageError,
-    TrainingError)
+from sparkhvd.common.errors import (
+    CheckpointError,
+    EnvironmentMismatchError,
+    NotEnoughSlotsError,
+    PayloadError,
+    RankFailure,
+    SessionError,
+    SparkhvdError,
+    StallError,
+    StorageError,
+    TrainingError,
+)
+
+__side__ = "public"
 
 # The rest is imported on first use: every rank process imports this package, and numpy,
 # fsspec and friends would add ~0.2 s to each rank's start for nothing.
 _LAZY = {
-    "DataFrameDataset": ("driver.data.dataset", "DataFrameDataset"),
-    "load_model": ("driver.models", "load_model"),
-    "predict": ("driver.scoring", "predict"),
-    "RunDir": ("driver.rundir", "RunDir"),
+    "DataFrameDataset": ("data.dataset", "DataFrameDataset"),
+    "load_model": ("scoring.models", "load_model"),
+    "predict": ("scoring.predict", "predict"),
+    "RunDir": ("runfolder.rundir", "RunDir"),
     "HorovodRunner": ("driver.runner", "HorovodRunner"),
     "ScalingConfig": ("driver.settings", "ScalingConfig"),
     "LaunchConfig": ("driver.settings", "LaunchConfig"),
@@ -33,7 +51,7 @@ _LAZY = {
     "SessionConfig": ("driver.settings", "SessionConfig"),
     "ENV_ALLOWLIST": ("common.environment", "ENV_ALLOWLIST"),
     "storage": ("storage", None),
-    "stacks": ("driver.stacks", "request_stacks"),
+    "stacks": ("driver.monitor", "request_stacks"),
 }
 
 
@@ -45,6 +63,44 @@ def __getattr__(name: str) -> Any:
     value = module if attr is None else getattr(module, attr)
     globals()[name] = value
     return value
+
+
+#: Public module names kept where the module moved: ``import sparkhvd.presets`` is
+#: :mod:`sparkhvd.ops.presets` itself (the same module object, not a copy).
+ALIASES = {
+    "sparkhvd.presets": "sparkhvd.ops.presets",
+    "sparkhvd.notebook": "sparkhvd.ops.notebook",
+    "sparkhvd.cli": "sparkhvd.ops.cli",
+    "sparkhvd.runfiles": "sparkhvd.runfolder.rank_files",
+    "sparkhvd.kerasio": "sparkhvd.keras.modelio",
+}
+
+
+class _AliasLoader(Loader):
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType:
+        return importlib.import_module(self.target)
+
+    def exec_module(self, module: ModuleType) -> None:
+        sys.modules[module.__spec__.name] = module  # type: ignore[union-attr]
+
+    def get_code(self, fullname: str) -> Any:  # ``python -m sparkhvd.cli``
+        spec = importlib.util.find_spec(self.target)
+        return spec.loader.get_code(self.target)  # type: ignore[union-attr]
+
+
+class _AliasFinder(MetaPathFinder):
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None
+                  ) -> "ModuleSpec | None":
+        if fullname not in ALIASES:
+            return None
+        return ModuleSpec(fullname, _AliasLoader(ALIASES[fullname]))
+
+
+if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
+    sys.meta_path.append(_AliasFinder())
 
 
 def __dir__() -> list[str]:

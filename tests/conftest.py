@@ -212,7 +212,8 @@ class Azurite:
             except OSError:
                 if service.proc.poll() is not None or time.monotonic() > deadline:
                     service.stop()
-                    raise RuntimeError(f"Azurite did not start: {service.proc.stderr.read()!r}")
+                    raise RuntimeError(
+                        f"Azurite did not start: {service.proc.stderr.read()!r}") from None
                 time.sleep(0.2)
 
     def stop(self) -> None:
@@ -383,7 +384,7 @@ class ConnectServer:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
                     raise RuntimeError("the Spark Connect server did not start: "
-                                       + open(self.log, errors="replace").read()[-3000:])
+                                       + open(self.log, errors="replace").read()[-3000:]) from None
                 time.sleep(0.3)
 
     def session(self):

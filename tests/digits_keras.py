@@ -68,7 +68,7 @@ def train(x_train, y_train, x_val, y_val, epochs, batch_size=32, warmup_epochs=0
               **fit)
     _, accuracy = model.evaluate(x_val, y_val, verbose=0)
     if model_bytes:  # what a user returns: the driver saves it as the run's model file
-        from sparkhvd.storage.kerasio import model_bytes as saved
+        from sparkhvd.keras.modelio import model_bytes as saved
 
         data = saved(model)  # every rank saves (tf.distribute may read collectively)
         return data if kd.rank == 0 else None

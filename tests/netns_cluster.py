@@ -243,7 +243,7 @@ class NetnsCluster:
                 self.kill_host(host.name)
             except Exception:  # noqa: BLE001 - keep tearing down
                 pass
-        for name, proc in list(self.procs.items()):
+        for _name, proc in list(self.procs.items()):
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -269,7 +269,7 @@ class NetnsCluster:
         with open(path) as f:
             state = json.load(f)
         cluster = cls(state["workdir"], hosts=len(state["hosts"]), tag=state["tag"])
-        for name, pid in state["pids"].items():
+        for _name, pid in state["pids"].items():
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

@@ -5,3 +5,4 @@ wire format, the backends' rendezvous tables and every third-party patch.
 Imports nothing else of sparkhvd and only the standard library at import time (third-party
 libraries inside functions): a rank or a Spark task imports it for free.
 """
+__side__ = "common"

@@ -20,6 +20,8 @@ from typing import Mapping, Optional
 
 from sparkhvd.common.redaction import SECRET_NAME
 
+__side__ = "common"
+
 #: Machine basics a rank inherits from the host it runs on (never the driver's: paths differ).
 MACHINE_VARS = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "USER", "LANG", "LC_ALL",
                 "TMPDIR", "VIRTUAL_ENV", "JAVA_HOME", "SPARK_HOME", "PYSPARK_PYTHON",
@@ -72,7 +74,7 @@ def rank_env(user_env: Optional[Mapping[str, str]] = None, *, verbose: bool = Fa
 
 
 def process_env(local: Mapping[str, str], sent: Mapping[str, str],
-                assigned: Mapping[str, str] = ()) -> dict[str, str]:
+                assigned: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """A rank process' environment where it starts: ``local`` filtered, then the driver's
     ``sent`` variables, then the rank's ``assigned`` ones (see the module docstring)."""
-    return {**filtered(local), **sent, **dict(assigned), "PYTHONUNBUFFERED": "1"}
+    return {**filtered(local), **sent, **dict(assigned or {}), "PYTHONUNBUFFERED": "1"}

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import KW_ONLY, dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from sparkhvd.common.redaction import redact
+
+__side__ = "common"
 
 
 class SparkhvdError(Exception):
@@ -60,12 +62,6 @@ class TrainingError(SparkhvdError, RuntimeError):
         self.host = first.host
         self.run_dir = run_dir
         super().__init__(self._compose())
-
-    def located(self, run_dir: Optional[str]) -> "TrainingError":
-        """The same error, naming where the run folder ended up (after publishing)."""
-        self.run_dir = run_dir
-        self.args = (self._compose(),)
-        return self
 
     def _compose(self) -> str:
         # The host is on the first line: it is the line run.json, MLflow and a notebook's
@@ -123,13 +119,13 @@ class StorageError(SparkhvdError, OSError):
     def __init__(self, message: str, *, spilled_to: Optional[str] = None) -> None:
         super().__init__(redact(message))
         self.spilled_to = spilled_to
-        self.result = None
+        self.result: Any = None
 
 
 @dataclass(eq=False)
 class LaunchFailure(SparkhvdError):
     """A launcher saw a rank fail (non-zero exit, vanished, lost host); the runner turns it into
-    a :class:`TrainingError` with whatever the rank reported (see :mod:`sparkhvd.driver.outcome`)."""
+    a :class:`TrainingError` with whatever the rank reported (see :mod:`sparkhvd.driver.rank_end`)."""
 
     rank: Optional[int]
     exit_code: Optional[int]

@@ -10,7 +10,9 @@ import errno
 import os
 import shutil
 import tempfile
-from typing import IO, Iterator
+from typing import IO, Any, Iterator
+
+__side__ = "common"
 
 
 #: Errors of a disk or store that cannot take the write (full, over quota, read-only, failing).
@@ -31,7 +33,7 @@ def explain_write_error(path: str, exc: OSError) -> OSError:
 
 
 @contextlib.contextmanager
-def atomic_open(path: str, mode: str = "wb", **kwargs) -> Iterator[IO]:
+def atomic_open(path: str, mode: str = "wb", **kwargs: Any) -> Iterator[IO[Any]]:
     """A file to write; it replaces ``path`` only if the block finishes without error. A full
     or failing disk is said with the path and the free space (:func:`explain_write_error`)."""
     folder = os.path.dirname(os.path.abspath(path))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Mapping, NamedTuple, Optional
 
+__side__ = "common"
+
 #: For each field, the variables that carry it, in the order they are trusted.
 _NAMES = {
     "rank": ("SPARKHVD_RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"),

@@ -10,6 +10,8 @@ import contextlib
 import socket
 from typing import Iterable, Optional
 
+__side__ = "common"
+
 #: The variables that name the interface collectives use (Horovod's Gloo, NCCL, PyTorch's Gloo).
 IFACE_VARS = ("HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 #: Addresses that mean "this machine".
@@ -26,7 +28,7 @@ def route_address(address: str) -> str:
     there is no route)."""
     with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((address, 9))
-        return probe.getsockname()[0]
+        return str(probe.getsockname()[0])
     return socket.gethostname()
 
 
@@ -39,7 +41,7 @@ def iface_towards(address: str) -> Optional[str]:
         local_ip = probe.getsockname()[0]
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == local_ip for a in addrs):
-            return name
+            return str(name)
     return None
 
 

@@ -12,6 +12,8 @@ import re
 
 from sparkhvd.common.protocol import MAX_CHUNK_BYTES
 
+__side__ = "common"
+
 LINE, UPDATE, PARTIAL = "line", "update", "partial"
 #: How horovod's launcher tags each kind after ``<stdout``/``<stderr`` (see sparkhvd.common.patches).
 OUTPUT_FLAGS = {LINE: "", PARTIAL: "+", UPDATE: "~"}

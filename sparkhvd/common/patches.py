@@ -5,7 +5,7 @@ of those attributes still exists in the installed versions, and :func:`check_hor
 horovod release these patches were not written for, so an upgrade fails loudly here, not as an
 odd hang somewhere else.
 
-horovod (0.28), driver side, for ``launcher="horovod"`` (:func:`horovod_driver_hooks`):
+horovod (0.28), driver side, for ``launcher="horovod"`` (:func:`sparkhvd.driver.launchers.horovod_hooks.horovod_driver_hooks`):
   ``launch_gloo``'s SIGINT/SIGTERM handlers (they swallow a notebook's stop button), the Spark job
   group name (to cancel exactly it), output streaming (horovod holds it in 64 KiB blocks),
   fail-fast when a rank exits non-zero, and the task function Spark runs.
@@ -20,12 +20,11 @@ Keras 3, rank side (:func:`patch_keras_multiworker`): ``model.fit`` under
 """
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from sparkhvd.common.errors import EnvironmentMismatchError
+
+__side__ = "common"
 
 #: horovod releases the patches below were written for and tested with.
 HOROVOD_TESTED = ("0.28.",)
@@ -68,7 +67,7 @@ def check_horovod_version() -> str:
     """horovod's version, or EnvironmentMismatchError if sparkhvd's patches do not cover it."""
     import horovod
 
-    version = horovod.__version__
+    version = str(horovod.__version__)
     if not version.startswith(HOROVOD_TESTED):
         raise EnvironmentMismatchError(
             f"horovod {version} is installed; sparkhvd's launcher patches are written for "
@@ -77,130 +76,11 @@ def check_horovod_version() -> str:
     return version
 
 
-# -- horovod, driver side ----------------------------------------------------------------------
-def _send_one_live(self: Any, addr: Any, req: Any, stream: Any = None) -> Any:
-    """horovod's ``BasicClient._send_one``, but streamed output is passed on as it arrives.
-
-    horovod copies a rank's output with ``shutil.copyfileobj``, whose 64 KiB blocking reads hold
-    every line back until 64 KiB piled up or the rank exited. ``read1`` returns what is there.
-    """
-    import codecs
-    import socket
-
-    from horovod.runner.common.util.network import AckStreamResponse
-
-    for attempt in range(self._attempts):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.connect(addr)
-            rfile = sock.makefile("rb")
-            wfile = sock.makefile("wb")
-            try:
-                self._wire.write(req, wfile)
-                resp = self._wire.read(rfile)
-                if stream and isinstance(resp, AckStreamResponse):
-                    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-                    while True:
-                        chunk = rfile.read1(65536)
-                        text = decoder.decode(chunk, final=not chunk)
-                        if text:
-                            stream.write(text)
-                        if not chunk:
-                            break
-                return resp
-            finally:
-                rfile.close()
-                wfile.close()
-        except Exception:  # noqa: BLE001 - same retry policy as horovod's
-            if attempt == self._attempts - 1:
-                raise
-        finally:
-            sock.close()
-
-
-@contextlib.contextmanager
-def horovod_driver_hooks(stop: threading.Event, *, elastic: bool, mapper: Callable[..., Any],
-                         driver_host: Optional[str] = None) -> Iterator[dict]:
-    """Take over what horovod's Spark launcher does by itself, for one run.
-
-    - ``launch_gloo`` gets *our* ``stop`` event instead of installing signal handlers; setting it
-      makes horovod abort every rank's command through the task services.
-    - The Spark job group name is recorded (``hooks["job_group"]``) to cancel exactly it.
-    - Rank output is streamed to the driver as it is printed (:func:`_send_one_live`).
-    - Spark runs ``mapper`` (``sparkhvd.executor.horovod.spark_task_mapper``) as the task function.
-    - When a rank exits non-zero the others are stopped at once -- except in ``elastic`` mode,
-      where horovod's elastic driver decides whether the remaining ranks carry on.
-    - ``driver_host``: the Gloo rendezvous is served at that address. horovod picks the address
-      of the first interface *name* the driver and the tasks have in common -- on separate
-      machines ``eth0`` is a different network on each, and the ranks cannot reach it.
-    """
-    check_horovod_version()
-    from horovod.runner import gloo_run
-    from horovod.runner.common.util import network
-    from horovod.spark import gloo_run as spark_gloo_run
-    from horovod.spark import runner as spark_runner
-    from horovod.spark.driver import job_id
-
-    from horovod.runner.util import network as runner_network
-
-    hooks: dict = {"job_group": None}
-    saved = (gloo_run.register_shutdown_event, job_id.next_job_id,
-             spark_gloo_run._exec_command_fn, spark_runner._make_mapper,
-             network.BasicClient._send_one, spark_gloo_run.launch_gloo,
-             runner_network.get_driver_ip)
-    original_launch_gloo, original_driver_ip = saved[5], saved[6]
-
-    def launch_gloo(command: Any, exec_command: Any, settings: Any, nics: Any, env: Any,
-                    server_ip: str) -> Any:
-        return original_launch_gloo(command, exec_command, settings, nics, env,
-                                    driver_host or server_ip)
-
-    def get_driver_ip(nics: Any) -> str:
-        return driver_host or original_driver_ip(nics)
-
-    original_next, original_exec_fn = saved[1], saved[2]
-
-    def next_job_id() -> int:
-        value = original_next()
-        hooks["job_group"] = f"horovod.spark.run.{value}"
-        return value
-
-    def exec_command_fn(*args: Any, **kwargs: Any) -> Any:
-        run_one = original_exec_fn(*args, **kwargs)
-
-        def run_and_watch(command: Any, slot_info: Any, events: Any) -> Any:
-            exit_code, when = run_one(command, slot_info, events)
-            if exit_code != 0 and not elastic:
-                stop.set()  # one rank failed: stop the others now, not when they finish
-            return exit_code, when
-
-        return run_and_watch
-
-    def make_mapper(driver_addresses: Any, settings: Any, use_gloo: bool,
-                    is_elastic: bool) -> Any:
-        return functools.partial(mapper, driver_addresses, settings.key, settings, use_gloo,
-                                 is_elastic)
-
-    gloo_run.register_shutdown_event = lambda: stop
-    job_id.next_job_id = next_job_id
-    spark_gloo_run._exec_command_fn = exec_command_fn
-    spark_runner._make_mapper = make_mapper
-    network.BasicClient._send_one = _send_one_live
-    spark_gloo_run.launch_gloo = launch_gloo
-    runner_network.get_driver_ip = get_driver_ip
-    try:
-        yield hooks
-    finally:
-        (gloo_run.register_shutdown_event, job_id.next_job_id, spark_gloo_run._exec_command_fn,
-         spark_runner._make_mapper, network.BasicClient._send_one, spark_gloo_run.launch_gloo,
-         runner_network.get_driver_ip) = saved
-
-
 # -- horovod, task side ------------------------------------------------------------------------
 #: How long a Spark task keeps a finished rank's command for the driver to collect its exit code;
 #: horovod uses 3 s from the command's start, which a short run pays in full.
 COMMAND_LIFETIME_S = 1.0
-_task_state: dict = {"patched": False, "driver_python": None}
+_task_state: dict[str, Any] = {"patched": False, "driver_python": None}
 
 
 def _prefix_connection(src_connection: Any, dst_stream: Any, prefix: str, index: Any,
@@ -221,7 +101,7 @@ def _prefix_connection(src_connection: Any, dst_stream: Any, prefix: str, index:
     from sparkhvd.common.outputlines import OUTPUT_FLAGS, OutputSplitter
     from sparkhvd.common.protocol import MAX_CHUNK_BYTES
 
-    gone = []
+    gone: list[bool] = []
 
     def write(text: str, flag: str) -> None:
         if gone:  # the driver stopped listening: keep draining the rank, drop its output

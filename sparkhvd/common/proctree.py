@@ -10,6 +10,8 @@ import os
 import signal
 from typing import Any, Iterable
 
+__side__ = "common"
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -32,17 +34,17 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     _prctl(_PR_SET_PDEATHSIG, int(sig))
 
 
-def descendants() -> list:
+def descendants() -> list[Any]:
     """This process's descendants (``psutil.Process`` objects)."""
     import psutil
 
     try:
-        return psutil.Process().children(recursive=True)
+        return list(psutil.Process().children(recursive=True))
     except psutil.Error:
         return []
 
 
-def stop_processes(procs: list, grace_s: float = 5.0) -> None:
+def stop_processes(procs: list[Any], grace_s: float = 5.0) -> None:
     """SIGTERM the given ``psutil.Process`` objects, then SIGKILL those still alive after
     ``grace_s`` (the one way sparkhvd stops processes it owns politely)."""
     import psutil

@@ -15,7 +15,7 @@ Wire format: one JSON object per line, ``{"t": <kind>, ...fields}``. Channels:
   task forwards them with the output lines over the task's control connection, as they are;
 - local launcher: the same pipe, read by the driver directly;
 - horovod launcher (no channel of ours): the rank prints ``@@sparkhvd@@ <json>`` on stderr and
-  :mod:`sparkhvd.driver.launchers.horovod` maps horovod's text output back onto these types.
+  :mod:`sparkhvd.driver.launchers.horovod_spark` maps horovod's text output back onto these types.
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ import json
 import signal
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
+
+__side__ = "common"
 
 @dataclass(frozen=True)
 class RankOptions:
@@ -41,7 +43,16 @@ class RankOptions:
     check_result: bool = False
 
     def as_dict(self) -> dict[str, Any]:
+        """The wire form (JSON on a command line, pickled by horovod)."""
         return {**dataclasses.asdict(self), "env_keep": list(self.env_keep)}
+
+    @classmethod
+    def from_dict(cls, wire: "dict[str, Any] | RankOptions") -> "RankOptions":
+        """Read back what :meth:`as_dict` sent (unknown keys refused: both sides are one
+        sparkhvd)."""
+        if isinstance(wire, RankOptions):
+            return wire
+        return cls(**{**wire, "env_keep": tuple(wire.get("env_keep", ()))})
 
 
 @dataclass(frozen=True)
@@ -50,16 +61,16 @@ class TaskSpec:
 
     payload: bytes
     #: :meth:`RankOptions.as_dict`
-    options: dict
+    options: dict[str, Any]
     #: variables every rank gets from the driver
-    env: dict
+    env: dict[str, str]
     #: ``(host, port)`` of the driver's control server
-    driver: tuple
+    driver: tuple[str, int]
     token: str
     start_timeout: float
     backend: str
     #: the backend's variables for every rank (what its ``start()`` returned)
-    run_env: dict
+    run_env: dict[str, str]
     ranks_per_task: int = 1
     #: every task its own node (``LOCAL_RANK`` within the task; the task's GPUs made visible)
     node_per_task: bool = False
@@ -90,13 +101,27 @@ GLOO_AUTO_ENV = "SPARKHVD_GLOO_AUTO"
 BACKEND_ENV = "SPARKHVD_BACKEND"
 
 #: The signal that makes a rank write every thread's stack (``faulthandler``, set up in the
-#: rank by :mod:`sparkhvd.rank.stacks`).
+#: rank by :mod:`sparkhvd.rank.stack_dump`).
 STACKS_SIGNAL = signal.SIGUSR1
 #: Set when the rank must also look for stack requests in the run folder itself (launchers
 #: without a channel to remote ranks: horovod's).
 STACKS_POLL_ENV = "SPARKHVD_STACKS_POLL"
 #: The run-folder file a stack request is written to (by the driver, for ranks that poll).
 STACKS_REQUEST_FILE = "control/stacks-request.json"
+
+# -- files both sides name ----------------------------------------------------------------
+#: The payload a rank's supervisor reads, in the rank's private work folder.
+PAYLOAD_FILE = "payload.pkl"
+
+
+def result_file(rank: int) -> str:
+    """The file (in the rank's work folder) that holds rank ``rank``'s pickled return value."""
+    return f"rank-{rank}.pkl"
+
+
+def is_result_file(name: str) -> bool:
+    return name.startswith("rank-") and name.endswith(".pkl")
+
 
 #: Prefix of an event printed as text (launchers without a channel of ours).
 #: What an elastic rank returns: (ELASTIC_RESULT, final rank, value-or-None) -- Spark tasks
@@ -149,7 +174,7 @@ class Metrics:
     """One epoch's (rank-averaged) metrics from rank 0: they make ``metrics.csv``/``curves.png``."""
 
     rank: int
-    record: dict = field(default_factory=dict)
+    record: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -160,7 +185,7 @@ class Resumed:
     source: Optional[str]
     epoch: int = 0
     #: checkpoints passed over (newest first), each "file: why"
-    skipped: list = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -223,7 +248,7 @@ def task_slots(partition: int, ranks_per_task: int) -> range:
     return range(partition * ranks_per_task, (partition + 1) * ranks_per_task)
 
 
-def rank_slots(partition: int, host: str, address: str, ports: list, ranks_per_task: int,
+def rank_slots(partition: int, host: str, address: str, ports: list[int], ranks_per_task: int,
                per_task: bool) -> dict[int, TaskInfo]:
     """The :class:`TaskInfo` of each rank one task runs, keyed by slot (the one numbering of
     the driver, the tasks in rows mode and the local launcher)."""
@@ -240,7 +265,7 @@ class Hello:
     partition: int
     host: str
     address: str = ""
-    ports: list = field(default_factory=list)
+    ports: list[int] = field(default_factory=list)
     token: str = ""
 
 
@@ -248,7 +273,7 @@ class Hello:
 class Assign:
     """The driver's answer to :class:`Hello`: each of the task's ranks' environment."""
 
-    envs: list
+    envs: list[dict[str, str]]
 
 
 @dataclass
@@ -274,12 +299,12 @@ KINDS: dict[str, type] = {cls.__name__.lower(): cls for cls in
                            Assign, Abort, DumpStacks, Detached)}
 
 
-def to_dict(msg: Any) -> dict:
+def to_dict(msg: Any) -> dict[str, Any]:
     """The message as a JSON-able dict with its kind under ``"t"``."""
     return {"t": type(msg).__name__.lower(), **dataclasses.asdict(msg)}
 
 
-def from_dict(data: dict) -> Any:
+def from_dict(data: dict[str, Any]) -> Any:
     """Inverse of :func:`to_dict`; ``ValueError`` for an unknown kind or bad fields."""
     try:
         cls = KINDS[data["t"]]

@@ -11,6 +11,8 @@ import shutil
 import subprocess
 from typing import Any, Optional
 
+__side__ = "common"
+
 #: py-spy gets this long to read a process.
 PY_SPY_TIMEOUT_S = 10.0
 

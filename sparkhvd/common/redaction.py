@@ -16,6 +16,8 @@ import re
 import threading
 from typing import Mapping, Optional
 
+__side__ = "common"
+
 #: Names that look like credentials: never forwarded to ranks implicitly, always redacted.
 SECRET_NAME = re.compile(r"(?i)(KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|CONNECTION_STRING|SAS)")
 

@@ -8,6 +8,8 @@ from typing import Sequence
 
 from sparkhvd.common.protocol import exit_status
 
+__side__ = "common"
+
 
 def read_script(path: str) -> str:
     """The script's source, read on the driver (the ranks may not see the driver's disk)."""

@@ -1,10 +1,22 @@
 """Spark DataFrame -> each rank's own shard: :class:`DataFrameDataset`.
 
-- :mod:`sparkhvd.driver.data` -- the driver half: checks, Parquet written by the executors, reuse;
-- :mod:`sparkhvd.common.shards` -- the sharding policy both sides agree on;
-- :mod:`sparkhvd.rank.data` -- the rank half: the shard a rank's function receives, streamed.
-"""
-from sparkhvd.driver.data.dataset import DataFrameDataset
-from sparkhvd.driver.data.materialize import check_column_type
+The feature's two halves live here side by side, each module tagged with the side it runs on
+(``__side__``):
 
-__all__ = ["DataFrameDataset", "check_column_type"]
+- driver: :mod:`~sparkhvd.data.dataset` (checks, reuse), :mod:`~sparkhvd.data.materialize`
+  (Parquet written by the executors);
+- common: :mod:`~sparkhvd.data.sharding` -- the sharding policy both sides agree on;
+- rank: :mod:`~sparkhvd.data.shard` (the shard a rank's function receives) and
+  :mod:`~sparkhvd.data.reader` (streamed a row group at a time).
+
+Public names are imported on first use (:mod:`sparkhvd.common.faces`): a rank never loads the
+driver half.
+"""
+from sparkhvd.common.faces import lazy_face
+
+__side__ = "public"
+
+__all__ = ["DataFrameDataset", "check_column_type", "DatasetShard"]
+__getattr__, __dir__ = lazy_face(__name__, {"DataFrameDataset": "dataset",
+                                            "check_column_type": "materialize",
+                                            "DatasetShard": "shard"})

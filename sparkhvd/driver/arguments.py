@@ -3,13 +3,15 @@
 An argument of ``run()`` -- also one inside a list, tuple or dict argument -- whose type has
 ``prepare_for_ranks()`` is *prepared* before the payload is pickled: the method does the driver's
 work (``DataFrameDataset`` materialises its Parquet) and returns what the ranks get in its place
-(a :class:`~sparkhvd.common.shards.ShardSource`, read there as a shard). After the run,
+(a :class:`~sparkhvd.data.sharding.ShardSource`, read there as a shard). After the run,
 ``after_run(succeeded)`` lets it clean up (a failed run removes the materialised files).
 """
 from __future__ import annotations
 
 import logging
 from typing import Any, Mapping, Protocol, runtime_checkable
+
+__side__ = "driver"
 
 log = logging.getLogger(__name__)
 

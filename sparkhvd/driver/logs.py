@@ -25,6 +25,8 @@ from typing import IO, Optional
 from sparkhvd.common.protocol import MAX_SHOWN_CHARS, Line
 from sparkhvd.common.redaction import redact
 
+__side__ = "driver"
+
 VERBOSITIES = ("rank0", "all")
 
 #: Start-up chatter of TensorFlow, Gloo, Horovod and friends, hidden unless verbose.

@@ -13,17 +13,20 @@ import inspect
 import io
 import logging
 import os
+import socket
 import sys
 import sysconfig
 import threading
 import types
 from importlib import metadata
 from types import ModuleType
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import cloudpickle
 
 from sparkhvd.common.errors import PayloadError
+
+__side__ = "driver"
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +216,7 @@ def _by_value_modules(fn: Callable, kwargs: Mapping[str, Any]) -> list[ModuleTyp
     candidates = [fn, *kwargs.values()]
     candidates += [v for _, _, v in _referenced_names(fn, include_modules=True)]
     for obj in candidates:
+        name: Optional[str]
         if inspect.ismodule(obj):
             name = obj.__name__
         else:
@@ -220,7 +224,7 @@ def _by_value_modules(fn: Callable, kwargs: Mapping[str, Any]) -> list[ModuleTyp
         if not name or name == "__main__" or name.startswith("_") or name in sys.builtin_module_names:
             continue
         module = sys.modules.get(name)
-        if module is None or not getattr(module, "__file__", None):
+        if module is None or not module.__file__:
             continue
         if _top_level(name) in _installed_top_levels() or _is_stdlib(module.__file__):
             continue
@@ -254,3 +258,18 @@ def loads(blob: bytes) -> tuple[Callable, dict]:
     """Inverse of :func:`dumps` (runs inside a rank)."""
     fn, kwargs = cloudpickle.loads(blob)
     return fn, kwargs
+
+
+def load_result(rank: int, blob: bytes) -> Any:
+    """A rank's pickled return value as the driver's object, or a PayloadError with the fix."""
+    try:
+        return cloudpickle.loads(blob)
+    except (ImportError, AttributeError) as exc:
+        module = getattr(exc, "name", None)
+        where = f"module {module!r}" if module else "a module or class"
+        raise PayloadError(
+            f"rank {rank} returned an object the driver cannot load: it needs {where}, which "
+            f"the ranks have and this driver ({socket.gethostname()}) does not "
+            f"({type(exc).__name__}: {exc}). Fix: install {module or 'that module'} on the "
+            "driver too, or return plain data (numbers, strings, lists, dicts, numpy arrays) "
+            "or bytes.") from None

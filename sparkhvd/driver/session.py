@@ -12,6 +12,8 @@ import subprocess
 import sys
 from typing import Optional
 
+__side__ = "driver"
+
 log = logging.getLogger(__name__)
 
 from sparkhvd.driver.sparkview import SparkView, is_loopback_master  # noqa: F401 - re-exported
@@ -63,7 +65,7 @@ def get_or_create_session(np: int, spark=None, preset=None):
 def connect_session(remote: str):
     """A Spark Connect session: ``sc://host:port`` (a Connect server), or ``local[N]`` (a local
     Connect server started from pip's pyspark; needs ``pip install 'sparkhvd[connect]'``)."""
-    from sparkhvd.driver.stack import check_spark
+    from sparkhvd.driver.installed import check_spark
 
     check_spark()
     try:

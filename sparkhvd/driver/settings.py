@@ -16,15 +16,20 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Union
 
-from sparkhvd.driver.launchers import LAUNCHERS
 from sparkhvd.driver.logs import check_verbosity
 
+__side__ = "driver"
+
+
+#: What ``HorovodRunner(launcher=...)`` accepts.
+LAUNCHERS = ("auto", "barrier", "horovod")
 
 #: What a stall does: warn (the run goes on) or stop the run.
 ON_STALL = ("warn", "stop")
 
 
-def _seconds(name: str, value: Any) -> float:
+def seconds(name: str, value: Any) -> float:
+    """``value`` as seconds, or the ValueError every time setting of sparkhvd raises."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"{name} must be a positive number of seconds; got {value!r}")
     return float(value)
@@ -167,14 +172,14 @@ class LaunchConfig:
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {LAUNCHERS}; got {self.launcher!r}")
         set_ = object.__setattr__
-        set_(self, "start_timeout", _seconds("start_timeout", self.start_timeout))
-        set_(self, "heartbeat_timeout", _seconds("heartbeat_timeout", self.heartbeat_timeout))
+        set_(self, "start_timeout", seconds("start_timeout", self.start_timeout))
+        set_(self, "heartbeat_timeout", seconds("heartbeat_timeout", self.heartbeat_timeout))
         if isinstance(self.slot_wait_s, bool) or not isinstance(self.slot_wait_s, (int, float)) \
                 or self.slot_wait_s < 0:
             raise ValueError(f"slot_wait_s must be a number of seconds >= 0; "
                              f"got {self.slot_wait_s!r}")
         if self.stall_timeout is not None:
-            set_(self, "stall_timeout", _seconds("stall_timeout", self.stall_timeout))
+            set_(self, "stall_timeout", seconds("stall_timeout", self.stall_timeout))
         if self.on_stall not in ON_STALL:
             raise ValueError(f"on_stall must be one of {ON_STALL}; got {self.on_stall!r}")
         set_(self, "nics", frozenset(self.nics) if self.nics else None)
@@ -232,7 +237,7 @@ class SessionConfig:
     Args:
         spark: the SparkSession, classic or Spark Connect; default the active one, else a new
             ``local[np]`` one.
-        preset: a preset name (``conf/<name>.json``) or :class:`~sparkhvd.driver.presets.Preset`:
+        preset: a preset name (``conf/<name>.json``) or :class:`~sparkhvd.ops.presets.Preset`:
             ``np`` is checked against it, and a session is created from it when none is active.
     """
 
@@ -241,7 +246,7 @@ class SessionConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.preset, str):
-            from sparkhvd.driver.presets import load_preset
+            from sparkhvd.ops.presets import load_preset
 
             object.__setattr__(self, "preset", load_preset(self.preset))
 

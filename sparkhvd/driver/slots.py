@@ -13,6 +13,13 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from sparkhvd.common.errors import NotEnoughSlotsError
+from sparkhvd.driver.sparkview import SparkView
+
+__side__ = "driver"
+
+#: The setting that declares how many tasks a cluster runs at once where sparkhvd cannot see
+#: its executors (Spark Connect).
+SLOTS_CONF = "spark.sparkhvd.slots"
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +162,6 @@ def slots_without_context(view) -> SlotCount:
         NotEnoughSlotsError: the count cannot be known (say so, and how to declare it) --
             rather than let Spark's barrier check wait 600 s.
     """
-    from sparkhvd.driver.sparkview import SLOTS_CONF
-
     master = view.master
     conf = {k: v for k in (SLOTS_CONF, *_CONF_KEYS) if (v := view.conf(k)) not in (None, "")}
     if SLOTS_CONF in conf:
@@ -195,8 +200,6 @@ def check_slots(target, np: int, *, wait_s: float = 0.0, ranks_per_task: int = 1
     ``target``: a :class:`~sparkhvd.driver.sparkview.SparkView` (classic or Connect) or a
     SparkContext. On a cluster, executors may still be registering: poll up to ``wait_s``.
     """
-    from sparkhvd.driver.sparkview import SparkView
-
     if isinstance(target, SparkView):
         if target.connect:
             return _enough(slots_without_context(target), np, ranks_per_task)
@@ -219,3 +222,15 @@ def _enough(found: SlotCount, tasks: int, ranks_per_task: int = 1) -> SlotCount:
             f"({found.master}) has {found.slots}: {found.detail}. "
             f"Fix: {found.fix.format(tasks=tasks)}.")
     return found
+
+
+def task_slots(view: SparkView, fallback: int = 8) -> int:
+    """How many tasks the cluster runs at once, as well as it can be told cheaply
+    (``defaultParallelism`` on classic; the slot count from settings on Connect) -- a sizing
+    hint, never a check."""
+    try:
+        if not view.connect:
+            return max(1, int(view.sc.defaultParallelism))
+        return max(1, slots_without_context(view).slots)
+    except Exception:  # noqa: BLE001 - only a sizing hint
+        return fallback

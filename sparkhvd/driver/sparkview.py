@@ -30,10 +30,11 @@ from typing import Any, Callable, Optional
 from sparkhvd.common.errors import SessionError
 from sparkhvd.common.netif import is_loopback, route_address
 
+__side__ = "driver"
+
 log = logging.getLogger(__name__)
 
 #: A setting that declares the task slots where sparkhvd cannot count them (Spark Connect).
-SLOTS_CONF = "spark.sparkhvd.slots"
 
 
 def is_connect(spark: Any) -> bool:
@@ -127,7 +128,7 @@ class SparkView:
     @property
     def has_tags(self) -> bool:
         """Job tags: Spark Connect, and classic sessions from Spark 4.0."""
-        from sparkhvd.driver.stack import version_tuple
+        from sparkhvd.driver.installed import version_tuple
 
         return self.connect or (version_tuple(self.version) >= (4, 0)
                                 and hasattr(self.spark, "addTag"))
@@ -207,25 +208,13 @@ class SparkView:
             return "127.0.0.1"
         if not self.connect or is_loopback(self.server_host):
             return self.conf("spark.driver.host") or socket.gethostname()
-        return route_address(self.server_host)
+        return route_address(self.server_host or "127.0.0.1")
 
     def python_exec(self) -> Optional[str]:
         """The Python Spark's workers run (when this process can know it)."""
         if self.connect:
             return self.conf("spark.pyspark.python")
         return self.sc.pythonExec or "python3"
-
-    def task_slots(self, fallback: int = 8) -> int:
-        """How many tasks the cluster runs at once, as well as it can be told cheaply
-        (``defaultParallelism`` on classic; the slot count from settings on Connect)."""
-        try:
-            if not self.connect:
-                return max(1, int(self.sc.defaultParallelism))
-            from sparkhvd.driver.slots import slots_without_context
-
-            return max(1, slots_without_context(self).slots)
-        except Exception:  # noqa: BLE001 - only a sizing hint
-            return fallback
 
     def job(self, name: str, description: str) -> "SparkJob":
         return SparkJob(self, name, description)

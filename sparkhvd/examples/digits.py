@@ -5,6 +5,8 @@ small MLP (PyTorch, :func:`train_torch`).
 """
 from __future__ import annotations
 
+__side__ = "public"
+
 def load_digits_split(seed: int = 0):
     """Digits as float32 images (N, 8, 8, 1) in [0, 1], one 80/20 stratified split."""
     from sklearn.datasets import load_digits
@@ -37,8 +39,8 @@ def train_hvd(x_train, y_train, x_val, y_val, epochs: int = 30, batch_size: int 
     """
     import tensorflow as tf
 
-    from sparkhvd.storage.kerasio import model_bytes
     from sparkhvd.keras import KerasDistributed
+    from sparkhvd.keras.modelio import model_bytes
 
     # Horovod: hvd.init(); tf: the MultiWorkerMirroredStrategy. LR scaled by size, gradients
     # averaged, ranks start equal, metrics global, warm-up, rank-0 progress and checkpoints.
@@ -160,7 +162,7 @@ def train_elastic(x_train, y_train, x_val, y_val, steps: int = 60, batch_size: i
         return None
     model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     _, accuracy = model.evaluate(x_val, y_val, verbose=0)
-    from sparkhvd.storage.kerasio import model_bytes
+    from sparkhvd.keras.modelio import model_bytes
 
     return {"model": model_bytes(model), "sizes": list(state.sizes),
             "val_accuracy": float(accuracy)}

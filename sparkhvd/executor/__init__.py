@@ -6,3 +6,4 @@ launcher, ``np < 0``, which plays the executor's part on the driver).
 Never imports :mod:`sparkhvd.driver`; imports :mod:`sparkhvd.rank` only where horovod runs the
 rank inside its own task process.
 """
+__side__ = "executor"

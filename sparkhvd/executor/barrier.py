@@ -21,7 +21,7 @@ is its own supervised process, numbered and reported on its own.
 3. Either way the rank's environment is built by :func:`sparkhvd.common.environment.process_env`
    (this executor's variables *filtered*, the driver's, the rank's), the GPU Spark gave the task
    is pinned, the interface that reaches the driver is picked when no ``nics`` were given, and
-   the rank runs as a :class:`~sparkhvd.executor.process.RankProcess`.
+   the rank runs as a :class:`~sparkhvd.common.rankprocess.RankProcess`.
 4. The rows carry the exit statuses and the pickled results, in chunks.
 """
 from __future__ import annotations
@@ -38,7 +38,9 @@ from sparkhvd.common import protocol
 from sparkhvd.common.environment import process_env
 from sparkhvd.common.identity import RankIdentity
 from sparkhvd.common.netif import collective_iface_env, route_address
-from sparkhvd.executor.process import RankProcess
+from sparkhvd.common.rankprocess import RankProcess
+
+__side__ = "executor"
 
 #: Seconds between heartbeats (the driver declares a task lost after ``heartbeat_timeout``).
 HEARTBEAT_S = 1.0
@@ -239,7 +241,8 @@ def barrier_task(spec: protocol.TaskSpec) -> tuple[int, dict, list, Optional[byt
             return partition, status, [], kept.blob()
     ranks = [RankIdentity.from_env(env, default_rank=partition).rank for env in assigned]
     status.update(rank=ranks[0], ranks=ranks)
-    send = channel.send if channel is not None else kept.add
+    assert channel is not None or kept is not None
+    send = channel.send if channel is not None else kept.add  # type: ignore[union-attr]
     procs = [RankProcess(spec.payload, spec.options,
                          _rank_env(spec, env, gpus, channel is not None), rank=rank,
                          on_line=send, on_event=send) for rank, env in zip(ranks, assigned)]
@@ -259,6 +262,7 @@ def _run_ranks(procs: list[RankProcess], channel: Optional[_Channel]) -> list[Op
     :data:`SIBLING_GRACE_S` to end by themselves (a broken collective) before they are
     stopped -- the driver aborts them sooner when it is reachable."""
     done = threading.Event()
+    assert channel is not None
 
     def heartbeat() -> None:
         while not done.wait(HEARTBEAT_S):

@@ -3,3 +3,4 @@ folder as a rank sees it, the Keras helpers and the ``DataFrameDataset`` shard r
 
 Never imports :mod:`sparkhvd.driver` or :mod:`sparkhvd.executor`.
 """
+__side__ = "rank"

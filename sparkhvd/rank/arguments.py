@@ -1,19 +1,21 @@
 """The rank side of :mod:`sparkhvd.driver.arguments`: what the driver prepared, opened here.
 
-A :class:`~sparkhvd.common.shards.ShardSource` (a prepared ``DataFrameDataset``) becomes this
-rank's :class:`~sparkhvd.rank.data.shard.DatasetShard` -- also inside a list, tuple or dict.
+A :class:`~sparkhvd.data.sharding.ShardSource` (a prepared ``DataFrameDataset``) becomes this
+rank's :class:`~sparkhvd.data.shard.DatasetShard` -- also inside a list, tuple or dict.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from sparkhvd.common.shards import ShardSource
+from sparkhvd.data.sharding import ShardSource
+
+__side__ = "rank"
 
 
 def open_argument(value: Any) -> Any:
     """``value`` with every prepared part opened for this rank."""
     if isinstance(value, ShardSource):
-        from sparkhvd.rank.data.shard import DatasetShard  # numpy/pyarrow only when used
+        from sparkhvd.data.shard import DatasetShard  # numpy/pyarrow only when used
 
         return DatasetShard(value)
     if type(value) in (list, tuple):

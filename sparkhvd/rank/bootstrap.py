@@ -22,7 +22,9 @@ from sparkhvd.common.proctree import become_subreaper, end_children, end_tree_on
 from sparkhvd.rank.arguments import open_argument
 from sparkhvd.rank.devices import apply_plan, detect_gpus, plan_rank
 from sparkhvd.rank.events import announce, emit, error_event, events
-from sparkhvd.rank.stacks import install as install_stacks
+from sparkhvd.rank.stack_dump import install as install_stacks
+
+__side__ = "rank"
 
 _NOISY_MODULES = r"(petastorm|pyarrow|tensorflow|keras|horovod|numpy|pandas|google|absl)(\..*)?"
 
@@ -66,14 +68,13 @@ def _quiet_warnings() -> None:
         warnings.filterwarnings("ignore", category=category, module=_NOISY_MODULES)
 
 
-def rank_main(payload: bytes, options: dict, *, pickle_result: bool = False) -> Any:
+def rank_main(payload: bytes, wire_options: dict, *, pickle_result: bool = False) -> Any:
     """Run the user's function in this rank (every launcher ends up here).
 
     Args:
         payload: :func:`sparkhvd.driver.payload.dumps` of the user's function and kwargs.
-        options: ``verbose``, ``return_all``, ``elastic`` (bools), ``env_keep`` (names of the
-            variables the driver sent on purpose), ``check_result`` (pickle the return value
-            here to name what cannot travel, on launchers that pickle it themselves).
+        wire_options: :meth:`RankOptions.as_dict <sparkhvd.common.protocol.RankOptions.as_dict>`,
+            read back typed here.
         pickle_result: return the kept value already pickled (bytes), for a launcher that
             stores it (:mod:`sparkhvd.rank.supervisor`).
     Returns:
@@ -81,62 +82,80 @@ def rank_main(payload: bytes, options: dict, *, pickle_result: bool = False) -> 
         elastic ranks tag it with their final rank (:data:`~sparkhvd.common.protocol.
         ELASTIC_RESULT`). Whether a value is kept, and its pickling, are decided here only.
     """
-    rank, _, local_rank, local_size = current_rank()
-    events.take_from_env()
-    scrub_environment(list(options.get("env_keep", ())))
-    pick_gloo_iface()
-    become_subreaper()
-    if not pickle_result:  # no supervisor of ours (horovod's launcher): end our tree ourselves
-        end_tree_on_term()
-    announce(rank)
-    install_stacks()  # every thread's stack on request, however stuck the rank is
-    if options.get("elastic"):
-        from sparkhvd.common.patches import follow_elastic_resets
-
-        follow_elastic_resets(announce)
-    if not options.get("verbose"):
-        _quiet_warnings()
+    options = protocol.RankOptions.from_dict(wire_options)
+    _prepare_process(options, supervised=pickle_result)
     try:
-        cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-            else (os.cpu_count() or 1)
-        backend = os.environ.get(protocol.BACKEND_ENV)
-        # threads are shared by the ranks on this host (a node may be one Spark task)
-        sharing = int(os.environ.get(protocol.HOST_RANKS_ENV) or local_size)
-        apply_plan(plan_rank(local_rank, local_size, cpu_count, detect_gpus(),
-                             threads_shared_by=sharing), backend)
-        if backend == "tf":  # plain TF code runs unchanged (imports nothing now)
-            from sparkhvd.rank.keras.plain import install
-
-            install()
+        _place_rank()
         import cloudpickle
 
         fn, kwargs = cloudpickle.loads(payload)  # made by sparkhvd.driver.payload.dumps
         result = fn(**{name: open_argument(value) for name, value in kwargs.items()})
         rank = events.rank
-        keep = rank == 0 or bool(options.get("return_all"))
+        keep = rank == 0 or options.return_all
         pickled = pickled_result(rank, result) if keep and (
-            pickle_result or options.get("check_result")) else None
+            pickle_result or options.check_result) else None
     except BaseException as exc:
         emit(error_event(events.rank, exc))
         raise
     finally:
-        with contextlib.suppress(Exception):
-            from sparkhvd.rank.runfiles import publish_timeline
-
-            publish_timeline(events.rank)
-        try:
-            from sparkhvd.rank.runfiles import publish_outputs
-
-            publish_outputs()
-        except Exception as exc:  # noqa: BLE001 - said, never hiding the function's outcome
-            print(f"sparkhvd: could not copy output_dir() files into the run folder: {exc}",
-                  file=sys.stderr, flush=True)
-        end_children()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        _hand_over_files()
     if pickle_result:
         return pickled
-    if options.get("elastic"):
+    if options.elastic:
         return (protocol.ELASTIC_RESULT, rank, result if keep else None)
     return result if keep else None
+
+
+def _prepare_process(options: protocol.RankOptions, *, supervised: bool) -> None:
+    """Before the user's code: the environment it may see, the process tree it owns, the
+    rank announced, stacks on request, elastic resets followed, library noise quieted."""
+    events.take_from_env()
+    scrub_environment(list(options.env_keep))
+    pick_gloo_iface()
+    become_subreaper()
+    if not supervised:  # no supervisor of ours (horovod's launcher): end our tree ourselves
+        end_tree_on_term()
+    announce(current_rank().rank)
+    install_stacks()  # every thread's stack on request, however stuck the rank is
+    if options.elastic:
+        from sparkhvd.common.patches import follow_elastic_resets
+
+        follow_elastic_resets(announce)
+    if not options.verbose:
+        _quiet_warnings()
+
+
+def _place_rank() -> None:
+    """Threads and the GPU for this rank; plain TF code made to run on ``backend="tf"``."""
+    _, _, local_rank, local_size = current_rank()
+    cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else (os.cpu_count() or 1)
+    backend = os.environ.get(protocol.BACKEND_ENV)
+    # threads are shared by the ranks on this host (a node may be one Spark task)
+    sharing = int(os.environ.get(protocol.HOST_RANKS_ENV) or local_size)
+    apply_plan(plan_rank(local_rank, local_size, cpu_count, detect_gpus(),
+                         threads_shared_by=sharing), backend)
+    if backend == "tf":  # plain TF code runs unchanged (imports nothing now)
+        from sparkhvd.keras.plain import install
+
+        install()
+
+
+def _hand_over_files() -> None:
+    """After the user's code, whatever happened: the timeline and ``output_dir()`` files into
+    the run folder, the rank's children ended, its output flushed."""
+    with contextlib.suppress(Exception):
+        from sparkhvd.runfolder.rank_files import publish_timeline
+
+        publish_timeline(events.rank)
+    try:
+        from sparkhvd.runfolder.rank_files import publish_outputs
+
+        publish_outputs()
+    except Exception as exc:  # noqa: BLE001 - said, never hiding the function's outcome
+        print(f"sparkhvd: could not copy output_dir() files into the run folder: {exc}",
+              file=sys.stderr, flush=True)
+    end_children()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()

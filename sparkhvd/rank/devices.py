@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from sparkhvd.common.protocol import TASK_GPUS_ENV
+
+__side__ = "rank"
 
 
 @dataclass
@@ -23,7 +25,7 @@ class RankPlan:
 
 
 def plan_rank(local_rank: int, local_size: int, cpu_count: int, gpus: list[str],
-              environ: Optional[dict] = None, threads_shared_by: Optional[int] = None) -> RankPlan:
+              environ: Optional[Mapping[str, str]] = None, threads_shared_by: Optional[int] = None) -> RankPlan:
     """Decide GPU pinning and thread counts for one rank (pure; unit-tested).
 
     - GPUs present: the rank is pinned to the GPU Spark assigned to its task (``spark.task.
@@ -59,7 +61,7 @@ def plan_rank(local_rank: int, local_size: int, cpu_count: int, gpus: list[str],
     return plan
 
 
-def detect_gpus(environ: Optional[dict] = None) -> list[str]:
+def detect_gpus(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     """GPU ids this process may use: ``CUDA_VISIBLE_DEVICES`` if set, else ``nvidia-smi -L``."""
     environ = os.environ if environ is None else environ
     visible = environ.get("CUDA_VISIBLE_DEVICES")

@@ -16,6 +16,8 @@ from typing import Any, Mapping, Optional
 
 from sparkhvd.common import protocol
 
+__side__ = "rank"
+
 
 class _Events:
     """Where :func:`emit` writes: the launcher's event pipe, else marker lines on stderr."""

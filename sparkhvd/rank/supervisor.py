@@ -21,8 +21,11 @@ import os
 import signal
 import sys
 
+from sparkhvd.common import protocol
 from sparkhvd.common.proctree import become_subreaper, die_with_parent, kill_descendants
 from sparkhvd.common.protocol import PARENT_PID_ENV, exit_status
+
+__side__ = "rank"
 
 
 def run_rank(payload_path: str, work: str, options: dict) -> int:
@@ -35,7 +38,7 @@ def run_rank(payload_path: str, work: str, options: dict) -> int:
         payload = f.read()
     data = rank_main(payload, options, pickle_result=True)
     if data is not None:
-        atomic_write(os.path.join(work, f"rank-{current_rank().rank}.pkl"), data)
+        atomic_write(os.path.join(work, protocol.result_file(current_rank().rank)), data)
     return 0
 
 

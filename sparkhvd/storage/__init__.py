@@ -30,6 +30,8 @@ import fsspec
 from sparkhvd.common.errors import StorageError
 from sparkhvd.common.redaction import redact, remember_secret
 
+__side__ = "shared"
+
 log = logging.getLogger(__name__)
 
 AZURE_SCHEMES = ("abfss", "abfs", "az")
@@ -409,7 +411,7 @@ def delegate(url: str, storage_options: Optional[Mapping[str, Any]] = None, *, w
         permission = ContainerSasPermissions(read=True, list=True, write=write, create=write,
                                              add=write, delete=write)
         if key:
-            sas = generate_container_sas(account, loc.container, account_key=key,
+            sas = generate_container_sas(str(account), str(loc.container), account_key=key,
                                          permission=permission, expiry=expiry,
                                          start=now - _dt.timedelta(minutes=5))
         elif opts.get("credential") is not None or opts.get("anon") is False:
@@ -425,7 +427,8 @@ def delegate(url: str, storage_options: Optional[Mapping[str, Any]] = None, *, w
             with _explained(loc, "get a user delegation key for"):
                 delegation = service.get_user_delegation_key(now - _dt.timedelta(minutes=5),
                                                              expiry)
-            sas = generate_container_sas(account, loc.container, user_delegation_key=delegation,
+            sas = generate_container_sas(str(account), str(loc.container),
+                                         user_delegation_key=delegation,
                                          permission=permission, expiry=expiry,
                                          start=now - _dt.timedelta(minutes=5))
         else:

@@ -14,13 +14,23 @@ whose files land in the run folder, TorchScript model bytes.
         ...
         st.report(epoch, loss=float(loss))
 
-(implementation: :mod:`sparkhvd.rank.torchdist` in the ranks, :mod:`sparkhvd.driver.
+(implementation: :mod:`sparkhvd.torch.training` in the ranks, :mod:`sparkhvd.driver.
 torch_distributor` on the driver -- imported only when used, so a rank stays light)
 """
 from typing import Any
 
-from sparkhvd.rank.torchdist import (Checkpoints, ShardedCheckpoints, TorchContext, model_bytes,
-                                     output_dir, report, setup, unwrap)
+from sparkhvd.torch.training import (
+    Checkpoints,
+    ShardedCheckpoints,
+    TorchContext,
+    model_bytes,
+    output_dir,
+    report,
+    setup,
+    unwrap,
+)
+
+__side__ = "public"
 
 __all__ = ["Checkpoints", "ShardedCheckpoints", "TorchContext", "TorchDistributor",
            "model_bytes", "output_dir", "report", "setup", "unwrap"]
@@ -28,7 +38,7 @@ __all__ = ["Checkpoints", "ShardedCheckpoints", "TorchContext", "TorchDistributo
 
 def __getattr__(name: str) -> Any:
     if name == "TorchDistributor":
-        from sparkhvd.driver.torch_distributor import TorchDistributor
+        from sparkhvd.torch.distributor import TorchDistributor
 
         return TorchDistributor
     raise AttributeError(f"module 'sparkhvd.torch' has no attribute {name!r}")

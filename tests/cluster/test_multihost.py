@@ -98,7 +98,7 @@ def _shard_ids(ds):
 
 
 def test_dataset_cache_on_a_cluster(cluster_spark, cluster_azurite, tmp_path):
-    from sparkhvd.driver.data.dataset import default_cache_parent
+    from sparkhvd.data.dataset import default_cache_parent
 
     df = cluster_spark.range(3000, numPartitions=3).selectExpr("CAST(id AS DOUBLE) AS x",
                                                                "id % 7 AS y")
@@ -124,7 +124,7 @@ def test_dataset_cache_on_a_cluster(cluster_spark, cluster_azurite, tmp_path):
 def _train_and_probe_run_folder(**kw):
     import os
 
-    from sparkhvd.rank.runfiles import run_files
+    from sparkhvd.runfolder.rank_files import run_files
 
     files = run_files()
     files.write_bytes("notes/inside.txt", b"written from a rank")
@@ -325,7 +325,7 @@ def test_elastic_run_survives_a_lost_host(cluster_spark, netns_cluster, tmp_path
 def test_doctor_reports_hosts_interfaces_and_reachability(cluster_spark, netns_cluster):
     from click.testing import CliRunner
 
-    from sparkhvd.cli import main
+    from sparkhvd.ops.cli import main
 
     result = CliRunner().invoke(main, ["doctor", "--np", "3", "--master",
                                        netns_cluster.master_url], env={"COLUMNS": "250"})

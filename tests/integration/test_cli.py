@@ -7,7 +7,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from sparkhvd.cli import main
+from sparkhvd.ops.cli import main
 
 SPARKHVD = os.path.join(os.path.dirname(sys.executable), "sparkhvd")
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -137,7 +137,6 @@ def test_keras_progress_bars_through_sparkhvd_run(tmp_path):
 def test_keras_progress_bars_on_horovods_launcher(spark, tmp_path, rank_lines):
     """The same through launcher="horovod", whose output travels through horovod's own pipes."""
     import plaincode
-
     from sparkhvd import HorovodRunner
     from sparkhvd.common.script import read_script, run_script
 

@@ -52,8 +52,8 @@ def test_too_many_ranks_are_refused_in_seconds(connect, tmp_path):
 
 
 def test_slots_that_cannot_be_counted_say_how_to_declare_them(connect):
-    from sparkhvd.driver.slots import check_slots
-    from sparkhvd.driver.sparkview import SLOTS_CONF, SparkView
+    from sparkhvd.driver.slots import SLOTS_CONF, check_slots
+    from sparkhvd.driver.sparkview import SparkView
 
     class Hidden(SparkView):  # a cluster master whose executor settings a client cannot see
         master = "spark://10.0.0.5:7077"
@@ -72,7 +72,8 @@ def test_slots_that_cannot_be_counted_say_how_to_declare_them(connect):
 
 
 def test_horovod_spark_run_is_refused_with_the_fix(connect):
-    from sparkhvd.driver.launchers import LaunchFacts, choose_launcher as choose
+    from sparkhvd.driver.launchers import LaunchFacts
+    from sparkhvd.driver.launchers import choose_launcher as choose
     from sparkhvd.driver.sparkview import SparkView
 
     def choose_launcher(requested, view, elastic=None):
@@ -148,7 +149,7 @@ def test_backends_that_need_the_driver_say_so_without_the_channel():
 
 
 def test_dataframe_dataset_streams_shards_on_connect(connect, tmp_path, monkeypatch):
-    from sparkhvd.driver.data import materialize
+    from sparkhvd.data import materialize
 
     monkeypatch.setattr(materialize, "ROW_GROUP_BYTES", 8 * 40)
     df = connect.range(1000).selectExpr("id", "id % 10 AS label").repartition(3)
@@ -183,7 +184,7 @@ def small_model(tmp_path_factory):
 @pytest.mark.parametrize("shipping", ["closure", "artifact"])
 def test_predict_on_connect_matches_the_model(connect, small_model, monkeypatch, shipping):
     """No broadcast on Connect: small models ride in the UDF, large ones as an artifact."""
-    from sparkhvd.driver import scoring
+    from sparkhvd.scoring import predict as scoring
 
     if shipping == "artifact":
         monkeypatch.setattr(scoring, "CLOSURE_LIMIT", 0)
@@ -230,7 +231,7 @@ def test_abfss_run_folder_on_connect(connect, azurite, tmp_path):
     def writes_a_file():
         import os
 
-        from sparkhvd.rank.runfiles import run_files
+        from sparkhvd.runfolder.rank_files import run_files
 
         if os.environ["SPARKHVD_RANK"] == "0":
             run_files().write_bytes("notes/hello.txt", b"from rank 0")
@@ -249,13 +250,13 @@ def test_cli_run_and_doctor_take_a_remote(connect_server, tmp_path):
                       "print('worker', cfg['task']['index'], 'of', len(cfg['cluster']['worker']),"
                       " 'args', sys.argv[1:])\n")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "300"}  # rich wraps tables at 80
-    out = subprocess.run([sys.executable, "-m", "sparkhvd.cli", "run", str(script), "--np", "2",
+    out = subprocess.run([sys.executable, "-m", "sparkhvd.ops.cli", "run", str(script), "--np", "2",
                           "--backend", "tf", "--remote", connect_server.url,
                           "--output-dir", str(tmp_path / "runs"), "--", "--epochs", "1"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[rank 0] worker 0 of 2 args ['--epochs', '1']" in out.stdout + out.stderr
-    out = subprocess.run([sys.executable, "-m", "sparkhvd.cli", "doctor", "--remote",
+    out = subprocess.run([sys.executable, "-m", "sparkhvd.ops.cli", "doctor", "--remote",
                           connect_server.url, "--np", "2"],
                          capture_output=True, text=True, timeout=300, env=env)
     text = out.stdout + out.stderr

@@ -117,7 +117,7 @@ def test_each_row_once_per_epoch_equal_steps_and_shuffled(spark, tmp_path, monke
                                                           streaming, backend):
     """The sharding policy, in memory and streamed (a tiny memory budget and tiny row groups
     force several row-group pieces per shard and several shuffle windows)."""
-    from sparkhvd.driver.data import materialize
+    from sparkhvd.data import materialize
 
     n, batch, size = 1003, 16, 2
     if streaming:
@@ -146,11 +146,11 @@ def test_each_row_once_per_epoch_equal_steps_and_shuffled(spark, tmp_path, monke
 
 def test_streamed_epoch_without_drops_sees_every_row_once(spark, monkeypatch):
     """When the range divides into batches, a streamed shuffled epoch is a permutation."""
-    from sparkhvd.driver.data import materialize
+    from sparkhvd.data import materialize
 
     monkeypatch.setattr(materialize, "ROW_GROUP_BYTES", 8 * 24)
     df = spark.range(960, numPartitions=4).selectExpr("id", "id % 3 AS label")
-    from sparkhvd.rank.data.shard import DatasetShard
+    from sparkhvd.data.shard import DatasetShard
 
     with DataFrameDataset(df, "id", "label", memory_cache=0).materialize() as dataset:
         ds = DatasetShard(dataset.source)  # what a rank gets, read here
@@ -210,7 +210,7 @@ def test_tf_dataset_shapes_and_repeat(spark):
 
     df = spark.createDataFrame([(float(i), [float(i)] * 4, i % 2) for i in range(40)],
                                ["a", "v", "y"])
-    from sparkhvd.rank.data.shard import DatasetShard
+    from sparkhvd.data.shard import DatasetShard
 
     dataset = DataFrameDataset(df, features=["a", "v"], label="y", shapes={"v": (2, 2)})
     ds = DatasetShard(dataset.materialize().source)  # what a rank gets, read here
@@ -364,7 +364,7 @@ def test_remote_cache_on_azurite(spark, azurite, tmp_path, backend):
                             backend=backend).run_all(read_all, ds=ds)
     assert ds.cache_dir.startswith(azurite.url("cache", "datasets"))
     assert sorted(results[0][0] + results[1][0]) == list(range(3000))
-    for ids, options, wrote, streamed in results:
+    for _ids, options, wrote, streamed in results:
         assert streamed and "SharedAccessSignature=" in options
         assert key not in options and "AccountKey" not in options
         assert not wrote, "the ranks' token is read-only"
@@ -380,7 +380,7 @@ def test_remote_cache_on_azurite(spark, azurite, tmp_path, backend):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_windows_span_pieces_of_any_size(shuffle):
     """Batches gathered across pieces (no window copy) hold whole rows, each once."""
-    from sparkhvd.rank.data.reader import Piece, epoch_batches
+    from sparkhvd.data.reader import Piece, epoch_batches
 
     sizes = [5, 1, 13, 7, 2, 40, 3]
     pieces, offset = [], 0

@@ -22,7 +22,7 @@ def test_demo_trains_saves_and_reloads(spark, tmp_path, rank_lines, capsys, back
     if backend == "torch":
         model = "model.pt"
     else:
-        from sparkhvd.storage.kerasio import keras_major
+        from sparkhvd.keras.modelio import keras_major
 
         model = "model.keras" if keras_major() >= 3 else "model.h5"
     assert record["status"] == "succeeded" and record["model"] == model

@@ -11,7 +11,6 @@ import time
 import pytest
 
 from conftest import still_alive
-
 from sparkhvd import HorovodRunner, TrainingError
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]

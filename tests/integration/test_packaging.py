@@ -9,13 +9,13 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 import sparkhvd
 from sparkhvd import EnvironmentMismatchError
-from sparkhvd.driver.stack import SPARK_RANGE, check_spark, spark_features, spark_problem
+from sparkhvd.driver.installed import SPARK_RANGE, check_spark, spark_features, spark_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: What a runtime provides and an install must leave alone.
@@ -26,7 +26,7 @@ PROVIDED = {"pyspark", "py4j", "numpy", "pandas", "pyarrow", "tensorflow", "tens
 def _name(requirement: str) -> str:
     import re
 
-    return re.split(r"[\s<>=!~\[;]", requirement, 1)[0].lower().replace("_", "-")
+    return re.split(r"[\s<>=!~\[;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
 
 
 def test_pyspark_is_an_extra_and_the_data_stack_has_no_upper_bounds():
@@ -114,9 +114,9 @@ def test_horovod_backend_without_horovod_names_both_fixes(tmp_path):
 
 
 def test_doctor_reports_the_spark_version_and_its_features():
-    from sparkhvd.driver import doctor
-
     import pyspark
+
+    from sparkhvd.ops import doctor
 
     row = doctor.check("Spark", doctor.spark_stack, "")
     assert row.ok and row.detail.startswith(f"pyspark {pyspark.__version__}: ")

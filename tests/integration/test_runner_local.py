@@ -17,6 +17,23 @@ def test_local_ranks_return_rank0_result(tmp_path):
     assert runner.run_all(train, k=2) == [(2, 2), (12, 2)]
 
 
+def test_the_function_may_be_passed_as_fn_and_have_its_own_fn(tmp_path):
+    """Databricks' HorovodRunner takes run(fn=train, np=7); a function with its own ``fn``
+    parameter still gets it when passed first."""
+    def train(np, scale=1):
+        return np * scale
+
+    def apply(fn, x):
+        return fn + x
+
+    runner = HorovodRunner(np=-1, output_dir=str(tmp_path))
+    assert runner.run(fn=train, np=7) == 7
+    assert runner.run_all(fn=train, np=2, scale=3) == [6]
+    assert runner.run(apply, fn=10, x=1) == 11
+    with pytest.raises(TypeError, match="missing the training function"):
+        runner.run(np=7)
+
+
 def test_local_allreduce_with_horovod(tmp_path):
     def train():
         import horovod.tensorflow as hvd

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import digits_keras
-from conftest import wait_for
 import sparkhvd
+from conftest import wait_for
 from sparkhvd import EnvironmentMismatchError, HorovodRunner, TrainingError
 
 pytestmark = [pytest.mark.every_profile, pytest.mark.timeout(600)]

@@ -163,7 +163,6 @@ def test_a_function_without_a_strategy_is_refused_before_training(spark, tmp_pat
     it inside one). Bare, each worker would train its own model: refused at fit, with the fix;
     through sparkhvd.keras.in_strategy it trains as one model."""
     from plaincode.tf_strategyless import train
-
     from sparkhvd import TrainingError
     from sparkhvd.keras import in_strategy
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import conftest
-
 import sparkhvd
 from sparkhvd import DataFrameDataset, HorovodRunner, TrainingError
 
@@ -202,7 +201,7 @@ def test_a_torchrun_script_through_the_cli(tmp_path):
               flush=True)
         dist.destroy_process_group()
     """))
-    out = subprocess.run([sys.executable, "-m", "sparkhvd.cli", "run", str(script), "--np", "-2",
+    out = subprocess.run([sys.executable, "-m", "sparkhvd.ops.cli", "run", str(script), "--np", "-2",
                           "--backend", "torch", "--output-dir", str(tmp_path / "runs"),
                           "--", "--value", "2"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -14,7 +14,6 @@ import textwrap
 import pytest
 
 import conftest
-
 import torch_clients
 from sparkhvd import HorovodRunner, TrainingError
 
@@ -98,7 +97,7 @@ def test_a_lightning_script_through_the_cli_in_torchdistributors_numbering(tmp_p
         print("RECORD", json.dumps(record), flush=True)
     """))
     out = subprocess.run(
-        [sys.executable, "-m", "sparkhvd.cli", "run", str(script), "--np", "-2", "--backend",
+        [sys.executable, "-m", "sparkhvd.ops.cli", "run", str(script), "--np", "-2", "--backend",
          "torch", "--local-ranks", "task", "--output-dir", str(tmp_path / "runs"), "--", "2"],
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

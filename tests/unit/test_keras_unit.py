@@ -4,8 +4,8 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from sparkhvd.driver.curves import plot_curves, write_metrics_csv  # noqa: E402
 from sparkhvd.keras import LearningRateWarmup, MetricAverage, warmup_lr  # noqa: E402
+from sparkhvd.runfolder.curves import plot_curves, write_metrics_csv  # noqa: E402
 
 
 class FakeHvd:

@@ -31,7 +31,7 @@ def test_horovod_instance_details_still_exist(module, cls, attr):
 
 
 def test_keras3_trainer_details_exist_where_keras3_is_installed():
-    from sparkhvd.storage.kerasio import keras_major
+    from sparkhvd.keras.modelio import keras_major
 
     if keras_major() < 3:
         pytest.skip("Keras 2 here: the Keras 3 patch is not used (see the modern profile)")
@@ -40,8 +40,8 @@ def test_keras3_trainer_details_exist_where_keras3_is_installed():
 
 
 def test_untested_horovod_is_refused(monkeypatch):
-    import types
     import sys
+    import types
 
     from sparkhvd import EnvironmentMismatchError
 

@@ -57,7 +57,7 @@ def test_launch_settings_are_checked_where_they_are_made(kwargs, message):
 
 def test_a_fraction_of_a_second_stays_a_fraction():
     """start_timeout=0.5 used to become int(0.5) == 0: no time at all to start."""
-    from sparkhvd.driver.launchers.horovod import whole_seconds
+    from sparkhvd.driver.launchers.horovod_spark import whole_seconds
 
     hr = HorovodRunner(np=2, start_timeout=0.5)
     assert hr.launch_config.start_timeout == 0.5
@@ -65,10 +65,12 @@ def test_a_fraction_of_a_second_stays_a_fraction():
 
 
 def test_the_launch_spec_is_built_once_and_read_only():
-    spec = LaunchSpec(np=2, payload=b"", options=RankOptions(return_all=True), env={"A": "1"},
-                      start_timeout=0.5, placement=Placement("local"))
+    spec = LaunchSpec(scaling=ScalingConfig(np=2), launch=LaunchConfig(start_timeout=0.5),
+                      backend="torch", payload=b"", options=RankOptions(return_all=True),
+                      env={"A": "1"}, placement=Placement("local"))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        spec.np = 3
+        spec.payload = b"x"
+    assert spec.np == 2 and spec.tasks == 2 and spec.elastic is None
     with pytest.raises(TypeError):
         spec.env["B"] = "2"
     assert spec.start_timeout == 0.5 and spec.driver_host == "127.0.0.1"

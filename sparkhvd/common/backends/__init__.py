@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import AbstractSet as Set
 from typing import Mapping, Optional, Protocol
 
 from sparkhvd.common.protocol import TaskInfo
+
+__side__ = "common"
 
 __all__ = ["BACKENDS", "Backend", "RunTag", "TaskInfo", "get_backend", "hosts_in_order",
            "nodes_of"]
@@ -44,7 +47,7 @@ class Backend(Protocol):
     #: Whether tasks can run :meth:`assign` themselves when they cannot reach the driver.
     assigns_in_tasks: bool
 
-    def start(self, driver_host: str, nics: Optional[set], verbose: bool,
+    def start(self, driver_host: str, nics: Optional[Set[str]], verbose: bool,
               run: RunTag = RunTag()) -> dict[str, str]:
         """Start what the ranks rendezvous through; variables every rank gets."""
 
@@ -64,7 +67,7 @@ class PeerBackend:
     needs_port = True
     assigns_in_tasks = True
 
-    def start(self, driver_host: str, nics: Optional[set], verbose: bool,
+    def start(self, driver_host: str, nics: Optional[Set[str]], verbose: bool,
               run: RunTag = RunTag()) -> dict[str, str]:
         from sparkhvd.common.protocol import BACKEND_ENV
 
@@ -116,4 +119,5 @@ def get_backend(name: str) -> Backend:
     """A fresh backend object for one run."""
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {name!r}")
-    return importlib.import_module(f".{name}", __name__).Backend()
+    backend: Backend = importlib.import_module(f".{name}", __name__).Backend()
+    return backend

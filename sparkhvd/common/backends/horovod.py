@@ -1,10 +1,12 @@
 """The Horovod backend: horovod's Gloo rendezvous server and ``HOROVOD_*`` rank variables."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import AbstractSet, Any, Mapping, Optional
 
 from sparkhvd.common.backends import RunTag, TaskInfo, hosts_in_order
 from sparkhvd.common.netif import IFACE_VARS
+
+__side__ = "common"
 
 
 def assign_ranks(hosts: Mapping[int, str]) -> tuple[list[Any], dict[int, dict[str, str]]]:
@@ -32,7 +34,7 @@ class Backend:
     def __init__(self) -> None:
         self._server: Any = None
 
-    def start(self, driver_host: str, nics: Optional[set], verbose: bool,
+    def start(self, driver_host: str, nics: Optional[AbstractSet[str]], verbose: bool,
               run: Optional[RunTag] = None) -> dict[str, str]:
         from horovod.runner.gloo_run import create_run_env_vars
         from horovod.runner.http.http_server import RendezvousServer

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from typing import Mapping
 
-from sparkhvd.common.identity import RankIdentity
 from sparkhvd.common.backends import PeerBackend, TaskInfo, host_ranks, hosts_in_order, nodes_of
+from sparkhvd.common.identity import RankIdentity
+
+__side__ = "common"
 
 
 class Backend(PeerBackend):

@@ -26,9 +26,17 @@ from __future__ import annotations
 import secrets
 from typing import Mapping
 
-from sparkhvd.common.backends import (PeerBackend, RunTag, TaskInfo, host_ranks,
-                                       hosts_in_order, nodes_of)
+from sparkhvd.common.backends import (
+    PeerBackend,
+    RunTag,
+    TaskInfo,
+    host_ranks,
+    hosts_in_order,
+    nodes_of,
+)
 from sparkhvd.common.identity import RankIdentity
+
+__side__ = "common"
 
 
 class Backend(PeerBackend):

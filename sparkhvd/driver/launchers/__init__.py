@@ -11,14 +11,14 @@ Every launcher takes the same :class:`LaunchSpec` and a *sink* (the run's
 ``barrier``   the default on Spark: one barrier stage, a control connection per task, one
               supervised rank process per task (:mod:`sparkhvd.driver.launchers.barrier`)
 ``horovod``   ``horovod.spark.run`` / ``run_elastic``: elastic runs, and sessions with dynamic
-              allocation, which barrier stages cannot use (:mod:`~.launchers.horovod`); horovod
+              allocation, which barrier stages cannot use (:mod:`~.launchers.horovod_spark`); horovod
               starts the ranks itself, in its own task processes
 ``local``     ``np < 0``: supervised rank processes on the driver (:mod:`~.launchers.local`)
 ============  ==================================================================================
 
 The shared lifecycle -- watching a launch from an interruptible thread, aborting, cancelling the
 Spark job, killing what is left -- lives in :mod:`sparkhvd.driver.launchers.base`; the barrier and
-local launchers start each rank as a :class:`sparkhvd.executor.process.RankProcess`.
+local launchers start each rank as a :class:`sparkhvd.common.rankprocess.RankProcess`.
 """
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 
 from sparkhvd.common.backends import RunTag
 from sparkhvd.common.protocol import RankOptions
+from sparkhvd.driver.settings import LaunchConfig, ScalingConfig
 
-#: What ``HorovodRunner(launcher=...)`` accepts.
-LAUNCHERS = ("auto", "barrier", "horovod")
+__side__ = "driver"
+
 
 
 @dataclass(frozen=True)
@@ -54,34 +55,61 @@ class Placement:
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """Everything a launcher needs to start ``np`` ranks: built once by the runner, then read."""
+    """Everything a launcher needs to start the ranks: built once per attempt by the run, then
+    read. Each setting is carried once: the user's groups as they were validated
+    (:class:`~sparkhvd.driver.settings.ScalingConfig`, :class:`~sparkhvd.driver.settings.
+    LaunchConfig`), and what the run decided (payload, options, environment, placement)."""
 
-    np: int
+    scaling: ScalingConfig
+    launch: LaunchConfig
+    backend: str
     payload: bytes
     options: RankOptions
     #: Variables every rank gets (the rank's own are added per task).
     env: Mapping[str, str]
-    start_timeout: float
     placement: Placement
-    verbose: bool = False
-    backend: str = "horovod"
+    #: The run's time limit (``run(timeout=...)``).
     timeout: Optional[float] = None
-    elastic: Optional[tuple[int, int]] = None
-    #: A Spark task silent for this long is a lost host (barrier launcher).
-    heartbeat_timeout: float = 15.0
-    #: Ranks each task starts (``np`` is a multiple), and whether each task is its own node.
-    ranks_per_task: int = 1
-    node_per_task: bool = False
     #: The run and attempt, for backends that tell their ranks (torchrun's variables).
     run: RunTag = RunTag()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
 
+    # -- read through to the one place each setting lives ---------------------------------
+    @property
+    def np(self) -> int:
+        return self.scaling.size
+
     @property
     def tasks(self) -> int:
         """How many tasks (groups of ``ranks_per_task`` ranks) the launch starts."""
-        return self.np // self.ranks_per_task
+        return self.scaling.tasks
+
+    @property
+    def ranks_per_task(self) -> int:
+        return self.scaling.ranks_per_task
+
+    @property
+    def node_per_task(self) -> bool:
+        return self.scaling.node_per_task
+
+    @property
+    def elastic(self) -> Optional[tuple[int, int]]:
+        return self.scaling.elastic
+
+    @property
+    def start_timeout(self) -> float:
+        return self.launch.start_timeout
+
+    @property
+    def heartbeat_timeout(self) -> float:
+        """A Spark task silent for this long is a lost host (barrier launcher)."""
+        return self.launch.heartbeat_timeout
+
+    @property
+    def verbose(self) -> bool:
+        return self.launch.verbose
 
     @property
     def driver_host(self) -> str:
@@ -101,14 +129,15 @@ class Sink(Protocol):
 
     #: PID -> host of every rank process that started (so a launcher kills only its own).
     pid_hosts: dict[int, str]
-    #: How the reports came (barrier launcher): ``"live"`` or ``"rows"``; set by the launcher.
-    channel: Optional[str]
-    #: The run's :class:`~sparkhvd.driver.stacks.RunMonitor` (or None): a launcher passes it to
-    #: ``watch`` and may set its ``ask_stacks`` to its own way of reaching the ranks.
+    #: The run's :class:`~sparkhvd.driver.monitor.RunMonitor` (or None): a launcher passes it to
+    #: ``watch`` and may tell it (``reach_ranks``) its own way of reaching the ranks.
     monitor: Any
 
     def receive(self, msg: Any) -> None:
         """One message from a rank (output line or event)."""
+
+    def reported_by(self, channel: str) -> None:
+        """How the reports came (barrier launcher): ``"live"`` or ``"rows"``."""
 
     def stale_error(self) -> Optional[Any]:
         """A LaunchFailure for a rank that reported an exception but has not exited in time."""
@@ -122,11 +151,16 @@ class Launcher(Protocol):
     def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]: ...
 
 
+#: Launcher name -> its module: ``horovod`` is horovod's Spark launcher (``horovod.spark.run``),
+#: not the horovod *backend* (which the barrier launcher runs too).
+MODULES = {"barrier": "barrier", "horovod": "horovod_spark", "local": "local"}
+
+
 def get_launcher(name: str) -> Launcher:
     """The launcher called ``name`` (``barrier``, ``horovod`` or ``local``)."""
-    if name not in ("barrier", "horovod", "local"):
+    if name not in MODULES:
         raise ValueError(f"unknown launcher {name!r}")
-    return importlib.import_module(f".{name}", __name__).LAUNCHER
+    return importlib.import_module(f"{__name__}.{MODULES[name]}").LAUNCHER
 
 
 @dataclass(frozen=True)

@@ -34,18 +34,20 @@ import socketserver
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.backends import TaskInfo, get_backend
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.common.identity import RankIdentity
-from sparkhvd.common.protocol import TaskSpec, rank_slots, task_slots
 from sparkhvd.common.netif import collective_iface_env
-from sparkhvd.driver.outcome import load_result
+from sparkhvd.common.protocol import TaskSpec, rank_slots, task_slots
 from sparkhvd.driver.launchers import LaunchSpec, Sink
 from sparkhvd.driver.launchers.base import SPARK_TIMEOUT, stopper, watch
+from sparkhvd.driver.payload import load_result
 from sparkhvd.driver.sparkview import stopped_session_error
+
+__side__ = "driver"
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,7 @@ class ControlServer(socketserver.ThreadingTCPServer):
         self.ports: dict[int, list] = {}
 
     # -- called from handler threads ------------------------------------------------------
-    def register(self, task: _Task, ports: list) -> Optional[list]:
+    def register(self, task: _Task, ports: list) -> Any:
         """Block until all ``np`` tasks registered; the variables of each of the task's ranks,
         or None if aborted."""
         with self.cond:
@@ -141,6 +143,7 @@ class ControlServer(socketserver.ThreadingTCPServer):
             if self.detached:
                 self.tasks.pop(task.info.partition, None)
                 return DETACHED
+            assert self.plan is not None
             return [{**self.run_env, **self.plan[slot]}
                     for slot in self._slots(task.info.partition)]
 
@@ -162,7 +165,7 @@ class ControlServer(socketserver.ThreadingTCPServer):
         task.last_seen = time.monotonic()
         if isinstance(msg, protocol.Heartbeat):
             return
-        if isinstance(msg, protocol.Line) and len(task.ranks) == 1:
+        if isinstance(msg, protocol.Line) and len(task.ranks) == 1 and task.rank is not None:
             msg.rank = task.rank
         if isinstance(msg, protocol.Started) and not msg.host:
             msg.host = task.info.host
@@ -296,7 +299,7 @@ class BarrierLauncher:
     name = "barrier"
 
     def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]:
-        from sparkhvd.executor.barrier import ROW_SCHEMA, arrow_barrier_task, result_kind
+        from sparkhvd.executor.barrier import ROW_SCHEMA, arrow_barrier_task
 
         view = spec.session
         backend = get_backend(spec.backend)
@@ -316,40 +319,10 @@ class BarrierLauncher:
             start_timeout=float(spec.start_timeout), backend=spec.backend,
             run_env=dict(run_env), ranks_per_task=spec.ranks_per_task,
             node_per_task=spec.node_per_task))
-        waited = {"warned": False, "probed": 0.0}
-
         def target() -> list:
             return job.run(lambda: view.barrier_collect(spec.tasks, mapper, ROW_SCHEMA))
 
-        def check(elapsed: float) -> None:
-            if view.stopped():
-                raise stopped_session_error(during=True)
-            failure = server.failure(spec.heartbeat_timeout) or sink.stale_error()
-            if failure is not None or elapsed - waited["probed"] >= LIVENESS_S:
-                # a rank lost, or time to look: is it the session that is gone? (a lost
-                # Connect server takes its executors' ranks with it, and says nothing)
-                waited["probed"] = elapsed
-                lost = view.lost()
-                if lost is not None:
-                    view.abandon()
-                    raise lost
-            if failure is not None:
-                raise failure
-            server.detach_if_incomplete(DETACH_AFTER_S)
-            if server.plan is None and not server.detached and elapsed > spec.start_timeout:
-                if not view.connect:
-                    raise TimeoutError(
-                        f"The {spec.tasks} Spark task(s) did not all start within start_timeout="
-                        f"{spec.start_timeout:g} s, or could not reach this driver's control "
-                        f"channel ({spec.driver_host}). Check the cluster's free task slots "
-                        "and `sparkhvd doctor --np N`; or raise start_timeout.")
-                if not waited["warned"]:
-                    waited["warned"] = True
-                    log.warning(
-                        "No Spark task reached this client's control channel (%s) within %g s: "
-                        "if the executors cannot reach this machine, the ranks run without live "
-                        "logs and their output, errors and results arrive when the job ends "
-                        "(timeout= bounds the wait).", spec.driver_host, spec.start_timeout)
+        check = _checker(spec, view, server, sink)
 
         def cancel() -> None:
             server.abort()
@@ -358,7 +331,7 @@ class BarrierLauncher:
         stop = stopper(cancel, sink)
         monitor = getattr(sink, "monitor", None)
         if monitor is not None:
-            monitor.ask_stacks = server.ask_stacks
+            monitor.reach_ranks(server.ask_stacks)
         try:
             collected = watch(target, timeout=spec.timeout, check=check, stop=stop,
                               name="sparkhvd-barrier", timeout_message=SPARK_TIMEOUT,
@@ -376,14 +349,60 @@ class BarrierLauncher:
             threading.Thread(target=_stop_servers, args=(server, backend), daemon=True,
                              name="sparkhvd-stop-servers").start()
         modes = {t["status"].get("mode") for t in tasks.values()}
-        sink.channel = "rows" if "rows" in modes else "live"
-        results: list[Any] = [None] * spec.np
-        for partition, task in server.tasks.items():
-            for i, rank in enumerate(task.ranks):
-                data = tasks.get(partition, {}).get(result_kind(i))
-                if data is not None:
-                    results[rank] = load_result(rank, data)
-        return results
+        sink.reported_by("rows" if "rows" in modes else "live")
+        return _results(server, tasks, spec.np)
+
+
+def _checker(spec: LaunchSpec, view: Any, server: ControlServer, sink: Sink
+             ) -> Callable[[float], None]:
+    """What the watch loop checks at every poll: a stopped or lost session, a lost or failed
+    rank, tasks that never reached the control channel (then the run goes on in rows mode)."""
+    waited = {"warned": False, "probed": 0.0}
+
+    def check(elapsed: float) -> None:
+        if view.stopped():
+            raise stopped_session_error(during=True)
+        failure = server.failure(spec.heartbeat_timeout) or sink.stale_error()
+        if failure is not None or elapsed - waited["probed"] >= LIVENESS_S:
+            # a rank lost, or time to look: is it the session that is gone? (a lost
+            # Connect server takes its executors' ranks with it, and says nothing)
+            waited["probed"] = elapsed
+            lost = view.lost()
+            if lost is not None:
+                view.abandon()
+                raise lost
+        if failure is not None:
+            raise failure
+        server.detach_if_incomplete(DETACH_AFTER_S)
+        if server.plan is None and not server.detached and elapsed > spec.start_timeout:
+            if not view.connect:
+                raise TimeoutError(
+                    f"The {spec.tasks} Spark task(s) did not all start within start_timeout="
+                    f"{spec.start_timeout:g} s, or could not reach this driver's control "
+                    f"channel ({spec.driver_host}). Check the cluster's free task slots "
+                    "and `sparkhvd doctor --np N`; or raise start_timeout.")
+            if not waited["warned"]:
+                waited["warned"] = True
+                log.warning(
+                    "No Spark task reached this client's control channel (%s) within %g s: "
+                    "if the executors cannot reach this machine, the ranks run without live "
+                    "logs and their output, errors and results arrive when the job ends "
+                    "(timeout= bounds the wait).", spec.driver_host, spec.start_timeout)
+
+    return check
+
+
+def _results(server: ControlServer, tasks: dict[int, dict[str, Any]], np: int) -> list[Any]:
+    """The ranks' return values in rank order, from the collected rows."""
+    from sparkhvd.executor.barrier import result_kind
+
+    results: list[Any] = [None] * np
+    for partition, task in server.tasks.items():
+        for i, rank in enumerate(task.ranks):
+            data = tasks.get(partition, {}).get(result_kind(i))
+            if data is not None:
+                results[rank] = load_result(rank, data)
+    return results
 
 
 def control_address(spec: LaunchSpec, server: ControlServer) -> tuple[str, int]:

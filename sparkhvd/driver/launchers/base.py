@@ -17,11 +17,10 @@ from typing import Any, Callable, Optional
 from sparkhvd.common.errors import SessionError
 from sparkhvd.common.proctree import stop_pids
 
+__side__ = "driver"
+
 log = logging.getLogger(__name__)
 
-#: A rank that reported an exception but has not exited after this long is stopped anyway
-#: (e.g. multiprocessing's exit handler waiting on a child, or a hung collective).
-ERROR_EXIT_GRACE_S = 5.0
 #: The TimeoutError of a Spark launch that ran past run(timeout=...).
 SPARK_TIMEOUT = ("The training did not finish within {timeout:g} s; the ranks were stopped and "
                  "the Spark job cancelled.")
@@ -33,7 +32,7 @@ def watch(target: Callable[[], Any], *, timeout: Optional[float],
     """Run ``target()`` in a thread; return its value or raise its exception.
 
     ``check(elapsed_s)`` runs at every poll and may raise (a failed rank); so does the run's
-    ``monitor`` (:class:`~sparkhvd.driver.stacks.RunMonitor`: stack requests, stalls). Past
+    ``monitor`` (:class:`~sparkhvd.driver.monitor.RunMonitor`: stack requests, stalls). Past
     ``timeout`` a ``TimeoutError(timeout_message)`` is raised, with where each rank was (their
     stacks are collected before they are stopped). On any exception ``stop()`` runs first.
     """

@@ -1,6 +1,6 @@
 """``np < 0``: ranks as supervised processes on the driver, no Spark tasks (quick debugging).
 
-The same rank processes as on Spark (:class:`~sparkhvd.executor.process.RankProcess`), the same
+The same rank processes as on Spark (:class:`~sparkhvd.common.rankprocess.RankProcess`), the same
 rendezvous (the backend's), on the loopback interface. Each rank dies with the driver (its
 supervisor gets SIGTERM through ``PR_SET_PDEATHSIG`` and ends the rank's whole tree).
 """
@@ -19,10 +19,12 @@ from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.common.identity import RankIdentity
 from sparkhvd.common.netif import collective_iface_env
 from sparkhvd.common.protocol import rank_slots
-from sparkhvd.driver.outcome import load_result
-from sparkhvd.executor.process import RankProcess
+from sparkhvd.common.rankprocess import RankProcess
 from sparkhvd.driver.launchers import LaunchSpec, Sink
 from sparkhvd.driver.launchers.base import watch
+from sparkhvd.driver.payload import load_result
+
+__side__ = "driver"
 
 
 def _free_port() -> int:
@@ -42,19 +44,7 @@ class LocalLauncher:
                    **collective_iface_env({"lo"}, None)}
         procs: list[RankProcess] = []
         try:
-            slots: dict[int, TaskInfo] = {}
-            for task in range(spec.tasks):  # groups of ranks_per_task play the Spark tasks
-                ports = [_free_port() for _ in range(spec.ranks_per_task)] \
-                    if backend.needs_port else []
-                slots.update(rank_slots(task, "localhost", "127.0.0.1", ports,
-                                        spec.ranks_per_task, spec.node_per_task))
-            plan = backend.assign(slots)
-            for partition in range(spec.np):
-                assigned = {**run_env, **plan[partition]}
-                rank = RankIdentity.from_env(assigned, default_rank=partition).rank
-                procs.append(RankProcess(spec.payload, spec.options.as_dict(),
-                                         process_env(os.environ, spec.env, assigned), rank=rank,
-                                         on_line=sink.receive, on_event=sink.receive).start())
+            _start_ranks(spec, backend, run_env, sink, procs)
             exited: dict[int, float] = {}
 
             def wait_all() -> None:
@@ -84,18 +74,17 @@ class LocalLauncher:
 
             monitor = getattr(sink, "monitor", None)
             if monitor is not None:
-                monitor.ask_stacks = lambda: [proc.request_stacks() for proc in procs]
+                def ask_stacks() -> None:
+                    for proc in procs:
+                        proc.request_stacks()
+
+                monitor.reach_ranks(ask_stacks)
             watch(wait_all, timeout=spec.timeout, check=check, stop=stop,
                   name="sparkhvd-local", monitor=monitor,
                   timeout_message="The training did not finish within {timeout:g} s; the "
                   "rank processes were stopped.")
             check(0.0)
-            results: list[Any] = [None] * spec.np
-            for proc in procs:
-                blob = proc.result()
-                if blob is not None:
-                    results[proc.rank] = load_result(proc.rank, blob)
-            return results
+            return _results(procs, spec.np)
         finally:
             for proc in procs:
                 with contextlib.suppress(Exception):
@@ -106,3 +95,31 @@ class LocalLauncher:
 
 
 LAUNCHER = LocalLauncher()
+
+
+def _start_ranks(spec: LaunchSpec, backend: Any, run_env: dict[str, str], sink: Sink,
+                 procs: list[RankProcess]) -> None:
+    """Start every rank, numbered as Spark tasks of ``ranks_per_task`` would be, into
+    ``procs`` (filled as they start, so that a failure stops those already running)."""
+    slots: dict[int, TaskInfo] = {}
+    for task in range(spec.tasks):  # groups of ranks_per_task play the Spark tasks
+        ports = [_free_port() for _ in range(spec.ranks_per_task)] if backend.needs_port else []
+        slots.update(rank_slots(task, "localhost", "127.0.0.1", ports, spec.ranks_per_task,
+                                spec.node_per_task))
+    plan = backend.assign(slots)
+    for partition in range(spec.np):
+        assigned = {**run_env, **plan[partition]}
+        rank = RankIdentity.from_env(assigned, default_rank=partition).rank
+        procs.append(RankProcess(spec.payload, spec.options.as_dict(),
+                                 process_env(os.environ, spec.env, assigned), rank=rank,
+                                 on_line=sink.receive, on_event=sink.receive).start())
+
+
+def _results(procs: list[RankProcess], np: int) -> list[Any]:
+    """The ranks' return values, in rank order (None where a rank kept none)."""
+    results: list[Any] = [None] * np
+    for proc in procs:
+        blob = proc.result()
+        if blob is not None:
+            results[proc.rank] = load_result(proc.rank, blob)
+    return results

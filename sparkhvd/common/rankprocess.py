@@ -1,0 +1,210 @@
+"""One supervised rank process: :class:`RankProcess`.
+
+How the barrier launcher's Spark task (on an executor) and the local launcher (on the driver,
+``np < 0``, playing the executor's part) start a rank; horovod's launcher starts its ranks
+itself. It writes the payload to a private folder, starts
+``python -m sparkhvd.rank.supervisor`` (a supervisor and the rank, see that module), reads the
+rank's stdout/stderr as bounded line pieces and its event pipe as typed messages, and at the end
+makes sure nothing of the rank's process tree is left.
+"""
+from __future__ import annotations
+
+import codecs
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Any, Callable, Mapping, Optional
+
+from sparkhvd.common import protocol
+from sparkhvd.common.proctree import kill_group
+
+__side__ = "common"
+
+#: The rank process gets this long to stop after SIGTERM before its group is SIGKILLed.
+TERM_GRACE_S = 3.0
+#: How long the end of a rank's output may take to arrive after it exited.
+DRAIN_S = 5.0
+#: Longest event line (an exception with a long traceback).
+MAX_EVENT_BYTES = 8 << 20
+#: A rank that has not sent its stacks this long after the signal is read with py-spy.
+STACKS_ANSWER_S = 2.0
+
+
+class RankProcess:
+    """One rank: a supervised process whose output and events are pumped to callbacks.
+
+    Args:
+        payload: the pickled function and arguments.
+        options: rank options (see :func:`sparkhvd.rank.bootstrap.rank_main`).
+        env: the rank's whole environment (see :mod:`sparkhvd.common.environment`).
+        rank: the rank number, for the output lines.
+        on_line: called with each :class:`~sparkhvd.common.protocol.Line` (from pump threads).
+        on_event: called with each event message the rank emits (from a pump thread).
+    """
+
+    def __init__(self, payload: bytes, options: Mapping[str, Any], env: Mapping[str, str], *,
+                 rank: int, on_line: Callable[[protocol.Line], None],
+                 on_event: Callable[[Any], None]) -> None:
+        self.payload = payload
+        self.options = dict(options)
+        self.env = dict(env)
+        self.rank = rank
+        self.on_line = on_line
+        self.on_event = on_event
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+        self.work: Optional[str] = None
+        self._pumps: list[threading.Thread] = []
+        #: the rank process itself (the supervisor's child), once it announced itself
+        self.rank_pid: Optional[int] = None
+        self._stacks_seen = threading.Event()
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> "RankProcess":
+        self.work = tempfile.mkdtemp(prefix="sparkhvd-rank-")
+        payload_path = os.path.join(self.work, protocol.PAYLOAD_FILE)
+        with open(payload_path, "wb") as f:
+            f.write(self.payload)
+        read_fd, write_fd = os.pipe()
+        # The supervisor asks for SIGTERM when this process dies (PR_SET_PDEATHSIG) itself, at
+        # once: no preexec_fn, whose Python code between fork and exec aborts a child of a
+        # process that has gRPC loaded (a Spark Connect client, TorchDistributor's imports).
+        env = {**self.env, protocol.EVENTS_FD_ENV: str(write_fd),
+               protocol.PARENT_PID_ENV: str(os.getpid())}
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "sparkhvd.rank.supervisor", payload_path, self.work,
+                 json.dumps(self.options)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(write_fd,))
+        finally:
+            os.close(write_fd)
+        events = os.fdopen(read_fd, "rb")
+        for target, args in ((self._pump_lines, (self.proc.stdout, "stdout")),
+                             (self._pump_lines, (self.proc.stderr, "stderr")),
+                             (self._pump_events, (events,))):
+            thread = threading.Thread(target=target, args=args, daemon=True,
+                                      name=f"sparkhvd-rank{self.rank}-pump")
+            thread.start()
+            self._pumps.append(thread)
+        return self
+
+    # -- pumps --------------------------------------------------------------------------------
+    def _pump_lines(self, pipe: Any, tag: str) -> None:
+        from sparkhvd.common.outputlines import PARTIAL, UPDATE, OutputSplitter
+
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        splitter = OutputSplitter()
+        try:
+            while True:
+                chunk = pipe.read1(protocol.MAX_CHUNK_BYTES)
+                pieces = splitter.feed(decoder.decode(chunk, final=not chunk)) if chunk else \
+                    splitter.feed(decoder.decode(b"", final=True)) + splitter.close()
+                for kind, text in pieces:
+                    with contextlib.suppress(Exception):
+                        self.on_line(protocol.Line(self.rank, tag, text,
+                                                   partial=kind == PARTIAL,
+                                                   update=kind == UPDATE))
+                if not chunk:
+                    break
+        finally:
+            pipe.close()
+
+    def _pump_events(self, pipe: Any) -> None:
+        try:
+            while True:
+                line = pipe.readline(MAX_EVENT_BYTES)
+                if not line:
+                    break
+                try:
+                    msg = protocol.decode(line)
+                except ValueError:
+                    continue
+                if isinstance(msg, protocol.Started):
+                    self.rank_pid = msg.pid
+                elif isinstance(msg, protocol.Stacks):
+                    self._stacks_seen.set()
+                with contextlib.suppress(Exception):
+                    self.on_event(msg)
+        finally:
+            pipe.close()
+
+    # -- stacks -------------------------------------------------------------------------------
+    def request_stacks(self, answer_s: float = STACKS_ANSWER_S) -> None:
+        """Ask the rank for every thread's stack (it answers with a Stacks event); if it has not
+        answered within ``answer_s``, take them with py-spy where installed (in a thread)."""
+        pid = self.rank_pid
+        if pid is None or self.poll() is not None:
+            return
+        self._stacks_seen.clear()
+        with contextlib.suppress(OSError):
+            os.kill(pid, protocol.STACKS_SIGNAL)
+
+        def fallback() -> None:
+            from sparkhvd.common import pyspy
+
+            if self._stacks_seen.wait(answer_s) or not pyspy.available():
+                return
+            event = pyspy.stacks_event(self.rank, pid)
+            if event is not None:
+                with contextlib.suppress(Exception):
+                    self.on_event(event)
+
+        threading.Thread(target=fallback, daemon=True, name=f"sparkhvd-rank{self.rank}-stacks"
+                         ).start()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def poll(self) -> Optional[int]:
+        return self.proc.poll() if self.proc else None
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def terminate(self) -> None:
+        """Stop the rank now: SIGTERM to its supervisor (which ends the whole tree), then
+        SIGKILL to the process group if it is still there after a grace period."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(TERM_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+        self._kill_group()
+        self.proc.wait()
+
+    def _kill_group(self) -> None:
+        if self.proc is not None:
+            kill_group(self.proc.pid)
+
+    def finish(self) -> None:
+        """After the rank exited: nothing of its group may remain; let its output drain."""
+        self._kill_group()
+        for thread in self._pumps:
+            thread.join(DRAIN_S)
+
+    def result(self) -> Optional[bytes]:
+        """The pickled return value the rank stored, if any."""
+        if not self.work:
+            return None
+        for name in os.listdir(self.work):
+            if protocol.is_result_file(name):
+                with open(os.path.join(self.work, name), "rb") as f:
+                    return f.read()
+        return None
+
+    def close(self) -> None:
+        """Remove the private folder (payload, result)."""
+        if self.work:
+            shutil.rmtree(self.work, ignore_errors=True)
+            self.work = None

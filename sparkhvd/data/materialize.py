@@ -1,0 +1,346 @@
+"""Driver side of :class:`~sparkhvd.data.DataFrameDataset`: check once, write once, reuse.
+
+1. **Checks, one Spark job** (:func:`profile`): row count, nulls, NaNs, array lengths (a ragged
+   array column would be silently reshaped into garbage) -- all before anything is written.
+2. **Conversion in Spark SQL** (:func:`converted`): Spark ML vectors become float arrays
+   (``vector_to_array``), floating-point and decimal columns become ``dtype``; names are quoted
+   (``a.b`` is a column, not a struct field) and stored as ``c0, c1, ...`` in Parquet.
+3. **Written by the executors** (:func:`write`): ``mapInArrow`` hands each partition's Arrow
+   batches to a function that writes them through :mod:`sparkhvd.storage` (fsspec/adlfs) as one
+   Parquet file with fixed-size row groups -- so ``abfss://`` caches need no Hadoop Azure
+   connector, only a short-lived SAS token the driver mints (:func:`sparkhvd.storage.delegate`).
+   The job returns each file's row and row-group counts: the :class:`Manifest` the ranks shard by.
+4. **Reused** (:class:`CacheRegistry`): a DataFrame with the same plan and columns, in the same
+   session, is not written again; a cache is deleted when the last dataset using it is closed or
+   garbage-collected, on a failed run, and at the driver's exit (unless ``keep_cache``).
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+__side__ = "driver"
+
+log = logging.getLogger(__name__)
+
+_INTEGERS = ("ByteType", "ShortType", "IntegerType", "LongType")
+_FLOATS = ("FloatType", "DoubleType")
+_NUMERIC = _INTEGERS + _FLOATS + ("BooleanType", "DecimalType")
+_ARRAY_ELEMENTS = _INTEGERS + _FLOATS
+#: Target size of one Parquet row group: the unit a rank reads (and shuffles) at a time.
+ROW_GROUP_BYTES = 8 << 20
+
+
+def _type_name(data_type: Any) -> str:
+    return type(data_type).__name__
+
+
+def check_column_type(name: str, data_type: Any) -> str:
+    """'scalar', 'array' or 'vector' for a supported Spark type; TypeError naming the column else."""
+    kind = _type_name(data_type)
+    if kind in _NUMERIC:
+        return "scalar"
+    if kind == "VectorUDT":
+        return "vector"
+    if kind == "ArrayType" and _type_name(data_type.elementType) in _ARRAY_ELEMENTS:
+        return "array"
+    simple = data_type.simpleString() if hasattr(data_type, "simpleString") else kind
+    raise TypeError(
+        f"Column {name!r} has type {simple}, which DataFrameDataset cannot feed to a model. "
+        "Supported: numeric scalars, array<float|double|int|long>, and Spark ML vectors "
+        "(VectorUDT, dense or sparse). Convert it first, e.g. with StringIndexer for strings, "
+        "VectorAssembler for several numeric columns, or select the numeric fields of a struct.")
+
+
+def quoted(name: str) -> Any:
+    """A column reference that takes ``name`` literally (dots, spaces, backticks)."""
+    from pyspark.sql import functions as F
+
+    return F.col("`" + name.replace("`", "``") + "`")
+
+
+def _is_float(data_type: Any) -> bool:
+    kind = _type_name(data_type)
+    if kind == "ArrayType":
+        return _type_name(data_type.elementType) in _FLOATS
+    return kind in _FLOATS or kind == "VectorUDT"
+
+
+@dataclass
+class Manifest:
+    """The materialised Parquet: files in global row order, with row and row-group counts."""
+
+    url: str
+    files: list[str]
+    row_counts: list[int]
+    row_groups: list[list[int]]
+    stored: dict[str, str]  # column -> its name in the Parquet files
+    row_bytes: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.row_counts)
+
+
+def profile(df: Any, columns: Sequence[str], kinds: Mapping[str, str],
+            schema: Mapping[str, Any]) -> dict:
+    """One Spark job: rows, and per column nulls, NaNs, array length range, null elements."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.sql import functions as F
+
+    aggs = [F.count(F.lit(1)).alias("rows")]
+    for i, name in enumerate(columns):
+        col = quoted(name)
+        aggs.append(F.sum(col.isNull().cast("long")).alias(f"null{i}"))
+        if kinds[name] == "vector":
+            col = vector_to_array(col)
+        if kinds[name] in ("array", "vector"):
+            aggs += [F.min(F.size(col)).alias(f"min{i}"), F.max(F.size(col)).alias(f"max{i}"),
+                     F.sum(F.exists(col, lambda x: x.isNull()).cast("long")).alias(f"inull{i}")]
+            if _is_float(schema[name]):
+                aggs.append(F.sum(F.exists(col, lambda x: F.isnan(x)).cast("long"))
+                            .alias(f"nan{i}"))
+        elif _is_float(schema[name]):
+            aggs.append(F.sum(F.isnan(col).cast("long")).alias(f"nan{i}"))
+    row = df.agg(*aggs).first().asDict()
+    found: dict = {"rows": int(row["rows"] or 0), "nulls": {}, "nans": {}, "lengths": {}}
+    for i, name in enumerate(columns):
+        nulls = int(row.get(f"null{i}") or 0) + int(row.get(f"inull{i}") or 0)
+        if nulls:
+            found["nulls"][name] = nulls
+        if row.get(f"nan{i}"):
+            found["nans"][name] = int(row[f"nan{i}"])
+        if f"min{i}" in row and row[f"min{i}"] is not None:
+            found["lengths"][name] = (int(row[f"min{i}"]), int(row[f"max{i}"]))
+    return found
+
+
+def check_profile(found: dict, columns: Sequence[str], allow_nan: bool) -> None:
+    """The errors a profile calls for, before anything is written or launched."""
+    if found["rows"] == 0:
+        raise ValueError(f"The DataFrame has no rows (columns {list(columns)}): there is nothing "
+                         "to train on. Check the filters or joins that produced it.")
+    if found["nulls"]:
+        detail = ", ".join(f"{c!r}: {n}" for c, n in found["nulls"].items())
+        raise ValueError(
+            f"Null values in used column(s) ({detail}; arrays count a row holding a null "
+            f"element). Drop or fill them before training, e.g. "
+            f"df.dropna(subset={sorted(found['nulls'])}) or df.fillna(...).")
+    if found["nans"] and not allow_nan:
+        detail = ", ".join(f"{c!r}: {n}" for c, n in found["nans"].items())
+        raise ValueError(
+            f"NaN values in used column(s) ({detail} row(s)): the model would train on NaN. "
+            "Drop or fill them (df.na.drop(...), df.na.fill(...)), or pass allow_nan=True to "
+            "DataFrameDataset to train on them as they are.")
+    ragged = {c: r for c, r in found["lengths"].items() if r[0] != r[1]}
+    if ragged:
+        detail = ", ".join(f"{c!r}: from {lo} to {hi} elements" for c, (lo, hi) in ragged.items())
+        raise ValueError(
+            f"Array column(s) with rows of different lengths ({detail}): every row must have the "
+            "same length to become one tensor. Pad or truncate them first (e.g. with "
+            "F.slice or F.concat), or filter the rows that differ.")
+
+
+def converted(df: Any, columns: Sequence[str], kinds: Mapping[str, str],
+              schema: Mapping[str, Any], dtype: str) -> tuple[Any, dict[str, str]]:
+    """The DataFrame to write: vectors as arrays, floats/decimals as ``dtype``, safe names."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.sql.types import ArrayType, DoubleType, FloatType
+
+    spark_float = FloatType() if dtype == "float32" else DoubleType()
+    stored, selected = {}, []
+    for i, name in enumerate(columns):
+        col, kind = quoted(name), _type_name(schema[name])
+        if kinds[name] == "vector":
+            col = vector_to_array(col, dtype=dtype)
+        elif kinds[name] == "array" and _is_float(schema[name]):
+            col = col.cast(ArrayType(spark_float))
+        elif kind in _FLOATS or kind == "DecimalType":
+            col = col.cast(spark_float)
+        stored[name] = f"c{i}"
+        selected.append(col.alias(stored[name]))
+    return df.select(*selected), stored
+
+
+def row_bytes(columns: Sequence[str], kinds: Mapping[str, str], schema: Mapping[str, Any],
+              lengths: Mapping[str, tuple[int, int]], dtype: str) -> int:
+    """Bytes per row once in memory (numpy), to size row groups and the memory budget."""
+    import numpy as np
+
+    total = 0
+    for name in columns:
+        kind = _type_name(schema[name])
+        element = schema[name].elementType if kind == "ArrayType" else schema[name]
+        size = np.dtype(dtype).itemsize if (_is_float(schema[name]) or kind == "DecimalType") \
+            else 8 if _type_name(element) in ("LongType", "IntegerType") else 4
+        count = lengths.get(name, (1, 1))[1] if kinds[name] in ("array", "vector") else 1
+        total += size * max(1, count)
+    return max(1, total)
+
+
+#: Aim for Parquet files of about this size when merging an over-partitioned DataFrame.
+FILE_BYTES = 128 << 20
+
+
+def file_count(rows: int, row_bytes: int, cores: int) -> int:
+    """How many files (write tasks) to materialise ``rows`` rows into.
+
+    Every write task costs a Python worker and a file, so a 2,000-row DataFrame spread over
+    1,000 partitions must not become 1,000 tasks and files (it took minutes). Merging keeps one
+    wave of tasks (``cores``, the cluster's task slots) so a large scan is not narrowed, and
+    enough files of about :data:`FILE_BYTES` for large data; a DataFrame with fewer partitions
+    keeps its own (``coalesce`` never splits).
+    """
+    return max(1, cores, -(-rows * row_bytes // FILE_BYTES))
+
+
+def _partition_writer(url: str, options: Mapping[str, Any], rows_per_group: int) -> Any:
+    """The function ``mapInArrow`` runs on the executors (see the module docstring)."""
+
+    def write(batches: Any) -> Any:
+        import itertools
+
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        from pyspark import TaskContext
+
+        from sparkhvd import storage
+
+        batches = (b for b in batches if b.num_rows)
+        first = next(batches, None)
+        if first is None:  # an empty partition writes no file
+            return
+        context = TaskContext.get()
+        partition = context.partitionId() if context is not None else 0
+        name = f"part-{partition:05d}.parquet"
+        groups: list[int] = []
+        with storage.open_atomic(f"{url}/{name}", options) as f:
+            writer = pq.ParquetWriter(f, first.schema)
+            pending = None
+            for batch in itertools.chain([first], batches):
+                table = pa.Table.from_batches([batch])
+                pending = table if pending is None else pa.concat_tables([pending, table])
+                while pending.num_rows >= rows_per_group:
+                    writer.write_table(pending.slice(0, rows_per_group),
+                                       row_group_size=rows_per_group)
+                    groups.append(rows_per_group)
+                    pending = pending.slice(rows_per_group)
+            if pending is not None and pending.num_rows:
+                writer.write_table(pending, row_group_size=pending.num_rows)
+                groups.append(pending.num_rows)
+            writer.close()
+        yield pa.RecordBatch.from_pydict({"partition": [partition], "file": [name],
+                                          "rows": [sum(groups)], "groups": [groups]})
+
+    return write
+
+
+def write(df: Any, url: str, executor_options: Mapping[str, Any],
+          rows_per_group: int, files: Optional[int] = None) -> list[tuple[str, int, list[int]]]:
+    """Write ``df`` under ``url`` from the executors; ``(file, rows, row groups)`` in row order.
+
+    ``files``: at most this many files (partitions are merged in order, see :func:`file_count`).
+    """
+    import warnings
+
+    if files:
+        df = df.coalesce(files)  # narrow: no shuffle, row order kept
+    with warnings.catch_warnings():  # pyspark's own pandas/pyarrow version checks warn
+        warnings.simplefilter("ignore", DeprecationWarning)
+        rows = df.mapInArrow(_partition_writer(url, dict(executor_options), rows_per_group),
+                             "partition long, file string, rows long, groups array<long>"
+                             ).collect()
+    rows = sorted(rows, key=lambda r: r["partition"])
+    return [(f"{url}/{r['file']}", int(r["rows"]), [int(g) for g in r["groups"]]) for r in rows]
+
+
+# -- reuse ---------------------------------------------------------------------------------------
+@dataclass
+class _Entry:
+    manifest: Manifest
+    df: Any
+    options: dict
+    keep: bool
+    users: int = 0
+
+
+class CacheRegistry:
+    """The materialised caches of this driver process, shared by equal DataFrames."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, _Entry] = {}
+        self._lock = threading.Lock()
+        atexit.register(self.delete_all)
+
+    def find(self, key: tuple, df: Any) -> Optional[Manifest]:
+        """A live cache of the same plan (confirmed with ``sameSemantics``), now one user more."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            try:
+                same = entry.df.sameSemantics(df)
+            except Exception:  # noqa: BLE001 - a stopped session: the old cache is unusable
+                same = False
+            if not same:
+                return None
+            entry.users += 1
+            return entry.manifest
+
+    def add(self, key: tuple, manifest: Manifest, df: Any, options: dict, keep: bool) -> None:
+        with self._lock:
+            self._entries[key] = _Entry(manifest, df, dict(options), keep, users=1)
+
+    def release(self, manifest: Manifest, *, delete: bool, keep: Optional[bool] = None) -> None:
+        """One user less; the files go when nobody uses them (and ``delete`` allows it).
+        ``keep`` updates whether the cache outlives its users (``keep_cache``)."""
+        with self._lock:
+            key = next((k for k, e in self._entries.items() if e.manifest is manifest), None)
+            entry = self._entries.get(key) if key is not None else None
+            if entry is None:
+                return
+            if keep is not None:
+                entry.keep = keep
+            entry.users -= 1
+            if entry.users > 0 or entry.keep:
+                return
+            self._entries.pop(key, None)  # type: ignore[arg-type]
+        if delete:
+            _delete(manifest.url, entry.options)
+
+    def delete_all(self) -> None:
+        """At exit: every cache nobody asked to keep."""
+        with self._lock:
+            entries, self._entries = list(self._entries.values()), {}
+        for entry in entries:
+            if not entry.keep:
+                _delete(entry.manifest.url, entry.options)
+
+
+def _delete(url: str, options: Mapping[str, Any]) -> None:
+    from sparkhvd import storage
+
+    try:
+        storage.delete(url, options, recursive=True)
+        log.debug("deleted the dataset cache %s", storage.public_url(url))
+    except Exception as exc:  # noqa: BLE001 - clean-up must not hide anything else
+        log.warning("could not delete the dataset cache %s: %s", storage.public_url(url), exc)
+
+
+REGISTRY = CacheRegistry()
+
+
+def new_cache_url(parent: str) -> str:
+    """A fresh folder name under ``parent`` for one materialisation."""
+    return f"{parent.rstrip('/')}/sparkhvd-{uuid.uuid4().hex[:16]}"
+
+
+def finalizer(owner: Any, manifest: Manifest) -> Any:
+    """Release ``manifest`` when ``owner`` is garbage-collected."""
+    return weakref.finalize(owner, REGISTRY.release, manifest, delete=True)

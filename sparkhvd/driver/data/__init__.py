@@ -1,1 +1,0 @@
-"""The driver half of ``DataFrameDataset``: checks, Parquet materialisation, reuse."""

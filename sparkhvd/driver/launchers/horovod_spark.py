@@ -1,0 +1,224 @@
+"""``launcher="horovod"``: ``horovod.spark.run`` / ``run_elastic``, adapted to the seam.
+
+Used for elastic runs and sessions with dynamic allocation (which barrier stages cannot use),
+or on request. horovod has no channel of ours: the rank prints its events as marker lines
+(:func:`sparkhvd.common.protocol.as_text`) and :class:`HorovodOutput` -- the thin adapter -- maps
+horovod's ``[index]<stdout>:text`` output back onto :mod:`sparkhvd.common.protocol` messages. The
+private parts of horovod it relies on are patched in :mod:`sparkhvd.common.patches`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import re
+import sys
+import threading
+from typing import Any, Optional
+
+from sparkhvd.common import protocol
+from sparkhvd.common.errors import LaunchFailure
+from sparkhvd.driver.launchers import LaunchSpec, Sink
+from sparkhvd.driver.launchers.base import SPARK_TIMEOUT, stopper, watch
+from sparkhvd.driver.sparkview import cancel_job_group, session_stopped, stopped_session_error
+
+__side__ = "driver"
+
+log = logging.getLogger(__name__)
+
+_LINE = re.compile(r"^(?:[^\[]*?)\[(?P<idx>\d+)\]<(?P<tag>stdout|stderr)(?P<flag>[+~]?)>:"
+                   r"(?P<text>.*)$", re.S)
+_PROCESS_FAILED = re.compile(r"Process name: (?P<name>\S+)\s+Exit code: (?P<code>-?\d+|None)")
+
+
+class _Channel:
+    """A write()-able text stream for one of horovod's outputs.
+
+    horovod writes each rank's stream from its own thread, in chunks that need not end at a
+    line: lines are assembled per writing thread, or two ranks' lines would interleave.
+    """
+
+    def __init__(self, owner: "HorovodOutput", tag: str) -> None:
+        self._owner, self._tag = owner, tag
+        self._buffers: dict[int, str] = {}
+
+    def write(self, text: str) -> int:
+        key = threading.get_ident()
+        with self._owner.lock:
+            buffer = self._buffers.pop(key, "") + text
+            *lines, rest = buffer.split("\n")
+            if rest:
+                self._buffers[key] = rest
+            for line in lines:
+                self._owner.route(line, self._tag)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        with self._owner.lock:
+            for key in list(self._buffers):
+                self._owner.route(self._buffers.pop(key), self._tag)
+
+
+class HorovodOutput:
+    """horovod's rank output -> :mod:`sparkhvd.common.protocol` messages for the sink.
+
+    horovod numbers output by its launch index; each rank's :class:`~sparkhvd.common.protocol.Started`
+    event maps that index to the rank (again after an elastic reset).
+    """
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.lock = threading.RLock()
+        self.index_to_rank: dict[int, int] = {}
+        self.stdout = _Channel(self, "stdout")
+        self.stderr = _Channel(self, "stderr")
+
+    def route(self, raw: str, channel_tag: str) -> None:
+        m = _LINE.match(raw.rstrip("\r"))
+        if m:
+            idx, tag, text = int(m.group("idx")), m.group("tag"), m.group("text")
+            partial, update = m.group("flag") == "+", m.group("flag") == "~"
+        else:
+            idx, tag, text, partial, update = -1, channel_tag, raw.rstrip("\r"), False, False
+        msg = protocol.from_text(text)
+        if msg is not None:
+            if isinstance(msg, protocol.Started):
+                self.index_to_rank[idx] = msg.rank
+            self.sink.receive(msg)
+            return
+        self.sink.receive(protocol.Line(self.index_to_rank.get(idx, idx), tag, text, partial,
+                                        update))
+
+    def drain(self) -> None:
+        self.stdout.drain()
+        self.stderr.drain()
+
+
+def parse_failure(exc: BaseException) -> Optional[LaunchFailure]:
+    """horovod's "Process name: N Exit code: C" error as a LaunchFailure (rank unknown when the
+    process name is an elastic host slot such as ``h2-93fc[0]``)."""
+    m = _PROCESS_FAILED.search(str(exc))
+    if not m:
+        return None
+    code = None if m.group("code") == "None" else int(m.group("code"))
+    name = m.group("name")
+    rank = int(name) if name.isdigit() else None
+    return LaunchFailure(rank, code, f"horovod process {name} exited with status {code}")
+
+
+_quiet = {"installed": False}
+
+
+def quiet_cancelled_spark_thread() -> None:
+    """Silence horovod's Spark thread when *we* cancelled its job group (installed once).
+
+    When a rank fails (or the driver is interrupted), the Spark job is cancelled and horovod's
+    ``run_spark`` thread dies with a Py4JJavaError ("... cancelled ...") and a Java stack trace
+    -- possibly after ``run()`` already returned; the user gets the real error from us instead.
+    Any other thread exception is reported as usual.
+    """
+    if _quiet["installed"]:
+        return
+    previous = threading.excepthook
+
+    def hook(args: Any) -> None:
+        name = getattr(args.thread, "name", "") or ""
+        if name.endswith("(run_spark)") and "cancel" in str(args.exc_value):
+            log.debug("horovod's Spark job group was cancelled: %s", args.exc_value)
+            return
+        previous(args)
+
+    threading.excepthook = hook
+    _quiet["installed"] = True
+
+
+def whole_seconds(seconds: float) -> int:
+    """horovod takes whole seconds: round up, so 0.5 s is 1 s, never 0 (no time at all)."""
+    return max(1, math.ceil(seconds))
+
+
+class HorovodSparkLauncher:
+    """``spec.np`` ranks through ``horovod.spark.run`` (or ``run_elastic``): the launcher users
+    pick with ``launcher="horovod"`` -- not the horovod *backend*
+    (:mod:`sparkhvd.common.backends.horovod`, Gloo through horovod's rendezvous), which the
+    barrier launcher runs too."""
+
+    name = "horovod"
+
+    def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]:
+        import horovod.spark
+        from pyspark import SparkContext
+
+        from sparkhvd.driver.launchers.horovod_hooks import horovod_driver_hooks
+        from sparkhvd.executor.horovod_spark import rank_in_task, spark_task_mapper
+
+        sc = SparkContext._active_spark_context
+        stop_event = threading.Event()
+        output = HorovodOutput(sink)
+        # horovod pickles the result itself: the rank checks it can be (a clear error if not).
+        options = dataclasses.replace(spec.options, check_result=True).as_dict()
+        common: dict[str, Any] = dict(args=(spec.payload, options), num_proc=spec.np,
+                      start_timeout=whole_seconds(spec.start_timeout), env=dict(spec.env),
+                      stdout=output.stdout, stderr=output.stderr,
+                      verbose=2 if spec.verbose else 0, nics=set(spec.nics) if spec.nics else None,
+                      prefix_output_with_timestamp=False)
+        mapper = functools.partial(spark_task_mapper, sys.executable)
+
+        def target() -> list:
+            if spec.elastic:
+                return horovod.spark.run_elastic(
+                    rank_in_task, min_num_proc=spec.elastic[0], max_num_proc=spec.elastic[1],
+                    elastic_timeout=whole_seconds(spec.start_timeout), **common)
+            return horovod.spark.run(rank_in_task, use_gloo=True, **common)
+
+        def check(_elapsed: float) -> None:
+            if session_stopped(sc):
+                raise stopped_session_error(during=True)
+            stale = sink.stale_error() if not spec.elastic else None
+            if stale is not None:
+                raise stale
+
+        remote = not spec.placement.executors_here
+        if remote and not spec.nics:  # each rank picks the interface that reaches the driver
+            common["env"][protocol.GLOO_AUTO_ENV] = "1"
+        if remote:  # no channel of ours to ranks on other hosts: they look for stack requests
+            common["env"][protocol.STACKS_POLL_ENV] = "1"
+        quiet_cancelled_spark_thread()
+        with horovod_driver_hooks(stop_event, elastic=bool(spec.elastic), mapper=mapper,
+                                  driver_host=spec.driver_host if remote else None) as hooks:
+            def cancel() -> None:
+                stop_event.set()
+                if hooks["job_group"]:
+                    cancel_job_group(sc, hooks["job_group"])
+
+            try:
+                results = watch(target, timeout=spec.timeout, check=check,
+                                stop=stopper(cancel, sink), name="sparkhvd-horovod",
+                                timeout_message=SPARK_TIMEOUT,
+                                monitor=getattr(sink, "monitor", None))
+            except RuntimeError as exc:
+                failure = parse_failure(exc)
+                if failure is not None:
+                    raise failure from exc
+                raise
+            finally:
+                output.drain()
+        return elastic_result(results) if spec.elastic else results
+
+
+LAUNCHER = HorovodSparkLauncher()
+
+
+def elastic_result(results: list[Any]) -> list[Any]:
+    """The driver's view of elastic ranks' returns: values in final-rank order.
+
+    Spark tasks return in launch order, and a task of a lost executor may have been retried
+    as an empty task; each elastic rank tags its return with the rank it ended as.
+    """
+    tagged = [r for r in results if isinstance(r, tuple) and len(r) == 3
+              and r[0] == protocol.ELASTIC_RESULT]
+    return [value for _, _, value in sorted(tagged, key=lambda r: r[1])]

@@ -1,0 +1,339 @@
+"""One run -- one call of ``HorovodRunner.run`` or ``run_all`` -- as its attempts, in order.
+
+The story of a run, start to end (:meth:`Run.execute`):
+
+1. the run folder is made and checked (remote storage is written to before training), and
+   ``run.json`` says what was asked (:class:`~sparkhvd.runfolder.record.RunRecord`);
+2. the ranks are placed: which launcher, where the driver is reached, the Spark task slots;
+3. MLflow tracking starts when asked; the resume source is resolved;
+4. :class:`Attempt` after attempt launches the ranks, until the :class:`~sparkhvd.driver.retry.
+   RetryPolicy` says it is done or the error is raised -- a lost rank, executor or host is
+   relaunched from the run's own checkpoints;
+5. the run is recorded (status, error, PIDs, curves, the model) and published, and rank 0's
+   result -- or the error, naming the run folder -- goes back to the caller.
+
+A rank's end is decoded once, by :func:`sparkhvd.driver.rank_end.classify`, into the
+:class:`~sparkhvd.driver.rank_end.Verdict` the policy and the error are made from.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+
+from sparkhvd.common import protocol
+from sparkhvd.common.backends import RunTag
+from sparkhvd.common.environment import rank_env
+from sparkhvd.common.errors import LaunchFailure, StallError, StorageError
+from sparkhvd.common.protocol import RankOptions
+from sparkhvd.common.redaction import remember_environment
+from sparkhvd.driver.installed import check_keras
+from sparkhvd.driver.launchers import LaunchSpec, Placement, choose_launcher, get_launcher
+from sparkhvd.driver.logs import RankLogRouter
+from sparkhvd.driver.monitor import RunMonitor
+from sparkhvd.driver.outcome import RunOutcome, merge_epochs
+from sparkhvd.driver.rank_end import Verdict, classify
+from sparkhvd.driver.retry import RetryPolicy
+from sparkhvd.runfolder.rundir import RunDir, resolve_resume_source
+
+if TYPE_CHECKING:
+    from sparkhvd.driver.runner import HorovodRunner
+
+__side__ = "driver"
+
+log = logging.getLogger(__name__)
+
+
+def _status_of(exc: BaseException) -> str:
+    return ("interrupted" if isinstance(exc, KeyboardInterrupt) else
+            "timed out" if isinstance(exc, TimeoutError) else "failed")
+
+
+class Run:
+    """One call of ``run``/``run_all``: its run folder, its attempts, its result."""
+
+    def __init__(self, runner: "HorovodRunner", fn: Callable, blob: bytes, spark: Any, *,
+                 kwargs: Mapping[str, Any], return_all: bool, timeout: Optional[float]) -> None:
+        self.runner, self.fn, self.blob, self.spark = runner, fn, blob, spark
+        self.kwargs, self.return_all, self.timeout = kwargs, return_all, timeout
+        config = runner.run_config
+        self.policy = RetryPolicy(config.max_retries)
+        self.run_dir = RunDir(config.output_dir, storage_options=dict(config.storage_options))
+        self.record = self.run_dir.record
+        self.attempts: list[Attempt] = []
+        self.metrics: list[dict] = []
+        self.router: Optional[RankLogRouter] = None
+        self.tracker: Any = None
+
+    @property
+    def attempt(self) -> Optional["Attempt"]:
+        """The latest attempt (the running one while the run runs)."""
+        return self.attempts[-1] if self.attempts else None
+
+    def execute(self) -> list:
+        """The run, start to end (see the module docstring); rank 0's result first."""
+        env = self._rank_env()
+        try:
+            self.run_dir.preflight()
+        except StorageError as exc:
+            self._record_end("failed", exc)
+            raise
+        runner = self.runner
+        self.record.started(np=runner.np, mode=runner.scaling.mode,
+                            ranks_per_task=runner.scaling.ranks_per_task,
+                            node_per_task=runner.scaling.node_per_task, backend=runner.backend,
+                            function=getattr(self.fn, "__qualname__", repr(self.fn)))
+        launch, config = runner.launch_config, runner.run_config
+        self.router = RankLogRouter(config.driver_log_verbosity, log_dir=self.run_dir.logs,
+                                    verbose=launch.verbose)
+        last: Optional[Attempt] = None
+        try:
+            placement = self._place()
+            self._track(placement)
+            last = self._attempt_until_done(placement, env, self._resume_source())
+            status, error = last.status, last.error
+        except BaseException as exc:
+            status, error = _status_of(exc), exc
+        finally:
+            self.router.close()
+            self._write_curves()
+        if last is None:  # a timeout, an interrupt, a bad setting: recorded, then raised
+            self._record_end(status, error)
+            raise error  # type: ignore[misc]
+        return self._end(status, error, last)
+
+    # -- the steps ---------------------------------------------------------------------------
+    def _rank_env(self) -> dict[str, str]:
+        """What every rank gets from the driver: the user's ``env=`` and sparkhvd's own."""
+        launch = self.runner.launch_config
+        remember_environment(os.environ)
+        env = rank_env(dict(launch.env), verbose=launch.verbose)
+        if self.runner.backend == "horovod":
+            check_keras({**os.environ, **env})
+        return env
+
+    def _track(self, placement: Placement) -> None:
+        config = self.runner.run_config
+        if config.mlflow:
+            from sparkhvd.ops.tracking import MlflowTracker
+
+            self.tracker = MlflowTracker(config.mlflow)
+            self.tracker.start(self.run_dir, {**self.record.params(),
+                                              "launcher": placement.launcher}, self.kwargs)
+
+    def _attempt_until_done(self, placement: Placement, env: dict[str, str],
+                            resume: Optional[str]) -> "Attempt":
+        for number in range(1, self.policy.attempts + 1):
+            self.run_dir.remove_torn()  # a retry never trips over a killed writer's leftovers
+            attempt = Attempt(self, number, placement, resume)
+            self.attempts.append(attempt)
+            attempt.launch(dict(env))
+            self.metrics = merge_epochs(self.metrics, attempt.outcome.metrics)
+            self.record.attempt_ended(attempt.entry(), attempt.outcome.resumed)
+            decision = self.policy.decide(number, attempt.status != "succeeded", attempt.verdict)
+            if decision != "retry":
+                return attempt
+            assert attempt.verdict is not None
+            resume = self.run_dir.own_checkpoints() or resume
+            log.warning("sparkhvd: attempt %d of %d failed because %s; relaunching %s "
+                        "(attempt %d, max_retries=%d)", number, self.policy.attempts,
+                        attempt.verdict.retryable,
+                        f"from {resume}" if resume else "from the start", number + 1,
+                        self.policy.max_retries)
+            assert self.router is not None
+            self.router.line_all(f"---- attempt {number + 1}: relaunched after "
+                                 f"{attempt.verdict.retryable} ----")
+            placement = self._place()
+        raise AssertionError("unreachable: the policy ends every run")
+
+    def _end(self, status: str, error: Optional[BaseException], last: "Attempt") -> list:
+        """Record, track and publish the run; return the results or raise its error."""
+        model: Optional[str] = None
+        if error is None:
+            self.record.mark("finished")
+            saved = self.run_dir.save_result(last.results[0]) if last.results else None
+            model = os.path.basename(saved) if saved else None
+        self._record_end(status, error, model=model)
+        if last.verdict is not None:
+            # Now that the run folder is where it stays (published if remote), say where.
+            raise last.verdict.error(self.run_dir.location) from None
+        if error is not None:
+            raise error
+        try:
+            self.run_dir.publish()
+        except StorageError as exc:
+            exc.result = last.results if self.return_all else last.results[0]
+            raise
+        return last.results
+
+    def _record_end(self, status: str, error: Optional[BaseException],
+                    model: Optional[str] = None) -> None:
+        last = self.attempt
+        outcome = last.outcome if last is not None else None
+        self.record.finished(status, error=error,
+                             pids=outcome.pid_record() if outcome is not None else {},
+                             resumed=outcome.resumed if outcome is not None else None,
+                             model=model)
+        if self.tracker is not None:
+            self.tracker.finish(self.run_dir, status)
+        if status != "succeeded":
+            self.run_dir.publish_quietly()
+        log.debug("run %s %s in %.1fs", self.run_dir.run_id, status,
+                  self.record["timings"]["total"])
+
+    # -- what the steps ask of Spark and the run folder -------------------------------------
+    def _place(self) -> Placement:
+        """Which launcher, where the driver is reached, and whether the ranks share its disk."""
+        runner = self.runner
+        if not runner.scaling.spark:
+            self.record.placed("local")
+            return Placement("local", nics=frozenset({"lo"}))
+        from sparkhvd.driver.session import check_worker_python
+        from sparkhvd.driver.slots import check_slots
+        from sparkhvd.driver.sparkview import SparkView
+
+        view = SparkView(self.spark)
+        name = choose_launcher(runner.launch_facts().with_session(view))
+        check_worker_python(view, runner.backend)
+        slots = check_slots(view, runner.scaling.tasks,
+                            wait_s=0 if view.master.startswith("local")
+                            else runner.launch_config.slot_wait_s,
+                            ranks_per_task=runner.scaling.ranks_per_task)
+        self.record.placed(name, spark_master=view.master, spark_app_id=view.app_id,
+                           session=view.kind, slots=slots.slots)
+        here = view.executors_here()
+        return Placement(name, driver_host=view.driver_host(), executors_here=here,
+                         nics=runner.launch_config.nics or (frozenset({"lo"}) if here else None),
+                         session=view)
+
+    def _resume_source(self) -> Optional[str]:
+        """The checkpoints folder to resume from (or None), recorded as *requested*."""
+        config = self.runner.run_config
+        if config.resume_from is None or config.resume_from is False:
+            return None
+        source = resolve_resume_source(config.resume_from, config.output_dir,
+                                       dict(config.storage_options),
+                                       exclude=self.run_dir.run_id)
+        self.record.resume_requested(source)
+        return source
+
+    def _write_curves(self) -> None:
+        if not self.metrics:
+            return
+        from sparkhvd.runfolder.curves import plot_curves, write_metrics_csv
+
+        try:
+            write_metrics_csv(self.run_dir.file("metrics.csv"), self.metrics)
+            plot_curves(self.run_dir.file("curves.png"), self.metrics)
+        except Exception as exc:  # noqa: BLE001 - curves must never hide the run's outcome
+            log.warning("could not write the training curves: %s", exc)
+
+
+class Attempt:
+    """One launch of the ranks: how it ended (``status``), the ranks' results, and -- when a
+    rank failed -- the :class:`~sparkhvd.driver.rank_end.Verdict`."""
+
+    def __init__(self, run: Run, number: int, placement: Placement,
+                 resume: Optional[str]) -> None:
+        self.run, self.number, self.placement, self.resume = run, number, placement, resume
+        assert run.router is not None
+        self.outcome = RunOutcome(run.router)
+        if run.tracker is not None:
+            self.outcome.listeners.append(run.tracker.metrics)
+        launch = run.runner.launch_config
+        self.monitor = self.outcome.monitor = RunMonitor(
+            self.outcome, run.run_dir.path, stall_timeout=launch.stall_timeout,
+            on_stall=launch.on_stall)
+        self.status = "running"
+        self.results: list = []
+        self.verdict: Optional[Verdict] = None
+        self.error: Optional[BaseException] = None
+
+    def launch(self, env: dict[str, str]) -> None:
+        """Start the ranks and wait for them. A rank's failure and a stall end the attempt
+        (``status``, ``verdict``, ``error``); anything else -- a timeout, an interrupt, a bad
+        setting -- propagates."""
+        run, files = self.run, None
+        try:
+            files, files_env = self._start_files()
+            env.update(files_env)
+            spec = self._spec(env)
+            run.record.mark("launch")
+            log.info("Launching %d rank(s) %s; logs in %s", spec.np,
+                     f"on Spark ({spec.session.describe()})" if spec.session else
+                     "as local processes", run.run_dir.logs)
+            self.results = get_launcher(self.placement.launcher).launch(spec, self.outcome)
+            run.record.launched(control=self.outcome.channel)
+            self.status = "succeeded"
+        except LaunchFailure as failure:
+            assert run.router is not None
+            self.verdict = classify(failure, self.outcome.reported(), self.outcome.hosts,
+                                    run.router.tail)
+            self.status, self.error = "failed", self.verdict.error()
+        except StallError as exc:
+            self.status, self.error = "stalled", exc
+        finally:
+            self._clean_up(files)
+
+    def entry(self) -> dict:
+        """This attempt's entry in ``run.json``'s ``attempts``."""
+        import datetime as _dt
+
+        pids = self.outcome.pid_record()
+        entry: dict[str, Any] = {
+            "attempt": self.number, "status": self.status, "resumed_from": self.resume,
+            "ended_at": _dt.datetime.now().isoformat(timespec="seconds"),
+            "rank_pids": pids["rank_pids"], "hosts": pids["hosts"]}
+        resumed = self.outcome.resumed
+        if resumed is not None:
+            entry["restored"] = resumed.source
+            if resumed.skipped:
+                entry["skipped"] = list(resumed.skipped)
+        if self.error is not None:
+            entry["error"] = str(self.error).split("\n", 1)[0]
+            entry["retryable"] = self.verdict.retryable if self.verdict is not None else None
+        return entry
+
+    def _spec(self, env: dict[str, str]) -> LaunchSpec:
+        run = self.run
+        runner, launch = run.runner, run.runner.launch_config
+        return LaunchSpec(
+            scaling=runner.scaling, launch=launch, backend=runner.backend, payload=run.blob,
+            options=RankOptions(verbose=launch.verbose, return_all=run.return_all,
+                                elastic=bool(runner.scaling.elastic),
+                                env_keep=tuple(sorted(set(launch.env) | set(env)))),
+            env=env, placement=self.placement, timeout=run.timeout,
+            run=RunTag(run.run_dir.run_id, self.number - 1, run.policy.max_retries))
+
+    def _start_files(self) -> tuple[Any, dict[str, str]]:
+        """Start the run-folder service; the variables that tell the ranks where their run
+        folder is."""
+        from sparkhvd.runfolder.service import RunFileService
+        from sparkhvd.storage import public_url
+
+        run_dir, config = self.run.run_dir, self.run.runner.run_config
+        options = dict(config.storage_options)
+        files = RunFileService(self.placement.driver_host, run_dir.path,
+                               (self.resume, options) if self.resume else None).start()
+        env = dict(files.env())
+        if self.placement.executors_here:
+            env[protocol.RUN_URL_ENV] = run_dir.path
+        if self.resume:
+            env[protocol.RESUME_URL_ENV] = public_url(self.resume)
+        if config.timeline:
+            env[protocol.TIMELINE_ENV] = (
+                run_dir.file("timeline.json") if self.placement.executors_here else
+                os.path.join("/tmp", f"sparkhvd-timeline-{run_dir.run_id}.json"))
+            run_dir.record.launched(timeline="timeline.json")
+        return files, env
+
+    def _clean_up(self, files: Any) -> None:
+        run_dir = self.run.run_dir
+        run_dir.record.stacks_saved([os.path.relpath(r.path, run_dir.path)
+                                     for r in self.monitor.reports if r.path])
+        if files is not None:
+            files.stop()
+        # the stack requests polling ranks read: the run's business only while it runs
+        shutil.rmtree(run_dir.file(os.path.dirname(protocol.STACKS_REQUEST_FILE)),
+                      ignore_errors=True)

@@ -1,0 +1,310 @@
+"""Keras callbacks for Horovod training that work on TF 2.15 and tf-keras 2.18.
+
+Horovod's own metric-average and learning-rate callbacks crash on some of the versions we can
+build, so these are ours (built on ``hvd.allreduce``/``hvd.broadcast_variables``, which work).
+Each callback takes the module whose collectives it uses (``horovod.tensorflow``), so they can be
+unit-tested with a fake.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional, Union
+
+import tensorflow as tf
+
+from sparkhvd.common import protocol
+from sparkhvd.keras import checkpoints
+from sparkhvd.rank.events import emit
+
+__side__ = "rank"
+
+log = logging.getLogger(__name__)
+
+
+def uses_schedule(optimizer: Any) -> bool:
+    """Whether the optimizer's learning rate is a schedule (which overwrites any assignment)."""
+    schedule_type = tf.keras.optimizers.schedules.LearningRateSchedule
+    raw = getattr(optimizer, "_learning_rate", None)
+    return isinstance(raw, schedule_type) or isinstance(optimizer.learning_rate, schedule_type)
+
+
+def _set_lr(optimizer: Any, value: float) -> None:
+    lr = optimizer.learning_rate
+    if uses_schedule(optimizer) or not hasattr(lr, "assign"):
+        raise TypeError("Learning-rate warm-up needs a plain float learning rate, not a "
+                        f"{type(lr).__name__} schedule: set warmup_epochs=0, or fold the warm-up "
+                        "into your schedule.")
+    lr.assign(value)
+
+
+def _get_lr(optimizer: Any) -> float:
+    lr = optimizer.learning_rate
+    return float(lr.numpy() if hasattr(lr, "numpy") else lr)
+
+
+class BroadcastInitialState(tf.keras.callbacks.Callback):
+    """Make every rank start from rank 0's state.
+
+    Model variables are broadcast when training begins (so a checkpoint restored on rank 0 is
+    what every rank's first step uses); optimizer variables, which Keras creates lazily at the
+    first step, are broadcast after the first batch.
+    """
+
+    def __init__(self, hvd: Any, root_rank: int = 0) -> None:
+        super().__init__()
+        self.hvd = hvd
+        self.root_rank = root_rank
+        self._done = False
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        if self.model.built and self.model.variables:
+            self.hvd.broadcast_variables(self.model.variables, root_rank=self.root_rank)
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        if self._done:
+            return
+        self.hvd.broadcast_variables(self.model.variables, root_rank=self.root_rank)
+        opt_vars = self.model.optimizer.variables
+        opt_vars = opt_vars() if callable(opt_vars) else opt_vars
+        if opt_vars:
+            self.hvd.broadcast_variables(opt_vars, root_rank=self.root_rank)
+        self._done = True
+
+
+class MetricAverage(tf.keras.callbacks.Callback):
+    """Average every epoch metric over the ranks, in place, so all ranks report the same values.
+
+    Only metrics every rank has are averaged (a metric only rank 0 computes is left as it is).
+    Put it before any callback that logs or checkpoints on a metric.
+    """
+
+    def __init__(self, hvd: Any) -> None:
+        super().__init__()
+        self.hvd = hvd
+        self._common: Optional[list[str]] = None
+        self.history: list[dict[str, float]] = []
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        if logs is None:
+            return
+        if self._common is None:
+            keys = sorted(k for k, v in logs.items() if _is_number(v))
+            all_keys = self.hvd.allgather_object(keys)
+            self._common = sorted(set.intersection(*map(set, all_keys)))
+        if self._common:
+            values = tf.constant([float(logs[k]) for k in self._common], dtype=tf.float64)
+            averaged = self.hvd.allreduce(values, op=self.hvd.Average,
+                                          name="sparkhvd.metric_average")
+            for key, value in zip(self._common, averaged.numpy().tolist()):
+                logs[key] = value
+        self.history.append({k: float(v) for k, v in logs.items() if _is_number(v)})
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def warmup_lr(step: int, warmup_steps: int, target_lr: float, size: int) -> float:
+    """The documented warm-up schedule (Goyal et al., as in horovod's recipe).
+
+    The learning rate rises linearly from ``target_lr / size`` (the single-worker rate) at step 0
+    to ``target_lr`` (already scaled by ``size``) at ``warmup_steps``, and stays there:
+    ``lr(step) = target_lr * (1/size + (1 - 1/size) * min(1, step / warmup_steps))``.
+    """
+    if warmup_steps <= 0:
+        return target_lr
+    progress = min(1.0, step / warmup_steps)
+    return target_lr * (1.0 / size + (1.0 - 1.0 / size) * progress)
+
+
+class LearningRateWarmup(tf.keras.callbacks.Callback):
+    """Ramp the learning rate over the first ``warmup_epochs`` epochs (see :func:`warmup_lr`).
+
+    ``recorded`` keeps ``(epoch, batch, lr)`` for every step of the warm-up and the first step
+    after it.
+    """
+
+    def __init__(self, hvd: Any, warmup_epochs: float, steps_per_epoch: Optional[int] = None,
+                 target_lr: Optional[float] = None) -> None:
+        super().__init__()
+        self.hvd = hvd
+        self.warmup_epochs = warmup_epochs
+        self.steps_per_epoch = steps_per_epoch
+        self.target_lr = target_lr
+        self.recorded: list[tuple[int, int, float]] = []
+        self._epoch = 0
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        if uses_schedule(self.model.optimizer):
+            _set_lr(self.model.optimizer, 0.0)  # raises the explanatory TypeError
+        if self.target_lr is None:
+            self.target_lr = _get_lr(self.model.optimizer)
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+        if not self.steps_per_epoch:
+            raise ValueError("Learning-rate warm-up needs the number of steps per epoch: pass "
+                             "steps_per_epoch to model.fit (or to the warm-up).")
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+        assert self.steps_per_epoch and self.target_lr is not None  # on_train_begin saw to it
+        warmup_steps = int(round(self.warmup_epochs * self.steps_per_epoch))
+        step = self._epoch * self.steps_per_epoch + batch
+        if step > warmup_steps:
+            return
+        lr = warmup_lr(step, warmup_steps, self.target_lr, self.hvd.size())
+        _set_lr(self.model.optimizer, lr)
+        self.recorded.append((self._epoch, batch, lr))
+
+
+class EpochProgress(tf.keras.callbacks.Callback):
+    """Rank 0 prints one line per epoch: epoch/total, (averaged) metrics, samples/s and ETA.
+
+    It also sends the metrics to the driver (a :class:`~sparkhvd.common.protocol.Metrics` event), which
+    turns them into ``metrics.csv`` and ``curves.png`` in the run folder.
+    """
+
+    def __init__(self, epochs: int, global_batch_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.epochs = epochs
+        self.global_batch_size = global_batch_size
+        self._start = 0.0
+        self._first_epoch: Optional[int] = None
+        self._train_start = 0.0
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        self._train_start = time.monotonic()
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self._start = time.monotonic()
+        if self._first_epoch is None:
+            self._first_epoch = epoch
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        logs = logs or {}
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        done = epoch + 1 - (self._first_epoch or 0)
+        per_epoch = (time.monotonic() - self._train_start) / max(done, 1)
+        eta = per_epoch * (self.epochs - epoch - 1)
+        steps = (self.params or {}).get("steps") or 0
+        parts = [f"epoch {epoch + 1}/{self.epochs}"]
+        # loss first, as Keras 2 orders them (Keras 3 sorts its logs by name)
+        names = sorted((k for k, v in logs.items() if _is_number(v)), key=lambda k: k != "loss")
+        parts += [f"{k} {float(logs[k]):.4f}" for k in names]
+        if self.global_batch_size and steps:
+            parts.append(f"{steps * self.global_batch_size / elapsed:,.0f} samples/s")
+        elif steps:
+            parts.append(f"{steps / elapsed:,.1f} steps/s")
+        parts.append(f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+        print(" - ".join(parts), flush=True)
+        record = {"epoch": epoch + 1, "seconds": round(elapsed, 3)}
+        record.update({k: float(v) for k, v in logs.items() if _is_number(v)})
+        emit(protocol.Metrics(rank=0, record=record))
+
+
+class RankZeroCheckpoint(tf.keras.callbacks.Callback):
+    """Rank 0 saves a checkpoint every ``every`` epochs: the model, the optimizer state and the
+    training state, atomically (see :mod:`sparkhvd.keras.checkpoints`).
+
+    Args:
+        url: a :class:`~sparkhvd.keras.checkpoints.CheckpointStore`, or a folder URL.
+        every: save after every ``every`` epochs.
+        storage_options: credentials for a URL on remote storage.
+        keep: keep only the newest ``keep`` checkpoints.
+        state: called at each save; returns extra state to continue exactly (learning rate,
+            warm-up target...).
+        write: whether this rank writes; with tf.distribute every worker takes part in saving
+            (reading some variables is a collective) and only rank 0 writes.
+    """
+
+    def __init__(self, url: Union[str, checkpoints.CheckpointStore], every: int = 1,
+                 storage_options: Optional[dict] = None, keep: Optional[int] = None,
+                 state: Optional[Callable[[], dict]] = None, write: bool = True) -> None:
+        super().__init__()
+        self.store = url if isinstance(url, checkpoints.CheckpointStore) else \
+            checkpoints.UrlStore(url, storage_options)
+        self.every = max(1, every)
+        self.keep = keep
+        self.state = state
+        self.write = write
+        self.saved: list[str] = []
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        if (epoch + 1) % self.every:
+            return
+        state = dict(self.state() if self.state else {})
+        lr = getattr(self.model.optimizer, "learning_rate", None)
+        if lr is not None and hasattr(lr, "numpy") and "lr" not in state:
+            state["lr"] = float(lr.numpy())
+        name = checkpoints.save(self.store if self.write else checkpoints.DISCARD, self.model,
+                                epoch + 1, state)
+        if not self.write:
+            return
+        self.saved.append(name)
+        if self.keep and len(self.saved) > self.keep:
+            old = self.saved.pop(0)
+            self.store.delete(old)
+            self.store.delete(old.rsplit(".", 1)[0] + ".optimizer.npz")
+            self.store.delete(old.rsplit(".", 1)[0] + ".json")
+
+
+def latest_checkpoint(url: str, storage_options: Optional[dict] = None) -> Optional[tuple[int, str]]:
+    """``(epoch, checkpoint url)`` of the newest checkpoint under ``url``, or ``None``."""
+    store = checkpoints.UrlStore(url, storage_options)
+    info = checkpoints.latest(store)
+    if info is None:
+        return None
+    return int(info["epoch"]), f"{store.url}/{info['file']}"
+
+
+class RunFolderTensorBoard(tf.keras.callbacks.TensorBoard):
+    """Keras' TensorBoard callback writing into the run folder's ``tensorboard/`` (rank 0).
+
+    On the driver's machine the event files are written there directly; from another host they
+    are written locally and copied into the run folder (through the driver) after every epoch
+    and at the end, so ``tensorboard --logdir runs/`` shows every run wherever rank 0 ran.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        import os
+        import tempfile
+
+        from sparkhvd.runfolder.rank_files import run_files
+
+        self.files = run_files()
+        if not self.files.available:
+            raise RuntimeError("tensorboard=True needs a run folder: run the function with "
+                               "sparkhvd.HorovodRunner, or use tf.keras.callbacks.TensorBoard.")
+        self._tmp = None if self.files.local else tempfile.mkdtemp(prefix="sparkhvd-tb-")
+        log_dir = os.path.join(self.files.local, "tensorboard") if self.files.local else self._tmp
+        super().__init__(log_dir=log_dir, **kwargs)
+        self._sizes: dict[str, int] = {}
+
+    def _sync(self) -> None:
+        import os
+
+        if self._tmp is None:
+            return
+        for folder, _, names in os.walk(self._tmp):
+            for name in names:
+                path = os.path.join(folder, name)
+                size = os.path.getsize(path)
+                if self._sizes.get(path) != size:
+                    rel = os.path.relpath(path, self._tmp).replace(os.sep, "/")
+                    self.files.write_file(f"tensorboard/{rel}", path)
+                    self._sizes[path] = size
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        super().on_epoch_end(epoch, logs)
+        self._sync()
+
+    def on_train_end(self, logs: Optional[dict] = None) -> None:
+        super().on_train_end(logs)
+        self._sync()

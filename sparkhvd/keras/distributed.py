@@ -1,0 +1,274 @@
+"""``KerasDistributed``: single-node Keras code to data-parallel in two calls -- on either backend.
+
+The same training function runs on ``HorovodRunner(backend="horovod")`` (Horovod's Keras
+recipe) and ``HorovodRunner(backend="tf")`` (``tf.distribute.MultiWorkerMirroredStrategy``)::
+
+    kd = KerasDistributed(epochs=epochs, batch_size=64, warmup_epochs=2)
+    with kd.scope():                       # the strategy's scope (nothing to do for Horovod)
+        model = build_model()
+        model.compile(optimizer=kd.optimizer(tf.keras.optimizers.Adam(1e-3)), loss=..., ...)
+    model.fit(ds, steps_per_epoch=steps, **kd.fit_kwargs(model))
+
+What differs lives in one *flavour* object each: how ranks start (``hvd.init()`` / the strategy
+from ``TF_CONFIG``), how gradients are averaged (``DistributedOptimizer`` / the strategy), how
+ranks agree on the starting state (a broadcast from rank 0 / every worker restores the same
+checkpoint) and whether epoch metrics need averaging (Horovod: yes; the strategy: already
+global).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Optional, Sequence, Union
+
+from sparkhvd.common import protocol
+from sparkhvd.keras import checkpoints
+from sparkhvd.keras.callbacks import (
+    BroadcastInitialState,
+    EpochProgress,
+    LearningRateWarmup,
+    MetricAverage,
+    RankZeroCheckpoint,
+    RunFolderTensorBoard,
+    uses_schedule,
+)
+from sparkhvd.runfolder.checkpoint_store import announce_resume, resume_store
+from sparkhvd.runfolder.rank_files import run_files
+
+__side__ = "rank"
+
+log = logging.getLogger(__name__)
+
+
+class _HorovodFlavour:
+    """Horovod: hvd.init(), DistributedOptimizer, broadcast from rank 0, averaged metrics."""
+
+    name = "horovod"
+    restore_everywhere = False
+    #: every rank takes part in saving (tf.distribute may read variables collectively)
+    save_everywhere = False
+
+    def __init__(self, hvd: Any = None) -> None:
+        if hvd is None:
+            import horovod.tensorflow.keras
+
+            hvd = horovod.tensorflow.keras
+        hvd.init()
+        self.hvd = hvd  # Keras parts: init, DistributedOptimizer
+        import horovod.tensorflow as collectives
+
+        self.collectives = collectives  # broadcast/allreduce/allgather of variables and objects
+        self.rank, self.size = hvd.rank(), hvd.size()
+
+    def scope(self) -> Any:
+        return contextlib.nullcontext()
+
+    def wrap(self, optimizer: Any) -> Any:
+        return self.hvd.DistributedOptimizer(optimizer)
+
+    def share(self, value: Any) -> Any:
+        return self.collectives.broadcast_object(value, root_rank=0)
+
+    def first_callbacks(self, average_metrics: bool) -> tuple[list, Optional[MetricAverage]]:
+        average = MetricAverage(self.collectives) if average_metrics else None
+        return [BroadcastInitialState(self.collectives)] + ([average] if average else []), average
+
+    def world(self) -> Any:
+        return self.collectives
+
+
+class _World:
+    """What the warm-up needs to know of the world: its size."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+class _TFFlavour:
+    """tf.distribute: a MultiWorkerMirroredStrategy from TF_CONFIG (RING on CPU, NCCL on GPU);
+    gradients and epoch metrics are aggregated by the strategy; every worker restores."""
+
+    name = "tf"
+    restore_everywhere = True
+    save_everywhere = True
+
+    def __init__(self) -> None:
+        from sparkhvd.keras.plain import multiworker_strategy
+
+        self.strategy = multiworker_strategy()
+        resolver = self.strategy.cluster_resolver
+        self.rank = int(resolver.task_id or 0) if resolver is not None else 0
+        self.size = int(self.strategy.num_replicas_in_sync)
+
+    def scope(self) -> Any:
+        return self.strategy.scope()
+
+    def wrap(self, optimizer: Any) -> Any:
+        return optimizer
+
+    def share(self, value: Any) -> Any:
+        return value
+
+    def first_callbacks(self, average_metrics: bool) -> tuple[list, None]:
+        return [], None
+
+    def world(self) -> Any:
+        return _World(self.size)
+
+
+class KerasDistributed:
+    """The data-parallel recipe for Keras, with callbacks that work on our TF versions.
+
+    Creating it starts the rank's side of the backend (``hvd.init()``, or the
+    ``MultiWorkerMirroredStrategy`` -- create it first thing in the training function). Then:
+
+    - :meth:`scope` -- build and compile the model inside it (the strategy's scope; a no-op on
+      Horovod, so the same code serves both);
+    - :meth:`optimizer` scales the learning rate by the number of ranks (``scale_lr=False`` to
+      opt out) and, on Horovod, wraps it in ``hvd.DistributedOptimizer``;
+    - :meth:`fit_kwargs` returns ``callbacks``, ``initial_epoch``, ``epochs`` and ``verbose`` for
+      ``model.fit``: ranks start from the same state, metrics are global, the learning rate warms
+      up, and rank 0 prints a progress line and writes a checkpoint (model + optimizer state)
+      into the run folder every epoch; when resuming it restores the latest checkpoint first
+      and starts at the epoch after it.
+
+    Args:
+        epochs: total epochs of the training (also when resuming).
+        batch_size: per-rank batch size, for samples/s in the progress line.
+        warmup_epochs: epochs of learning-rate warm-up (0 = none), see ``warmup_lr``.
+        scale_lr: multiply the optimizer's learning rate by the number of ranks.
+        checkpoint: ``True`` (default: into the run folder, from any host), a folder URL, or
+            ``False``.
+        resume: ``None`` (default): resume exactly when ``HorovodRunner(resume_from=...)`` asked;
+            ``True``: also from this run's own checkpoints; ``False``: never; or a folder URL (a
+            run folder or its ``checkpoints/``). Rank 0 reports what it restored (or that it
+            found nothing) to the driver.
+        tensorboard: rank 0 writes TensorBoard event files into the run folder's
+            ``tensorboard/`` (``tensorboard --logdir runs/`` then shows every run).
+        storage_options: credentials for checkpoint/resume URLs on remote storage (rank 0).
+        backend: ``"horovod"`` or ``"tf"``; default: what ``HorovodRunner(backend=...)`` set.
+        hvd: (Horovod) the horovod Keras module (default ``horovod.tensorflow.keras``).
+    """
+
+    def __init__(self, *, epochs: int, batch_size: Optional[int] = None,
+                 warmup_epochs: float = 0, scale_lr: bool = True,
+                 checkpoint: Union[bool, str] = True, resume: Union[None, bool, str] = None,
+                 average_metrics: bool = True, progress: bool = True, tensorboard: bool = False,
+                 storage_options: Optional[dict] = None, backend: Optional[str] = None,
+                 hvd: Any = None) -> None:
+        backend = backend or os.environ.get(protocol.BACKEND_ENV) or "horovod"
+        if backend not in ("horovod", "tf"):
+            raise ValueError(f"backend must be 'horovod' or 'tf'; got {backend!r}")
+        self.flavour: Any = _TFFlavour() if backend == "tf" else _HorovodFlavour(hvd)
+        self.backend = backend
+        self.hvd = getattr(self.flavour, "hvd", None)
+        self.collectives = getattr(self.flavour, "collectives", None)
+        self.strategy = getattr(self.flavour, "strategy", None)
+        self.rank, self.size = self.flavour.rank, self.flavour.size
+        self.epochs = epochs
+        self.batch_size = batch_size
+        self.warmup_epochs = warmup_epochs
+        self.scale_lr = scale_lr
+        self.average_metrics = average_metrics
+        self.progress = progress
+        if tensorboard:
+            import importlib.util
+
+            if importlib.util.find_spec("tensorboard") is None:  # on every rank, before fit()
+                raise ImportError(
+                    "KerasDistributed(tensorboard=True) needs the tensorboard package, which "
+                    "is not installed here (TensorFlow >= 2.20 no longer installs it). Fix: pip "
+                    "install tensorboard (on the driver and the executors), or tensorboard=False.")
+        self.tensorboard = tensorboard
+        self.storage_options = storage_options
+        files = run_files()
+        self.checkpoint_store: Optional[checkpoints.CheckpointStore]
+        if checkpoint is True:
+            self.checkpoint_store = checkpoints.RunFolderStore("run") if files.available \
+                else None
+        elif checkpoint:
+            self.checkpoint_store = checkpoints.UrlStore(checkpoint, storage_options)
+        else:
+            self.checkpoint_store = None
+        self.resume_store = resume_store(resume, self.checkpoint_store, storage_options)
+        self.initial_epoch = 0
+        self.state: dict = {}
+        self.warmup: Optional[LearningRateWarmup] = None
+        self.metric_average: Optional[MetricAverage] = None
+
+    @property
+    def checkpoint_url(self) -> Optional[str]:
+        """Where checkpoints go, for messages (None: no checkpoints)."""
+        return self.checkpoint_store.describe() if self.checkpoint_store else None
+
+    def scope(self) -> Any:
+        """Build and compile the model in this context (the strategy's scope on ``tf``)."""
+        return self.flavour.scope()
+
+    def optimizer(self, optimizer: Any) -> Any:
+        """``optimizer`` with its learning rate scaled by size (wrapped for Horovod there)."""
+        if self.scale_lr and self.size > 1:
+            lr = optimizer.learning_rate
+            if uses_schedule(optimizer) or not hasattr(lr, "assign"):
+                raise TypeError("scale_lr needs a plain float learning rate, not a schedule: "
+                                "scale the schedule yourself and pass scale_lr=False.")
+            lr.assign(float(lr.numpy()) * self.size)
+        return self.flavour.wrap(optimizer)
+
+    def restore(self, model: Any) -> int:
+        """Load the latest checkpoint (model, optimizer, state) when resuming, and return the
+        epoch to start from. On Horovod rank 0 loads and broadcasts; with the strategy every
+        worker loads the same files. Call after ``model.compile``."""
+        epoch, state = 0, {}
+        if self.resume_store is not None and getattr(model, "optimizer", None) is not None:
+            # Every rank creates its optimizer variables now, the same way: they are restored
+            # into, and their names must match across ranks (Keras names them otherwise when
+            # it builds them lazily at the first step).
+            with self.scope():
+                checkpoints.build_optimizer(model.optimizer, model)
+        if self.resume_store is not None and (self.rank == 0 or self.flavour.restore_everywhere):
+            with self.scope():
+                info, problems = checkpoints.restore_latest(self.resume_store, model)
+            if info is None:
+                if self.rank == 0:
+                    announce_resume(self.resume_store)
+            else:
+                epoch, state = int(info["epoch"]), dict(info.get("state") or {})
+                if self.rank == 0:
+                    announce_resume(self.resume_store, info["file"], epoch, problems)
+        if self.resume_store is not None:
+            epoch, state = self.flavour.share((epoch, state))
+        self.initial_epoch, self.state = int(epoch), dict(state)
+        return self.initial_epoch
+
+    def _checkpoint_state(self) -> dict:
+        return {"warmup_target_lr": self.warmup.target_lr if self.warmup else None}
+
+    def callbacks(self, extra: Sequence[Any] = ()) -> list:
+        """The callback list, in the order that makes the recipe correct."""
+        cbs, self.metric_average = self.flavour.first_callbacks(self.average_metrics)
+        if self.warmup_epochs:
+            self.warmup = LearningRateWarmup(self.flavour.world(), self.warmup_epochs,
+                                             target_lr=self.state.get("warmup_target_lr"))
+            cbs.append(self.warmup)
+        cbs.extend(extra)
+        if self.rank == 0 and self.progress:
+            gbs = self.batch_size * self.size if self.batch_size else None
+            cbs.append(EpochProgress(self.epochs, gbs))
+        if self.checkpoint_store is not None and (self.rank == 0 or
+                                                  self.flavour.save_everywhere):
+            cbs.append(RankZeroCheckpoint(self.checkpoint_store, state=self._checkpoint_state,
+                                          write=self.rank == 0))
+        if self.rank == 0 and self.tensorboard:
+            cbs.append(RunFolderTensorBoard())
+        return cbs
+
+    def fit_kwargs(self, model: Any, callbacks: Sequence[Any] = ()) -> dict:
+        """Keyword arguments for ``model.fit``: restores a checkpoint first when resuming."""
+        initial_epoch = self.restore(model)
+        return {"callbacks": self.callbacks(callbacks), "initial_epoch": initial_epoch,
+                "epochs": self.epochs, "verbose": 0}

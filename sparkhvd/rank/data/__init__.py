@@ -1,1 +1,0 @@
-"""The rank half of ``DataFrameDataset``: a shard, streamed."""

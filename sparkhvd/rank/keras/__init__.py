@@ -1,1 +1,0 @@
-"""The Keras helpers' implementation (public as :mod:`sparkhvd.keras`)."""

@@ -1,0 +1,347 @@
+"""Where rank 0's checkpoints live: a folder of files with ``latest.json`` written last.
+
+Shared by the Keras (:mod:`sparkhvd.keras.checkpoints`) and PyTorch
+(:mod:`sparkhvd.rank.torch`) helpers. A store is the run folder (``checkpoints/``, through
+:mod:`sparkhvd.runfolder.rank_files`, so it works from any host without storage credentials), the
+checkpoints of the run being resumed (read-only, through the same service), or a URL the user
+gave. ``latest.json`` names the newest complete checkpoint, so a partial one is never read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from typing import Callable, Mapping, Optional, Sequence, TypeVar
+
+__side__ = "rank"
+
+T = TypeVar("T")
+
+LATEST = "latest.json"
+
+
+class CheckpointStore:
+    """A checkpoints folder: read, write, check, describe."""
+
+    #: the record of the last checkpoint this process committed here (None: none yet)
+    committed: Optional[dict] = None
+
+    def write(self, name: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def write_file(self, name: str, local_path: str) -> None:
+        """Copy a local file in as ``name`` (streamed where the store can)."""
+        with open(local_path, "rb") as f:
+            self.write(name, f.read())
+
+    def read(self, name: str) -> bytes:
+        raise NotImplementedError
+
+    def exists(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def list(self) -> list[str]:
+        """The names in the folder (empty where it cannot be listed)."""
+        return []
+
+    def delete(self, name: str) -> None:
+        """Remove a file (best effort; a service-backed store keeps everything)."""
+
+    def describe(self, name: str = "") -> str:
+        raise NotImplementedError
+
+
+class RunFolderStore(CheckpointStore):
+    """``checkpoints/`` of this run (``root="run"``) or of the run resumed (``root="resume"``)."""
+
+    def __init__(self, root: str = "run", prefix: str = "checkpoints",
+                 label: Optional[str] = None) -> None:
+        from sparkhvd.runfolder.rank_files import run_files
+
+        self.files = run_files()
+        self.root = root
+        self.prefix = prefix if root == "run" else ""
+        self.label = label
+
+    def _path(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def write(self, name: str, data: bytes) -> None:
+        self.files.write_bytes(self._path(name), data)
+
+    def write_file(self, name: str, local_path: str) -> None:
+        self.files.write_file(self._path(name), local_path)
+
+    def read(self, name: str) -> bytes:
+        return self.files.read_bytes(self._path(name), root=self.root)
+
+    def exists(self, name: str) -> bool:
+        return self.files.exists(self._path(name), root=self.root)
+
+    def list(self) -> list[str]:
+        return self.files.listdir(self.prefix, root=self.root)
+
+    def delete(self, name: str) -> None:
+        if self.root == "run" and self.files.local:
+            path = os.path.join(self.files.local, self._path(name))
+            if os.path.exists(path):
+                os.unlink(path)
+
+    def describe(self, name: str = "") -> str:
+        if self.label:
+            return f"{self.label}/{name}".rstrip("/")
+        return self.files.describe(self._path(name))
+
+
+class UrlStore(CheckpointStore):
+    """A folder URL the user gave (local path, ``file://``, ``abfss://``)."""
+
+    def __init__(self, url: str, storage_options: Optional[dict] = None) -> None:
+        self.url = str(url).rstrip("/")
+        self.storage_options = storage_options
+
+    def write(self, name: str, data: bytes) -> None:
+        from sparkhvd import storage
+
+        storage.write_bytes(f"{self.url}/{name}", data, self.storage_options)
+
+    def read(self, name: str) -> bytes:
+        from sparkhvd import storage
+
+        return storage.read_bytes(f"{self.url}/{name}", self.storage_options)
+
+    def exists(self, name: str) -> bool:
+        from sparkhvd import storage
+
+        return storage.exists(f"{self.url}/{name}", self.storage_options)
+
+    def list(self) -> list[str]:
+        from sparkhvd import storage
+
+        try:
+            return storage.listdir(self.url, self.storage_options)
+        except (FileNotFoundError, OSError):
+            return []
+
+    def delete(self, name: str) -> None:
+        from sparkhvd import storage
+
+        storage.delete(f"{self.url}/{name}", self.storage_options)
+
+    def describe(self, name: str = "") -> str:
+        from sparkhvd.storage import public_url
+
+        return public_url(f"{self.url}/{name}".rstrip("/"))
+
+
+class _Discard(CheckpointStore):
+    """Where a worker that only takes part in saving writes: nowhere."""
+
+    def write(self, name: str, data: bytes) -> None:
+        pass
+
+    def describe(self, name: str = "") -> str:
+        return "(not written by this rank)"
+
+
+DISCARD = _Discard()
+
+
+def url_store(url: str, storage_options: Optional[dict] = None) -> UrlStore:
+    """A store for ``url``: its ``checkpoints/`` when ``url`` is a run folder."""
+    store = UrlStore(url, storage_options)
+    nested = UrlStore(f"{store.url}/checkpoints", storage_options)
+    return nested if nested.exists(LATEST) else store
+
+
+def latest(store: CheckpointStore) -> Optional[dict]:
+    """The newest checkpoint's ``latest.json`` record, or None."""
+    if not store.exists(LATEST):
+        return None
+    return json.loads(store.read(LATEST))
+
+
+# -- writing a checkpoint so that it can be checked, and resuming from the newest good one ----
+def digest(data: bytes) -> dict:
+    """What a checkpoint records of each file: its size and SHA-256."""
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def record_name(epoch: int) -> str:
+    """The record of epoch N's checkpoint: ``epoch-000N.json`` (its files, sizes, checksums)."""
+    return f"epoch-{epoch:04d}.json"
+
+
+def write_checkpoint(store: CheckpointStore, epoch: int, files: Mapping[str, bytes],
+                     info: dict) -> dict:
+    """Write a checkpoint: its files, then its record (each file's size and checksum), then
+    ``latest.json`` -- so a record never names a file that is not complete."""
+    try:
+        for name, data in files.items():
+            store.write(name, data)
+        return commit_checkpoint(store, epoch, {n: digest(d) for n, d in files.items()}, info)
+    except OSError as exc:
+        raise not_written(store, epoch, exc) from exc
+
+
+def not_written(store: CheckpointStore, epoch: int, exc: OSError) -> OSError:
+    """A checkpoint write that failed (a full disk, a store refusing writes), with what is still
+    there to resume from."""
+    last = store.committed
+    if last is None:
+        try:
+            last = latest(store)
+        except Exception:  # noqa: BLE001 - the store may be failing altogether
+            last = None
+    kept = (f"the last complete checkpoint is {store.describe(last['file'])} (epoch "
+            f"{last['epoch']}; latest.json still names it, so the run folder is resumable)"
+            if last else "no earlier checkpoint was written")
+    return OSError(exc.errno, f"checkpoint of epoch {epoch} not written: {exc}. {kept}. Fix: "
+                              "free space (or point output_dir at a larger disk), then run again "
+                              "with resume_from=True.")
+
+
+def commit_checkpoint(store: CheckpointStore, epoch: int, files: Mapping[str, dict],
+                      info: dict) -> dict:
+    """Write the record of a checkpoint whose ``files`` (name -> :func:`digest`) are in, then
+    ``latest.json``."""
+    record = {**info, "epoch": epoch, "files": dict(files)}
+    data = json.dumps(record).encode()
+    store.write(record_name(epoch), data)
+    store.write(LATEST, data)
+    store.committed = record  # what a later failed write names as the last good one
+    return record
+
+
+def _candidates(store: CheckpointStore, problems: list[str]) -> list[dict]:
+    """Every checkpoint record the folder has, newest first: ``latest.json`` and each
+    ``epoch-000N.json`` (a corrupt ``latest.json`` is a problem, not the end)."""
+    records: dict[int, dict] = {}
+    names = store.list()
+    for name in [LATEST, *sorted((n for n in names if _RECORD.match(n)), reverse=True)]:
+        if name == LATEST and names and LATEST not in names:
+            continue
+        try:
+            record = json.loads(store.read(name))
+            epoch = int(record["epoch"])
+        except FileNotFoundError:
+            continue
+        except Exception as exc:  # noqa: BLE001 - any unreadable record is one problem
+            problems.append(f"{store.describe(name)}: unreadable ({_why(exc)})")
+            continue
+        records.setdefault(epoch, record)
+    return [records[e] for e in sorted(records, reverse=True)]
+
+
+def _files_of(record: dict) -> dict[str, Optional[dict]]:
+    """name -> expected digest (None for checkpoints written before records had them)."""
+    if isinstance(record.get("files"), dict):
+        return dict(record["files"])
+    legacy = [record.get("file"), record.get("optimizer")]
+    return {name: None for name in legacy if isinstance(name, str)}
+
+
+def _read_checked(store: CheckpointStore, record: dict,
+                  problems: list[str]) -> Optional[dict[str, bytes]]:
+    files: dict[str, bytes] = {}
+    for name, expected in _files_of(record).items():
+        try:
+            data = store.read(name)
+        except FileNotFoundError:
+            problems.append(f"{store.describe(name)}: missing")
+            return None
+        if expected is not None and len(data) != expected.get("size"):
+            problems.append(f"{store.describe(name)}: truncated or changed ({len(data):,} of "
+                            f"{expected.get('size'):,} bytes)")
+            return None
+        if expected is not None and hashlib.sha256(data).hexdigest() != expected.get("sha256"):
+            problems.append(f"{store.describe(name)}: checksum mismatch (corrupt)")
+            return None
+        files[name] = data
+    return files
+
+
+def restore_newest(store: CheckpointStore, load: Callable[[dict, dict[str, bytes]], T]
+                   ) -> tuple[Optional[dict], Optional[T], list[str]]:
+    """Resume from the newest checkpoint in ``store`` that is complete and readable.
+
+    Each candidate's files are checked against its record (size, SHA-256) and then given to
+    ``load(record, files)``; a candidate that fails either is skipped with a problem naming the
+    file and why, and the next older one is tried. Returns ``(record, load's value, problems)``,
+    or ``(None, None, [])`` when the folder has no checkpoint at all (train from scratch).
+
+    Raises:
+        CheckpointError: the folder has checkpoints but none is usable -- never a silent start
+            from scratch, never a raw h5py/zip/pickle error.
+    """
+    problems: list[str] = []
+    candidates = _candidates(store, problems)
+    for record in candidates:
+        files = _read_checked(store, record, problems)
+        if files is None:
+            continue
+        try:
+            return record, load(record, files), problems
+        except Exception as exc:  # noqa: BLE001 - an unreadable checkpoint is skipped
+            name = record.get("file") or next(iter(files), "?")
+            problems.append(f"{store.describe(name)}: unreadable ({_why(exc)})")
+    if not problems:
+        return None, None, []
+    from sparkhvd.common.errors import CheckpointError
+
+    raise CheckpointError(
+        f"No usable checkpoint to resume from in {store.describe()}: "
+        + "; ".join(problems) + ". Fix: resume from an earlier run folder "
+        "(HorovodRunner(resume_from='<run folder>')), or train from scratch with "
+        "resume_from=False (or the helper's resume=False); the files above are kept as they "
+        "are.")
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).split("\n", 1)[0]
+    return f"{type(exc).__name__}: {text[:200]}"
+
+
+_RECORD = re.compile(r"^epoch-\d{4,}\.json$")
+
+
+def announce_resume(store: CheckpointStore, file: Optional[str] = None, epoch: int = 0,
+                    problems: Sequence[str] = ()) -> None:
+    """Rank 0 says what it resumed from (``file`` None: nothing found), on its console line
+    and to the driver (``run.json``'s ``resume``), for every framework's helpers."""
+    from sparkhvd.common import protocol
+    from sparkhvd.rank.events import emit
+
+    if file is None:
+        print(f"resume: no checkpoint under {store.describe()}; training from scratch",
+              flush=True)
+        emit(protocol.Resumed(rank=0, source=None, epoch=0))
+        return
+    where = store.describe(file)
+    for problem in problems:
+        print(f"resume: WARNING: {problem}", flush=True)
+    print(f"resume: restored {where}; continuing at epoch {epoch + 1}", flush=True)
+    emit(protocol.Resumed(rank=0, source=where, epoch=epoch, skipped=list(problems)))
+
+
+def resume_store(resume: object, own: Optional[CheckpointStore],
+                 storage_options: Optional[dict] = None) -> Optional[CheckpointStore]:
+    """Where a rank resumes from (the one rule, for every framework's helpers).
+
+    ``resume``: ``None`` resumes when the driver asked for it (``HorovodRunner(resume_from=...)``
+    resolved it into ``SPARKHVD_RESUME_URL``, read through the run-folder service); ``True``
+    resumes from there, or from ``own`` (this run's store) when the driver asked nothing; a
+    URL resumes from that folder (a run folder's ``checkpoints/`` when it has one); ``False``
+    never resumes.
+    """
+    from sparkhvd.common import protocol
+
+    requested = os.environ.get(protocol.RESUME_URL_ENV)
+    if resume is None:
+        resume = bool(requested)
+    if resume is True:
+        return RunFolderStore("resume", label=requested) if requested else own
+    if resume:
+        return url_store(str(resume), storage_options)
+    return None

@@ -1,0 +1,238 @@
+"""One folder per run: ``run.json``, ``logs/rank-N.log``, the model, and room for more.
+
+Layout::
+
+    runs/<run-id>/
+        run.json            np, versions, Spark master, timings, status, error (never a secret)
+        logs/rank-N.log     everything rank N printed
+        model.h5|model.keras|result.pkl   what rank 0 returned
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import logging
+import os
+import platform
+import secrets
+from typing import Any, Mapping, Optional
+
+from sparkhvd.common.fileio import atomic_write
+from sparkhvd.driver.installed import package_version
+from sparkhvd.runfolder.record import RunRecord
+
+__side__ = "driver"
+
+log = logging.getLogger(__name__)
+
+MODEL_NAMES = {b"\x89HDF\r\n\x1a\n": "model.h5", b"PK\x03\x04": "model.keras"}
+
+
+def new_run_id() -> str:
+    """A sortable, unique run id: ``YYYYmmdd-HHMMSS-xxxx``."""
+    return _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+def model_filename(data: bytes) -> Optional[str]:
+    """``model.h5`` / ``model.keras`` for a saved Keras model, ``model.pt`` for TorchScript, else
+    ``None``."""
+    for magic, name in MODEL_NAMES.items():
+        if data[:len(magic)] == magic:
+            if name == "model.keras":
+                from sparkhvd.scoring.models import is_torchscript
+
+                return "model.pt" if is_torchscript(data) else name
+            return name
+    return None
+
+
+def is_state_dict(value: Any) -> bool:
+    """Whether ``value`` is a PyTorch ``state_dict`` (names -> tensors)."""
+    return isinstance(value, Mapping) and bool(value) and all(
+        isinstance(k, str) and type(v).__module__.startswith("torch") for k, v in value.items())
+
+
+def versions() -> dict[str, Optional[str]]:
+    """Versions recorded in ``run.json``."""
+    found: dict[str, Optional[str]] = {"python": platform.python_version()}
+    for name in ("sparkhvd", "horovod", "tensorflow", "tensorflow-cpu", "keras", "tf-keras",
+                 "pyspark", "petastorm", "pyarrow", "numpy"):
+        v = package_version(name)
+        if v:
+            found[name] = v
+    return found
+
+
+def latest_checkpointed_run(root: str, storage_options: Optional[dict] = None,
+                            exclude: Optional[str] = None) -> Optional[str]:
+    """URL of the newest run folder under ``root`` that has ``checkpoints/latest.json``."""
+    from sparkhvd import storage
+
+    root = root.rstrip("/")
+    loc = storage.resolve(root, storage_options)
+    if not storage.exists(loc):
+        return None
+    base = loc.path if loc.is_local else root
+    for run_id in sorted(storage.listdir(loc), reverse=True):
+        if run_id == exclude or run_id.startswith("."):
+            continue
+        if storage.exists(f"{base}/{run_id}/checkpoints/latest.json", storage_options):
+            return f"{base}/{run_id}"
+    return None
+
+
+def resolve_resume_source(resume_from: Any, output_dir: str,
+                          storage_options: Optional[dict] = None,
+                          exclude: Optional[str] = None) -> str:
+    """The checkpoints folder (holding ``latest.json``) that ``resume_from`` points to.
+
+    ``True``: the newest run under ``output_dir`` with checkpoints. A URL: a run folder or a
+    checkpoints folder. Raises FileNotFoundError naming what was looked for and the fix.
+    """
+    from sparkhvd import storage
+
+    if resume_from is True:
+        source = latest_checkpointed_run(output_dir, storage_options, exclude=exclude)
+        if source is None:
+            raise FileNotFoundError(
+                f"resume_from=True, but no earlier run under {storage.public_url(output_dir)} has "
+                "checkpoints (checkpoints/latest.json). Train with "
+                "sparkhvd.keras.KerasDistributed first (it checkpoints every epoch), or pass "
+                "resume_from=<run folder URL>.")
+        return f"{source}/checkpoints"
+    url = str(resume_from).rstrip("/")
+    for candidate in (f"{url}/checkpoints", url):
+        if storage.exists(f"{candidate}/latest.json", storage_options):
+            return candidate
+    raise FileNotFoundError(
+        f"resume_from={storage.public_url(url)!r} has no checkpoints: looked for "
+        f"{storage.public_url(url)}/checkpoints/latest.json and {storage.public_url(url)}/"
+        "latest.json. Pass a run folder trained with sparkhvd.keras.KerasDistributed, its "
+        "checkpoints/ folder, or resume_from=True for the newest run under output_dir.")
+
+
+def staging_root() -> str:
+    """Where runs bound for remote storage are staged locally (``SPARKHVD_STAGING_DIR``)."""
+    return os.environ.get("SPARKHVD_STAGING_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "sparkhvd", "runs")
+
+
+class RunDir:
+    """A run's folder: ``root/<run-id>`` on local disk, or staged locally and published to a
+    storage URL (``abfss://...``) when ``root`` is one.
+
+    Everything is written locally first (``path``); :meth:`publish` copies it to ``url``. If
+    publishing fails, the local copy stays and the error says where: nothing is lost.
+    """
+
+    def __init__(self, root: str = "runs", run_id: Optional[str] = None,
+                 storage_options: Optional[dict] = None) -> None:
+        from sparkhvd import storage
+
+        self.run_id = run_id or new_run_id()
+        root_loc = storage.resolve(root, storage_options)
+        self.remote = None if root_loc.is_local else root_loc.child(self.run_id)
+        local_root = root_loc.path if root_loc.is_local else staging_root()
+        self.path = os.path.abspath(os.path.join(local_root, self.run_id))
+        self.url = self.remote.url if self.remote else self.path
+        self.logs = os.path.join(self.path, "logs")
+        os.makedirs(self.logs, exist_ok=True)
+        #: ``run.json`` (:class:`~sparkhvd.runfolder.record.RunRecord`: its only writer)
+        self.record = RunRecord(self.file("run.json"), run_id=self.run_id,
+                                output=storage.public_url(self.url), versions=versions())
+
+    @property
+    def location(self) -> str:
+        """Where the run folder is now, safe to print (the URL once published)."""
+        from sparkhvd.storage import public_url
+
+        return public_url(self.path)
+
+    def file(self, name: str) -> str:
+        """Absolute local path of a file inside the run folder."""
+        return os.path.join(self.path, name)
+
+    def remove_torn(self) -> list[str]:
+        """Remove what a writer killed mid-write left in this run's checkpoints folder (atomic
+        writes' ``.tmp-*`` files): before each attempt, so a retry starts clean. Returns the
+        names removed (for the log)."""
+        folder = self.file("checkpoints")
+        removed = []
+        for root, _, names in os.walk(folder):
+            for name in names:
+                if name.startswith(".tmp-"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(root, name))
+                        removed.append(os.path.relpath(os.path.join(root, name), folder))
+        if removed:
+            log.warning("removed %d torn temporary file(s) a killed writer left in %s: %s",
+                        len(removed), folder, ", ".join(sorted(removed)[:5]))
+        return removed
+
+    def own_checkpoints(self) -> Optional[str]:
+        """This run's checkpoints folder when it holds a complete checkpoint (what a retry
+        resumes from), else None."""
+        folder = self.file("checkpoints")
+        return folder if os.path.exists(os.path.join(folder, "latest.json")) else None
+
+    def save_result(self, result: Any) -> Optional[str]:
+        """Keep what rank 0 returned: model bytes as ``model.h5``/``model.keras``/``model.pt``
+        (TorchScript), a PyTorch ``state_dict`` as ``model.state_dict.pt``."""
+        if isinstance(result, (bytes, bytearray)):
+            name = model_filename(bytes(result)) or "result.bin"
+            atomic_write(self.file(name), bytes(result))
+            return self.file(name)
+        if is_state_dict(result):
+            import io
+
+            import torch
+
+            buffer = io.BytesIO()
+            torch.save(dict(result), buffer)
+            atomic_write(self.file("model.state_dict.pt"), buffer.getvalue())
+            return self.file("model.state_dict.pt")
+        return None
+
+    def preflight(self) -> None:
+        """Check the destination is writable before training (remote runs only)."""
+        from sparkhvd.storage import preflight
+
+        if self.remote is not None:
+            preflight(self.remote)
+
+    def publish(self, *, keep_local: bool = False) -> None:
+        """Copy the local run folder to its storage URL (no-op for local runs).
+
+        Raises:
+            StorageError: with ``spilled_to`` = the local folder that keeps everything.
+        """
+        from sparkhvd.storage import StorageError, public_url, write_bytes
+
+        if self.remote is None:
+            return
+        try:
+            # run.json last: its presence says the folder is complete.
+            names = sorted((os.path.relpath(os.path.join(d, f), self.path)
+                            for d, _, files in os.walk(self.path) for f in files),
+                           key=lambda n: (n == "run.json", n))
+            for name in names:
+                with open(os.path.join(self.path, name), "rb") as f:
+                    write_bytes(self.remote.child(name.replace(os.sep, "/")), f.read())
+        except Exception as exc:  # noqa: BLE001
+            raise StorageError(f"Could not publish run {self.run_id} to "
+                               f"{public_url(self.remote.url)}: {exc}. Nothing is lost: the "
+                               f"whole run folder is kept at {self.path}.",
+                               spilled_to=self.path) from None
+        if not keep_local:
+            import shutil
+
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = self.url
+
+    def publish_quietly(self) -> None:
+        """Publish a failed or interrupted run too (its logs and checkpoints matter most then);
+        if that fails as well, say where the local copy is and go on with the run's own error."""
+        try:
+            self.publish()
+        except Exception as exc:  # noqa: BLE001 - the run's own error is what the user gets
+            log.warning("%s", exc)

@@ -1,0 +1,58 @@
+"""The run-folder service's wire format, shared by the driver's service and a rank's client.
+
+Wire format (one TCP connection per client): a JSON hello ``{"token": ...}``, then requests
+``{"op": "put"|"get"|"exists", "root": "run"|"resume", "path": ..., "size": n}`` (``put`` followed
+by ``n`` raw bytes), each answered by ``{"ok": true, "size": n}`` (``get`` followed by the bytes),
+or ``{"ok": false, "error": ...}``.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import posixpath
+import socket
+from typing import IO, Any, Union
+
+__side__ = "common"
+
+#: A socket's file or a local file, read as bytes.
+Readable = Union[IO[bytes], io.BufferedIOBase]
+
+ROOTS = ("run", "resume")
+CHUNK = 1 << 20
+
+
+def clean_path(path: str) -> str:
+    """A run-folder-relative path, or ``ValueError`` if it would leave the folder."""
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise ValueError(f"not a run-folder path: {path!r}")
+    norm = posixpath.normpath(path.replace(os.sep, "/"))
+    if norm.startswith("/") or norm == ".." or norm.startswith("../") or norm == ".":
+        raise ValueError(f"{path!r} is outside the run folder: use a path inside it, e.g. "
+                         "'checkpoints/epoch-0001.h5'")
+    return norm
+
+
+def send_json(sock: socket.socket, obj: dict[str, Any]) -> None:
+    sock.sendall((json.dumps(obj) + "\n").encode())
+
+
+def read_json(rfile: Readable) -> dict[str, Any]:
+    line = rfile.readline(1 << 16)
+    if not line:
+        raise ConnectionError("the driver's run-folder service closed the connection")
+    value: dict[str, Any] = json.loads(line)
+    return value
+
+
+def copy_exact(src: Readable, dst: Any, size: int) -> None:
+    """Copy exactly ``size`` bytes from ``src`` to ``dst.write`` (or ``dst.sendall``)."""
+    write = getattr(dst, "sendall", None) or dst.write
+    left = size
+    while left:
+        chunk = src.read(min(CHUNK, left))
+        if not chunk:
+            raise ConnectionError(f"connection closed with {left} of {size} bytes missing")
+        write(chunk)
+        left -= len(chunk)

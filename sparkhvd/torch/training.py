@@ -1,0 +1,398 @@
+"""PyTorch helpers for ``HorovodRunner(backend="torch")`` -- public as :mod:`sparkhvd.torch`.
+
+The backend gives each rank torchrun's variables, so plain ``torch.distributed`` code needs none
+of this. These helpers add what sparkhvd gives Keras users::
+
+    import sparkhvd.torch as st
+
+    def train(data, epochs, lr):
+        import torch
+        ctx = st.setup()                                  # init_process_group: gloo / nccl
+        model = ctx.wrap(Net())                           # DistributedDataParallel on its device
+        opt = torch.optim.SGD(model.parameters(), lr=ctx.scale_lr(lr))
+        ckpt = st.Checkpoints(model, opt)                 # rank 0 -> the run folder's checkpoints/
+        for epoch in range(ckpt.restore(), epochs):      # resume_from=True continues exactly
+            for x, y in data.torch_batches(64, epoch, shuffle=True, seed=1):
+                ...
+            st.report(epoch, loss=float(loss))            # rank-averaged; progress, metrics.csv, MLflow
+            ckpt.save(epoch)
+        return st.model_bytes(model) if ctx.rank == 0 else None   # TorchScript: the run's model
+
+Nothing here imports TensorFlow or horovod.
+"""
+from __future__ import annotations
+
+import io
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from sparkhvd.common import protocol
+from sparkhvd.common.identity import current_rank
+from sparkhvd.rank.events import emit
+from sparkhvd.runfolder.checkpoint_store import (
+    DISCARD,
+    CheckpointStore,
+    RunFolderStore,
+    UrlStore,
+    announce_resume,
+    commit_checkpoint,
+    digest,
+    not_written,
+    restore_newest,
+    resume_store,
+    write_checkpoint,
+)
+
+__side__ = "rank"
+
+
+@dataclass
+class TorchContext:
+    """This rank in the process group :func:`setup` joined."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    #: ``cuda:N`` (the GPU this rank was pinned to) or ``cpu``.
+    device: Any
+    #: The process group's backend: ``gloo`` or ``nccl`` (``None``: a single process).
+    backend: Optional[str]
+
+    def wrap(self, model: Any, **ddp_kwargs: Any) -> Any:
+        """``model`` on this rank's device, in ``DistributedDataParallel`` when there are
+        several ranks (gradients are averaged in ``backward()``)."""
+        import torch
+
+        model = model.to(self.device)
+        if self.backend is None:
+            return model
+        if self.device.type == "cuda":
+            ddp_kwargs.setdefault("device_ids", [self.device.index])
+        return torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+
+    def scale_lr(self, lr: float) -> float:
+        """``lr`` scaled by the number of ranks (the usual rule for data-parallel SGD)."""
+        return lr * self.world_size
+
+
+def setup(backend: Optional[str] = None, timeout_s: float = 1800.0) -> TorchContext:
+    """Join the run's process group (``env://``, from the variables every rank got), once.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``; default ``nccl`` when this rank has a GPU, else
+            ``gloo``.
+        timeout_s: how long collectives may wait for the slowest rank.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    me = current_rank()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if me.size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if cuda else "gloo"),
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    used = dist.get_backend() if dist.is_initialized() else None
+    return TorchContext(me.rank, me.size, me.local_rank, me.local_size, device, used)
+
+
+def unwrap(model: Any) -> Any:
+    """The module inside ``DistributedDataParallel`` (or ``model`` itself)."""
+    return getattr(model, "module", model)
+
+
+def _average(values: dict[str, float]) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    if not values or not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(values)
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    tensor /= dist.get_world_size()
+    return dict(zip(values, tensor.tolist()))
+
+
+_last_report: dict = {"time": None}
+
+
+def report(epoch: int, *, epochs: Optional[int] = None, **metrics: float) -> dict[str, float]:
+    """End of epoch ``epoch`` (0-based): average ``metrics`` over the ranks (a collective: call it
+    on every rank) and send them to the driver from rank 0 -- the progress line
+    (``[rank 0] epoch 3/10 - loss 0.4321 - ...``, as for Keras), ``metrics.csv``/``curves.png``
+    and MLflow. ``epochs``: the total, for the line. Returns the averages."""
+    averaged = _average({k: float(v) for k, v in metrics.items()})
+    now = time.monotonic()
+    elapsed = now - _last_report["time"] if _last_report["time"] is not None else None
+    _last_report["time"] = now
+    if current_rank().rank == 0:
+        names = sorted(averaged, key=lambda k: k != "loss")  # loss first, as Keras shows it
+        parts = [f"epoch {epoch + 1}" + (f"/{epochs}" if epochs else "")]
+        parts += [f"{k} {averaged[k]:.4f}" for k in names]
+        if elapsed:
+            parts.append(f"{elapsed:.2f} s")
+        print(" - ".join(parts), flush=True)
+        record = {"epoch": epoch + 1, **averaged}
+        if elapsed:
+            record["seconds"] = round(elapsed, 3)
+        emit(protocol.Metrics(rank=0, record=record))
+    return averaged
+
+
+class Checkpoints:
+    """Rank 0's checkpoints of model + optimizer, and exact resume.
+
+    A checkpoint of epoch N is ``epoch-000N.pt`` (``torch.save`` of the model's and optimizer's
+    ``state_dict``, and your extra state) and ``latest.json`` written last, in the run folder's
+    ``checkpoints/`` (from any host, through the driver's run-folder service) or in ``url``.
+
+    Args:
+        model: the model (wrapped in ``DistributedDataParallel`` or not).
+        optimizer: its optimizer (its state -- momentum, Adam's moments -- is restored too).
+        url: a folder URL instead of the run folder (local, ``abfss://`` with
+            ``storage_options``).
+        resume: ``None`` (default) resumes when ``HorovodRunner(resume_from=...)`` asked;
+            ``False`` never; a URL resumes from that folder.
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, *, url: Optional[str] = None,
+                 storage_options: Optional[dict] = None, resume: Any = None) -> None:
+        from sparkhvd.runfolder.rank_files import run_files
+
+        self.model, self.optimizer = model, optimizer
+        self.rank = current_rank().rank
+        if url:
+            own: Optional[CheckpointStore] = UrlStore(url, storage_options)
+        else:
+            own = RunFolderStore("run") if run_files().available else None
+        self.store = own if self.rank == 0 else DISCARD
+        self.resume_from = resume_store(resume, own, storage_options)
+        #: What :meth:`restore` loaded: ``extra`` state you saved, and the epoch.
+        self.restored: dict = {}
+
+    def save(self, epoch: int, **extra: Any) -> Optional[str]:
+        """After epoch ``epoch`` (0-based): rank 0 writes the checkpoint; other ranks return."""
+        import torch
+
+        if self.rank != 0 or self.store is None:
+            return None
+        done = epoch + 1
+        buffer = io.BytesIO()
+        torch.save({"model": unwrap(self.model).state_dict(),
+                    "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                    "epoch": done, "extra": extra}, buffer)
+        name = f"epoch-{done:04d}.pt"
+        write_checkpoint(self.store, done, {name: buffer.getvalue()}, {"file": name})
+        return name
+
+    def restore(self) -> int:
+        """Load the newest usable checkpoint, if resuming; the epoch to start from (0
+        otherwise). A truncated, missing or unreadable newest checkpoint is skipped with a
+        warning (the next older one is used); none usable is a ``CheckpointError``."""
+        import torch
+
+        if self.resume_from is None:
+            return 0
+
+        def load(record: dict, files: dict) -> dict:
+            device = next(iter(unwrap(self.model).parameters()), torch.zeros(0)).device
+            state = torch.load(io.BytesIO(files[record["file"]]), map_location=device,
+                               weights_only=False)
+            unwrap(self.model).load_state_dict(state["model"])
+            if self.optimizer is not None and state.get("optimizer"):
+                self.optimizer.load_state_dict(state["optimizer"])
+            return state
+
+        record, state, skipped = restore_newest(self.resume_from, load)
+        if record is None or state is None:
+            if self.rank == 0:
+                announce_resume(self.resume_from)
+            return 0
+        self.restored = {"epoch": int(state["epoch"]), **(state.get("extra") or {})}
+        if self.rank == 0:
+            announce_resume(self.resume_from, record["file"], int(state["epoch"]), skipped)
+        return int(state["epoch"])
+
+
+class ShardedCheckpoints:
+    """Every rank's shards of a sharded model (FSDP2 ``fully_shard``, DeepSpeed-style state, or
+    plain DDP) with ``torch.distributed.checkpoint`` (DCP), in the run folder, and exact resume.
+
+    A checkpoint of epoch N is the folder ``checkpoints/epoch-000N/``: each rank's ``*.distcp``
+    files and rank 0's ``.metadata`` -- written by DCP into a folder on the rank's own host, then
+    copied into the run folder (straight on the driver's disk, else through the driver's
+    run-folder service: no storage credentials on the ranks, and the driver publishes them to
+    ``abfss://`` with the run folder) -- then its record ``epoch-000N.json`` (every file with its
+    rank, size and SHA-256) and ``latest.json``, written by rank 0 only after every rank said its
+    files are in. A checkpoint without a record was torn and is never read; one whose files do
+    not match it is skipped for the next older one.
+
+    Args:
+        model: the (sharded) model.
+        optimizer: its optimizer (its sharded state is saved and restored too).
+        url: a folder URL instead of the run folder.
+        resume: as for :class:`Checkpoints` (``None``: when ``HorovodRunner(resume_from=...)``
+            asked).
+
+    Call :meth:`save` and :meth:`restore` on every rank (they are collectives).
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, *, url: Optional[str] = None,
+                 storage_options: Optional[dict] = None, resume: Any = None) -> None:
+        from sparkhvd.runfolder.rank_files import run_files
+
+        self.model, self.optimizer = model, optimizer
+        self.rank = current_rank().rank
+        if url:
+            self.store: Optional[CheckpointStore] = UrlStore(url, storage_options)
+        else:
+            self.store = RunFolderStore("run") if run_files().available else None
+        self.resume_from = resume_store(resume, self.store, storage_options)
+        self.restored: dict = {}
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.optimizer is None:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            return {"model": get_model_state_dict(self.model)}
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def save(self, epoch: int, **extra: Any) -> Optional[str]:
+        """After epoch ``epoch`` (0-based), on every rank: the checkpoint's folder name."""
+        import shutil
+        import tempfile
+
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        if self.store is None:
+            return None
+        done = epoch + 1
+        name = f"epoch-{done:04d}"
+        local = tempfile.mkdtemp(prefix="sparkhvd-dcp-")
+        try:
+            dcp.save(self._state(), storage_writer=dcp.FileSystemWriter(local))
+            mine: dict[str, dict[str, Any]] = {}
+            for root, _, files in os.walk(local):
+                for file in files:
+                    path = os.path.join(root, file)
+                    rel = f"{name}/{os.path.relpath(path, local)}"
+                    with open(path, "rb") as f:
+                        mine[rel] = {**digest(f.read()), "rank": self.rank}
+                    self.store.write_file(rel, path)
+        except OSError as exc:
+            raise not_written(self.store, done, exc) from exc
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        everyone: list[Any] = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)  # every rank's files are in
+        if self.rank == 0:
+            shards = {k: v for part in everyone for k, v in sorted(part.items())}
+            commit_checkpoint(self.store, done, shards,
+                              {"file": name, "sharded": True, "extra": extra})
+        if dist.is_initialized():
+            dist.barrier()
+        return name
+
+    def restore(self) -> int:
+        """Load the newest checkpoint into the model and optimizer, if resuming (every rank);
+        the epoch to start from (0 otherwise)."""
+        import shutil
+        import tempfile
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        if self.resume_from is None:
+            return 0
+
+        def load(record: dict, files: dict) -> dict:
+            local = tempfile.mkdtemp(prefix="sparkhvd-dcp-")
+            try:
+                for rel, data in files.items():
+                    path = os.path.join(local, os.path.relpath(rel, record["file"]))
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    with open(path, "wb") as f:
+                        f.write(data)
+                state = self._state()
+                dcp.load(state, storage_reader=dcp.FileSystemReader(local))
+                return state
+            finally:
+                shutil.rmtree(local, ignore_errors=True)
+
+        record, state, skipped = restore_newest(self.resume_from, load)
+        if record is None or state is None:
+            if self.rank == 0:
+                announce_resume(self.resume_from)
+            return 0
+        if self.optimizer is None:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(self.model, state["model"])
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+        epoch = int(record["epoch"])
+        self.restored = {"epoch": epoch, **(record.get("extra") or {})}
+        if self.rank == 0:
+            announce_resume(self.resume_from, record["file"], epoch, skipped)
+        return epoch
+
+
+def output_dir(name: str) -> str:
+    """A folder for files a library writes itself -- Lightning's ``default_root_dir``,
+    Hugging Face ``TrainingArguments(output_dir=...)`` -- that ends up in the run folder as
+    ``<run folder>/<name>/``.
+
+    On the driver's machine it *is* that folder. Elsewhere it is a folder on this rank's host
+    whose files are copied into the run folder (through the driver's run-folder service) when
+    the training function ends, however it ends -- nothing written there is lost.
+    """
+    from sparkhvd.runfolder.rank_files import output_folder
+
+    return output_folder(name)
+
+
+def model_bytes(model: Any, example_input: Any = None) -> bytes:
+    """``model`` as TorchScript bytes: the run's model file (``model.pt``), which
+    :func:`sparkhvd.load_model` and :func:`sparkhvd.predict` load without your Python class.
+
+    Scripted (``torch.jit.script``); a model scripting cannot handle is traced with
+    ``example_input`` (one batch).
+    """
+    import torch
+
+    module = unwrap(model)
+    was_training = module.training
+    module.eval()
+    try:
+        try:
+            scripted = torch.jit.script(module)
+        except Exception as exc:  # noqa: BLE001 - any scripting failure: trace instead
+            if example_input is None:
+                raise TypeError(
+                    f"torch.jit.script cannot compile {type(module).__name__} ({exc}). Fix: "
+                    "pass one batch, model_bytes(model, example_input=x), to trace it.") from None
+            scripted = torch.jit.trace(module, example_input)
+        buffer = io.BytesIO()
+        torch.jit.save(scripted, buffer)
+        return buffer.getvalue()
+    finally:
+        module.train(was_training)
+
+
+__all__ = ["TorchContext", "setup", "unwrap", "report", "Checkpoints", "ShardedCheckpoints",
+           "output_dir", "model_bytes"]
+

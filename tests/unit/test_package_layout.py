@@ -1,0 +1,148 @@
+"""The package's layout holds: every module says where it runs, and imports point one way.
+
+Every module carries a side tag (``__side__ = "driver"``), read here from its source -- not
+guessed from its folder, because a feature folder (``data/``, ``keras/``, ``torch/``,
+``runfolder/``, ``scoring/``, ``ops/``) holds both halves of its feature. Checked by walking
+every import statement of every module (also those inside functions). The sides:
+
+- ``common``: shared by all; imports nothing else of sparkhvd but ``common``, and only the
+  standard library at import time (third-party libraries inside functions);
+- ``shared``: shared I/O with third-party imports (fsspec/adlfs, Keras bytes); imports
+  ``common``;
+- ``rank``: the rank process; never imports the driver or the Spark task;
+- ``executor``: the Spark task; never imports the driver;
+- ``driver``: never imports the rank side (it reaches ranks only as a payload);
+- ``public``: the package faces (``sparkhvd``, ``sparkhvd.keras``, ``sparkhvd.data``, ...)
+  re-export any side; no side imports them, except ``common.faces`` which they call.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+import sys
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "sparkhvd"
+#: side -> the sides it may import (besides itself).
+ALLOWED = {
+    "common": set(),
+    "shared": {"common"},
+    "rank": {"common", "shared"},
+    "executor": {"common", "shared", "rank"},
+    "driver": {"common", "shared", "executor"},
+    "public": {"common", "shared", "rank", "executor", "driver", "public"},
+}
+#: Package faces: the public modules (each a package's ``__init__`` or ``__main__``).
+FACES = {"sparkhvd", "sparkhvd.__main__", "sparkhvd.keras", "sparkhvd.torch", "sparkhvd.data",
+         "sparkhvd.runfolder", "sparkhvd.scoring", "sparkhvd.ops", "sparkhvd.examples",
+         "sparkhvd.examples.digits"}
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        yield ".".join(parts), path
+
+
+def _side_tag(path):
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__side__"
+                                                for t in node.targets):
+            return node.value.value
+    return None
+
+
+def _imports(path):
+    """(module imported, line, at module level?, level) for every import in ``path``."""
+    tree = ast.parse(path.read_text())
+    top = {id(node) for node in tree.body}
+    typing_only = {id(inner) for node in ast.walk(tree)  # `if TYPE_CHECKING:` never runs
+                   if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
+                   for inner in ast.walk(node)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno, id(node) in top, 0
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level == 0 and module.startswith("sparkhvd"):
+                for alias in node.names:  # from sparkhvd.x import y -> sparkhvd.x.y if a module
+                    sub = f"{module}.{alias.name}"
+                    yield (sub if sub in MODULES else module), node.lineno, id(node) in top, 0
+            else:
+                yield module, node.lineno, id(node) in top, node.level
+
+
+MODULES = dict(_modules())
+SIDES = {module: _side_tag(path) for module, path in MODULES.items()}
+
+
+def test_every_module_says_where_it_runs():
+    untagged = sorted(m for m, side in SIDES.items() if side not in ALLOWED)
+    assert not untagged, f"add __side__ = 'driver'|'executor'|'rank'|'common'|'shared': {untagged}"
+    public = {m for m, side in SIDES.items() if side == "public"}
+    assert public == FACES, "only package faces are public; put a new module in its feature " \
+                            "folder with the side it runs on"
+
+
+def test_no_shim_modules():
+    """A module that only re-exports is a package face, never a file beside the code."""
+    for module, path in MODULES.items():
+        body = [n for n in ast.parse(path.read_text()).body
+                if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+        only_imports = body and all(isinstance(n, (ast.Import, ast.ImportFrom, ast.Assign))
+                                    for n in body)
+        if only_imports and module not in FACES and not path.name == "__init__.py":
+            pytest.fail(f"{module} only re-exports: fold it into its package face")
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_one_way(module):
+    side = SIDES[module]
+    wrong = []
+    for name, line, at_top, level in _imports(MODULES[module]):
+        if level:
+            wrong.append(f"line {line}: relative import (write sparkhvd.<folder>.<module>)")
+            continue
+        if not (name == "sparkhvd" or name.startswith("sparkhvd.")):
+            if side == "common" and at_top and name.split(".")[0] not in sys.stdlib_module_names \
+                    and name != "__future__":
+                wrong.append(f"line {line}: common imports {name} at import time")
+            continue
+        target = SIDES.get(name)
+        if target is None:
+            continue  # an alias (sparkhvd.presets) or a name, not a module
+        if module == name.rsplit(".", 1)[0] or name == "sparkhvd.common.faces":
+            continue
+        if target == "public" and side != "public":
+            wrong.append(f"line {line}: {side} module imports the package face {name}")
+        elif target != side and target != "public" and target not in ALLOWED[side]:
+            wrong.append(f"line {line}: {side} imports {target} ({name})")
+    assert not wrong, f"{module} ({side}):\n" + "\n".join(wrong)
+
+
+def test_no_import_circle():
+    """Imports between sparkhvd's modules (also those inside functions) form no cycle."""
+    graph = {m: {n for n, _, _top, lvl in _imports(p) if not lvl and n in MODULES
+                 and n != m and SIDES.get(n) != "public"}
+             for m, p in MODULES.items() if SIDES[m] != "public"}
+    seen: dict[str, int] = {}
+
+    def visit(node, stack):
+        seen[node] = 1
+        for nxt in graph.get(node, ()):
+            if seen.get(nxt) == 1:
+                pytest.fail("import circle: " + " -> ".join([*stack[stack.index(nxt):], nxt]))
+            if nxt not in seen:
+                visit(nxt, [*stack, nxt])
+        seen[node] = 2
+
+    for module in sorted(graph):
+        if module not in seen:
+            visit(module, [module])

@@ -1,0 +1,111 @@
+"""A rank's end is decoded once (sparkhvd.driver.rank_end.classify), and the retry policy alone
+decides what follows: every cause, and every decision."""
+from __future__ import annotations
+
+import pytest
+
+from sparkhvd.common.errors import LaunchFailure, RankFailure, TrainingError
+from sparkhvd.driver.rank_end import classify, signal_of
+from sparkhvd.driver.retry import RetryPolicy
+
+
+def _raised(rank, exc_type="ValueError", message="bad batch", at=1.0, host=None):
+    return RankFailure(rank=rank, exc_type=exc_type, message=message, traceback="Traceback...",
+                       time=at, host=host)
+
+
+def _classify(failure, reported=(), hosts=None):
+    return classify(failure, list(reported), hosts or {}, lambda rank: f"last lines of {rank}")
+
+
+@pytest.mark.parametrize("code, signum", [(None, None), (0, None), (1, None), (128, None),
+                                          (-9, 9), (-15, 15), (-11, 11), (137, 9), (143, 15)])
+def test_exit_codes_decode_to_signals_once(code, signum):
+    assert signal_of(code) == signum
+
+
+def test_a_rank_that_raised_is_named_with_its_exception_and_not_retried():
+    verdict = _classify(LaunchFailure(1, 1, "rank 1 exited with status 1"),
+                        [_raised(1)], hosts={1: "h1"})
+    error = verdict.error("/runs/r1")
+    assert isinstance(error, TrainingError)
+    assert (error.rank, error.exc_type, error.host, error.exit_code) == (1, "ValueError", "h1", 1)
+    assert str(error).startswith("Training failed on rank 1 (host h1): ValueError: bad batch")
+    assert "Rank logs: /runs/r1/logs/" in str(error)
+    assert verdict.retryable is None
+    assert verdict.summary == "Training failed on rank 1 (host h1): ValueError: bad batch"
+
+
+def test_the_first_exception_explains_a_rank_that_exited_without_one():
+    verdict = _classify(LaunchFailure(0, 1, "rank 0 exited"), [_raised(1, at=2.0)])
+    assert verdict.first.rank == 1 and verdict.retryable is None
+
+
+@pytest.mark.parametrize("failure, retryable", [
+    (LaunchFailure(1, None, "gone", vanished=True), "rank 1 vanished (its executor or host"),
+    (LaunchFailure(1, None, "no heartbeat for 15 s", lost=True, host="h2"),
+     "the Spark task of rank 1 on host h2 stopped answering (host lost)"),
+    (LaunchFailure(1, -9, "killed"), "the process of rank 1 was killed by signal 9"),
+    (LaunchFailure(1, 137, "killed"), "the process of rank 1 was killed by signal 9"),
+    (LaunchFailure(1, -15, "terminated"), "the process of rank 1 was killed by signal 15"),
+])
+def test_a_lost_rank_is_named_first_over_its_peers_consequences_and_retryable(failure,
+                                                                               retryable):
+    peer = _raised(0, "HorovodInternalError", "Horovod has been shut down", at=0.5)
+    verdict = _classify(failure, [peer])
+    assert verdict.first.rank == 1 and verdict.first.exc_type is None
+    assert verdict.retryable.startswith(retryable)
+    assert [f.rank for f in verdict.failures] == [1, 0]
+    assert "(ranks 0 failed after it)" in str(verdict.error())
+
+
+@pytest.mark.parametrize("code, how", [
+    (-11, "was killed by signal 11 without raising"),
+    (139, "was killed by signal 11 (exit status 139) without raising"),
+    (3, "exited with status 3 without raising"),
+    (None, "vanished without an exit status")])
+def test_a_rank_that_died_without_raising_says_how_with_its_last_lines(code, how):
+    verdict = _classify(LaunchFailure(2, code, "d", vanished=code is None))
+    assert how in verdict.first.message
+    assert verdict.first.traceback == "last lines of 2"
+    crashed_itself = code is not None and signal_of(code) not in (None, 9, 15, 1, 2)
+    assert (verdict.retryable is None) == (crashed_itself or code == 3)
+
+
+def test_a_checkpoint_error_is_the_cause_wherever_it_was_raised():
+    verdict = _classify(LaunchFailure(0, 1, "rank 0 exited"),
+                        [_raised(0, "RuntimeError", "peer gone", at=1.0),
+                         _raised(1, "CheckpointError", "no usable checkpoint", at=2.0)],
+                        hosts={1: "h1"})
+    assert verdict.first.exc_type == "CheckpointError" and verdict.first.host == "h1"
+
+
+def test_secrets_in_a_rank_message_are_redacted_in_the_error():
+    from sparkhvd.common.redaction import remember_secret
+
+    remember_secret("s3cr3t-value-123")
+    verdict = _classify(LaunchFailure(0, 1, "x"), [_raised(0, message="key=s3cr3t-value-123")])
+    assert "s3cr3t-value-123" not in str(verdict.error())
+
+
+@pytest.mark.parametrize("max_retries, attempt, failed, retryable, decision", [
+    (0, 1, False, None, "done"),
+    (0, 1, True, "lost", "raise"),
+    (1, 1, True, "lost", "retry"),
+    (1, 2, True, "lost", "raise"),
+    (3, 1, True, None, "raise"),  # what the function raised happens again
+    (2, 2, False, None, "done"),
+])
+def test_the_retry_policy_alone_decides(max_retries, attempt, failed, retryable, decision):
+    verdict = None
+    if failed:
+        failure = (LaunchFailure(0, None, "gone", vanished=True) if retryable else
+                   LaunchFailure(0, 1, "exited"))
+        verdict = _classify(failure, [] if retryable else [_raised(0)])
+    policy = RetryPolicy(max_retries)
+    assert policy.attempts == max_retries + 1
+    assert policy.decide(attempt, failed, verdict) == decision
+
+
+def test_a_stall_or_any_failure_without_a_verdict_is_raised():
+    assert RetryPolicy(5).decide(1, True, None) == "raise"
