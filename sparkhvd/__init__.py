@@ -15,9 +15,7 @@ runs on (``__side__``; tests/unit/test_package_layout.py checks that imports poi
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
-from importlib.abc import Loader, MetaPathFinder
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
@@ -76,7 +74,7 @@ ALIASES = {
 }
 
 
-class _AliasLoader(Loader):
+class _AliasLoader:  # importlib's loader protocol (no ABC: importlib.abc costs ~15 ms)
     def __init__(self, target: str) -> None:
         self.target = target
 
@@ -87,11 +85,13 @@ class _AliasLoader(Loader):
         sys.modules[module.__spec__.name] = module  # type: ignore[union-attr]
 
     def get_code(self, fullname: str) -> Any:  # ``python -m sparkhvd.cli``
+        import importlib.util
+
         spec = importlib.util.find_spec(self.target)
         return spec.loader.get_code(self.target)  # type: ignore[union-attr]
 
 
-class _AliasFinder(MetaPathFinder):
+class _AliasFinder:  # a meta path finder
     def find_spec(self, fullname: str, path: Any = None, target: Any = None
                   ) -> "ModuleSpec | None":
         if fullname not in ALIASES:
