@@ -96,7 +96,7 @@ class _AliasFinder:  # a meta path finder
                   ) -> "ModuleSpec | None":
         if fullname not in ALIASES:
             return None
-        return ModuleSpec(fullname, _AliasLoader(ALIASES[fullname]))
+        return ModuleSpec(fullname, _AliasLoader(ALIASES[fullname]))  # type: ignore[arg-type]
 
 
 if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
