@@ -3,8 +3,11 @@ or tf.distribute) or PyTorch (torch.distributed).
 
 Public API::
 
-    from sparkhvd import HorovodRunner, TrainingError
-    model_bytes = HorovodRunner(np=2).run(train_fn, lr=0.1, epochs=3)
+    from sparkhvd import SparkRunner, TrainingError
+    result = SparkRunner(np=2, backend="torch").run(train_fn, lr=0.1, epochs=3)
+
+(``HorovodRunner`` is the same runner under its Databricks-compatible name, ``backend="horovod"``
+by default; ``@sparkhvd.distributed(np=..., backend=...)`` the decorator form.)
 
 The launch machinery is arranged by where it runs: ``driver/``, ``executor/`` (inside a Spark
 task), ``rank/`` (the rank process), ``common/`` (shared). Features live in their own folders with
@@ -43,6 +46,8 @@ _LAZY = {
     "predict": ("scoring.predict", "predict"),
     "RunDir": ("runfolder.rundir", "RunDir"),
     "HorovodRunner": ("driver.runner", "HorovodRunner"),
+    "SparkRunner": ("driver.runner", "SparkRunner"),
+    "distributed": ("driver.runner", "distributed"),
     "ScalingConfig": ("driver.settings", "ScalingConfig"),
     "LaunchConfig": ("driver.settings", "LaunchConfig"),
     "RunConfig": ("driver.settings", "RunConfig"),
@@ -110,7 +115,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
-    "HorovodRunner", "ScalingConfig", "LaunchConfig", "RunConfig", "SessionConfig",
+    "SparkRunner", "distributed", "HorovodRunner", "ScalingConfig", "LaunchConfig", "RunConfig", "SessionConfig",
     "TrainingError", "NotEnoughSlotsError", "PayloadError", "EnvironmentMismatchError",
     "SessionError", "SparkhvdError", "RankFailure", "RunDir", "ENV_ALLOWLIST", "StorageError",
     "load_model", "predict", "storage", "DataFrameDataset", "stacks", "StallError",

@@ -147,6 +147,7 @@ class DataFrameDataset:
             return self
         from sparkhvd import storage
         from sparkhvd.data import materialize as mat
+        from sparkhvd.driver.session import DATA_MODULES, check_worker_python
         from sparkhvd.driver.sparkview import SparkView
 
         if self._df is None:
@@ -155,6 +156,8 @@ class DataFrameDataset:
         spark = self._df.sparkSession
         parent = (self.cache_url or default_cache_parent()).rstrip("/")
         view = SparkView(spark)
+        check_worker_python(view, modules=DATA_MODULES,
+                            purpose="the Spark jobs that write the DataFrame's Parquet")
         self._check_cache_visible(parent, view.master, view.executors_here())
         selected, stored = mat.converted(self._df, self.columns, self.kinds, self._schema,
                                          self.dtype)

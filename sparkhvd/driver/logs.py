@@ -208,6 +208,13 @@ class RankLogRouter:
                 return True
         return bool(_ERRORISH.search(text))
 
+    def note(self, text: str) -> None:
+        """A line of sparkhvd's own on the console, whatever the verbosity (e.g. where the run
+        folder is): it goes where rank lines go, so it is seen without configuring logging."""
+        with self._lock:
+            self._clear_live()
+            self.logger.info("[sparkhvd] %s", text)
+
     def line_all(self, text: str) -> None:
         """A line of the driver's own in every rank log opened so far (e.g. a retry's start)."""
         with self._lock:

@@ -87,6 +87,8 @@ class Run:
         launch, config = runner.launch_config, runner.run_config
         self.router = RankLogRouter(config.driver_log_verbosity, log_dir=self.run_dir.logs,
                                     verbose=launch.verbose)
+        self.router.note(f"run {self.run_dir.run_id}: run folder {self.record['output']} "
+                         "(run.json, logs/; runner.last_run_dir)")
         last: Optional[Attempt] = None
         try:
             placement = self._place()

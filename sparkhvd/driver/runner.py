@@ -6,6 +6,7 @@ the rest of the story (attempts, retries, the run record, publishing).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Any, Callable, Mapping, Optional, Union
@@ -284,3 +285,57 @@ class HorovodRunner:
                                "running run's ranks (call it from another thread, or use "
                                "`sparkhvd stacks <run folder>` from a terminal).")
         return monitor.collect("requested from Python").text()
+
+
+class SparkRunner(HorovodRunner):
+    """The backend-neutral name of the runner: ``SparkRunner(np=2, backend="torch")``.
+
+    The same runner as :class:`HorovodRunner` (every setting, ``run``, ``run_all``,
+    ``last_run_dir``, ``dump_stacks``) -- but the backend is always said, since nothing about
+    the name picks one. ``HorovodRunner`` stays the Databricks-compatible name, with
+    ``backend="horovod"`` by default.
+    """
+
+    def __init__(self, np: int = _UNSET, *, backend: str, **settings: Any) -> None:
+        super().__init__(np, backend=backend, **settings)
+
+
+def distributed(np: int = _UNSET, *, backend: str, **settings: Any
+                ) -> Callable[[Callable[..., Any]], Any]:
+    """Mark a training function to run on ``np`` ranks, in the shape Databricks' serverless GPU
+    API uses::
+
+        @sparkhvd.distributed(np=2, backend="torch")
+        def train(lr, epochs):
+            ...
+
+        result = train.distributed(0.1, epochs=3)   # rank 0's return value
+        train.runner.last_run_dir                     # the run's folder, run.json, logs
+        train(0.1, epochs=1)                          # still a plain function, here
+
+    The settings are checked when the function is decorated (``SparkRunner``'s, every
+    keyword of :class:`HorovodRunner`); ``.distributed(...)`` takes the function's own
+    arguments, positional or by name, and ``.distributed_all(...)`` returns every rank's value.
+    """
+    runner = SparkRunner(np, backend=backend, **settings)
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        def by_name(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+            if not args:
+                return kwargs
+            try:
+                return dict(inspect.signature(fn).bind_partial(*args, **kwargs).arguments)
+            except TypeError as exc:
+                raise PayloadError(f"{getattr(fn, '__name__', 'fn')}.distributed() cannot "
+                                   f"take these arguments: {exc}.") from None
+
+        @functools.wraps(fn)
+        def local(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        local.distributed = lambda *a, **k: runner.run(fn, **by_name(a, k))  # type: ignore
+        local.distributed_all = lambda *a, **k: runner.run_all(fn, **by_name(a, k))  # type: ignore
+        local.runner = runner  # type: ignore[attr-defined]
+        return local
+
+    return decorate

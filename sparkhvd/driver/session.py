@@ -90,6 +90,9 @@ def connect_session(remote: str):
 #: What Spark's worker Python must import, per backend.
 NEEDED_MODULES = {"horovod": "horovod.spark, sparkhvd", "tf": "tensorflow, sparkhvd",
                   "torch": "torch, sparkhvd"}
+#: What the Spark jobs of the data path and of scoring need in the workers.
+DATA_MODULES = "numpy, pyarrow, sparkhvd"
+SCORING_MODULES = "numpy, pandas, pyarrow, sparkhvd"
 
 
 @functools.lru_cache(maxsize=8)
@@ -102,22 +105,26 @@ def _python_can_import(python: str, modules: str) -> Optional[str]:
     return None if out.returncode == 0 else (out.stderr.strip().splitlines() or ["?"])[-1]
 
 
-def check_worker_python(view: SparkView, backend: str = "horovod") -> None:
-    """On a local master, fail early when Spark's worker Python cannot import what the ranks
-    need (horovod or tensorflow, and sparkhvd). A Connect client knows the workers' Python only
-    when the session says it (``spark.pyspark.python``)."""
+def check_worker_python(view: SparkView, backend: str = "horovod", *,
+                        modules: Optional[str] = None, purpose: str = "the ranks") -> None:
+    """Before any Spark job sparkhvd starts (a launch, ``DataFrameDataset``'s materialisation,
+    ``predict``): fail early, with the fix, when Spark's worker Python cannot import what that
+    job needs (``modules``; by default what the ranks of ``backend`` need). Known on a local
+    master (the workers run this machine's Python Spark was told of); a Connect client knows
+    the workers' Python only when the session says it (``spark.pyspark.python``). Without the
+    check, the job fails deep inside a Spark worker (``No module named 'pyarrow'``)."""
     if not view.master.startswith("local"):
         return
     python = view.python_exec()
     if not python:
         return
-    modules = NEEDED_MODULES.get(backend, NEEDED_MODULES["horovod"])
+    modules = modules or NEEDED_MODULES.get(backend, NEEDED_MODULES["horovod"])
     problem = _python_can_import(python, modules)
     if problem:
         from sparkhvd.common.errors import EnvironmentMismatchError
 
         raise EnvironmentMismatchError(
             f"Spark runs its Python workers with {python!r}, which cannot import {modules} "
-            f"({problem}). Fix: export PYSPARK_PYTHON={sys.executable} before the "
-            "SparkSession is created (or activate the project's virtual environment), then "
-            "restart the session.")
+            f"({problem}), which {purpose} need. Fix: export PYSPARK_PYTHON={sys.executable} "
+            "before the SparkSession is created (or activate the project's virtual "
+            "environment), then restart the session.")

@@ -71,9 +71,19 @@ def error_event(rank: int, exc: BaseException) -> protocol.Error:
 def known_fix(exc: BaseException, trace: str, environ: Mapping[str, str]) -> str:
     """The fix for a failure whose cause sparkhvd knows better than the library that raised it.
 
-    Lightning's ``Trainer(devices=1, num_nodes=N)`` -- TorchDistributor's shape, where every
-    Spark task is a node -- indexes its one device with ``LOCAL_RANK``, so under torchrun's
-    numbering (several ranks on a host) rank 1 fails with a bare ``IndexError``."""
+    - Lightning's ``Trainer(devices=1, num_nodes=N)`` -- TorchDistributor's shape, where every
+      Spark task is a node -- indexes its one device with ``LOCAL_RANK``, so under torchrun's
+      numbering (several ranks on a host) rank 1 fails with a bare ``IndexError``.
+    - ``tf.distribute.MultiWorkerMirroredStrategy`` must be created before TensorFlow runs any
+      op; a ``tf.data`` pipeline (or a model) built first makes TensorFlow raise a bare
+      ``RuntimeError: Collective ops must be configured at program startup``.
+    """
+    if isinstance(exc, RuntimeError) and "Collective ops must be configured at program " \
+            "startup" in str(exc):
+        return (" -- on backend='tf' the strategy must exist before TensorFlow runs anything. "
+                "Fix: create sparkhvd.keras.KerasDistributed(...) (or "
+                "tf.distribute.MultiWorkerMirroredStrategy()) first in the training function, "
+                "then build the tf.data pipeline and the model.")
     if isinstance(exc, IndexError) and "lightning" in trace and "root_device" in trace and \
             environ.get("LOCAL_RANK", "0") != "0":
         return (f" -- Lightning's Trainer has fewer devices than this host's ranks "

@@ -128,8 +128,12 @@ def predict(df: Any, model: Any, features: Union[str, Sequence[str]], *,
     from pyspark.ml.functions import predict_batch_udf
 
     from sparkhvd.data.materialize import check_column_type, check_profile, profile
+    from sparkhvd.driver.session import SCORING_MODULES, check_worker_python
+    from sparkhvd.driver.sparkview import SparkView
     from sparkhvd.keras.modelio import local_file
 
+    check_worker_python(SparkView(df.sparkSession), modules=SCORING_MODULES,
+                        purpose="predict's Spark jobs")
     names = [features] if isinstance(features, str) else list(features)
     existing = list(df.columns)
     missing = [c for c in names if c not in existing]

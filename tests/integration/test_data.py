@@ -425,3 +425,41 @@ def test_an_over_partitioned_dataframe_is_merged_not_one_file_per_partition(spar
         assert sorted(r0 + r1) == [float(i) for i in range(2000)]
     finally:
         ds.close()
+
+
+def test_spark_workers_without_the_stack_are_named_before_any_data_job(tmp_path):
+    """`.venv/bin/python script.py` with the user's own session and no PYSPARK_PYTHON: Spark's
+    workers run `python3` from PATH (here the system's, without pyarrow or sparkhvd).
+    DataFrameDataset and predict say so, with the fix, before their Spark jobs fail deep in a
+    worker with `No module named 'pyarrow'`."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "user_script.py"
+    script.write_text(textwrap.dedent('''
+        from pyspark.sql import SparkSession
+        from sparkhvd import DataFrameDataset, EnvironmentMismatchError, predict
+
+        spark = (SparkSession.builder.master("local[1]")
+                 .config("spark.ui.enabled", "false").getOrCreate())
+        df = spark.createDataFrame([([0.0, 1.0], 0), ([1.0, 0.0], 1)], "x array<double>, y long")
+        for what, call in (("dataset", lambda: DataFrameDataset(df, ["x"], "y").materialize()),
+                           ("predict", lambda: predict(df, "model.keras", "x"))):
+            try:
+                call()
+                print(what, "no error")
+            except EnvironmentMismatchError as exc:
+                print(what, exc)
+        spark.stop()
+    '''))
+    env = {k: v for k, v in os.environ.items() if k != "PYSPARK_PYTHON"}
+    env["PATH"] = "/usr/bin:/bin"  # no virtual environment activated
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=tmp_path)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("dataset", "predict"))]
+    assert len(lines) == 2, out.stdout + out.stderr[-3000:]
+    for line in lines:
+        assert "Python workers with 'python3', which cannot import" in line
+        assert f"Fix: export PYSPARK_PYTHON={sys.executable}" in line
+    assert "write the DataFrame's Parquet" in lines[0] and "predict's Spark jobs" in lines[1]

@@ -34,6 +34,34 @@ def test_the_function_may_be_passed_as_fn_and_have_its_own_fn(tmp_path):
         runner.run(np=7)
 
 
+def test_the_backend_neutral_entry_points(tmp_path, rank_lines):
+    """SparkRunner says its backend; @distributed is the decorator form; both hand back the
+    run's folder, and the console says where it is."""
+    import sparkhvd
+
+    with pytest.raises(TypeError):
+        sparkhvd.SparkRunner(np=-1)  # no backend: nothing about the name picks one
+
+    def where(scale, offset=0):
+        import os
+
+        return int(os.environ.get("RANK", -1)) * scale + offset
+
+    runner = sparkhvd.SparkRunner(np=-2, backend="torch", output_dir=str(tmp_path))
+    assert runner.run(where, scale=10) == 0
+    assert any(line.startswith(f"[sparkhvd] run {runner.last_run_dir.run_id}: run folder ")
+               for line in rank_lines)
+
+    @sparkhvd.distributed(np=-2, backend="torch", output_dir=str(tmp_path))
+    def train(scale, offset=0):
+        return where(scale, offset)
+
+    assert train(3, offset=1) == -2  # still a plain function here (no rank: -1 * 3 + 1)
+    assert train.distributed(10, offset=1) == 1
+    assert train.distributed_all(10) == [0, 10]
+    assert train.runner.last_run_dir.record["status"] == "succeeded"
+
+
 def test_local_allreduce_with_horovod(tmp_path):
     def train():
         import horovod.tensorflow as hvd

@@ -191,3 +191,27 @@ def test_sparkhvd_run_backend_tf_runs_a_plain_multiworker_script(tmp_path):
     sums = sorted(line.split("checksum ")[1] for line in out.stdout.splitlines()
                   if "checksum" in line)
     assert len(sums) == 2 and sums[0] == sums[1], out.stdout[-2000:]
+
+
+def pipeline_before_the_strategy(x, y):
+    import tensorflow as tf
+
+    from sparkhvd.keras import KerasDistributed
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)  # TF runs an op here
+    kd = KerasDistributed(epochs=1, batch_size=16)
+    return kd, dataset
+
+
+def test_a_pipeline_built_before_the_strategy_names_the_rule_and_the_fix(data, tmp_path):
+    """TensorFlow's own error says only "Collective ops must be configured at program
+    startup"; the TrainingError says what comes first."""
+    from sparkhvd import TrainingError
+
+    runner = HorovodRunner(np=-2, backend="tf", output_dir=str(tmp_path))
+    with pytest.raises(TrainingError) as info:
+        runner.run(pipeline_before_the_strategy, x=data["x_train"][:64],
+                   y=data["y_train"][:64])
+    message = str(info.value)
+    assert "Collective ops must be configured at program startup" in message
+    assert "Fix: create sparkhvd.keras.KerasDistributed(...)" in message
