@@ -24,14 +24,14 @@ DEMO_ARGS := --backend torch
 # Spark, side by side with TorchDistributor, failure matrix, multi-host -- and its unit tests.
 TORCH_TESTS := tests/unit/test_rank_placement.py tests/integration/test_torch.py tests/integration/test_demo.py \
 	tests/integration/test_torch_ecosystem.py tests/unit/test_torch_numbering.py \
-	tests/integration/test_checkpoint_faults.py \
+	tests/integration/test_checkpoint_faults.py tests/integration/test_docs_examples.py \
 	tests/integration/test_failures.py tests/cluster/test_multihost_torch.py
 TEST_ARGS := -m "torch_backend or not (spark or ranks or azurite or cluster or netns or notebook or connect or horovod)" $(TORCH_TESTS)
 else
 PY := .venv/bin/python
 endif
 
-.PHONY: setup demo test unit lint test-keras bench clean cluster-up cluster-down
+.PHONY: setup demo test unit lint docs test-keras bench clean cluster-up cluster-down
 
 setup:
 	@PROFILE=$(PROFILE) bash scripts/setup.sh
@@ -53,6 +53,11 @@ lint: setup
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m mypy
 
+# The documentation site (mkdocs-material + mkdocstrings, mkdocs.yml) into site/, strict: a broken
+# link, include or reference fails. Its code blocks are docs/examples/*.py, run by the tests.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 # The Keras tests (unit + 2-rank integration), e.g. `make test-keras PROFILE=tf218`.
 test-keras: setup
 	$(PY) -m pytest tests/unit/test_keras_unit.py tests/integration/test_keras.py tests/unit/test_environment.py
@@ -70,4 +75,4 @@ cluster-down:
 	$(PY) scripts/cluster.py down
 
 clean:
-	rm -rf runs .pytest_cache spark-warehouse
+	rm -rf runs .pytest_cache spark-warehouse site

@@ -14,7 +14,8 @@ PROFILE=${PROFILE:-tf215}
 HOROVOD=1
 EXTRAS=spark,dev
 case "$PROFILE" in
-  tf215) VENV=.venv; CONSTRAINTS=constraints.txt; FRAMEWORK_PKGS=("tensorflow-cpu==2.15.1") ;;
+  tf215) VENV=.venv; CONSTRAINTS=constraints.txt; FRAMEWORK_PKGS=("tensorflow-cpu==2.15.1")
+         EXTRAS=spark,dev,docs ;;
   tf218) VENV=.venv-tf218; CONSTRAINTS=constraints-tf218.txt
          FRAMEWORK_PKGS=("tensorflow-cpu==2.18.1" "tf-keras==2.18.0"); export TF_USE_LEGACY_KERAS=1 ;;
   modern) VENV=.venv-modern; CONSTRAINTS=constraints-modern.txt; HOROVOD=0; EXTRAS=spark,connect,dev

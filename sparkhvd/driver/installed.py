@@ -57,7 +57,7 @@ def check_horovod_installed() -> None:
             "backend='horovod' (the default) needs horovod, which is not installed here. Fix: "
             "HorovodRunner(..., backend='tf') trains with tf.distribute and no horovod (current "
             "TensorFlow, Keras 3); or install horovod[spark] 0.28 built with TensorFlow <= 2.18 "
-            "and Gloo (see the README's 'Choosing a backend').")
+            "and Gloo (see docs/guides/backends.md).")
 
 
 def check_keras(environ: Optional[Mapping[str, str]] = None) -> None:

@@ -122,7 +122,7 @@ class HorovodRunner:
     - ``scaling=ScalingConfig(np, min_np, max_np, ranks_per_task, local_ranks)``: how many
       ranks (``np > 0``: Spark task slots, checked up front; ``np < 0``: local processes on the
       driver); ``min_np``/``max_np`` make an elastic run (``horovod.spark.run_elastic``, see
-      the README); ``ranks_per_task`` ranks in each Spark task (one per GPU of a node), and
+      docs/guides/failures.md); ``ranks_per_task`` ranks in each Spark task (one per GPU of a node), and
       what ``LOCAL_RANK`` counts (``local_ranks``: ``"host"``, torchrun's, or ``"task"``,
       TorchDistributor's).
     - ``launch=LaunchConfig(launcher, start_timeout, heartbeat_timeout, slot_wait_s, nics, env,

@@ -46,8 +46,9 @@ class ScalingConfig:
     Args:
         np: ``N > 0`` runs N ranks in N Spark task slots (checked up front); ``-N`` runs N ranks
             as local processes on the driver, without Spark tasks (quick debugging).
-        min_np, max_np: elastic training (``horovod.spark.run_elastic``): the run goes on while
+        min_np: elastic training (``horovod.spark.run_elastic``): the run goes on while
             between ``min_np`` and ``max_np`` ranks are alive.
+        max_np: the most ranks of an elastic run.
         ranks_per_task: ranks each Spark task starts (default 1): a node with k GPUs scheduled
             as one task (``spark.task.resource.gpu.amount=k``) runs one rank per GPU, as
             ``torchrun --nproc-per-node k`` would. ``np`` counts ranks, so it must be a multiple.

@@ -171,6 +171,11 @@ def predict(df: Any, model: Any, features: Union[str, Sequence[str]], *,
     single = len(names) == 1
 
     def make_predict_fn():
+        import os
+
+        # in the executors' Python workers: TensorFlow's C++ start-up lines (oneDNN, absl)
+        # would land in the driver's console of a local session; what the user set wins
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         import numpy as np
         import tensorflow as tf
 

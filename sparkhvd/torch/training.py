@@ -382,9 +382,13 @@ def model_bytes(model: Any, example_input: Any = None) -> bytes:
             scripted = torch.jit.script(module)
         except Exception as exc:  # noqa: BLE001 - any scripting failure: trace instead
             if example_input is None:
+                why = (" -- a class defined in your script or notebook travels to the ranks "
+                       "without its source file, which scripting reads" if
+                       "source" in str(exc) else "")
                 raise TypeError(
-                    f"torch.jit.script cannot compile {type(module).__name__} ({exc}). Fix: "
-                    "pass one batch, model_bytes(model, example_input=x), to trace it.") from None
+                    f"torch.jit.script cannot compile {type(module).__name__} ({exc}){why}. "
+                    "Fix: pass one batch, model_bytes(model, example_input=x), to trace it; "
+                    "or return model.state_dict() (saved as model.state_dict.pt).") from None
             scripted = torch.jit.trace(module, example_input)
         buffer = io.BytesIO()
         torch.jit.save(scripted, buffer)

@@ -211,7 +211,7 @@ RULES: tuple[tuple[Callable[[LaunchFacts], bool], Callable[[LaunchFacts], str]],
                "backend='torch' or 'tf' on the barrier launcher, or one rank per task."),
     (lambda f: f.backend != "horovod" and bool(f.horovod_only),
      lambda f: f"{' and '.join(f.horovod_only)} need backend='horovod'; backend={f.backend!r} "
-               "runs on sparkhvd's barrier launcher (see the README's 'Choosing a backend')."),
+               "runs on sparkhvd's barrier launcher (see docs/guides/backends.md)."),
     (lambda f: f.requested == "barrier" and f.elastic,
      lambda f: "Elastic training (min_np/max_np) runs on horovod.spark.run_elastic; use "
                "launcher='auto' or 'horovod'."),

@@ -1,0 +1,82 @@
+"""Every example of the docs and README runs as written: ``python docs/examples/<name>.py`` in
+a fresh folder, as a user would run it (its own SparkSession, or the runner's), with only the
+placeholders a fixture supplies (a storage account) filled in.
+
+Each example runs in the profile that has what it needs: horovod ones in the default profile,
+tf ones there and in the modern profile, torch ones in the torch profile, Spark Connect where
+pyspark[connect] is installed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from docs_examples import CLI_COMMANDS, EXAMPLES, EXAMPLES_DIR
+
+pytestmark = [pytest.mark.timeout(600)]
+
+#: need -> (the markers that route it to its profile, whether it is installed here)
+NEEDS = {
+    "horovod": ((pytest.mark.horovod, pytest.mark.spark), "horovod"),
+    "tf": ((pytest.mark.tf_backend, pytest.mark.spark), "tensorflow"),
+    "torch": ((pytest.mark.torch_backend, pytest.mark.spark), "torch"),
+    "connect": ((pytest.mark.connect,), "grpc"),
+}
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _params():
+    for name, example in sorted(EXAMPLES.items()):
+        marks = [mark for need in example.needs for mark in NEEDS[need][0]]
+        if example.placeholders:
+            marks.append(pytest.mark.azurite)
+        missing = [NEEDS[n][1] for n in example.needs if not _installed(NEEDS[n][1])]
+        if missing:
+            marks.append(pytest.mark.skip(reason=f"needs {', '.join(missing)} (another profile "
+                                                 "runs it)"))
+        yield pytest.param(name, marks=marks, id=name)
+
+
+def _user_env() -> dict[str, str]:
+    """The environment of a user in this project's virtual environment."""
+    env = dict(os.environ)
+    env["PYSPARK_PYTHON"] = sys.executable
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    return env
+
+
+@pytest.mark.parametrize("name", list(_params()))
+def test_the_example_runs_as_written(name, tmp_path, request):
+    example = EXAMPLES[name]
+    text = (EXAMPLES_DIR / name).read_text()
+    if example.placeholders:
+        azurite = request.getfixturevalue("azurite")
+        azurite.make_container("models")
+        values = {"runs_url": azurite.url("models", "runs"),
+                  "connection": azurite.connection_string()}
+        for placeholder, value in example.placeholders.items():
+            assert placeholder in text, f"{name} no longer shows {placeholder!r}"
+            text = text.replace(placeholder, values[value])
+    script = tmp_path / name
+    script.write_text(text)
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_user_env(),
+                         capture_output=True, text=True, timeout=540)
+    assert out.returncode == 0, f"{name} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    assert example.prints in out.stdout, out.stdout[-3000:]
+
+
+@pytest.mark.spark
+@pytest.mark.horovod
+@pytest.mark.parametrize("command", sorted(CLI_COMMANDS))
+def test_the_cli_commands_run_as_written(command, tmp_path):
+    out = subprocess.run(command.split(), cwd=tmp_path, env=_user_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, f"{command}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"

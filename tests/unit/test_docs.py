@@ -1,0 +1,74 @@
+"""Every code block of README.md and docs/ is one the tests run, as written.
+
+- a Python block in docs/ includes an example file (``--8<-- "docs/examples/x.py"``) that
+  tests/integration/test_docs_examples.py runs;
+- a Python block in README.md is, character for character, one of those files (no drift);
+- a bash block holds only `make <target>` (a real target), `pip install` of real extras, and
+  `sparkhvd ...` commands the tests run;
+- a ``text`` block is output or a file tree, never code.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from importlib.metadata import metadata
+
+import pytest
+
+from docs_examples import (
+    CLI_COMMANDS,
+    EXAMPLES,
+    EXAMPLES_DIR,
+    ROOT,
+    SNIPPET,
+    blocks,
+    example_text,
+    markdown_files,
+)
+
+PAGES = markdown_files()
+
+
+def test_every_example_file_is_registered_and_every_registered_file_exists():
+    files = {p.name for p in EXAMPLES_DIR.glob("*.py")}
+    assert files == set(EXAMPLES), "register each docs/examples file in tests/docs_examples.py"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_every_code_block_is_tested(page):
+    makefile = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"(?m)^([\w-]+):", makefile))
+    extras = set(metadata("sparkhvd").get_all("Provides-Extra") or [])
+    readme = page.name == "README.md"
+    for language, text in blocks(page):
+        body = text.strip("\n")
+        if language == "python":
+            if readme:
+                assert any(body == example_text(n).strip("\n") for n in EXAMPLES), \
+                    f"README block differs from every docs/examples file:\n{body[:300]}"
+            else:
+                match = SNIPPET.match(body)
+                assert match, f"{page.name}: a Python block must include a docs/examples " \
+                              f"file (--8<-- \"docs/examples/x.py\"):\n{body[:300]}"
+                assert match.group(1).split("/")[-1] in EXAMPLES
+        elif language == "bash":
+            for line in body.splitlines():
+                command = line.split("  #")[0].strip()
+                if not command or command.startswith("#"):
+                    continue
+                words = shlex.split(command)
+                if words[0] == "make":
+                    assert words[1] in targets, f"make {words[1]}: no such target"
+                elif words[:2] == ["pip", "install"]:
+                    for spec in words[2:]:
+                        found = re.fullmatch(r"sparkhvd(\[([\w,-]+)\])?", spec)
+                        assert found, f"{page.name}: pip install {spec}: only sparkhvd"
+                        assert set((found.group(2) or "").split(",")) - {""} <= extras, spec
+                else:
+                    assert command in CLI_COMMANDS, \
+                        f"{page.name}: `{command}` is not a command the tests run " \
+                        "(tests/docs_examples.py CLI_COMMANDS)"
+        else:
+            assert language == "text", \
+                f"{page.name}: a ```{language or '(no language)'} block: use python (an " \
+                "example file), bash (tested commands) or text (output, not code)"
