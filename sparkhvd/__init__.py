@@ -54,6 +54,9 @@ _LAZY = {
     "SessionConfig": ("driver.settings", "SessionConfig"),
     "ENV_ALLOWLIST": ("common.environment", "ENV_ALLOWLIST"),
     "storage": ("storage", None),
+    "keras": ("keras", None),
+    "torch": ("torch", None),
+    "data": ("data", None),
     "stacks": ("driver.monitor", "request_stacks"),
 }
 

@@ -17,7 +17,8 @@ EXAMPLES_DIR = ROOT / "docs" / "examples"
 
 @dataclass(frozen=True)
 class Example:
-    #: what the example needs installed: "horovod", "tf", "torch", "connect"
+    #: what the example needs installed: "horovod", "tf" (run where TensorFlow has no horovod
+    #: beside it: the modern profile), "torch", "connect"
     needs: tuple[str, ...]
     #: placeholder in the file -> the fixture attribute that replaces it
     placeholders: dict = field(default_factory=dict)
@@ -44,11 +45,13 @@ EXAMPLES = {
     "settings_groups.py": Example(()),
 }
 
-#: The CLI commands the docs show in bash blocks (run by the tests, `sparkhvd` from the venv).
+#: The CLI commands the docs show in bash blocks (`sparkhvd` from the venv), and the test that
+#: runs each as written ("docs": tests/integration/test_docs_examples.py).
+DOCTOR = "sparkhvd doctor --np 2"
 CLI_COMMANDS = {
-    "sparkhvd presets",
-    "sparkhvd presets show gpu-large --as configure",
-    "sparkhvd doctor --np 2",
+    "sparkhvd presets": "docs",
+    "sparkhvd presets show gpu-large --as configure": "docs",
+    DOCTOR: "tests/integration/test_cli.py::test_doctor_passes_on_this_machine",
 }
 
 FENCE = re.compile(r"(?ms)^```(\w*)[^\n]*\n(.*?)^```")

@@ -35,7 +35,7 @@ def train_fn(train, val, epochs):
 
 
 runner = HorovodRunner(np=2)
-runner.run(train_fn, train=train, val=val, epochs=5)
+runner.run(train_fn, train=train, val=val, epochs=3)
 # --8<-- [start:predict]
 scored = sparkhvd.predict(df_val, runner.last_run_dir, features="features", argmax=True)
 accuracy = scored.where("prediction = label").count() / scored.count()

@@ -22,8 +22,8 @@ def train_fn(x, y, x_val, y_val, epochs):
 
 
 data = dict(x=x_train, y=y_train, x_val=x_val, y_val=y_val)
-HorovodRunner(np=2).run(train_fn, **data, epochs=2)
+HorovodRunner(np=2).run(train_fn, **data, epochs=1)
 runner = HorovodRunner(np=2, resume_from=True)  # continue from the latest checkpoint
-accuracy = runner.run(train_fn, **data, epochs=4)
+accuracy = runner.run(train_fn, **data, epochs=2)
 print(f"accuracy {accuracy:.3f}; run folder {runner.last_run_dir.url}")
 print(open(runner.last_run_dir.file("metrics.csv")).read())

@@ -42,6 +42,6 @@ def train(data, epochs, lr):
 
 
 runner = SparkRunner(np=2, backend="torch")
-runner.run(train, data=DataFrameDataset(df, "features", "label"), epochs=10, lr=0.05)
+runner.run(train, data=DataFrameDataset(df, "features", "label"), epochs=5, lr=0.05)
 scored = sparkhvd.predict(test_df, runner.last_run_dir, features="features", argmax=True)
 print(f"accuracy {scored.where('prediction = label').count() / scored.count():.3f}")

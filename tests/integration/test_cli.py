@@ -80,7 +80,11 @@ def test_run_failing_script_exits_nonzero(tmp_path):
 @pytest.mark.spark
 @pytest.mark.timeout(300)
 def test_doctor_passes_on_this_machine():
-    out = subprocess.run([SPARKHVD, "doctor"], capture_output=True, text=True, timeout=280,
+    """As the docs show it (docs_examples.DOCTOR)."""
+    from docs_examples import DOCTOR
+
+    out = subprocess.run([SPARKHVD, *DOCTOR.split()[1:]], capture_output=True, text=True,
+                         timeout=280,
                          env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0, out.stdout + out.stderr
     for check in ("backend horovod", "backend tf", "MultiWorkerMirroredStrategy", "Java",
