@@ -24,11 +24,14 @@ class Example:
     placeholders: dict = field(default_factory=dict)
     #: what its output must say
     prints: str = ""
+    #: files it must leave in its working folder (globs)
+    leaves: tuple[str, ...] = ()
 
 
 #: Every example file, and what it needs (which profile runs it).
 EXAMPLES = {
-    "quickstart_horovod.py": Example(("horovod",), prints="accuracy "),
+    "quickstart_horovod.py": Example(("horovod",), prints="accuracy ",
+                                     leaves=("runs/*/metrics.csv", "runs/*/curves.png")),
     "quickstart_tf.py": Example(("tf",), prints="accuracy "),
     "quickstart_torch.py": Example(("torch",), prints="accuracy "),
     "keras_resume.py": Example(("horovod",), prints="epoch,"),

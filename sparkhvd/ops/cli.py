@@ -229,7 +229,13 @@ def spark_submit_command(preset: str, master: Optional[str], job: str,
 
     p = load_preset(preset)
     submit = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit")
-    return [submit, *p.spark_submit_args(master),
+    # Spark's INFO lines (some 90 of them while the context starts) and its stage progress bar
+    # (drawn into the ranks' lines for as long as the barrier stage runs) would bury the job's
+    # own output: off, unless the preset says otherwise (spark.log.level: Spark >= 3.5).
+    quiet = [arg for key, value in (("spark.log.level", "WARN"),
+                                    ("spark.ui.showConsoleProgress", "false"))
+             if key not in p.conf for arg in ("--conf", f"{key}={value}")]
+    return [submit, *p.spark_submit_args(master), *quiet,
             "--conf", f"spark.pyspark.python={sys.executable}",
             "--conf", f"spark.pyspark.driver.python={sys.executable}",
             job, *job_args]

@@ -144,13 +144,17 @@ def predict(df: Any, model: Any, features: Union[str, Sequence[str]], *,
                          "output_col.")
     schema = {f.name: f.dataType for f in df.schema.fields}
     kinds = {c: check_column_type(c, schema[c]) for c in names}
+    lengths: dict[str, tuple[int, int]] = {}
     if check:
-        check_profile(profile(df, names, kinds, schema), names, allow_nan=False)
+        found = profile(df, names, kinds, schema)
+        check_profile(found, names, allow_nan=False)
+        lengths = found["lengths"]
     data, suffix = _model_bytes(model, storage_options)
     columns = _feature_columns(names, kinds)
     if suffix == ".pt":
         return _predict_torch(df, data, names, kinds, dict(shapes or {}), columns,
-                              output_col=output_col, batch_size=batch_size, argmax=argmax)
+                              output_col=output_col, batch_size=batch_size, argmax=argmax,
+                              lengths=lengths)
     import tensorflow as tf
 
     with local_file(data, suffix) as path:
@@ -221,10 +225,14 @@ def _feature_columns(names: Sequence[str], kinds: Mapping[str, str]) -> list:
 
 def _predict_torch(df: Any, data: bytes, names: Sequence[str], kinds: Mapping[str, str],
                    shapes: Mapping[str, Sequence[int]], columns: list, *, output_col: str,
-                   batch_size: int, argmax: bool) -> Any:
+                   batch_size: int, argmax: bool,
+                   lengths: Optional[Mapping[str, tuple[int, int]]] = None) -> Any:
     """:func:`predict` for a TorchScript model (``model.pt``): each feature column is one
     positional input of ``forward``, ``(batch, *shape)`` (``shapes``, else flat; scalars
-    ``(batch, 1)``). The output's width is learnt from one row, on the driver."""
+    ``(batch, 1)``). The output's width is learnt from one row on the driver: zeros of each
+    column's length when the profile (``lengths``) or ``shapes`` tell it -- a ``limit(1)`` over
+    a Python-made DataFrame leaves Spark 4's Python daemon printing a BrokenPipeError -- else
+    the DataFrame's first row."""
     import numpy as np
     from pyspark.ml.functions import predict_batch_udf
     from pyspark.sql.types import ArrayType, FloatType, LongType
@@ -236,7 +244,14 @@ def _predict_torch(df: Any, data: bytes, names: Sequence[str], kinds: Mapping[st
         raise TypeError("This run's model is a PyTorch state_dict: scoring needs the module. "
                         "Fix: return sparkhvd.torch.model_bytes(model) from rank 0 (TorchScript), "
                         "or load the state_dict into your model and score it yourself.")
-    row = df.select(*columns).limit(1).collect()
+    lengths = lengths or {}
+    known = {c: (tuple(shapes[c]) if shapes.get(c) else
+                 (lengths[c][0],) if c in lengths else (1,) if kinds[c] == "scalar" else None)
+             for c in names}
+    if all(shape is not None for shape in known.values()):
+        row = [[np.zeros(int(np.prod(known[c] or (1,))), dtype="float32") for c in names]]
+    else:
+        row = df.select(*columns).limit(1).collect()
     if not row:
         raise ValueError("The DataFrame to score is empty.")
 

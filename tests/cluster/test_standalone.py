@@ -20,6 +20,8 @@ def test_submit_digits_job_to_standalone_cluster(standalone, tmp_path):
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-5000:])
     assert "JOB OK" in out.stdout and f"master {standalone.master_url}" in out.stdout
     assert "[rank 0] epoch 15/15" in out.stdout
+    info = [line for line in out.stderr.splitlines() if " INFO " in line]
+    assert len(info) < 15, "Spark's INFO lines bury the job's output:\n" + "\n".join(info[:40])
 
     import tensorflow as tf
 

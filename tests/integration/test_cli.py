@@ -44,6 +44,7 @@ def test_submit_dry_run_prints_command():
     out = result.output
     assert "spark-submit --master spark://127.0.0.1:7077" in out
     assert "--total-executor-cores 2" in out and f"spark.pyspark.python={sys.executable}" in out
+    assert "--conf spark.log.level=WARN" in out
     assert out.strip().endswith("train_digits.py --output-url /tmp/m.h5")
 
 

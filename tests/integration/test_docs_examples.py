@@ -73,6 +73,12 @@ def test_the_example_runs_as_written(name, tmp_path, request):
                          capture_output=True, text=True, timeout=540)
     assert out.returncode == 0, f"{name} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     assert example.prints in out.stdout, out.stdout[-3000:]
+    # a run that succeeds is quiet: no traceback from Spark's Python daemon, a rank or a
+    # library, no TensorFlow C++ start-up lines from Spark's workers
+    for noise in ("Traceback", "oneDNN custom operations"):
+        assert noise not in out.stderr, out.stderr[-5000:]
+    for pattern in example.leaves:
+        assert list(tmp_path.glob(pattern)), f"{name} left no {pattern}"
 
 
 @pytest.mark.spark
