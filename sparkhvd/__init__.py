@@ -43,7 +43,7 @@ __side__ = "public"
 _LAZY = {
     "DataFrameDataset": ("data.dataset", "DataFrameDataset"),
     "load_model": ("scoring.models", "load_model"),
-    "predict": ("scoring.predict", "predict"),
+    "predict": ("scoring.scorer", "predict"),
     "RunDir": ("runfolder.rundir", "RunDir"),
     "HorovodRunner": ("driver.runner", "HorovodRunner"),
     "SparkRunner": ("driver.runner", "SparkRunner"),

@@ -262,13 +262,12 @@ def _run_ranks(procs: list[RankProcess], channel: Optional[_Channel]) -> list[Op
     :data:`SIBLING_GRACE_S` to end by themselves (a broken collective) before they are
     stopped -- the driver aborts them sooner when it is reachable."""
     done = threading.Event()
-    assert channel is not None
 
-    def heartbeat() -> None:
+    def heartbeat(channel: _Channel) -> None:
         while not done.wait(HEARTBEAT_S):
             channel.send(protocol.Heartbeat(rank=procs[0].rank))
 
-    def watch_driver() -> None:  # an abort, or a lost driver, ends the ranks
+    def watch_driver(channel: _Channel) -> None:  # an abort, or a lost driver, ends the ranks
         while isinstance(channel.receive(), protocol.DumpStacks):
             for proc in procs:
                 proc.request_stacks()
@@ -280,9 +279,11 @@ def _run_ranks(procs: list[RankProcess], channel: Optional[_Channel]) -> list[Op
     try:
         for proc in procs:
             proc.start()
-        if channel is not None:
-            threading.Thread(target=heartbeat, daemon=True, name="sparkhvd-heartbeat").start()
-            threading.Thread(target=watch_driver, daemon=True, name="sparkhvd-watch").start()
+        if channel is not None:  # rows mode (no channel): the ranks just run
+            threading.Thread(target=heartbeat, args=(channel,), daemon=True,
+                             name="sparkhvd-heartbeat").start()
+            threading.Thread(target=watch_driver, args=(channel,), daemon=True,
+                             name="sparkhvd-watch").start()
         failed_at: Optional[float] = None
         while any(c is None for c in codes):
             for i, proc in enumerate(procs):

@@ -184,7 +184,7 @@ def small_model(tmp_path_factory):
 @pytest.mark.parametrize("shipping", ["closure", "artifact"])
 def test_predict_on_connect_matches_the_model(connect, small_model, monkeypatch, shipping):
     """No broadcast on Connect: small models ride in the UDF, large ones as an artifact."""
-    from sparkhvd.scoring import predict as scoring
+    from sparkhvd.scoring import scorer as scoring
 
     if shipping == "artifact":
         monkeypatch.setattr(scoring, "CLOSURE_LIMIT", 0)

@@ -146,3 +146,16 @@ def test_no_import_circle():
     for module in sorted(graph):
         if module not in seen:
             visit(module, [module])
+
+
+@pytest.mark.parametrize("face", ["sparkhvd.data", "sparkhvd.keras", "sparkhvd.torch",
+                                  "sparkhvd.runfolder", "sparkhvd.scoring"])
+def test_no_public_name_is_also_a_submodule(face):
+    """`from sparkhvd.scoring import predict` must be the function: a submodule of the same
+    name would replace it as the package's attribute once imported."""
+    import importlib
+
+    package = importlib.import_module(face)
+    folder = PACKAGE.parent.joinpath(*face.split("."))
+    clashes = [name for name in package.__all__ if (folder / f"{name}.py").exists()]
+    assert not clashes, f"{face} exports {clashes}, which are also its submodules"
