@@ -48,7 +48,7 @@ unit: setup
 
 # ruff (pyflakes, import order, bugbear) and mypy (strict on common/ and the wire types), both
 # configured in pyproject.toml; .ci/run runs this first.
-LINT_PATHS := sparkhvd tests bench scripts jobs
+LINT_PATHS := sparkhvd tests bench scripts jobs docs/examples notebooks
 lint: setup
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m mypy
