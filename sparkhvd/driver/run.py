@@ -35,6 +35,7 @@ from sparkhvd.driver.monitor import RunMonitor
 from sparkhvd.driver.outcome import RunOutcome, merge_epochs
 from sparkhvd.driver.rank_end import Verdict, classify
 from sparkhvd.driver.retry import RetryPolicy
+from sparkhvd.runfolder.record import now
 from sparkhvd.runfolder.rundir import RunDir, resolve_resume_source
 
 if TYPE_CHECKING:
@@ -63,7 +64,10 @@ class Run:
         self.record = self.run_dir.record
         self.attempts: list[Attempt] = []
         self.metrics: list[dict] = []
-        self.router: Optional[RankLogRouter] = None
+        launch = runner.launch_config
+        #: the ranks' lines: console and logs/rank-N.log (files open as ranks start)
+        self.router = RankLogRouter(config.driver_log_verbosity, log_dir=self.run_dir.logs,
+                                    verbose=launch.verbose)
         self.tracker: Any = None
 
     @property
@@ -84,9 +88,6 @@ class Run:
                             ranks_per_task=runner.scaling.ranks_per_task,
                             node_per_task=runner.scaling.node_per_task, backend=runner.backend,
                             function=getattr(self.fn, "__qualname__", repr(self.fn)))
-        launch, config = runner.launch_config, runner.run_config
-        self.router = RankLogRouter(config.driver_log_verbosity, log_dir=self.run_dir.logs,
-                                    verbose=launch.verbose)
         self.router.note(f"run {self.run_dir.run_id}: run folder {self.record['output']} "
                          "(run.json, logs/; runner.last_run_dir)")
         last: Optional[Attempt] = None
@@ -143,7 +144,6 @@ class Run:
                         attempt.verdict.retryable,
                         f"from {resume}" if resume else "from the start", number + 1,
                         self.policy.max_retries)
-            assert self.router is not None
             self.router.line_all(f"---- attempt {number + 1}: relaunched after "
                                  f"{attempt.verdict.retryable} ----")
             placement = self._place()
@@ -239,7 +239,6 @@ class Attempt:
     def __init__(self, run: Run, number: int, placement: Placement,
                  resume: Optional[str]) -> None:
         self.run, self.number, self.placement, self.resume = run, number, placement, resume
-        assert run.router is not None
         self.outcome = RunOutcome(run.router)
         if run.tracker is not None:
             self.outcome.listeners.append(run.tracker.metrics)
@@ -269,7 +268,6 @@ class Attempt:
             run.record.launched(control=self.outcome.channel)
             self.status = "succeeded"
         except LaunchFailure as failure:
-            assert run.router is not None
             self.verdict = classify(failure, self.outcome.reported(), self.outcome.hosts,
                                     run.router.tail)
             self.status, self.error = "failed", self.verdict.error()
@@ -280,12 +278,10 @@ class Attempt:
 
     def entry(self) -> dict:
         """This attempt's entry in ``run.json``'s ``attempts``."""
-        import datetime as _dt
-
         pids = self.outcome.pid_record()
         entry: dict[str, Any] = {
             "attempt": self.number, "status": self.status, "resumed_from": self.resume,
-            "ended_at": _dt.datetime.now().isoformat(timespec="seconds"),
+            "ended_at": now(),
             "rank_pids": pids["rank_pids"], "hosts": pids["hosts"]}
         resumed = self.outcome.resumed
         if resumed is not None:

@@ -50,7 +50,8 @@ __side__ = "driver"
 log = logging.getLogger(__name__)
 
 
-def _now() -> str:
+def now() -> str:
+    """The time as ``run.json`` writes it (ISO, whole seconds, local)."""
     return _dt.datetime.now().isoformat(timespec="seconds")
 
 
@@ -85,7 +86,7 @@ class RunRecord(Mapping[str, Any]):
                 backend: str, function: str) -> None:
         self._write(status="starting", np=np, mode=mode, ranks_per_task=ranks_per_task,
                     local_ranks="task" if node_per_task else "host", backend=backend,
-                    function=function, started_at=_now())
+                    function=function, started_at=now())
 
     def placed(self, launcher: str, **spark: Any) -> None:
         """Where the ranks go: the launcher, and the Spark session's master, app id, kind and
@@ -118,7 +119,7 @@ class RunRecord(Mapping[str, Any]):
         """The run's end: status, error, PIDs and hosts, what a resume restored (or a warning
         that nothing was), the model file."""
         self.mark("total")
-        fields: dict[str, Any] = {"status": status, "finished_at": _now(), **pids}
+        fields: dict[str, Any] = {"status": status, "finished_at": now(), **pids}
         if error is not None:
             fields["error"] = {"type": type(error).__name__,
                                "message": str(error).split("\n", 1)[0]}
