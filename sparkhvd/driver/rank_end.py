@@ -9,6 +9,7 @@ may be retried. Nothing else in sparkhvd reads an exit code.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -20,6 +21,13 @@ __side__ = "driver"
 #: Errors that are the cause of a run's failure wherever they were raised: a rank that raised
 #: one is named first even when a peer's consequence ("Horovod has been shut down") came first.
 CAUSES = frozenset({"CheckpointError"})
+
+#: What a collective says when a *peer* went away under it (gloo, NCCL, horovod): a rank whose
+#: error reads like this is not named first while another rank raised an error of its own.
+PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Horovod has been shut down"
+    r"|remote process exited or there was a network error|NCCL communicator was aborted"
+    r"|ProcessGroupGloo.*(?:Timed out|closed)", re.IGNORECASE)
 
 #: Signals that end a process from outside (SIGHUP, SIGINT, SIGKILL, SIGTERM); a rank dying of
 #: another one (SIGSEGV, SIGABRT) crashed by itself, which a retry would only repeat.
@@ -65,7 +73,9 @@ def classify(failure: LaunchFailure, reported: Sequence[RankFailure],
     A rank's own exception is the best explanation -- unless the launcher saw a rank or its host
     *disappear* (vanished, lost, killed by a signal): then the others' errors are consequences
     (a peer vanished under their collectives), and the vanished rank is named first. An error
-    in :data:`CAUSES` is named first wherever it was raised.
+    in :data:`CAUSES` is named first wherever it was raised, and a rank whose collective only
+    saw a peer go away (:data:`PEER_LOST`) yields to a rank that raised an error of its own --
+    with several ranks per task, which of a task's ranks is seen exiting first is a race.
 
     ``reported``: the ranks' exceptions, oldest first; ``hosts``: rank -> host; ``tail``: the
     last lines rank N printed (the message of a rank that died without raising).
@@ -74,6 +84,8 @@ def classify(failure: LaunchFailure, reported: Sequence[RankFailure],
     own = next((f for f in reported if f.rank == failure.rank), None)
     cause = next((f for f in reported if f.exc_type in CAUSES), None)
     gone = failure.vanished or failure.lost or signal_of(failure.exit_code) is not None
+    if cause is None and (own is not None or not gone) and (own is None or peer_lost(own)):
+        cause = next((f for f in reported if not peer_lost(f)), None)
     if cause is not None:  # whichever rank exited first, this explains the others
         cause.host = cause.host or hosts.get(cause.rank)
         first = cause
@@ -90,6 +102,11 @@ def classify(failure: LaunchFailure, reported: Sequence[RankFailure],
                             traceback=tail(failure.rank) if failure.rank is not None else "")
     others = tuple(f for f in reported if f is not first)
     return Verdict(first, (first, *others), retry_reason(failure, host))
+
+
+def peer_lost(failure: RankFailure) -> bool:
+    """Whether a rank's error only says that a peer went away under its collective."""
+    return bool(PEER_LOST.search(failure.message or ""))
 
 
 def retry_reason(failure: LaunchFailure, host: Optional[str] = None) -> Optional[str]:

@@ -41,6 +41,26 @@ def test_the_first_exception_explains_a_rank_that_exited_without_one():
     assert verdict.first.rank == 1 and verdict.retryable is None
 
 
+@pytest.mark.parametrize("message", [
+    "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:16587",
+    "Connection reset by peer", "Horovod has been shut down. This was caused by an exception on "
+    "one of the ranks", "NCCL error: remote process exited or there was a network error"])
+@pytest.mark.parametrize("seen_first", [2, 3])
+def test_a_peers_consequence_yields_to_the_rank_that_raised_its_own_error(message, seen_first):
+    """Two ranks per task: which of the task's ranks is seen exiting first is a race; the rank
+    whose own error started it is named either way."""
+    consequence = _raised(2, "RuntimeError", message, at=1.0)
+    cause = _raised(3, "ValueError", "bad batch on rank 3", at=1.1)
+    verdict = _classify(LaunchFailure(seen_first, 1, "exited"), [consequence, cause])
+    assert verdict.first.rank == 3 and "bad batch on rank 3" in str(verdict.error())
+    assert [f.rank for f in verdict.failures] == [3, 2] and verdict.retryable is None
+
+
+def test_when_every_rank_only_saw_a_peer_go_the_first_seen_is_named():
+    reported = [_raised(r, "RuntimeError", "Connection closed by peer", at=r) for r in (1, 0)]
+    assert _classify(LaunchFailure(0, 1, "exited"), reported).first.rank == 0
+
+
 @pytest.mark.parametrize("failure, retryable", [
     (LaunchFailure(1, None, "gone", vanished=True), "rank 1 vanished (its executor or host"),
     (LaunchFailure(1, None, "no heartbeat for 15 s", lost=True, host="h2"),
