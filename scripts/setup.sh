@@ -63,13 +63,24 @@ horovod_ok() {
 hstamp="$VENV/.stamp-horovod-${stamp##*-}"
 if [ "$HOROVOD" = 1 ] && [ ! -f "$hstamp" ]; then
   if ! horovod_ok; then
-    say "building horovod 0.28.1 from source with TensorFlow + Gloo (about 3 minutes)"
+    # The wheel is built once per TensorFlow build and Python and kept in our own cache (pip's
+    # wheel cache cannot tell a build with TensorFlow + Gloo from one without).
+    tf_build=$("$PY" -c 'import tensorflow as tf, sys; print(tf.__version__, sys.version_info[:2])' 2>/dev/null | sha256sum | cut -c1-12)
+    wheels="${XDG_CACHE_HOME:-$HOME/.cache}/sparkhvd/horovod-0.28.1-$tf_build"
+    if ! ls "$wheels"/horovod-0.28.1-*.whl >/dev/null 2>&1; then
+      say "building horovod 0.28.1 from source with TensorFlow + Gloo (about 3 minutes; kept in $wheels)"
+      rm -rf "$wheels.tmp"
+      HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+        HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j"$(nproc)" \
+        "${PIP[@]}" wheel -q -c "$CONSTRAINTS" --no-deps --no-build-isolation --no-cache-dir \
+        -w "$wheels.tmp" "horovod==0.28.1"
+      mkdir -p "$(dirname "$wheels")" && rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
+    fi
     "${PIP[@]}" uninstall -q -y horovod >/dev/null 2>&1 || true
-    HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
-      HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j"$(nproc)" \
-      "${PIP[@]}" install -q -c "$CONSTRAINTS" --no-build-isolation --no-cache-dir "horovod[spark]==0.28.1"
+    "${PIP[@]}" install -q -c "$CONSTRAINTS" --no-build-isolation --find-links "$wheels" \
+      "horovod[spark]==0.28.1"
   fi
-  horovod_ok || die "horovod is installed but 'horovodrun --check-build' does not show both TensorFlow and Gloo. Check the build log above (cmake<4 and a C++17 compiler are required)."
+  horovod_ok || { [ -n "${wheels:-}" ] && rm -rf "$wheels"; false; } || die "horovod is installed but 'horovodrun --check-build' does not show both TensorFlow and Gloo. Check the build log above (cmake<4 and a C++17 compiler are required)."
   touch "$hstamp"
 fi
 # Azurite (the Azure Blob emulator) for the storage tests: real adlfs against 127.0.0.1.
