@@ -14,9 +14,17 @@ Cases (each run ``--repeat`` times; median, min and max are reported):
 - B2 data throughput: rows/s of one rank (rank 0 of 2) feeding tf.data from a Spark DataFrame of
   784-float rows: sparkhvd's DataFrameDataset vs petastorm's ``make_tf_dataset`` (defaults) vs
   the ceiling of pyarrow reading the same Parquet in-process.
-- B3 scaling: training samples/s of a fixed CNN on synthetic data, np=1 vs np=2 (one TF thread
-  per rank), at 64 and 256 rows per rank per step; efficiency = thr(2) / (2 x thr(1)); and the
-  time from run() to the first step.
+- B2T the PyTorch data path: rows/s of one rank feeding torch from the same DataFrame:
+  ``torch_batches`` and ``torch_dataset`` through a DataLoader vs the pyarrow ceiling, petastorm's
+  ``make_torch_dataloader`` and TorchDistributor's DataFrame input; peak RSS at 100k vs 800k rows.
+  ``make bench`` puts torch into the default profile for it (petastorm needs that profile's
+  pyarrow).
+- B3 scaling on every backend (horovod, tf, torch): training samples/s of a fixed CNN on
+  synthetic data, np=1 vs np=2 (one thread per rank) vs two independent ranks (the machine
+  ceiling), at 64 and 256 rows per rank per step, taking turns; efficiency = thr(2) / (2 x
+  thr(1)); the profile (compute per step, the gradient allreduce alone); a few horovod settings.
+- B11 launch cost as np grows: a no-op at np 2/4/8/16 on local[16] per backend against the
+  floor, with where the time goes (Spark stage, rank start-up, import torch, rendezvous, end).
 - B4 storage: a 200 MB model written and read back on Azurite through sparkhvd.storage vs the
   Azure blob SDK directly (at least 9 runs each: Azurite is noisy).
 - B5 GPU: ResNet-50 images/s through sparkhvd vs plain Keras — needs a GPU machine; recorded as
@@ -36,6 +44,7 @@ No benchmark runs in the test suite; tests/test_bench.py runs every case on tiny
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -418,16 +427,179 @@ def case_b2(repeat: int, tiny: bool) -> list[dict]:
         shutil.rmtree(petastorm_cache, ignore_errors=True)
 
 
+# -- B2T: the PyTorch data path ----------------------------------------------------------------
+def _b2_frame(spark, rows_n: int, width: int = 784):
+    from pyspark.sql import functions as F
+
+    return spark.range(rows_n, numPartitions=8).select(
+        F.array(*[F.rand(i).cast("float") for i in range(width)]).alias("x"),
+        (F.col("id") % 10).alias("y"))
+
+
+def _pyarrow_ceiling(files: list[str], rows: int, width: int) -> Callable[[], None]:
+    """A plain pyarrow loop over the same Parquet (read each file by path, convert it, stop
+    after ``rows``): the reference a reader is measured against."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    def ceiling():
+        got = 0
+        for f in files:
+            if got >= rows:
+                break
+            t = pq.read_table(f, columns=["c0", "c1"])
+            t.column("c0").combine_chunks().flatten().to_numpy().reshape(t.num_rows, width)
+            np.asarray(t.column("c1"))
+            got += t.num_rows
+    return ceiling
+
+
+def _torch_distributor_input(rows: int, batch: int):
+    """In a TorchDistributor task: one pass over its spooled partition through Spark's own
+    loader (``_get_spark_partition_data_loader``), rows/s."""
+    import time as _time
+
+    from pyspark.ml.torch.distributor import _get_spark_partition_data_loader
+
+    loader = _get_spark_partition_data_loader(rows, batch, num_workers=0)
+    seen, start = 0, _time.perf_counter()
+    for x, _ in loader:
+        seen += len(x)
+    return {"rows_per_s": seen / (_time.perf_counter() - start)}
+
+
+def _one_torch_epoch(ds, batch):
+    """In a rank: one shuffled epoch of torch batches, as a training loop reads it."""
+    import resource
+    import time as _time
+
+    import torch  # noqa: F401 - imported by the training code before any data is read
+
+    rows, start = 0, _time.perf_counter()
+    for x, _ in ds.torch_batches(batch, shuffle=True, seed=1):
+        rows += int(x.shape[0])
+    seconds = _time.perf_counter() - start
+    return {"rows_per_s": rows / seconds, "peak_mb": resource.getrusage(
+        resource.RUSAGE_SELF).ru_maxrss / 1024, "streamed": ds.streams()}
+
+
+def case_b2t(repeat: int, tiny: bool) -> list[dict]:
+    """B2 for PyTorch: rows/s of rank 0 of 2 reading its shard as torch batches -- sparkhvd's
+    torch_batches and torch_dataset through a DataLoader, against the pyarrow ceiling,
+    petastorm's make_torch_dataloader (defaults) and TorchDistributor's DataFrame input
+    (Spark's private ``_train_on_dataframe``: it spools every partition to a local Arrow file
+    first, timed separately); then peak RSS per rank at 100k vs 800k rows."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "petastorm") if importlib.util.find_spec(m) is None]
+    if missing:
+        return [{"case": "B2T", "variant": "torch data path", "unit": "rows/s per rank",
+                 "skipped": f"{' and '.join(missing)} not installed here: `make bench` installs "
+                 "torch into the default profile, which has petastorm"}]
+    import torch
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    from sparkhvd import DataFrameDataset, HorovodRunner
+    from sparkhvd.data.shard import DatasetShard
+
+    torch.set_num_threads(1)
+    rows_n = 4_000 if tiny else int(os.environ.get("BENCH_B2T_ROWS", 400_000))
+    width, batch, half = 784, 256, rows_n // 2
+    spark = _spark()
+    df = _b2_frame(spark, rows_n, width)
+    t0 = time.perf_counter()
+    ds = DataFrameDataset(df, "x", "y").materialize()
+    materialize_s = time.perf_counter() - t0
+    files = [f.replace("file://", "") for f in ds.files]
+    petastorm_cache = tempfile.mkdtemp(prefix="bench-petastorm-")
+    spark.conf.set("petastorm.spark.converter.parentCacheDirUrl", "file://" + petastorm_cache)
+    from petastorm.spark import make_spark_converter
+
+    t0 = time.perf_counter()
+    converter = make_spark_converter(df.select("x", "y"))
+    petastorm_s = time.perf_counter() - t0
+    os.environ.update(HOROVOD_RANK="0", HOROVOD_SIZE="2")
+    try:
+        def batches():
+            for _ in DatasetShard(ds.source).torch_batches(batch):  # a fresh rank's shard
+                pass
+
+        def loader():
+            data = DatasetShard(ds.source).torch_dataset(batch)
+            for _ in torch.utils.data.DataLoader(data, batch_size=None):
+                pass
+
+        def petastorm_defaults():
+            with converter.make_torch_dataloader(batch_size=batch, num_epochs=1, cur_shard=0,
+                                                 shard_count=2) as data:
+                for _ in data:
+                    pass
+
+        timings = _interleaved([
+            ("pyarrow in-process (ceiling)", _pyarrow_ceiling(files, half, width)),
+            ("sparkhvd DatasetShard.torch_batches", batches),
+            ("sparkhvd torch_dataset through a DataLoader", loader),
+            ("petastorm make_torch_dataloader (defaults)", petastorm_defaults)], repeat)
+        rows = [{"case": "B2T", "variant": variant, "unit": "rows/s per rank",
+                 **_stats([half / v for v in runs]), "rows": rows_n}
+                for variant, runs in timings.items()]
+    finally:
+        for key in ("HOROVOD_RANK", "HOROVOD_SIZE"):
+            os.environ.pop(key, None)
+        converter.delete()
+        import shutil
+
+        shutil.rmtree(petastorm_cache, ignore_errors=True)
+    spools, speeds = [], []
+    for _ in range(max(1, min(repeat, 2))):
+        t0 = time.perf_counter()
+        got = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)\
+            ._train_on_dataframe(_torch_distributor_input, df.repartition(2), rows=half,
+                                 batch=batch)
+        spools.append(time.perf_counter() - t0)
+        speeds.append(got["rows_per_s"])
+    rows.append({"case": "B2T", "variant": "TorchDistributor DataFrame input (Spark's loader)",
+                 "unit": "rows/s per rank", **_stats(speeds), "rows": rows_n})
+    rows += [
+        {"case": "B2T", "variant": "sparkhvd materialize() (Parquet, once per dataset)",
+         "unit": "s", **_stats([materialize_s]), "rows": rows_n},
+        {"case": "B2T", "variant": "petastorm make_spark_converter (Parquet cache)", "unit": "s",
+         **_stats([petastorm_s]), "rows": rows_n},
+        {"case": "B2T", "variant": "TorchDistributor _train_on_dataframe, whole run (spools "
+         "each partition to an Arrow file)", "unit": "s", **_stats(spools), "rows": rows_n}]
+    ds.close()
+    out = tempfile.mkdtemp(prefix="bench-b2t-")
+    for n in ((1_000, 4_000) if tiny else (100_000, 800_000)):
+        sized = DataFrameDataset(_b2_frame(spark, n, width), "x", "y").materialize()
+        try:
+            runs = [HorovodRunner(np=2, spark=spark, output_dir=out).run_all(
+                _one_torch_epoch, ds=sized, batch=batch) for _ in range(min(repeat, 2))]
+        finally:
+            sized.close()
+        how = "streamed" if runs[0][0]["streamed"] else "in memory"
+        rows.append({"case": "B2T", "variant": f"peak RSS per rank, {n:,} rows, torch_batches "
+                     f"shuffled ({how})", "unit": "MB", "rows": n,
+                     **_stats([max(r["peak_mb"] for r in run) for run in runs])})
+    return rows
+
+
 # -- B3 ----------------------------------------------------------------------------------------
 def _train_synthetic(steps, batch, t_start, allreduce=True):
+    """One rank of B3 on a TF backend (horovod or tf, as the runner set it): a small CNN on
+    synthetic data, ``batch`` rows per rank per step; samples/s from step 5 on. Without
+    ``allreduce`` it is plain Keras (no KerasDistributed): the machine ceiling."""
+    import os as _os
     import time as _time
 
     import numpy as _np
     import tensorflow as tf
 
-    from sparkhvd.keras import KerasDistributed
+    kd = None
+    if allreduce:
+        from sparkhvd.keras import KerasDistributed
 
-    kd = KerasDistributed(epochs=1, progress=False, checkpoint=False, average_metrics=False)
+        kd = KerasDistributed(epochs=1, progress=False, checkpoint=False, average_metrics=False)
+    rank = int(_os.environ.get("RANK", 0))
     first = {}
 
     class Clock(tf.keras.callbacks.Callback):
@@ -439,61 +611,189 @@ def _train_synthetic(steps, batch, t_start, allreduce=True):
         def on_train_end(self, logs=None):
             first["end"] = _time.time()
 
-    rng = _np.random.default_rng(kd.rank)
+    rng = _np.random.default_rng(rank)
     x = rng.random((batch * 8, 28, 28, 1), dtype=_np.float32)
     y = rng.integers(0, 10, batch * 8)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
-    model = tf.keras.Sequential([
-        tf.keras.layers.Input((28, 28, 1)),
-        tf.keras.layers.Conv2D(32, 3, activation="relu"),
-        tf.keras.layers.Conv2D(64, 3, activation="relu"),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(128, activation="relu"),
-        tf.keras.layers.Dense(10, activation="softmax")])
-    optimizer = tf.keras.optimizers.SGD(0.01)
-    model.compile(optimizer=kd.optimizer(optimizer) if allreduce else optimizer,
-                  loss="sparse_categorical_crossentropy")
-    fit = kd.fit_kwargs(model, callbacks=[Clock()])
+    workers = kd.size if kd is not None and kd.backend == "tf" else 1
+    # the strategy splits a global batch among its workers; each keeps its own data
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch * workers)
+    if workers > 1:
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        ds = ds.with_options(options)
+    with kd.scope() if kd is not None else contextlib.nullcontext():
+        model = tf.keras.Sequential([
+            tf.keras.layers.Input((28, 28, 1)),
+            tf.keras.layers.Conv2D(32, 3, activation="relu"),
+            tf.keras.layers.Conv2D(64, 3, activation="relu"),
+            tf.keras.layers.MaxPooling2D(),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(128, activation="relu"),
+            tf.keras.layers.Dense(10, activation="softmax")])
+        optimizer = tf.keras.optimizers.SGD(0.01)
+        model.compile(optimizer=kd.optimizer(optimizer) if kd is not None else optimizer,
+                      loss="sparse_categorical_crossentropy")
+    fit = kd.fit_kwargs(model, callbacks=[Clock()]) if kd is not None else \
+        {"callbacks": [Clock()], "verbose": 0}
     model.fit(ds, steps_per_epoch=steps, **fit)
-    timed_steps = steps - 5
-    return {"samples_per_s": timed_steps * batch / (first["end"] - first["t5"]),
+    return {"samples_per_s": (steps - 5) * batch / (first["end"] - first["t5"]),
             "to_first_step_s": first["first"] - t_start}
 
 
+def _train_synthetic_torch(steps, batch, t_start, allreduce=True):
+    """B3's rank on backend='torch': the same CNN in PyTorch, DDP over gloo (or, without
+    ``allreduce``, no process group at all: the machine ceiling)."""
+    import os as _os
+    import time as _time
+
+    import torch
+    import torch.distributed as dist
+
+    rank = int(_os.environ.get("RANK", 0))
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 32, 3), torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(9216, 128), torch.nn.ReLU(),
+        torch.nn.Linear(128, 10))
+    if allreduce:
+        dist.init_process_group("gloo")
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.rand(batch * 8, 1, 28, 28), torch.randint(0, 10, (batch * 8,))
+    first = t5 = None
+    for step in range(steps):
+        if step == 5:
+            t5 = _time.time()
+        i = (step % 8) * batch
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i:i + batch]), y[i:i + batch]).backward()
+        opt.step()
+        first = first or _time.time()
+    end = _time.time()
+    if allreduce:
+        dist.destroy_process_group()
+    return {"samples_per_s": (steps - 5) * batch / (end - t5), "to_first_step_s": first - t_start}
+
+
+def _allreduce_cost(backend, floats, rounds):
+    """B3's profile: ms per allreduce of ``floats`` float32 (the CNN's gradients) between the
+    ranks of ``backend``, nothing else running -- the communication a step adds."""
+    import time as _time
+
+    if backend == "torch":
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        t = torch.ones(floats)
+
+        def once():
+            dist.all_reduce(t)
+    elif backend == "horovod":
+        import horovod.tensorflow as hvd
+        import tensorflow as tf
+
+        hvd.init()
+        t = tf.ones([floats])
+
+        def once():
+            hvd.allreduce(t, op=hvd.Average)
+    else:
+        import tensorflow as tf
+
+        from sparkhvd.keras.plain import multiworker_strategy
+
+        strategy = multiworker_strategy()
+        t = tf.ones([floats])
+
+        @tf.function
+        def step():
+            return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("sum", t))
+
+        def once():
+            step()
+    once()
+    start = _time.perf_counter()
+    for _ in range(rounds):
+        once()
+    return {"ms": 1000 * (_time.perf_counter() - start) / rounds}
+
+
+#: B3's CNN has 1,199,882 parameters: what one step's gradient allreduce carries.
+B3_GRADIENT_FLOATS = 1_199_882
+
+
 def case_b3(repeat: int, tiny: bool) -> list[dict]:
+    """B3 on every backend in one run: np=1, np=2 and two independent ranks (the machine
+    ceiling), taking turns per round; each backend's efficiency and its ceiling; the profile
+    (compute per step vs the gradient allreduce alone) and a few settings at batch 64."""
+    import importlib.util
+
     from sparkhvd import HorovodRunner
 
     spark = _spark()
     steps = 10 if tiny else 60
     out = tempfile.mkdtemp(prefix="bench-b3-")
-    env = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    rows = []
-    for batch in ((16,) if tiny else (64, 256)):
-        how = f"batch {batch}/rank"
-        thr, first = {}, {}
-        # "ceiling": 2 ranks training independently (no allreduce): what 2 cores give here.
-        for key, np_, allreduce in ((1, 1, True), (2, 2, True), ("ceiling", 2, False)):
-            runs, starts = [], []
-            for _ in range(repeat):
-                res = HorovodRunner(np=np_, spark=spark, output_dir=out, env=env).run_all(
-                    _train_synthetic, steps=steps, batch=batch, t_start=time.time(),
-                    allreduce=allreduce)
-                runs.append(sum(r["samples_per_s"] for r in res))
-                starts.append(max(r["to_first_step_s"] for r in res))
-            thr[key], first[key] = runs, starts
-        rows += [{"case": "B3", "variant": f"np={n} training, {how}", "unit": "samples/s",
-                  **_stats(thr[n])} for n in (1, 2)]
-        rows.append({"case": "B3", "variant": f"2 independent ranks, no allreduce, {how}",
-                     "unit": "samples/s", **_stats(thr["ceiling"])})
-        eff = [t2 / (2 * t1) for t1, t2 in zip(thr[1], thr[2])]
-        rows.append({"case": "B3", "variant": f"scaling efficiency thr(2)/(2*thr(1)), {how}",
-                     "unit": "ratio", **_stats(eff)})
-        eff = [t1 / (2 * t2) for t1, t2 in zip(thr["ceiling"], thr[1])]
-        rows.append({"case": "B3", "variant": f"machine ceiling of the efficiency, {how}",
-                     "unit": "ratio", **_stats(eff)})
-        rows += [{"case": "B3", "variant": f"np={n} run() to first step, {how}", "unit": "s",
-                  **_stats(first[n])} for n in (1, 2)]
+    one_thread = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
+                  "OMP_NUM_THREADS": "1"}
+    # tf's ceiling is launched by horovod's backend (below): both need the default profile
+    backends = [b for b, module in (("horovod", "horovod"), ("tf", "horovod"),
+                                    ("torch", "torch"))
+                if importlib.util.find_spec(module) is not None]
+    rows: list[dict] = []
+
+    def train(backend, np_, batch, allreduce=True, env=one_thread):
+        fn = _train_synthetic_torch if backend == "torch" else _train_synthetic
+        if backend == "tf" and not allreduce:
+            # backend="tf" refuses Keras without the strategy (sparkhvd.keras.plain), so tf's
+            # ceiling -- the same plain TF program as horovod's -- is launched by horovod's
+            backend = "horovod"
+        res = HorovodRunner(np=np_, spark=spark, output_dir=out, env=env, backend=backend)\
+            .run_all(fn, steps=steps, batch=batch, t_start=time.time(), allreduce=allreduce)
+        return sum(r["samples_per_s"] for r in res), max(r["to_first_step_s"] for r in res)
+
+    for backend in backends:
+        for batch in ((16,) if tiny else (64, 256)):
+            how = f"backend={backend}, batch {batch}/rank"
+            got: dict = {1: [], 2: [], "ceiling": []}
+            for _ in range(repeat):  # the three take turns: a round shares its conditions
+                got[1].append(train(backend, 1, batch))
+                got[2].append(train(backend, 2, batch))
+                got["ceiling"].append(train(backend, 2, batch, allreduce=False))
+            thr = {k: [t for t, _ in v] for k, v in got.items()}
+            rows += [{"case": "B3", "variant": f"np={n} training, {how}", "unit": "samples/s",
+                      **_stats(thr[n])} for n in (1, 2)]
+            rows.append({"case": "B3", "variant": f"2 independent ranks, no allreduce, {how}",
+                         "unit": "samples/s", **_stats(thr["ceiling"])})
+            eff = [t2 / (2 * t1) for t1, t2 in zip(thr[1], thr[2])]
+            ceiling = [c / (2 * t1) for t1, c in zip(thr[1], thr["ceiling"])]
+            rows.append({"case": "B3", "variant": f"scaling efficiency thr(2)/(2*thr(1)), {how}",
+                         "unit": "ratio", **_stats(eff)})
+            rows.append({"case": "B3", "variant": f"machine ceiling of the efficiency, {how}",
+                         "unit": "ratio", **_stats(ceiling)})
+            rows.append({"case": "B3", "variant": f"efficiency / ceiling (per round), {how}",
+                         "unit": "ratio", **_stats([e / c for e, c in zip(eff, ceiling)])})
+            rows.append({"case": "B3", "variant": f"compute per step at np=1, {how}",
+                         "unit": "ms", **_stats([1000 * batch / t for t in thr[1]])})
+            rows.append({"case": "B3", "variant": f"np=2 run() to first step, {how}",
+                         "unit": "s", **_stats([f for _, f in got[2]])})
+        cost = [HorovodRunner(np=2, spark=spark, output_dir=out, env=one_thread,
+                              backend=backend).run(_allreduce_cost, backend=backend,
+                                                   floats=B3_GRADIENT_FLOATS,
+                                                   rounds=5 if tiny else 50)["ms"]
+                for _ in range(repeat)]
+        rows.append({"case": "B3", "variant": f"gradient allreduce alone (1.2 M float32), "
+                     f"np=2, backend={backend}", "unit": "ms", **_stats(cost)})
+    if "horovod" in backends and not tiny:  # settings a user could turn, where they matter most
+        batch = 16 if tiny else 64
+        for label, env in (("2 threads per rank (oversubscribed)",
+                            {"TF_NUM_INTRAOP_THREADS": "2", "OMP_NUM_THREADS": "2"}),
+                           ("HOROVOD_CYCLE_TIME=5 ms", {**one_thread, "HOROVOD_CYCLE_TIME": "5"}),
+                           ("tensor fusion off (HOROVOD_FUSION_THRESHOLD=0)",
+                            {**one_thread, "HOROVOD_FUSION_THRESHOLD": "0"})):
+            thr = [train("horovod", 2, batch, env=env)[0] for _ in range(repeat)]
+            rows.append({"case": "B3", "variant": f"np=2 training, backend=horovod, batch "
+                         f"{batch}/rank, {label}", "unit": "samples/s", **_stats(thr)})
     return rows
 
 
@@ -681,9 +981,117 @@ def case_b9(repeat: int, tiny: bool) -> list[dict]:
     return results
 
 
-CASES = {"B1": case_b1, "B1C": case_b1c, "B1T": case_b1t, "B2": case_b2, "B3": case_b3,
+# -- B11: launch cost as np grows ---------------------------------------------------------------
+def _started_at(pid) -> float:
+    """When process ``pid`` started, as a ``time.time()`` value: its age from /proc on the boot
+    clock (psutil's create_time adds /proc/stat's whole-second boot time: up to 1 s off)."""
+    import os as _os
+    import time as _time
+
+    with open(f"/proc/{pid}/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return _time.time() - (uptime - ticks / _os.sysconf("SC_CLK_TCK"))
+
+
+def _launch_probe(join_group):
+    """A no-op rank that says when its process tree started and when it got to the user's code
+    (and, with ``join_group``, how long torch's rendezvous took)."""
+    import os as _os
+    import time as _time
+
+    entered = _time.time()
+    record = {"supervisor_started": _started_at(_os.getppid()), "entered": entered,
+              "imports_s": 0.0, "rendezvous_s": 0.0}
+    if join_group:
+        import torch.distributed as dist
+
+        start = _time.time()
+        record["imports_s"] = start - entered
+        dist.init_process_group("gloo")
+        dist.barrier()
+        record["rendezvous_s"] = _time.time() - start
+        dist.destroy_process_group()
+    record["left"] = _time.time()
+    return record
+
+
+def _session(cores: int):
+    """A local[cores] session (the running one is stopped if it has another master)."""
+    from pyspark.sql import SparkSession
+
+    from sparkhvd.driver.session import get_or_create_session
+
+    active = SparkSession.getActiveSession()
+    if active is not None and active.sparkContext.master != f"local[{cores}]":
+        active.stop()
+    return get_or_create_session(cores)
+
+
+def case_b11(repeat: int, tiny: bool) -> list[dict]:
+    """Launch cost as np grows: a no-op at np 2/4/8/16 on one local[16] session, per backend,
+    against the floor (an np-task Spark job that starts a Python per task), with where the time
+    goes (slowest rank at each point): the Spark stage until a rank's process exists, the
+    interpreter and sparkhvd's start-up until the user's function runs, torch's rendezvous,
+    and the end (results back, ranks reaped, run folder written)."""
+    import importlib.util
+
+    from sparkhvd import HorovodRunner
+
+    nps = (2,) if tiny else (2, 4, 8, 16)
+    spark = _session(max(nps))
+    sc, python = spark.sparkContext, sys.executable
+    out = tempfile.mkdtemp(prefix="bench-b11-")
+    backends = [b for b, module in (("horovod", "horovod"), ("tf", "tensorflow"),
+                                    ("torch", "torch"))
+                if importlib.util.find_spec(module) is not None]
+    rows: list[dict] = []
+    try:
+        for np_ in nps:
+            def floor(n=np_):
+                sc.parallelize(range(n), n).map(
+                    lambda _: subprocess.run([python, "-c", "pass"]).returncode).collect()
+
+            floor()
+            rows.append({"case": "B11", "variant": f"floor: {np_}-task Spark job + python, "
+                         f"np={np_}", "unit": "s", "np": np_, **_timed(floor, repeat)})
+            for backend in backends:
+                parts: dict[str, list[float]] = {"total": [], "Spark stage to rank process": [],
+                                                 "rank start-up to the user's function": [],
+                                                 "import torch": [], "rendezvous (torch)": [],
+                                                 "end": []}
+                warm_up = 0 if tiny else 1
+                for round_ in range(warm_up + repeat):
+                    t0 = time.time()
+                    got = HorovodRunner(np=np_, spark=spark, output_dir=out, backend=backend)\
+                        .run_all(_launch_probe, join_group=backend == "torch")
+                    t1 = time.time()
+                    if round_ < warm_up:
+                        continue
+                    parts["total"].append(t1 - t0)
+                    parts["Spark stage to rank process"].append(
+                        max(r["supervisor_started"] for r in got) - t0)
+                    parts["rank start-up to the user's function"].append(
+                        max(r["entered"] - r["supervisor_started"] for r in got))
+                    parts["import torch"].append(max(r["imports_s"] for r in got))
+                    parts["rendezvous (torch)"].append(max(r["rendezvous_s"] for r in got))
+                    parts["end"].append(t1 - max(r["left"] for r in got))
+                for part, values in parts.items():
+                    if part in ("import torch", "rendezvous (torch)") and backend != "torch":
+                        continue
+                    rows.append({"case": "B11", "variant": f"backend={backend}, np={np_}: "
+                                 f"{part}", "unit": "s", "np": np_, "backend": backend,
+                                 **_stats(values)})
+    finally:
+        spark.stop()
+    return rows
+
+
+CASES = {"B1": case_b1, "B1C": case_b1c, "B1T": case_b1t, "B2": case_b2, "B2T": case_b2t,
+         "B3": case_b3,
          "B4": case_b4, "B5": case_b5, "B6": case_b6, "B7": case_b7, "B8": case_b8,
-         "B9": case_b9, "B10": case_b10}
+         "B9": case_b9, "B10": case_b10, "B11": case_b11}
 
 
 def environment() -> dict:
@@ -814,11 +1222,39 @@ def goals(rows: list[dict]) -> list[str]:
     if ratio is not None:
         out.append(f"| B2 ≥ 0.8 × pyarrow ceiling (per-round ratio) | {ratio:.2f}× | "
                    f"{'yes' if ratio >= 0.8 else 'no'} |")
-    for how in ("batch 64/rank", "batch 256/rank"):
-        eff = get("B3", f"scaling efficiency thr(2)/(2*thr(1)), {how}")
-        if eff is not None:
-            out.append(f"| B3 efficiency ≥ 0.9 ({how}) | {eff:.2f} | "
-                       f"{'yes' if eff >= 0.9 else 'no'} |")
+    for backend in ("horovod", "tf", "torch"):
+        for batch, want in ((64, 0.9), (256, 0.95)):
+            how = f"backend={backend}, batch {batch}/rank"
+            rel = get("B3", f"efficiency / ceiling (per round), {how}")
+            eff = get("B3", f"scaling efficiency thr(2)/(2*thr(1)), {how}")
+            if rel is not None and eff is not None:
+                out.append(f"| B3 {how}: efficiency ≥ {want} × the machine ceiling | {eff:.2f} "
+                           f"vs ceiling {get('B3', f'machine ceiling of the efficiency, {how}'):.2f}"
+                           f" ({rel:.2f}×) | {'yes' if rel >= want else 'no'} |")
+    for ref, want in (("pyarrow", 0.9), ("petastorm", 1.2)):
+        ratio = paired("B2T", "sparkhvd DatasetShard.torch_batches", ref)
+        if ratio is not None:
+            out.append(f"| B2T torch_batches ≥ {want} × {ref} (per-round ratio) | {ratio:.2f}× | "
+                       f"{'yes' if ratio >= want else 'no'} |")
+    peaks_t = sorted((r["rows"], r["median"]) for r in rows if r["case"] == "B2T"
+                     and r["variant"].startswith("peak RSS") and "median" in r)
+    if len(peaks_t) >= 2:
+        (small, p_small), (large, p_large) = peaks_t[0], peaks_t[-1]
+        out.append(f"| B2T peak RSS at {large:,} rows ≤ 1.25 × at {small:,} | {p_large:.0f} MB "
+                   f"vs {p_small:.0f} MB ({p_large / p_small:.2f}×) | "
+                   f"{'yes' if p_large <= 1.25 * p_small else 'no'} |")
+    floors = {r["np"]: r["median"] for r in rows if r["case"] == "B11" and
+              r["variant"].startswith("floor") and "median" in r}
+    for backend in ("horovod", "tf", "torch"):
+        totals = {r["np"]: r["median"] for r in rows if r["case"] == "B11" and
+                  r.get("backend") == backend and r["variant"].endswith(": total") and
+                  "median" in r}
+        if len(totals) >= 2 and set(totals) <= set(floors):
+            lo, hi = min(totals), max(totals)
+            per_rank = ((totals[hi] - floors[hi]) - (totals[lo] - floors[lo])) / (hi - lo)
+            out.append(f"| B11 backend={backend}: ≤ 0.1 s per extra rank above the floor "
+                       f"(np {lo} → {hi}, local[{hi}]) | {per_rank:+.3f} s/rank | "
+                       f"{'yes' if per_rank <= 0.1 else 'no'} |")
     ratio_b2 = paired("B2", "sparkhvd DataFrameDataset.tf_dataset, streamed", "pyarrow")
     if ratio_b2 is not None:
         out.append(f"| B2 streamed ≥ 1.35 × pyarrow ceiling (the in-memory figure before "

@@ -14,6 +14,9 @@ from sparkhvd.common.protocol import TASK_GPUS_ENV
 
 __side__ = "rank"
 
+#: HOROVOD_CYCLE_TIME for ranks without a GPU (see :func:`plan_rank`).
+CPU_CYCLE_TIME_MS = "5"
+
 
 @dataclass
 class RankPlan:
@@ -33,7 +36,8 @@ def plan_rank(local_rank: int, local_size: int, cpu_count: int, gpus: list[str],
       ``local_rank % len(gpus)``; TF memory growth is turned on, so local ranks do not grab
       each other's memory.
     - CPU only: the cores are shared among the local ranks through TF's intra/inter-op thread
-      pools and OpenMP, so two ranks on a 2-core executor do not each spawn 2+ threads.
+      pools and OpenMP, so two ranks on a 2-core executor do not each spawn 2+ threads; and
+      Horovod's fusion cycle is 5 ms instead of 1 (:data:`CPU_CYCLE_TIME_MS`, measured in B3).
     ``threads_shared_by``: the ranks that share this host's cores (default ``local_size``;
     more when every Spark task is its own node). Settings the user already exported are never
     overridden.
@@ -58,6 +62,10 @@ def plan_rank(local_rank: int, local_size: int, cpu_count: int, gpus: list[str],
         setdefault("TF_NUM_INTRAOP_THREADS", str(threads))
         setdefault("TF_NUM_INTEROP_THREADS", str(min(2, threads)))
         setdefault("OMP_NUM_THREADS", str(threads))
+        # Horovod's background loop fuses tensors every HOROVOD_CYCLE_TIME ms (default 1): on
+        # CPU ranks that share their cores it competes with the compute; 5 ms measured +8 %
+        # samples/s at batch 256 per rank and the same at 64 (bench/RESULTS.md, B3).
+        setdefault("HOROVOD_CYCLE_TIME", CPU_CYCLE_TIME_MS)
     return plan
 
 

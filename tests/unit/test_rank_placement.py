@@ -10,13 +10,13 @@ def test_cpu_cores_shared_among_local_ranks():
     plan = plan_rank(local_rank=1, local_size=2, cpu_count=8, gpus=[], environ={})
     assert plan.gpu_index is None
     assert plan.env == {"TF_NUM_INTRAOP_THREADS": "4", "TF_NUM_INTEROP_THREADS": "2",
-                        "OMP_NUM_THREADS": "4"}
+                        "OMP_NUM_THREADS": "4", "HOROVOD_CYCLE_TIME": "5"}
     assert plan_rank(0, 4, 2, [], environ={}).env["TF_NUM_INTRAOP_THREADS"] == "1"
 
 
 def test_user_settings_are_not_overridden():
-    plan = plan_rank(0, 2, 8, [], environ={"OMP_NUM_THREADS": "3"})
-    assert "OMP_NUM_THREADS" not in plan.env
+    plan = plan_rank(0, 2, 8, [], environ={"OMP_NUM_THREADS": "3", "HOROVOD_CYCLE_TIME": "1"})
+    assert "OMP_NUM_THREADS" not in plan.env and "HOROVOD_CYCLE_TIME" not in plan.env
 
 
 def test_gpu_pinned_by_local_rank_with_memory_growth():
