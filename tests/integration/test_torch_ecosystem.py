@@ -92,8 +92,8 @@ def lightning_fit_once_every_rank_is_here(meeting, **trainer):
 def test_a_trainer_that_does_not_match_the_ranks_fails_with_lightnings_error(tmp_path):
     runner = HorovodRunner(np=-2, backend="torch", output_dir=str(tmp_path))
     with pytest.raises(TrainingError) as info:
-        runner.run(lightning_fit_once_every_rank_is_here, str(tmp_path / "meeting"), devices=1,
-                   num_nodes=1)
+        runner.run(lightning_fit_once_every_rank_is_here, meeting=str(tmp_path / "meeting"),
+                   devices=1, num_nodes=1)
     assert "does not match the world size (2)" in str(info.value)
     log = open(runner.last_run_dir.file(f"logs/rank-{info.value.rank}.log")).read()
     assert "does not match the world size (2)" in log, "the rank named was stopped by Lightning"
