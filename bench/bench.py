@@ -788,7 +788,8 @@ def case_b3(repeat: int, tiny: bool) -> list[dict]:
         batch = 16 if tiny else 64
         for label, env in (("2 threads per rank (oversubscribed)",
                             {"TF_NUM_INTRAOP_THREADS": "2", "OMP_NUM_THREADS": "2"}),
-                           ("HOROVOD_CYCLE_TIME=5 ms", {**one_thread, "HOROVOD_CYCLE_TIME": "5"}),
+                           ("HOROVOD_CYCLE_TIME=1 ms (horovod's default)",
+                            {**one_thread, "HOROVOD_CYCLE_TIME": "1"}),
                            ("tensor fusion off (HOROVOD_FUSION_THRESHOLD=0)",
                             {**one_thread, "HOROVOD_FUSION_THRESHOLD": "0"})):
             thr = [train("horovod", 2, batch, env=env)[0] for _ in range(repeat)]
@@ -1085,6 +1086,66 @@ def case_b11(repeat: int, tiny: bool) -> list[dict]:
                                  **_stats(values)})
     finally:
         spark.stop()
+    return rows + _b11_on_hosts(nps, repeat, tiny)
+
+
+def _b11_on_hosts(nps, repeat: int, tiny: bool) -> list[dict]:
+    """B11 again on the test cluster's hosts (network namespaces, 4 hosts x 4 cores, a Spark
+    standalone master): ranks spread over hosts, each host with its own address and executor.
+    The hosts share this machine's cores, so they show the cross-host path, not parallel
+    starts."""
+    import importlib.util
+
+    from pyspark.sql import SparkSession
+
+    from netns_cluster import NetnsCluster
+    from sparkhvd import HorovodRunner
+
+    variant = "4 hosts (network namespaces)"
+    if tiny:
+        return [{"case": "B11", "variant": variant, "unit": "s", "skipped": "not in --tiny"}]
+    cluster = NetnsCluster(tempfile.mkdtemp(prefix="bench-b11-hosts-"), hosts=4, cores=4)
+    try:
+        cluster.up()
+    except RuntimeError as exc:  # not root, no `ip`, or the cluster did not come up
+        cluster.down()
+        return [{"case": "B11", "variant": variant, "unit": "s", "skipped": str(exc)[:200]}]
+    rows: list[dict] = []
+    try:
+        spark = (SparkSession.builder.master(cluster.master_url).appName("bench-b11")
+                 .config("spark.driver.host", cluster.driver_ip)
+                 .config("spark.driver.bindAddress", cluster.driver_ip)
+                 .config("spark.executor.cores", "4").config("spark.cores.max", "16")
+                 .config("spark.executor.memory", "1g")
+                 .config("spark.pyspark.python", sys.executable).getOrCreate())
+        spark.sparkContext.setLogLevel("ERROR")
+        from sparkhvd.driver.slots import check_slots
+
+        check_slots(spark.sparkContext, 16, wait_s=120)
+        sc, python = spark.sparkContext, sys.executable
+        out = tempfile.mkdtemp(prefix="bench-b11-")
+        backends = ["horovod"] * (importlib.util.find_spec("horovod") is not None) + \
+            ["torch"] * (importlib.util.find_spec("torch") is not None)
+        for np_ in nps:
+            def floor(n=np_):
+                sc.parallelize(range(n), n).map(
+                    lambda _: subprocess.run([python, "-c", "pass"]).returncode).collect()
+
+            floor()
+            rows.append({"case": "B11", "variant": f"{variant}: floor, np={np_}", "unit": "s",
+                         "np": np_, "hosts": 4, **_timed(floor, repeat)})
+            for backend in backends:
+                def runner(n=np_, b=backend):
+                    HorovodRunner(np=n, spark=spark, backend=b, output_dir=out).run(
+                        _launch_probe, join_group=b == "torch")
+
+                runner()
+                rows.append({"case": "B11", "variant": f"{variant}: backend={backend}, np={np_}"
+                             ": total", "unit": "s", "np": np_, "hosts": 4,
+                             "backend_on_hosts": backend, **_timed(runner, repeat)})
+        spark.stop()
+    finally:
+        cluster.down()
     return rows
 
 
@@ -1158,15 +1219,60 @@ NOTES = """\
   On local[2] both use the same two cores, so the gain here is not speed but that the data never
   passes through the driver: at 100k rows x 784 floats the reference exhausts the driver JVM's
   1 GB heap (the case runs at 40k rows for that reason).
-- **B3** runs one TF thread per rank, so np=2 puts one rank on each of the 2 cores (pinning
-  each rank to its own core changed nothing measurable, so it is not kept). Two things keep
-  the efficiency under 0.9 here. The machine: two ranks training *independently* (no
-  allreduce) reach only the "machine ceiling" ratio of 2 x thr(1), because the 2 vCPUs share
-  caches and memory bandwidth, and the driver and Spark JVM run beside them. The gradient
-  allreduce: 1.18 M float32 (4.7 MB) per step over Gloo on loopback takes ~8.6 ms here,
-  against ~37 ms of compute for a batch of 64 (so 256 rows per rank amortise it 4x). Neither
-  is launcher overhead: sparkhvd is not on the training path once the ranks run.
-  "run() to first step" includes TF import and model build in every rank.
+- **B3 on every backend** (one thread per rank, so np=2 puts one rank on each of the 2
+  cores; the three variants take turns, so each round's efficiency is divided by the same
+  round's ceiling). The profile, per step at np=1 and for the gradient allreduce alone
+  (1.2 M float32, nothing else running): TF 32-36 ms of compute at batch 64 and 135-142 ms at
+  256, torch 57 and 303 ms; the allreduce 7.2 ms on horovod (10.6 ms with the 5 ms cycle: a
+  lone allreduce waits for the next cycle), 10.5 ms on tf's collective ops, 4.9 ms on torch's
+  gloo. If the allreduce only queued behind the compute, efficiency would be
+  compute / (compute + allreduce) of the ceiling: 0.82 / 0.95 (horovod, 64 / 256), 0.77 / 0.93
+  (tf), 0.92 / 0.98 (torch). Measured is lower still (0.73 / 0.85, 0.66 / 0.86, 0.82 / 0.87):
+  with both cores computing, the communication threads (horovod's background loop, gloo's
+  pairs, TF's collective executor) have no core of their own, so an allreduce costs more than
+  it does alone and cannot overlap the backward pass. That is the 2-core machine, not
+  sparkhvd, which is not on the training path once the ranks run; the goals (0.9 x the ceiling
+  at 64, 0.95 x at 256) are therefore not met here. Settings tried: two threads per rank
+  (oversubscribed) is slower than one, so one thread per rank when ranks fill the cores stays
+  the default; tensor fusion off is slower; HOROVOD_CYCLE_TIME=5 ms was the same as 1 ms at
+  batch 64 and 8 % faster at 256 in an A/B of 4 rounds (2,668 vs 2,653 samples/s at 64;
+  2,887 vs 3,130 at 256; 10 ms: 2,559 / 3,030), so CPU ranks now get 5 ms by default
+  (`sparkhvd/rank/devices.py`; a value you export wins). The run above has it: horovod's
+  efficiency over its ceiling went from 0.67 / 0.81 (1 ms, the run before) to 0.73 / 0.85.
+  On a real cluster: give communication a core (a rank per GPU, or ranks x threads below the
+  cores), use 256+ rows per rank per step on CPU, and for large models over a slow network
+  horovod's `Compression.fp16` or torch DDP's `bucket_cap_mb` (buckets overlap the backward
+  pass when cores are free).
+- **B2T, the PyTorch data path** (rank 0 of 2, 400k rows x 784 float32, streamed). Where
+  `torch_batches` loses to the ceiling (profiled in-process, 4 rounds): reading the shard one
+  row group at a time gives 202k rows/s against 231k for `read_table` on whole files (reading
+  2 to 8 row groups per call was no faster); cutting batches from them 180k; making torch
+  tensors 162k -- an unshuffled batch is a read-only view of pyarrow's buffer, and torch gets
+  a copy (a zero-copy tensor of an in-memory shard would let in-place writes change the next
+  epoch's data). So 0.75x the ceiling (goal 0.9x: not met) but 1.66x petastorm's
+  `make_torch_dataloader` (goal 1.2x: met) and level with Spark's own loader, which however
+  spools every partition to a local Arrow file first (its whole run: 20.6 s; `materialize()`
+  writes Parquet once per dataset: 29 s here, petastorm's converter 17 s). `torch_dataset`
+  through a `DataLoader(batch_size=None)` costs 5 % over the bare iterator. Peak RSS per rank
+  is flat: 637 MB at 100k rows (in memory) and 586 MB at 800k (streamed). Mosaic `streaming`
+  is not measured: mosaicml-streaming 0.13 requires numpy < 2.2, transformers < 5 and
+  torchvision, and PyPI's torchvision does not import beside the torch 2.13 CPU build here;
+  installed without its dependencies it fails on `import torchvision`.
+- **B11, launch cost as np grows** (local[16] on the 2 cores, one warm-up then 3 runs, the
+  slowest rank at each point). Above the floor (an np-task Spark job starting a Python per
+  task: 0.16 s at np=2, 0.98 s at np=16), sparkhvd adds about 0.05 s per extra rank on horovod
+  and tf (goal 0.1 s: met): the barrier stage up to the rank process (0.15 -> 0.66-0.76 s),
+  rank start-up up to the user's function (0.07 -> 0.70-0.73 s: interpreter, sparkhvd,
+  payload) and the end (0.08-0.09 -> 0.48-0.50 s: results back, ranks reaped, run folder
+  written) all grow with 16 processes on 2 cores. On torch, `import torch` in every rank
+  (0.86 s at np=2, 8.2 s at np=16: about 0.5 CPU-seconds per rank, serialised on 2 cores) is
+  most of its 0.6 s per extra rank; the rendezvous is 0.01-0.7 s. The same no-op on the test
+  cluster's 4 hosts (network namespaces, 4 cores each, a standalone master): horovod 1.96 s at
+  np=16 against 1.52 s at np=2 (1.29x; np=2 there still met cold executor workers: np=4 took
+  0.63 s), torch 10.8 s against 1.26 s (8.6x). Those hosts share this machine's 2 cores, so
+  they show the cross-host path, not parallel starts: on real hosts each rank imports torch
+  on its own cores, and np=16 should cost about what np=2 does -- the 1.5x goal is met for
+  horovod here and cannot be shown for torch on one 2-core machine.
 - **B2, non-shuffled batches** are slices (views) of the shard's arrays; shuffled batches
   are one sorted gather each.
 - **B4.** `write_bytes` to Azure used to write a temporary blob and then move it into place
@@ -1255,6 +1361,15 @@ def goals(rows: list[dict]) -> list[str]:
             out.append(f"| B11 backend={backend}: ≤ 0.1 s per extra rank above the floor "
                        f"(np {lo} → {hi}, local[{hi}]) | {per_rank:+.3f} s/rank | "
                        f"{'yes' if per_rank <= 0.1 else 'no'} |")
+    for backend in ("horovod", "torch"):
+        on_hosts = {r["np"]: r["median"] for r in rows if r["case"] == "B11" and
+                    r.get("backend_on_hosts") == backend and "median" in r}
+        if len(on_hosts) >= 2:
+            lo, hi = min(on_hosts), max(on_hosts)
+            ratio = on_hosts[hi] / on_hosts[lo]
+            out.append(f"| B11 backend={backend} on 4 hosts (namespaces sharing 2 cores): np={hi} "
+                       f"≤ 1.5 × np={lo} | {on_hosts[hi]:.2f} s vs {on_hosts[lo]:.2f} s "
+                       f"({ratio:.2f}×) | {'yes' if ratio <= 1.5 else 'no'} |")
     ratio_b2 = paired("B2", "sparkhvd DataFrameDataset.tf_dataset, streamed", "pyarrow")
     if ratio_b2 is not None:
         out.append(f"| B2 streamed ≥ 1.35 × pyarrow ceiling (the in-memory figure before "
@@ -1329,7 +1444,17 @@ def write_chart(path: Path, rows: list[dict]) -> None:
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.4 * len(panels)), squeeze=False)
     for ax, (case, unit) in zip(axes[:, 0], panels):
         sel = [r for r in rows if r["case"] == case and r["unit"] == unit and "median" in r]
-        if case == "B6":
+        if case == "B11":
+            lines = [("floor", lambda r: r["variant"].startswith("floor"))] + [
+                (f"backend={b}", lambda r, b=b: r.get("backend") == b and
+                 r["variant"].endswith(": total")) for b in ("horovod", "tf", "torch")]
+            for label, chosen in lines:
+                pts = sorted((r["np"], r["median"]) for r in sel if chosen(r))
+                if pts:
+                    ax.plot(*zip(*pts), "o-", label=label)
+            ax.set_xlabel("np (local[16] on this machine's cores)")
+            ax.legend(fontsize=7)
+        elif case == "B6":
             for label, marker in (("default", "o-"), ("memory_cache=0", "s--")):
                 pts = sorted((r["rows"], r["median"]) for r in sel if label in r["variant"])
                 if pts:

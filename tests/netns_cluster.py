@@ -71,7 +71,8 @@ class Host:
 class NetnsCluster:
     """A Spark standalone cluster of ``hosts`` namespaces (see the module docstring)."""
 
-    def __init__(self, workdir: str, hosts: int = 3, tag: Optional[str] = None) -> None:
+    def __init__(self, workdir: str, hosts: int = 3, tag: Optional[str] = None,
+                 cores: int = 1) -> None:
         import pyspark
 
         self.workdir = os.path.abspath(workdir)
@@ -88,6 +89,7 @@ class NetnsCluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.master_port = 0
         self.webui = 0
+        self.cores = cores  # per worker (host)
 
     @property
     def master_url(self) -> str:
@@ -175,7 +177,7 @@ class NetnsCluster:
     def start_worker(self, host: Host) -> None:
         self._start(host.name, host, [
             os.path.join(self.spark_home, "bin", "spark-class"),
-            "org.apache.spark.deploy.worker.Worker", "--host", host.ip, "--cores", "1",
+            "org.apache.spark.deploy.worker.Worker", "--host", host.ip, "--cores", str(self.cores),
             "--memory", "2g", "--work-dir", "/tmp/spark-work", self.master_url])
 
     def alive_workers(self) -> int:
