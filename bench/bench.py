@@ -357,19 +357,40 @@ def case_b10(repeat: int, tiny: bool) -> list[dict]:
 
 
 # -- B2 ----------------------------------------------------------------------------------------
-def case_b2(repeat: int, tiny: bool) -> list[dict]:
-    import numpy as np
-    import pyarrow.parquet as pq
+def _b2_frame(spark, rows_n: int, width: int = 784):
+    """The DataFrame B2, B2T and B6 read: ``width`` random float32 per row and a label."""
     from pyspark.sql import functions as F
 
+    return spark.range(rows_n, numPartitions=8).select(
+        F.array(*[F.rand(i).cast("float") for i in range(width)]).alias("x"),
+        (F.col("id") % 10).alias("y"))
+
+
+def _pyarrow_ceiling(files: list[str], rows: int, width: int) -> Callable[[], None]:
+    """A plain pyarrow loop over the same Parquet (read each file by path, convert it, stop
+    after ``rows``): the reference a reader is measured against."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    def ceiling():
+        got = 0
+        for f in files:
+            if got >= rows:
+                break
+            t = pq.read_table(f, columns=["c0", "c1"])
+            t.column("c0").combine_chunks().flatten().to_numpy().reshape(t.num_rows, width)
+            np.asarray(t.column("c1"))
+            got += t.num_rows
+    return ceiling
+
+
+def case_b2(repeat: int, tiny: bool) -> list[dict]:
     from sparkhvd import DataFrameDataset
 
     rows_n = 4_000 if tiny else int(os.environ.get("BENCH_B2_ROWS", 1_000_000))
     width, batch = 784, 256
     spark = _spark()
-    df = spark.range(rows_n, numPartitions=8).select(
-        F.array(*[F.rand(i).cast("float") for i in range(width)]).alias("x"),
-        (F.col("id") % 10).alias("y"))
+    df = _b2_frame(spark, rows_n, width)
     ds = DataFrameDataset(df, "x", "y").materialize()
     files = [f.replace("file://", "") for f in ds.files]
     petastorm_cache = tempfile.mkdtemp(prefix="bench-petastorm-")
@@ -397,18 +418,8 @@ def case_b2(repeat: int, tiny: bool) -> list[dict]:
                 for _ in tfds:
                     pass
 
-        def ceiling():
-            got = 0
-            for f in files:
-                if got >= half:
-                    break
-                t = pq.read_table(f, columns=["c0", "c1"])
-                flat = t.column("c0").combine_chunks().flatten().to_numpy()
-                flat.reshape(t.num_rows, width)
-                np.asarray(t.column("c1"))
-                got += t.num_rows
-
-        timings = _interleaved([("pyarrow in-process (ceiling)", ceiling),
+        timings = _interleaved([("pyarrow in-process (ceiling)",
+                                 _pyarrow_ceiling(files, half, width)),
                                 ("sparkhvd DataFrameDataset.tf_dataset, streamed", epoch(0)),
                                 ("sparkhvd DataFrameDataset.tf_dataset, in memory",
                                  epoch(1 << 40)),
@@ -428,32 +439,6 @@ def case_b2(repeat: int, tiny: bool) -> list[dict]:
 
 
 # -- B2T: the PyTorch data path ----------------------------------------------------------------
-def _b2_frame(spark, rows_n: int, width: int = 784):
-    from pyspark.sql import functions as F
-
-    return spark.range(rows_n, numPartitions=8).select(
-        F.array(*[F.rand(i).cast("float") for i in range(width)]).alias("x"),
-        (F.col("id") % 10).alias("y"))
-
-
-def _pyarrow_ceiling(files: list[str], rows: int, width: int) -> Callable[[], None]:
-    """A plain pyarrow loop over the same Parquet (read each file by path, convert it, stop
-    after ``rows``): the reference a reader is measured against."""
-    import numpy as np
-    import pyarrow.parquet as pq
-
-    def ceiling():
-        got = 0
-        for f in files:
-            if got >= rows:
-                break
-            t = pq.read_table(f, columns=["c0", "c1"])
-            t.column("c0").combine_chunks().flatten().to_numpy().reshape(t.num_rows, width)
-            np.asarray(t.column("c1"))
-            got += t.num_rows
-    return ceiling
-
-
 def _torch_distributor_input(rows: int, batch: int):
     """In a TorchDistributor task: one pass over its spooled partition through Spark's own
     loader (``_get_spark_partition_data_loader``), rows/s."""
@@ -864,7 +849,6 @@ def _one_shuffled_epoch(ds, batch):
 
 
 def case_b6(repeat: int, tiny: bool) -> list[dict]:
-    from pyspark.sql import functions as F
 
     from sparkhvd import DataFrameDataset, HorovodRunner
 
@@ -874,10 +858,7 @@ def case_b6(repeat: int, tiny: bool) -> list[dict]:
     out = tempfile.mkdtemp(prefix="bench-b6-")
     rows = []
     for n in sizes:
-        df = spark.range(n, numPartitions=8).select(
-            F.array(*[F.rand(i).cast("float") for i in range(width)]).alias("x"),
-            (F.col("id") % 10).alias("y"))
-        ds = DataFrameDataset(df, "x", "y").materialize()
+        ds = DataFrameDataset(_b2_frame(spark, n, width), "x", "y").materialize()
         variants = [("default", None)]
         if n == sizes[0]:
             variants.append(("streamed (memory_cache=0)", 0))
