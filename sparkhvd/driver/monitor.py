@@ -63,9 +63,6 @@ class Frame:
     line: int
     func: str
 
-    def short(self) -> str:
-        return f"{os.path.basename(self.file)}:{self.line} {self.func}()"
-
 
 @dataclass
 class RankStacks:
@@ -106,29 +103,49 @@ def _is_user_code(frame: Frame) -> bool:
                 "site-packages" in path or "dist-packages" in path or frame.file.startswith("<"))
 
 
-def where(stacks: RankStacks) -> tuple[str, str]:
-    """``("collective", "allreduce")`` or ``("elsewhere", "train.py:42 load_batch()")``."""
+def where(stacks: RankStacks) -> tuple[str, Optional[Frame]]:
+    """``("collective", frame)`` when the main thread waits in a library's collective, else
+    ``("elsewhere", frame)``: its innermost frame in user code (or innermost at all)."""
     for frame in stacks.main:  # a library's collective (the user's own names do not count)
         if COLLECTIVE.search(frame.func) and not _is_user_code(frame):
-            return "collective", frame.func
+            return "collective", frame
     user = next((f for f in stacks.main if _is_user_code(f)), None)
-    where = user or (stacks.main[0] if stacks.main else None)
-    return "elsewhere", where.short() if where else "an unknown place (no Python frames)"
+    return "elsewhere", user or (stacks.main[0] if stacks.main else None)
 
 
 def summarise(found: dict[int, RankStacks], missing: list[int]) -> str:
-    """One sentence: which ranks are elsewhere, which wait in a collective, which did not answer."""
-    groups: dict[tuple[str, str], list[int]] = {}
+    """One sentence: which ranks are elsewhere, which wait in a collective, which did not answer.
+
+    Ranks in the same function of the same file are one group even when their lines differ
+    (``ranks 0, 1 are in train.py:92/93 wait_for_data()``): two ranks polling in one loop are
+    caught on either line of it, and for a hang they are in the same place."""
+    groups: dict[tuple[str, str, str], tuple[list[int], set[int]]] = {}
     for rank in sorted(found):
-        groups.setdefault(where(found[rank]), []).append(rank)
+        kind, frame = where(found[rank])
+        if frame is None:
+            key = (kind, "", "an unknown place (no Python frames)")
+        elif kind == "collective":
+            key = (kind, "", frame.func)
+        else:
+            key = (kind, frame.file, frame.func)
+        ranks_here, lines = groups.setdefault(key, ([], set()))
+        ranks_here.append(rank)
+        if frame is not None:
+            lines.add(frame.line)
 
     def ranks(rs: list[int]) -> str:
         return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {', '.join(map(str, rs))}"
 
-    parts = [f"{ranks(rs)} {'is' if len(rs) == 1 else 'are'} in {place}"
-             for (kind, place), rs in groups.items() if kind == "elsewhere"]
-    parts += [f"{ranks(rs)} {'waits' if len(rs) == 1 else 'wait'} in {place}"
-              for (kind, place), rs in groups.items() if kind == "collective"]
+    def place(key: tuple[str, str, str], lines: set[int]) -> str:
+        kind, file, func = key
+        if kind == "collective" or not file:
+            return func
+        return f"{os.path.basename(file)}:{'/'.join(map(str, sorted(lines)))} {func}()"
+
+    parts = [f"{ranks(rs)} {'is' if len(rs) == 1 else 'are'} in {place(key, lines)}"
+             for key, (rs, lines) in groups.items() if key[0] == "elsewhere"]
+    parts += [f"{ranks(rs)} {'waits' if len(rs) == 1 else 'wait'} in {place(key, lines)}"
+              for key, (rs, lines) in groups.items() if key[0] == "collective"]
     if missing:
         parts.append(f"{ranks(missing)} did not answer (lost, or stuck holding Python's lock; "
                      "install py-spy on the hosts to read them from outside)")

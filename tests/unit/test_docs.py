@@ -72,3 +72,12 @@ def test_every_code_block_is_tested(page):
             assert language == "text", \
                 f"{page.name}: a ```{language or '(no language)'} block: use python (an " \
                 "example file), bash (tested commands) or text (output, not code)"
+
+
+def test_the_readme_is_a_front_door():
+    """The two commands a newcomer types come first, and the rest fits on a page or two: what is
+    longer belongs on the docs site."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines: move detail into docs/"
+    assert lines[2] == "```bash" and lines[3].startswith("make demo") and \
+        lines[4].startswith("make test"), lines[:6]
