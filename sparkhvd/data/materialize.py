@@ -94,6 +94,9 @@ def profile(df: Any, columns: Sequence[str], kinds: Mapping[str, str],
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F
 
+    def rows_where(condition: Any, alias: str) -> Any:
+        return F.sum(F.when(condition, 1).otherwise(0)).alias(alias)
+
     aggs = [F.count(F.lit(1)).alias("rows")]
     for i, name in enumerate(columns):
         col = quoted(name)
@@ -101,11 +104,17 @@ def profile(df: Any, columns: Sequence[str], kinds: Mapping[str, str],
         if kinds[name] == "vector":
             col = vector_to_array(col)
         if kinds[name] in ("array", "vector"):
-            aggs += [F.min(F.size(col)).alias(f"min{i}"), F.max(F.size(col)).alias(f"max{i}"),
-                     F.sum(F.exists(col, lambda x: x.isNull()).cast("long")).alias(f"inull{i}")]
+            aggs += [F.min(F.size(col)).alias(f"min{i}"), F.max(F.size(col)).alias(f"max{i}")]
+            # array_contains, not exists(col, x -> ...): Spark compiles it, while a lambda is
+            # interpreted element by element (most of materialize()'s first pass on wide
+            # arrays). It is true on a match and NULL when the array holds a null and no match;
+            # NaN equals NaN in Spark's comparisons. So, with every NaN removed first:
+            # NULL <=> a null element.
+            probe = float("nan") if _is_float(schema[name]) else 0
+            aggs.append(rows_where(col.isNotNull() & F.array_contains(
+                F.array_remove(col, probe), probe).isNull(), f"inull{i}"))
             if _is_float(schema[name]):
-                aggs.append(F.sum(F.exists(col, lambda x: F.isnan(x)).cast("long"))
-                            .alias(f"nan{i}"))
+                aggs.append(rows_where(F.array_contains(col, probe), f"nan{i}"))
         elif _is_float(schema[name]):
             aggs.append(F.sum(F.isnan(col).cast("long")).alias(f"nan{i}"))
     row = df.agg(*aggs).first().asDict()

@@ -295,6 +295,11 @@ def test_edge_cases_are_refused_before_launch_and_leave_nothing(spark, tmp_path,
     nan_array = spark.createDataFrame([([1.0, float("nan")], 0), ([1.0, 2.0], 1)] * 4,
                                       ["v", "y"])
     fails(nan_array, "v", "y", match=r"NaN values .*'v': 4 row")
+    holes = spark.createDataFrame(  # a null element, also beside a NaN, in float and int arrays
+        [([1.0, None], [1, 2], 0), ([float("nan"), None], [3, None], 1), ([1.0, 2.0], [4, 5], 2)]
+        * 2, "v array<double>, w array<int>, y long")
+    fails(holes, "v", "y", match=r"Null values in used column\(s\) \('v': 4;")
+    fails(holes, "w", "y", match=r"Null values in used column\(s\) \('w': 2;")
     stream = spark.readStream.format("rate").load()
     with pytest.raises(TypeError, match="this one is streaming"):
         DataFrameDataset(stream, "value")
