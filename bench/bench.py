@@ -1147,14 +1147,16 @@ def environment() -> dict:
 NOTES = """\
 ## What was cut, and why
 
-- **B1T PyTorch launch.** Both sides pay `import torch` in every rank (1.5 s on this machine,
-  measured alone) and the gloo rendezvous (0.25-0.3 s); TorchDistributor adds a `torchrun`
-  per task (a second interpreter that imports torch again, its own c10d rendezvous and agent
-  polling). sparkhvd's own share is the B1 no-op (0.8 s with torch's backend: barrier stage,
-  rank process, run folder); a probe without the other side running in turn measured
-  2.3-2.6 s for the same no-op, the interleaved run above 3.1-3.6 s (TorchDistributor's
-  processes still ending when ours start). The 0.2x goal would need the rank to skip
-  `import torch`, e.g. by forking ranks from a process that already imported it: not done.
+- **B1T PyTorch launch.** Both sides pay `import torch` in every rank and the gloo rendezvous;
+  TorchDistributor adds a `torchrun` per task (a second interpreter that imports torch again,
+  its own c10d rendezvous and agent polling). Today's run: 1.92 s vs 9.13 s (0.21x; the day
+  before 3.31 s vs 11.53 s, 0.29x, on a slower machine: B1's floor was 0.36 s then, 0.18 s
+  now). Where sparkhvd's 1.6-1.8 s go (4 runs alone, clocks in the rank): Spark stage to the
+  user's function 0.3-0.4 s, `import torch.distributed` 1.0 s (both ranks at once on the 2
+  cores), rendezvous 0-0.4 s (the faster rank waits for the other's import), destroying the
+  group 0.02 s, back on the driver 0.12-0.15 s. The 0.2x goal (1.83 s here) would need the
+  rank to skip `import torch`, e.g. by forking ranks from a process that already imported it:
+  not done.
 - **B1 launch.** `horovod.spark.run` spends its ~6 s on a no-op in: task services starting
   and registering (~1 s), NIC discovery between tasks, one `python -m horovod.spark.task...`
   per rank started through the task service (~1 s of imports alone), and a 3 s minimum
