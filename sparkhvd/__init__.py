@@ -104,7 +104,13 @@ class _AliasFinder:  # a meta path finder
                   ) -> "ModuleSpec | None":
         if fullname not in ALIASES:
             return None
-        return ModuleSpec(fullname, _AliasLoader(ALIASES[fullname]))  # type: ignore[arg-type]
+        import importlib.util
+
+        # The target's file as the alias's origin: ``python -m sparkhvd.cli`` runs that file
+        # (runpy sets sys.argv[0] and __file__ from it; click names the program from argv[0]).
+        found = importlib.util.find_spec(ALIASES[fullname])
+        return ModuleSpec(fullname, _AliasLoader(ALIASES[fullname]),  # type: ignore[arg-type]
+                          origin=found.origin if found is not None else None)
 
 
 if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):

@@ -59,6 +59,26 @@ def lightning_fit(devices: int = 1, num_nodes: int = 2, root: str | None = None)
             "weights": _weights(model)}
 
 
+def fabric_fit(devices: int = 1, num_nodes: int = 2) -> dict:
+    """A loop under Lightning Fabric: ``Fabric(strategy="ddp", devices, num_nodes)``."""
+    import torch
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", strategy="ddp", devices=devices, num_nodes=num_nodes)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = fabric.setup(model, optimizer)
+    x = torch.randn(64, 4)
+    for i in range(0, 64, 8):
+        optimizer.zero_grad()
+        fabric.backward(torch.nn.functional.mse_loss(model(x[i:i + 8]), x[i:i + 8].sum(1, True)))
+        optimizer.step()
+    return {"rank": fabric.global_rank, "world": fabric.world_size,
+            "weights": _weights(model)}
+
+
 def hf_trainer(output_dir: str | None = None, save_steps: int = 0) -> dict:
     """A tiny BERT fine-tuned by ``transformers.Trainer`` for 10 steps; with ``output_dir``, its
     checkpoints go to ``<run folder>/<output_dir>`` (``sparkhvd.torch.output_dir``)."""

@@ -81,13 +81,18 @@ def end_tree_on_term() -> None:
     For ranks that no supervisor of ours watches (horovod's launcher starts them itself): a
     stopped rank must not leave the processes it started behind.
     """
-    def on_term(signum: int, _frame: Any) -> None:
-        signal.signal(signum, signal.SIG_IGN)
-        kill_descendants()
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+    signal.signal(signal.SIGTERM, lambda signum, _frame: end_tree_and_die((signum,), signum))
 
-    signal.signal(signal.SIGTERM, on_term)
+
+def end_tree_and_die(ignored: tuple[int, ...], signum: int) -> None:
+    """A signal handler's work: ignore ``ignored`` (repeats while the tree ends: a second run
+    of the handler would leave before the first had killed everything), SIGKILL every
+    descendant, then die of ``signum`` as its default action would."""
+    for sig in ignored:
+        signal.signal(sig, signal.SIG_IGN)
+    kill_descendants()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def end_children(grace_s: float = 1.0) -> None:

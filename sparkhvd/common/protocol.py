@@ -74,6 +74,9 @@ class TaskSpec:
     ranks_per_task: int = 1
     #: every task its own node (``LOCAL_RANK`` within the task; the task's GPUs made visible)
     node_per_task: bool = False
+    #: the driver's clock (``time.time()``) past which the run has given up starting: a task
+    #: that cannot reach the driver and starts later never runs the function (0: no limit)
+    start_by: float = 0.0
 
 
 # -- environment a launcher sets for each rank ----------------------------------------------
@@ -189,6 +192,15 @@ class Resumed:
 
 
 @dataclass
+class OutputDir:
+    """A rank asked for ``<run folder>/<name>/`` (``sparkhvd.torch.output_dir``): a library's
+    own files -- its checkpoints, which a relaunch may resume from."""
+
+    rank: int
+    name: str
+
+
+@dataclass
 class Exit:
     """A rank process' exit status (``None``: it vanished without one)."""
 
@@ -292,11 +304,11 @@ class Detached:
     the control channel and return everything in the Spark job's rows."""
 
 
-Message = Union[Line, Started, Error, Metrics, Resumed, Exit, Stacks, Heartbeat, Hello, Assign,
-                Abort, DumpStacks, Detached]
+Message = Union[Line, Started, Error, Metrics, Resumed, OutputDir, Exit, Stacks, Heartbeat, Hello,
+                Assign, Abort, DumpStacks, Detached]
 KINDS: dict[str, type] = {cls.__name__.lower(): cls for cls in
-                          (Line, Started, Error, Metrics, Resumed, Exit, Stacks, Heartbeat, Hello,
-                           Assign, Abort, DumpStacks, Detached)}
+                          (Line, Started, Error, Metrics, Resumed, OutputDir, Exit, Stacks,
+                           Heartbeat, Hello, Assign, Abort, DumpStacks, Detached)}
 
 
 def to_dict(msg: Any) -> dict[str, Any]:

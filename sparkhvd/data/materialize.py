@@ -13,10 +13,19 @@
 4. **Reused** (:class:`CacheRegistry`): a DataFrame with the same plan and columns, in the same
    session, is not written again; a cache is deleted when the last dataset using it is closed or
    garbage-collected, on a failed run, and at the driver's exit (unless ``keep_cache``).
+
+   A garbage-collected dataset's cache is never deleted *by the collector*: the collector runs
+   on whatever thread allocates, possibly inside an ``import`` that holds Python's import lock,
+   and deleting from remote storage waits on fsspec's IO thread -- which may itself wait for
+   that lock (a deadlock seen with ``abfss://`` caches). The finalizer only queues the release
+   (no lock, no I/O); :meth:`CacheRegistry.settle` does the deletions at safe points -- the next
+   dataset, the end of a run, interpreter exit -- in a helper thread, bounded in time, and a
+   failed or slow deletion is logged, never raised.
 """
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import threading
 import uuid
@@ -34,6 +43,8 @@ _NUMERIC = _INTEGERS + _FLOATS + ("BooleanType", "DecimalType")
 _ARRAY_ELEMENTS = _INTEGERS + _FLOATS
 #: Target size of one Parquet row group: the unit a rank reads (and shuffles) at a time.
 ROW_GROUP_BYTES = 8 << 20
+#: How long a safe point waits for queued cache deletions (they go on in the background after).
+SETTLE_S = 30.0
 
 
 def _type_name(data_type: Any) -> str:
@@ -285,10 +296,15 @@ class CacheRegistry:
     def __init__(self) -> None:
         self._entries: dict[tuple, _Entry] = {}
         self._lock = threading.Lock()
+        #: releases queued by garbage-collected datasets (appended without a lock: the
+        #: collector may run while this thread holds ``_lock``)
+        self._collected: collections.deque = collections.deque()
+        self._settling: Optional[threading.Thread] = None
         atexit.register(self.delete_all)
 
     def find(self, key: tuple, df: Any) -> Optional[Manifest]:
         """A live cache of the same plan (confirmed with ``sameSemantics``), now one user more."""
+        self.settle()
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -308,28 +324,68 @@ class CacheRegistry:
 
     def release(self, manifest: Manifest, *, delete: bool, keep: Optional[bool] = None) -> None:
         """One user less; the files go when nobody uses them (and ``delete`` allows it).
-        ``keep`` updates whether the cache outlives its users (``keep_cache``)."""
+        ``keep`` updates whether the cache outlives its users (``keep_cache``). Called at safe
+        points only (``close()``, a failed run): it deletes on this thread."""
+        url_options = self._drop(manifest, keep)
+        if url_options is not None and delete:
+            _delete(*url_options)
+
+    def collected(self, manifest: Manifest) -> None:
+        """A dataset using ``manifest`` was garbage-collected: queue its release for the next
+        safe point. Runs inside the collector: no lock, no I/O, never raises."""
+        self._collected.append(manifest)
+
+    def settle(self, wait_s: float = SETTLE_S) -> None:
+        """A safe point: release what collected datasets queued and delete the caches nobody
+        uses any more, in a helper thread; wait at most ``wait_s`` for it (the deletions go on
+        in the background after that, and a failure is logged)."""
+        doomed = []
+        while self._collected:
+            url_options = self._drop(self._collected.popleft(), None)
+            if url_options is not None:
+                doomed.append(url_options)
+        self._delete_in_background(doomed, wait_s)
+
+    def _delete_in_background(self, doomed: list[tuple[str, dict]], wait_s: float) -> None:
+        if doomed:
+            self._settling = threading.Thread(target=_delete_each, args=(doomed,), daemon=True,
+                                              name="sparkhvd-cache-cleanup")
+            self._settling.start()
+        if self._settling is not None:
+            self._settling.join(wait_s)
+            if self._settling.is_alive():
+                log.warning("deleting unused dataset caches did not finish within %g s; it "
+                            "goes on in the background", wait_s)
+            else:
+                self._settling = None
+
+    def _drop(self, manifest: Manifest, keep: Optional[bool]) -> Optional[tuple[str, dict]]:
+        """One user less; ``(url, options)`` to delete when that was the last one."""
         with self._lock:
             key = next((k for k, e in self._entries.items() if e.manifest is manifest), None)
             entry = self._entries.get(key) if key is not None else None
             if entry is None:
-                return
+                return None
             if keep is not None:
                 entry.keep = keep
             entry.users -= 1
             if entry.users > 0 or entry.keep:
-                return
+                return None
             self._entries.pop(key, None)  # type: ignore[arg-type]
-        if delete:
-            _delete(manifest.url, entry.options)
+        return manifest.url, entry.options
 
     def delete_all(self) -> None:
-        """At exit: every cache nobody asked to keep."""
+        """At exit: every cache nobody asked to keep (bounded like :meth:`settle`)."""
+        self._collected.clear()  # their entries are among these
         with self._lock:
             entries, self._entries = list(self._entries.values()), {}
-        for entry in entries:
-            if not entry.keep:
-                _delete(entry.manifest.url, entry.options)
+        self._delete_in_background([(e.manifest.url, e.options) for e in entries if not e.keep],
+                                   SETTLE_S)
+
+
+def _delete_each(doomed: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+    for url, options in doomed:
+        _delete(url, options)
 
 
 def _delete(url: str, options: Mapping[str, Any]) -> None:
@@ -351,5 +407,6 @@ def new_cache_url(parent: str) -> str:
 
 
 def finalizer(owner: Any, manifest: Manifest) -> Any:
-    """Release ``manifest`` when ``owner`` is garbage-collected."""
-    return weakref.finalize(owner, REGISTRY.release, manifest, delete=True)
+    """Queue the release of ``manifest`` when ``owner`` is garbage-collected (done at the next
+    safe point: :meth:`CacheRegistry.settle`)."""
+    return weakref.finalize(owner, REGISTRY.collected, manifest)

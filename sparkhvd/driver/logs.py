@@ -24,6 +24,7 @@ from typing import IO, Optional
 
 from sparkhvd.common.protocol import MAX_SHOWN_CHARS, Line
 from sparkhvd.common.redaction import redact
+from sparkhvd.driver.rank_end import PEER_LOST
 
 __side__ = "driver"
 
@@ -117,7 +118,8 @@ class RankLogRouter:
         self.verbose = verbose
         self.log_dir = log_dir
         self.logger = logger or rank_logger
-        self._in_traceback: dict[int, bool] = {}
+        #: rank -> the traceback block it is printing (shown when its exception line closes it)
+        self._tracebacks: dict[int, list[str]] = {}
         self._tail: dict[int, list[str]] = {}
         self._files: dict[int, IO[str]] = {}
         self._pending: dict[tuple[int, str], list] = {}  # (rank, tag) -> [shown, total chars]
@@ -186,26 +188,43 @@ class RankLogRouter:
         tail = self._tail.setdefault(rank, [])
         tail.append(text)
         del tail[:-40]
+        block = self._tracebacks.get(rank)
+        if tag == "stderr" and (block is not None or
+                                text.startswith("Traceback (most recent call last)")):
+            # Every rank's tracebacks are shown, whole -- once the exception line closes the
+            # block and says what it is.
+            if block is None:
+                block = self._tracebacks[rank] = []
+            block.append(text)
+            if text and not text[0].isspace() and len(block) > 1:
+                self._show_traceback(rank, self._tracebacks.pop(rank))
+            return
         if self.should_show(rank, tag, text):
-            label = f"[rank {rank}]" if rank >= 0 else "[horovod]"
-            self._clear_live()
-            self.logger.info("%s %s", label, text)
+            self._emit(rank, text)
+
+    def _show_traceback(self, rank: int, block: list[str]) -> None:
+        """A rank's traceback; one line for a knock-on error (a peer went away under its
+        collective: the rank that went is what matters, and a relaunch may follow)."""
+        if PEER_LOST.search(block[-1]):
+            where = f"logs/rank-{rank}.log" if self.log_dir else "the rank log"
+            self._emit(rank, f"{block[-1]} (a peer went away; traceback in {where})")
+            return
+        for text in block:
+            self._emit(rank, text)
+
+    def _emit(self, rank: int, text: str) -> None:
+        label = f"[rank {rank}]" if rank >= 0 else "[horovod]"
+        self._clear_live()
+        self.logger.info("%s %s", label, text)
 
     def should_show(self, rank: int, tag: str, text: str) -> bool:
-        """Whether a line is shown on the driver under the current verbosity."""
+        """Whether a line (not of a traceback: those are always shown) is shown on the driver
+        under the current verbosity."""
         if not self.verbose and is_noise(text):
             return False
         if self.verbosity == "all" or rank == 0:
             return True
-        # Other ranks: only their errors (a traceback block, or an error-looking line).
-        if tag == "stderr":
-            if text.startswith("Traceback (most recent call last)"):
-                self._in_traceback[rank] = True
-                return True
-            if self._in_traceback.get(rank):
-                if text and not text[0].isspace():
-                    self._in_traceback[rank] = False  # the exception line closes the block
-                return True
+        # Other ranks: only their errors (tracebacks, or an error-looking line).
         return bool(_ERRORISH.search(text))
 
     def note(self, text: str) -> None:
@@ -244,6 +263,10 @@ class RankLogRouter:
             self._clear_live()
             for (rank, tag) in list(self._pending):
                 self.line(Line(rank, tag, "", partial=False))
+            for rank, block in list(self._tracebacks.items()):  # cut short: the rank died
+                del self._tracebacks[rank]
+                for text in block:
+                    self._emit(rank, text)
             for f in self._files.values():
                 f.close()
             self._files.clear()

@@ -38,6 +38,8 @@ class RunOutcome:
         self.hosts: dict[int, str] = {}  # rank -> host
         self.exits: dict[int, Optional[int]] = {}
         self.resumed: Optional[protocol.Resumed] = None
+        #: ``<run folder>/<name>`` folders the ranks asked for (``sparkhvd.torch.output_dir``)
+        self.output_dirs: set[str] = set()
         #: called with each of rank 0's epoch records as it arrives (e.g. MLflow)
         self.listeners: list = []
         #: how the ranks' reports came (barrier launcher, :meth:`reported_by`): "live" over the
@@ -83,6 +85,8 @@ class RunOutcome:
                     listeners = list(self.listeners)
             elif isinstance(msg, protocol.Resumed):
                 self.resumed = msg
+            elif isinstance(msg, protocol.OutputDir):
+                self.output_dirs.add(msg.name)
             elif isinstance(msg, protocol.Exit):
                 self.exits[msg.rank] = msg.code
         for listener in listeners:  # outside the lock: a listener may be slow (a server)

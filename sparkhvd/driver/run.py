@@ -18,8 +18,10 @@ A rank's end is decoded once, by :func:`sparkhvd.driver.rank_end.classify`, into
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
+import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from sparkhvd.common import protocol
@@ -51,6 +53,24 @@ def _status_of(exc: BaseException) -> str:
             "timed out" if isinstance(exc, TimeoutError) else "failed")
 
 
+def settle_dataset_caches() -> None:
+    """The run's end is a safe point to delete the caches of datasets garbage-collected
+    meanwhile (never done by the collector itself: :mod:`sparkhvd.data.materialize`)."""
+    from sparkhvd.data.materialize import REGISTRY
+
+    REGISTRY.settle()
+
+
+def _resumes_from(resume: Optional[str], library: Optional[str]) -> str:
+    """What a relaunch resumes from, in words (the console's retry line)."""
+    if resume:
+        return f"from sparkhvd's checkpoints in {resume}"
+    if library:
+        return f"with your library's own checkpoints in {library} (it resumes from them " \
+               "where your code asks it to)"
+    return "from the start (no checkpoints)"
+
+
 class Run:
     """One call of ``run``/``run_all``: its run folder, its attempts, its result."""
 
@@ -58,6 +78,8 @@ class Run:
                  kwargs: Mapping[str, Any], return_all: bool, timeout: Optional[float]) -> None:
         self.runner, self.fn, self.blob, self.spark = runner, fn, blob, spark
         self.kwargs, self.return_all, self.timeout = kwargs, return_all, timeout
+        #: ``run(timeout=...)`` counts from the call: slots, start and every attempt
+        self.deadline = None if timeout is None else time.monotonic() + timeout
         config = runner.run_config
         self.policy = RetryPolicy(config.max_retries)
         self.run_dir = RunDir(config.output_dir, storage_options=dict(config.storage_options))
@@ -69,6 +91,10 @@ class Run:
         self.router = RankLogRouter(config.driver_log_verbosity, log_dir=self.run_dir.logs,
                                     verbose=launch.verbose)
         self.tracker: Any = None
+
+    def time_left(self) -> Optional[float]:
+        """What is left of ``run(timeout=...)`` now (None: no limit)."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     @property
     def attempt(self) -> Optional["Attempt"]:
@@ -101,6 +127,7 @@ class Run:
         finally:
             self.router.close()
             self._write_curves()
+            settle_dataset_caches()
         if last is None:  # a timeout, an interrupt, a bad setting: recorded, then raised
             self._record_end(status, error)
             raise error  # type: ignore[misc]
@@ -127,9 +154,10 @@ class Run:
 
     def _attempt_until_done(self, placement: Placement, env: dict[str, str],
                             resume: Optional[str]) -> "Attempt":
+        library: Optional[str] = None
         for number in range(1, self.policy.attempts + 1):
             self.run_dir.remove_torn()  # a retry never trips over a killed writer's leftovers
-            attempt = Attempt(self, number, placement, resume)
+            attempt = Attempt(self, number, placement, resume, library)
             self.attempts.append(attempt)
             attempt.launch(dict(env))
             self.metrics = merge_epochs(self.metrics, attempt.outcome.metrics)
@@ -139,15 +167,25 @@ class Run:
                 return attempt
             assert attempt.verdict is not None
             resume = self.run_dir.own_checkpoints() or resume
+            library = None if resume else self._library_checkpoints()
             log.warning("sparkhvd: attempt %d of %d failed because %s; relaunching %s "
                         "(attempt %d, max_retries=%d)", number, self.policy.attempts,
-                        attempt.verdict.retryable,
-                        f"from {resume}" if resume else "from the start", number + 1,
+                        attempt.verdict.retryable, _resumes_from(resume, library), number + 1,
                         self.policy.max_retries)
             self.router.line_all(f"---- attempt {number + 1}: relaunched after "
                                  f"{attempt.verdict.retryable} ----")
             placement = self._place()
         raise AssertionError("unreachable: the policy ends every run")
+
+    def _library_checkpoints(self) -> Optional[str]:
+        """The ``st.output_dir`` folders of this run that hold files -- a library's own
+        checkpoints (Lightning, HF ``Trainer``), which it resumes from when the user's code
+        asks it to -- as ``<run folder>/<name>``, or None."""
+        names = sorted({name for attempt in self.attempts
+                        for name in attempt.outcome.output_dirs})
+        found = [self.run_dir.file(name) for name in names
+                 if any(files for _, _, files in os.walk(self.run_dir.file(name)))]
+        return ", ".join(found) or None
 
     def _end(self, status: str, error: Optional[BaseException], last: "Attempt") -> list:
         """Record, track and publish the run; return the results or raise its error."""
@@ -195,13 +233,21 @@ class Run:
         from sparkhvd.driver.slots import check_slots
         from sparkhvd.driver.sparkview import SparkView
 
+        placing = time.monotonic()
         view = SparkView(self.spark)
         name = choose_launcher(runner.launch_facts().with_session(view))
         check_worker_python(view, runner.backend)
+        launch = runner.launch_config
+        # Waiting for other jobs' slots is part of starting: start_timeout (from here) and the
+        # run's own limit bound it too.
+        left = self.time_left()
+        busy_wait = min(launch.slot_wait_s,
+                        launch.start_timeout - (time.monotonic() - placing),
+                        math.inf if left is None else left)
         slots = check_slots(view, runner.scaling.tasks,
-                            wait_s=0 if view.master.startswith("local")
-                            else runner.launch_config.slot_wait_s,
-                            ranks_per_task=runner.scaling.ranks_per_task)
+                            wait_s=0 if view.master.startswith("local") else launch.slot_wait_s,
+                            ranks_per_task=runner.scaling.ranks_per_task,
+                            busy_wait_s=max(0.0, busy_wait))
         self.record.placed(name, spark_master=view.master, spark_app_id=view.app_id,
                            session=view.kind, slots=slots.slots)
         here = view.executors_here()
@@ -221,13 +267,18 @@ class Run:
         return source
 
     def _write_curves(self) -> None:
+        """``metrics.csv`` always; ``curves.png`` where matplotlib is installed (the ``plots``
+        extra): nobody asked for a picture, so its absence is no warning."""
         if not self.metrics:
             return
-        from sparkhvd.runfolder.curves import plot_curves, write_metrics_csv
+        from sparkhvd.runfolder.curves import can_plot, plot_curves, write_metrics_csv
 
         try:
             write_metrics_csv(self.run_dir.file("metrics.csv"), self.metrics)
-            plot_curves(self.run_dir.file("curves.png"), self.metrics)
+            if can_plot():
+                plot_curves(self.run_dir.file("curves.png"), self.metrics)
+            else:
+                log.debug("curves.png not drawn: matplotlib is not installed")
         except Exception as exc:  # noqa: BLE001 - curves must never hide the run's outcome
             log.warning("could not write the training curves: %s", exc)
 
@@ -237,8 +288,11 @@ class Attempt:
     rank failed -- the :class:`~sparkhvd.driver.rank_end.Verdict`."""
 
     def __init__(self, run: Run, number: int, placement: Placement,
-                 resume: Optional[str]) -> None:
+                 resume: Optional[str], library: Optional[str] = None) -> None:
+        """``resume``: the checkpoints sparkhvd restores; ``library``: the folders where a
+        library keeps its own (``st.output_dir``), when sparkhvd has none."""
         self.run, self.number, self.placement, self.resume = run, number, placement, resume
+        self.library = library
         self.outcome = RunOutcome(run.router)
         if run.tracker is not None:
             self.outcome.listeners.append(run.tracker.metrics)
@@ -246,6 +300,9 @@ class Attempt:
         self.monitor = self.outcome.monitor = RunMonitor(
             self.outcome, run.run_dir.path, stall_timeout=launch.stall_timeout,
             on_stall=launch.on_stall)
+        #: the Spark job tag (or group) of this attempt's barrier stage: in ``run.json`` before
+        #: the job is submitted, so it can always be found and cancelled
+        self.spark_job = f"sparkhvd-{run.run_dir.run_id}-{number}"
         self.status = "running"
         self.results: list = []
         self.verdict: Optional[Verdict] = None
@@ -260,6 +317,9 @@ class Attempt:
             files, files_env = self._start_files()
             env.update(files_env)
             spec = self._spec(env)
+            if self.placement.launcher == "barrier":
+                run.record.submitting(self.spark_job, self.placement.session.job_kind,
+                                      self.number)
             run.record.mark("launch")
             log.info("Launching %d rank(s) %s; logs in %s", spec.np,
                      f"on Spark ({spec.session.describe()})" if spec.session else
@@ -280,7 +340,9 @@ class Attempt:
         """This attempt's entry in ``run.json``'s ``attempts``."""
         pids = self.outcome.pid_record()
         entry: dict[str, Any] = {
-            "attempt": self.number, "status": self.status, "resumed_from": self.resume,
+            "attempt": self.number, "status": self.status,
+            "resumed_from": self.resume or self.library,
+            "resumed_by": "sparkhvd" if self.resume else "library" if self.library else None,
             "ended_at": now(),
             "rank_pids": pids["rank_pids"], "hosts": pids["hosts"]}
         resumed = self.outcome.resumed
@@ -301,7 +363,8 @@ class Attempt:
             options=RankOptions(verbose=launch.verbose, return_all=run.return_all,
                                 elastic=bool(runner.scaling.elastic),
                                 env_keep=tuple(sorted(set(launch.env) | set(env)))),
-            env=env, placement=self.placement, timeout=run.timeout,
+            env=env, placement=self.placement, timeout=run.timeout, deadline=run.deadline,
+            job=self.spark_job,
             run=RunTag(run.run_dir.run_id, self.number - 1, run.policy.max_retries))
 
     def _start_files(self) -> tuple[Any, dict[str, str]]:

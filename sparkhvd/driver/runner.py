@@ -216,7 +216,8 @@ class HorovodRunner:
 
         ``run_timeout`` (seconds): stop the ranks, cancel the Spark job and raise
         ``TimeoutError`` -- with every rank's stack (``logs/stacks-*.txt``) and which rank was
-        where -- if the training runs longer. ``timeout=`` means the same when ``fn`` has no
+        where -- if the run takes longer, counted from this call (waiting for slots, the
+        start and retries included). ``timeout=`` means the same when ``fn`` has no
         ``timeout`` parameter of its own; when it has one, ``timeout=`` alone is refused as
         ambiguous (:func:`split_run_limit`). ``KeyboardInterrupt`` (a notebook's stop button)
         likewise stops everything and propagates; the session stays usable.

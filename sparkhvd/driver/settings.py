@@ -141,11 +141,13 @@ class LaunchConfig:
     Args:
         launcher: ``"auto"`` (default: ``"barrier"`` -- one Spark barrier stage -- unless the run
             is elastic or the session uses dynamic allocation, then ``"horovod"``).
-        start_timeout: seconds the ranks may take to start.
+        start_timeout: seconds the ranks may take to start -- waiting for task slots other jobs
+            hold included; past it the run's Spark job is cancelled and never runs.
         heartbeat_timeout: (barrier launcher) a Spark task silent this long -- its host lost or
             cut off the network -- fails the run, naming the rank and host.
         slot_wait_s: on a cluster, how long to wait for executors to register before the slot
-            check fails.
+            check fails; on classic sessions, also the most to wait for slots other jobs hold
+            (within ``start_timeout``).
         nics: network interfaces for Gloo; default: ``{"lo"}`` when every executor is local,
             else each task uses the interface that reaches the driver.
         env: extra environment variables for the ranks (see :mod:`sparkhvd.common.environment`).

@@ -193,15 +193,19 @@ def slots_without_context(view) -> SlotCount:
         "(or in the cluster's Spark config), then run again.")
 
 
-def check_slots(target, np: int, *, wait_s: float = 0.0, ranks_per_task: int = 1) -> SlotCount:
+def check_slots(target, np: int, *, wait_s: float = 0.0, ranks_per_task: int = 1,
+                busy_wait_s: float = 0.0) -> SlotCount:
     """Raise :class:`NotEnoughSlotsError` unless the session can run ``np`` tasks at once
     (each starting ``ranks_per_task`` ranks: the message counts both).
 
     ``target``: a :class:`~sparkhvd.driver.sparkview.SparkView` (classic or Connect) or a
     SparkContext. On a cluster, executors may still be registering: poll up to ``wait_s``.
+    Then, on classic sessions, the slots other jobs hold (Spark's status tracker) must leave
+    ``np`` free: poll up to ``busy_wait_s`` for them, saying which jobs hold them -- a barrier
+    stage queued behind other jobs would otherwise wait for them, however long they run.
     """
     if isinstance(target, SparkView):
-        if target.connect:
+        if target.connect:  # a Connect client sees no jobs but its own: nothing to wait for
             return _enough(slots_without_context(target), np, ranks_per_task)
         target = target.sc
     deadline = time.monotonic() + wait_s
@@ -210,15 +214,74 @@ def check_slots(target, np: int, *, wait_s: float = 0.0, ranks_per_task: int = 1
         if found.slots >= np or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
-    return _enough(found, np, ranks_per_task)
+    _enough(found, np, ranks_per_task)
+    return _free_enough(target, found, np, ranks_per_task, busy_wait_s)
+
+
+def busy_slots(sc) -> tuple[int, list[str]]:
+    """How many task slots other jobs' running tasks hold now, and those jobs (``job 3
+    'description'``), from Spark's status tracker. ``(0, [])`` where it cannot tell."""
+    try:
+        tracker = sc.statusTracker()
+        busy, jobs = 0, []  # a running task holds one slot
+        for job_id in tracker.getActiveJobsIds():
+            info = tracker.getJobInfo(job_id)
+            running = sum(getattr(tracker.getStageInfo(stage), "numActiveTasks", 0) or 0
+                          for stage in (info.stageIds if info else []))
+            if running:
+                busy += running
+                jobs.append(f"job {job_id}{_job_name(sc, job_id)} ({running} task(s))")
+        return busy, jobs
+    except Exception as exc:  # noqa: BLE001 - best effort: a tracker that cannot answer
+        log.debug("could not read the running jobs from Spark's status tracker: %s", exc)
+        return 0, []
+
+
+def _job_name(sc, job_id: int) -> str:
+    """`` 'description'`` of a job (its job group's, or its call site), where Spark tells."""
+    try:
+        job = sc._jsc.sc().statusStore().job(job_id)
+        description = job.description()
+        text = description.get() if description.isDefined() else job.name()
+        return f" {str(text)[:80]!r}" if text else ""
+    except Exception:  # noqa: BLE001 - the number alone still says which
+        return ""
+
+
+def _free_enough(sc, found: SlotCount, tasks: int, ranks_per_task: int,
+                 wait_s: float) -> SlotCount:
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        busy, jobs = busy_slots(sc)
+        if found.slots - busy >= tasks:
+            return found
+        if time.monotonic() >= deadline:
+            break
+        if not said:
+            said = True
+            log.warning("sparkhvd: %d of the session's %d task slots are busy with other jobs "
+                        "(%s); waiting up to %g s for %d free", busy, found.slots,
+                        ", ".join(jobs) or "?", wait_s, tasks)
+        time.sleep(0.5)
+    raise NotEnoughSlotsError(
+        f"{_wants(tasks, ranks_per_task)} needs {tasks} free Spark task slots, but {busy} of the session's "
+        f"{found.slots} ({found.master}) are busy with other jobs: {', '.join(jobs) or '?'}; "
+        f"still after waiting {wait_s:.0f} s. Fix: let those jobs finish or cancel them (the "
+        "Spark UI names them), run with a larger slot_wait_s or start_timeout to wait longer, "
+        "or lower np.")
+
+
+def _wants(tasks: int, ranks_per_task: int) -> str:
+    """What the user asked for, as they wrote it."""
+    return (f"np={tasks}" if ranks_per_task == 1 else
+            f"np={tasks * ranks_per_task} with ranks_per_task={ranks_per_task}")
 
 
 def _enough(found: SlotCount, tasks: int, ranks_per_task: int = 1) -> SlotCount:
     if found.slots < tasks:
-        wants = (f"np={tasks}" if ranks_per_task == 1 else
-                 f"np={tasks * ranks_per_task} with ranks_per_task={ranks_per_task}")
         raise NotEnoughSlotsError(
-            f"{wants} needs {tasks} Spark task slots running at the same time, but the session "
+            f"{_wants(tasks, ranks_per_task)} needs {tasks} Spark task slots running at the same time, but the session "
             f"({found.master}) has {found.slots}: {found.detail}. "
             f"Fix: {found.fix.format(tasks=tasks)}.")
     return found

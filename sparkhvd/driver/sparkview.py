@@ -25,6 +25,7 @@ import functools
 import logging
 import socket
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from sparkhvd.common.errors import SessionError
@@ -82,6 +83,11 @@ def lost_server_error(endpoint: str, why: str) -> SessionError:
 
 #: How long a cleanup call to a session that may be gone (cancel a job) may take.
 CLEANUP_S = 5.0
+#: A cancelled job whose launch has not returned is cancelled again this often (a cancel that
+#: came before Spark had the job cancels nothing) ...
+RECANCEL_S = 0.5
+#: ... for at most this long.
+RECANCEL_FOR_S = 120.0
 #: How long a check that a Spark Connect server still answers may take.
 PROBE_S = 2.0
 
@@ -127,11 +133,18 @@ class SparkView:
 
     @property
     def has_tags(self) -> bool:
-        """Job tags: Spark Connect, and classic sessions from Spark 4.0."""
-        from sparkhvd.driver.installed import version_tuple
+        """Job tags: the session's on Spark Connect, the SparkContext's on classic (3.5+).
 
-        return self.connect or (version_tuple(self.version) >= (4, 0)
-                                and hasattr(self.spark, "addTag"))
+        Classic sessions' own ``spark.addTag``/``interruptTag`` (Spark 4) keep tags per thread:
+        ``interruptTag`` from another thread -- the one that gives up on a launch -- finds no
+        job and cancels nothing. ``SparkContext.addJobTag``/``cancelJobsWithTag`` work from
+        any thread."""
+        return self.connect or hasattr(self.sc, "addJobTag")
+
+    @property
+    def job_kind(self) -> str:
+        """How this session's runs mark their jobs: ``tag`` or ``group``."""
+        return "tag" if self.has_tags else "group"
 
     def stopped(self) -> bool:
         if self.connect:
@@ -227,50 +240,79 @@ class SparkView:
 
 class SparkJob:
     """One cancellable unit of Spark work for one run: a job tag where the session has them,
-    else a job group. Started from the launch thread, cancellable from any."""
+    else a job group. Started from the launch thread, cancellable from any.
+
+    A cancel can come before Spark has the job (``collect()`` still planning on a busy driver):
+    Spark would then cancel nothing and the job would wait for slots and run later. So a
+    cancelled job is never started, and the cancel is repeated every :data:`RECANCEL_S` until
+    the launch thread's call returns (at most :data:`RECANCEL_FOR_S`)."""
 
     def __init__(self, view: SparkView, name: str, description: str) -> None:
         self.view, self.name, self.description = view, name, description
+        self.cancelled = threading.Event()
+        self.returned = threading.Event()
 
     def run(self, action: Callable[[], Any]) -> Any:
         """Run ``action`` (which starts Spark jobs) under the tag or group."""
-        tagged = self.view.has_tags
+        view, tagged = self.view, self.view.has_tags
         try:
-            if tagged:
-                self.view.spark.addTag(self.name)
+            if self.cancelled.is_set():
+                raise RuntimeError(f"Spark job {self.name} was cancelled before it started")
+            if tagged and view.connect:
+                view.spark.addTag(self.name)
+            elif tagged:
+                view.sc.addJobTag(self.name)
             else:
-                self.view.sc.setJobGroup(self.name, self.description, interruptOnCancel=True)
+                view.sc.setJobGroup(self.name, self.description, interruptOnCancel=True)
             return action()
         except Exception as exc:
-            if self.view.stopped() or "SparkContext was shut down" in str(exc) or \
+            if view.stopped() or "SparkContext was shut down" in str(exc) or \
                     "stopped SparkContext" in str(exc):
                 raise stopped_session_error(during=True) from None
             raise
         finally:
+            self.returned.set()
             if tagged:
                 with contextlib.suppress(Exception):
-                    self.view.spark.removeTag(self.name)
+                    if view.connect:
+                        view.spark.removeTag(self.name)
+                    else:
+                        view.sc.removeJobTag(self.name)
 
     def cancel(self) -> None:
-        """Cancel the run's jobs; a stopped session has none left to cancel. Bounded by
-        :data:`CLEANUP_S`: a Connect server that went away would keep the call in pyspark's
-        retry loop for minutes, so it runs in a thread that is left behind."""
-        if self.view.stopped():
+        """Cancel the run's jobs -- running or still waiting for slots; a stopped session has
+        none left to cancel. Bounded by :data:`CLEANUP_S`: a Connect server that went away
+        would keep the call in pyspark's retry loop for minutes, so it runs in a thread that is
+        left behind."""
+        view = self.view
+        self.cancelled.set()
+        if view.stopped():
             return
 
         def cancel() -> None:
             try:
-                if self.view.has_tags:
-                    self.view.spark.interruptTag(self.name)
+                if view.connect:
+                    view.spark.interruptTag(self.name)
+                elif view.has_tags:
+                    view.sc.cancelJobsWithTag(self.name)
                 else:
-                    self.view.sc.cancelJobGroup(self.name)
+                    view.sc.cancelJobGroup(self.name)
             except Exception as exc:  # noqa: BLE001 - stopped meanwhile
                 log.debug("could not cancel Spark job %s: %s", self.name, exc)
 
-        thread = threading.Thread(target=cancel, daemon=True, name="sparkhvd-cancel")
-        thread.start()
-        thread.join(CLEANUP_S)
-        if thread.is_alive():
+        first = threading.Event()
+
+        def cancel_until_returned() -> None:
+            cancel()
+            first.set()
+            deadline = time.monotonic() + RECANCEL_FOR_S
+            while not self.returned.wait(RECANCEL_S) and time.monotonic() < deadline \
+                    and not view.stopped():
+                cancel()
+
+        threading.Thread(target=cancel_until_returned, daemon=True,
+                         name="sparkhvd-cancel").start()
+        if not first.wait(CLEANUP_S):
             log.debug("cancelling Spark job %s did not return within %g s; left behind",
                       self.name, CLEANUP_S)
 

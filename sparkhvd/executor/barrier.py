@@ -8,7 +8,9 @@ A task runs one rank, or ``ranks_per_task`` of them (a node's GPUs scheduled as 
 is its own supervised process, numbered and reported on its own.
 
 1. Connect to the driver's control server and register (:class:`~sparkhvd.common.protocol.Hello`:
-   partition, host, address, a reserved port per rank if the backend needs them).
+   partition, host, address, a reserved port per rank if the backend needs them). A run the
+   driver gave up starting never runs: the driver answers nothing to a late task, and a task
+   that cannot reach the driver after ``TaskSpec.start_by`` returns without starting a rank.
 2. **Live** (every task reached the driver): receive the ranks' variables
    (:class:`~sparkhvd.common.protocol.Assign`); forward output lines and events as they come, send a
    heartbeat every second, kill the rank when the driver says :class:`~sparkhvd.common.protocol.Abort`
@@ -54,6 +56,9 @@ CHUNK_BYTES = 4 << 20
 ROWS_LOG_BYTES = 8 << 20
 #: After one of a task's ranks failed, its siblings get this long to end by themselves.
 SIBLING_GRACE_S = 10.0
+#: What a task allows for the difference between its host's clock and the driver's when it
+#: checks :attr:`~sparkhvd.common.protocol.TaskSpec.start_by` (only without the driver's channel).
+CLOCK_SLACK_S = 2.0
 
 
 class _Channel:
@@ -201,6 +206,7 @@ def barrier_task(spec: protocol.TaskSpec) -> tuple[int, dict, list, Optional[byt
 
     from sparkhvd.common.backends import get_backend
 
+    started = time.time()
     context = BarrierTaskContext.get()
     partition = context.partitionId()
     gpus = context.resources().get("gpu")
@@ -226,6 +232,10 @@ def barrier_task(spec: protocol.TaskSpec) -> tuple[int, dict, list, Optional[byt
         if channel is not None:
             channel.close()
             channel = None
+        if spec.start_by and started > spec.start_by + CLOCK_SLACK_S:
+            # The driver gave up on this run (start_timeout) and may be gone: never run late.
+            status["mode"] = "late"
+            return partition, status, [], None
         status["mode"], kept = "rows", _Kept()
         # Every task comes here (the driver detaches the registered ones), so the barrier's
         # allGather -- about a second -- is paid only without the channel.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import sys
 import threading
@@ -86,12 +87,16 @@ def known_fix(exc: BaseException, trace: str, environ: Mapping[str, str]) -> str
                 "then build the tf.data pipeline and the model.")
     if isinstance(exc, IndexError) and "lightning" in trace and "root_device" in trace and \
             environ.get("LOCAL_RANK", "0") != "0":
-        return (f" -- Lightning's Trainer has fewer devices than this host's ranks "
+        # The same shape fails in the Trainer's strategy (lightning/pytorch, pytorch_lightning)
+        # and in Fabric's (lightning/fabric, lightning_fabric): name what the user wrote.
+        what = "Trainer" if re.search(r"lightning[/\\]pytorch|pytorch_lightning", trace) \
+            else "Fabric"
+        return (f" -- Lightning's {what} has fewer devices than this host's ranks "
                 f"(LOCAL_RANK={environ['LOCAL_RANK']}, LOCAL_WORLD_SIZE="
-                f"{environ.get('LOCAL_WORLD_SIZE')}): Trainer(devices=1, num_nodes=N) is "
+                f"{environ.get('LOCAL_WORLD_SIZE')}): {what}(devices=1, num_nodes=N) is "
                 "TorchDistributor's shape, every Spark task its own node. Fix: "
                 "HorovodRunner(..., local_ranks='task') (or sparkhvd.torch.TorchDistributor, or "
-                "`sparkhvd run --local-ranks task`), or Trainer(devices=<ranks per host>).")
+                f"`sparkhvd run --local-ranks task`), or {what}(devices=<ranks per host>).")
     return ""
 
 

@@ -22,7 +22,12 @@ import signal
 import sys
 
 from sparkhvd.common import protocol
-from sparkhvd.common.proctree import become_subreaper, die_with_parent, kill_descendants
+from sparkhvd.common.proctree import (
+    become_subreaper,
+    die_with_parent,
+    end_tree_and_die,
+    kill_descendants,
+)
 from sparkhvd.common.protocol import PARENT_PID_ENV, exit_status
 
 __side__ = "rank"
@@ -97,14 +102,8 @@ def supervise(argv: list[str]) -> None:
     if pid == 0:
         _child(argv, me)
 
-    def on_term(signum, _frame):
-        # Ignore repeats while ending the tree (a dying parent may signal more than once, and a
-        # second run of this handler would leave before the first had killed everything).
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
-        kill_descendants()
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+    def on_term(signum, _frame):  # a dying parent may signal more than once: ignore repeats
+        end_tree_and_die((signal.SIGTERM, signal.SIGHUP), signum)
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_term)

@@ -1,4 +1,8 @@
-"""Training curves on the driver: ``metrics.csv`` and ``curves.png`` from rank 0's epoch records."""
+"""Training curves on the driver: ``metrics.csv`` and ``curves.png`` from rank 0's epoch records.
+
+``curves.png`` needs matplotlib (``pip install 'sparkhvd[plots]'``); without it only
+``metrics.csv`` is written.
+"""
 from __future__ import annotations
 
 import csv
@@ -19,6 +23,16 @@ def write_metrics_csv(path: str, records: Sequence[dict]) -> None:
         writer.writeheader()
         for record in records:
             writer.writerow(record)
+
+
+def can_plot() -> bool:
+    """Whether matplotlib is installed (looked up without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # a broken or hidden install: no picture either
+        return False
 
 
 def plot_curves(path: str, records: Sequence[dict]) -> None:

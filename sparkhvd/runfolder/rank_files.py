@@ -197,6 +197,11 @@ def output_folder(name: str) -> str:
     folder's own when this host sees it, else a local one :func:`publish_outputs` copies in."""
     name = clean_path(name)
     files = run_files()
+    if files.available:  # the driver says what a relaunch can resume from
+        from sparkhvd.common.identity import current_rank
+        from sparkhvd.rank.events import emit
+
+        emit(protocol.OutputDir(rank=current_rank().rank, name=name))
     if not files.available:  # not in a sparkhvd run (plain torchrun, a test): here
         path = os.path.abspath(name)
     elif files.local:

@@ -101,6 +101,10 @@ class RunRecord(Mapping[str, Any]):
         ids); merged into what was recorded before."""
         self._write(mlflow={**(self._fields.get("mlflow") or {}), **mlflow})
 
+    def submitting(self, name: str, kind: str, attempt: int) -> None:
+        """The Spark job an attempt is about to submit: its tag (or group) -- what cancels it."""
+        self._write(spark_job={"name": name, "kind": kind, "attempt": attempt})
+
     def launched(self, *, timeline: Optional[str] = None, control: Optional[str] = None) -> None:
         """What an attempt's launch set up: the timeline file, how reports came."""
         self._write(**{k: v for k, v in (("timeline", timeline), ("control", control)) if v})

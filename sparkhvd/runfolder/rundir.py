@@ -141,6 +141,23 @@ class RunDir:
         self.record = RunRecord(self.file("run.json"), run_id=self.run_id,
                                 output=storage.public_url(self.url), versions=versions())
 
+    def __str__(self) -> str:
+        """The run folder's path, or its URL once published (never a secret)."""
+        return self.location
+
+    def __repr__(self) -> str:
+        return f"RunDir({self.location!r})"
+
+    def __fspath__(self) -> str:
+        """A local run folder is a path (``open``, ``os.path.join``, ``pathlib`` take it). A
+        published remote one is not: read it with :mod:`sparkhvd.storage` (its URL is
+        ``str(run_dir)``)."""
+        if self.remote is not None and self.path == self.url:
+            raise TypeError(f"the run folder {self.location} is remote, not a local path: read "
+                            "it with sparkhvd.storage (e.g. storage.read_bytes(f'{run_dir}/run.json'"
+                            ", storage_options))")
+        return self.path
+
     @property
     def location(self) -> str:
         """Where the run folder is now, safe to print (the URL once published)."""

@@ -26,7 +26,7 @@ import io
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.identity import current_rank
@@ -146,7 +146,38 @@ def report(epoch: int, *, epochs: Optional[int] = None, **metrics: float) -> dic
     return averaged
 
 
-class Checkpoints:
+def _store(url: Optional[str], storage_options: Optional[dict]) -> Optional[CheckpointStore]:
+    """Where checkpoints go: ``url``, else the run folder (None outside a sparkhvd run)."""
+    from sparkhvd.runfolder.rank_files import run_files
+
+    if url:
+        return UrlStore(url, storage_options)
+    return RunFolderStore("run") if run_files().available else None
+
+
+def _newest(resume_from: Any, load: Callable, rank: int) -> tuple[Any, Any, list]:
+    """``restore_newest``, and rank 0 says so when there was nothing to resume from."""
+    record, state, skipped = restore_newest(resume_from, load)
+    if (record is None or state is None) and rank == 0:
+        announce_resume(resume_from)
+    return record, state, skipped
+
+
+class _CheckpointsBase:
+    """What both kinds of checkpoints hold: the model, its optimizer, this rank, where they
+    are saved and where they resume from."""
+
+    def __init__(self, model: Any, optimizer: Any = None, *, url: Optional[str] = None,
+                 storage_options: Optional[dict] = None, resume: Any = None) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.rank = current_rank().rank
+        self.store: Optional[CheckpointStore] = _store(url, storage_options)
+        self.resume_from = resume_store(resume, self.store, storage_options)
+        #: What :meth:`restore` loaded: ``extra`` state you saved, and the epoch.
+        self.restored: dict = {}
+
+
+class Checkpoints(_CheckpointsBase):
     """Rank 0's checkpoints of model + optimizer, and exact resume.
 
     A checkpoint of epoch N is ``epoch-000N.pt`` (``torch.save`` of the model's and optimizer's
@@ -164,18 +195,10 @@ class Checkpoints:
 
     def __init__(self, model: Any, optimizer: Any = None, *, url: Optional[str] = None,
                  storage_options: Optional[dict] = None, resume: Any = None) -> None:
-        from sparkhvd.runfolder.rank_files import run_files
-
-        self.model, self.optimizer = model, optimizer
-        self.rank = current_rank().rank
-        if url:
-            own: Optional[CheckpointStore] = UrlStore(url, storage_options)
-        else:
-            own = RunFolderStore("run") if run_files().available else None
-        self.store = own if self.rank == 0 else DISCARD
-        self.resume_from = resume_store(resume, own, storage_options)
-        #: What :meth:`restore` loaded: ``extra`` state you saved, and the epoch.
-        self.restored: dict = {}
+        super().__init__(model, optimizer, url=url, storage_options=storage_options,
+                         resume=resume)
+        if self.rank != 0:
+            self.store = DISCARD  # one writer; every rank reads
 
     def save(self, epoch: int, **extra: Any) -> Optional[str]:
         """After epoch ``epoch`` (0-based): rank 0 writes the checkpoint; other ranks return."""
@@ -210,10 +233,8 @@ class Checkpoints:
                 self.optimizer.load_state_dict(state["optimizer"])
             return state
 
-        record, state, skipped = restore_newest(self.resume_from, load)
+        record, state, skipped = _newest(self.resume_from, load, self.rank)
         if record is None or state is None:
-            if self.rank == 0:
-                announce_resume(self.resume_from)
             return 0
         self.restored = {"epoch": int(state["epoch"]), **(state.get("extra") or {})}
         if self.rank == 0:
@@ -221,7 +242,7 @@ class Checkpoints:
         return int(state["epoch"])
 
 
-class ShardedCheckpoints:
+class ShardedCheckpoints(_CheckpointsBase):
     """Every rank's shards of a sharded model (FSDP2 ``fully_shard``, DeepSpeed-style state, or
     plain DDP) with ``torch.distributed.checkpoint`` (DCP), in the run folder, and exact resume.
 
@@ -243,19 +264,6 @@ class ShardedCheckpoints:
 
     Call :meth:`save` and :meth:`restore` on every rank (they are collectives).
     """
-
-    def __init__(self, model: Any, optimizer: Any = None, *, url: Optional[str] = None,
-                 storage_options: Optional[dict] = None, resume: Any = None) -> None:
-        from sparkhvd.runfolder.rank_files import run_files
-
-        self.model, self.optimizer = model, optimizer
-        self.rank = current_rank().rank
-        if url:
-            self.store: Optional[CheckpointStore] = UrlStore(url, storage_options)
-        else:
-            self.store = RunFolderStore("run") if run_files().available else None
-        self.resume_from = resume_store(resume, self.store, storage_options)
-        self.restored: dict = {}
 
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -332,10 +340,8 @@ class ShardedCheckpoints:
             finally:
                 shutil.rmtree(local, ignore_errors=True)
 
-        record, state, skipped = restore_newest(self.resume_from, load)
+        record, state, skipped = _newest(self.resume_from, load, self.rank)
         if record is None or state is None:
-            if self.rank == 0:
-                announce_resume(self.resume_from)
             return 0
         if self.optimizer is None:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict

@@ -258,3 +258,54 @@ def test_a_store_that_stops_taking_writes_is_named_with_the_last_good_checkpoint
         assert "AccountKey" not in message, "no secret in the error"
     finally:
         store.stop()
+
+
+def library_fit(steps=3):
+    """A library that keeps its own checkpoints in ``st.output_dir("lib")`` (as an HF Trainer
+    does in its output_dir); on the first attempt rank 1 is SIGKILLed after the checkpoint, so
+    rank 0's next all_reduce fails as a knock-on (gloo: the peer went away)."""
+    import os
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    import sparkhvd.torch as st
+
+    ctx = st.setup()
+    folder = st.output_dir("lib")
+    resumed = os.path.exists(os.path.join(folder, "checkpoint-1"))
+    if ctx.rank == 0 and not resumed:
+        os.makedirs(os.path.join(folder, "checkpoint-1"))
+        with open(os.path.join(folder, "checkpoint-1", "state.txt"), "w") as f:
+            f.write("step 1")
+    dist.barrier()
+    if ctx.rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    for _ in range(steps):
+        dist.all_reduce(torch.ones(1))
+    dist.destroy_process_group()
+    return {"resumed": resumed}
+
+
+@pytest.mark.torch_backend
+def test_a_retry_says_the_library_resumes_from_its_own_checkpoints(tmp_path, caplog, rank_lines):
+    """Nothing of sparkhvd's to resume from, but the library's own checkpoints are in the run
+    folder: the relaunch line and run.json say so, and rank 0's knock-on traceback (its peer
+    was killed) stays in its log, off the console."""
+    pytest.importorskip("torch")
+    runner = HorovodRunner(np=-2, backend="torch", output_dir=str(tmp_path), max_retries=1)
+    with caplog.at_level("WARNING", logger="sparkhvd"):
+        assert runner.run(library_fit) == {"resumed": True}
+    lib = runner.last_run_dir.file("lib")
+    relaunch = [r.getMessage() for r in caplog.records if "relaunching" in r.getMessage()]
+    assert len(relaunch) == 1 and f"your library's own checkpoints in {lib}" in relaunch[0], \
+        relaunch
+    record = json.loads(open(runner.last_run_dir.file("run.json")).read())
+    first, second = record["attempts"]
+    assert first["resumed_from"] is None and first["resumed_by"] is None
+    assert second["resumed_from"] == lib and second["resumed_by"] == "library"
+    log = open(runner.last_run_dir.file("logs/rank-0.log")).read()
+    if "Traceback" in log:  # rank 0 saw its peer go (a knock-on error) before it was stopped
+        assert not [line for line in rank_lines if "Traceback" in line], rank_lines
+        assert [line for line in rank_lines if "a peer went away" in line], rank_lines

@@ -150,3 +150,20 @@ def test_keras_progress_bars_on_horovods_launcher(spark, tmp_path, rank_lines):
     runner.run(run_script, source=read_script(script), path=script, argv=["3"])
     _check_progress_output("\n".join(rank_lines),
                            open(runner.last_run_dir.file("logs/rank-0.log")).read(), 3)
+
+
+def test_python_m_works_under_every_old_module_name():
+    """``python -m sparkhvd.cli`` is ``python -m sparkhvd``; every other old name the package
+    still aliases runs its module too (exit 0, no traceback)."""
+    import sparkhvd
+
+    def run(module, *args):
+        return subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+                              text=True, timeout=120)
+
+    new, old = run("sparkhvd", "--help"), run("sparkhvd.cli", "--help")
+    assert old.returncode == 0, old.stderr
+    assert old.stdout.replace("sparkhvd.cli", "sparkhvd") == new.stdout
+    for name in sorted(set(sparkhvd.ALIASES) - {"sparkhvd.cli"}):
+        done = run(name)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (name, done.stderr)

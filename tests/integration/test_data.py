@@ -201,7 +201,9 @@ def test_second_run_reuses_the_materialised_data(spark, tmp_path, caplog, backen
     del again
     import gc
 
-    gc.collect()
+    gc.collect()  # the collector only queues the release: no I/O inside it
+    assert os.path.exists(cache)
+    runner.run(lambda: None)  # the end of a run is a safe point
     assert not os.path.exists(cache), "removed when the last dataset went away"
 
 
@@ -468,3 +470,70 @@ def test_spark_workers_without_the_stack_are_named_before_any_data_job(tmp_path)
         assert "Python workers with 'python3', which cannot import" in line
         assert f"Fix: export PYSPARK_PYTHON={sys.executable}" in line
     assert "write the DataFrame's Parquet" in lines[0] and "predict's Spark jobs" in lines[1]
+
+
+def _metrics_then_none():
+    from sparkhvd.common import protocol
+    from sparkhvd.rank.events import emit
+
+    for epoch in (1, 2):
+        emit(protocol.Metrics(rank=0, record={"epoch": epoch, "loss": 1.0 / epoch}))
+
+
+def test_a_collected_remote_cache_is_deleted_at_a_safe_point_not_in_the_collector(
+        spark, azurite, tmp_path, backend):
+    """A dataset cached on abfss:// (Azurite) is garbage-collected inside an import -- where the
+    collector once deleted it through fsspec's IO thread, which waited for the import lock the
+    importing thread held: a deadlock. Now the collector only queues the release; the run that
+    follows (writing metrics.csv and curves) returns, and deletes the cache at its end."""
+    import gc
+    import importlib
+    import sys
+
+    from sparkhvd import storage
+
+    azurite.make_container("cache")
+    df = spark.range(300).selectExpr("CAST(id AS DOUBLE) AS x", "id % 7 AS y")
+    ds = DataFrameDataset(df, "x", "y", cache_url=azurite.url("cache", "collected"),
+                          storage_options=azurite.options()).materialize()
+    cache = ds.cache_dir
+    ds.cycle = ds  # only the collector frees it
+    del ds
+    module = tmp_path / "collects_while_imported.py"
+    module.write_text("import gc\nFREED = gc.collect()\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        imported = importlib.import_module("collects_while_imported")
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert imported.FREED > 0 and storage.listdir(cache, azurite.options()), \
+        "nothing is deleted inside the collector"
+    runner = HorovodRunner(np=-1, backend=backend, output_dir=str(tmp_path / "runs"))
+    runner.run(_metrics_then_none)
+    assert os.path.exists(runner.last_run_dir.file("metrics.csv"))
+    assert not storage.exists(cache, azurite.options()), "deleted at the end of the run"
+    gc.collect()
+
+
+def test_metrics_without_matplotlib_write_the_csv_and_warn_nothing(tmp_path, caplog, backend,
+                                                                    monkeypatch):
+    """Nobody asked for a picture: without matplotlib (the plots extra) a run writes
+    metrics.csv, no curves.png, and no warning."""
+    import importlib.abc
+    import sys
+
+    class NoMatplotlib(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "matplotlib":
+                raise ModuleNotFoundError(f"No module named {name!r}")
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [NoMatplotlib(), *sys.meta_path])
+    for name in [n for n in sys.modules if n.split(".")[0] == "matplotlib"]:
+        monkeypatch.delitem(sys.modules, name)
+    runner = HorovodRunner(np=-1, backend=backend, output_dir=str(tmp_path))
+    with caplog.at_level("WARNING", logger="sparkhvd"):
+        runner.run(_metrics_then_none)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert open(runner.last_run_dir.file("metrics.csv")).read().splitlines()[0] == "epoch,loss"
+    assert not os.path.exists(runner.last_run_dir.file("curves.png"))

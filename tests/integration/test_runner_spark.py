@@ -9,6 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from conftest import wait_for
 from sparkhvd import HorovodRunner, NotEnoughSlotsError, PayloadError, TrainingError
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
@@ -231,3 +232,101 @@ def test_stopped_session_is_named_before_and_during_a_run(tmp_path):
     assert "spark=None" in out.stdout
     assert "DURING: The SparkSession was stopped while the ranks ran" in out.stdout, \
         out.stdout + out.stderr[-3000:]
+
+
+# -- other jobs hold the task slots -----------------------------------------------------------
+class _SlotHolder:
+    """Another Spark job holding both task slots of the session until released (as a second
+    notebook on a shared cluster does)."""
+
+    def __init__(self, spark, tmp_path):
+        import threading
+
+        self.spark, self.release = spark, str(tmp_path / "release")
+        release = self.release
+
+        def hold(_):
+            import os
+            import time
+
+            while not os.path.exists(release):
+                time.sleep(0.05)
+            yield 1
+
+        def run():
+            spark.sparkContext.setJobGroup("slot-holder", "holds the slots")
+            spark.sparkContext.parallelize(range(2), 2).mapPartitions(hold).collect()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        tracker = spark.sparkContext.statusTracker()
+        assert wait_for(lambda: sum(
+            tracker.getStageInfo(s).numActiveTasks for s in tracker.getActiveStageIds()
+            if tracker.getStageInfo(s) is not None) == 2, 60), "the holder's tasks never started"
+
+    def free(self):
+        open(self.release, "w").close()
+        self.thread.join(60)
+        tracker = self.spark.sparkContext.statusTracker()
+        # Had the run's barrier job stayed queued, it would start now and show up here.
+        return wait_for(lambda: not tracker.getActiveJobsIds(), 60)
+
+
+def _marks(marker):
+    def train():
+        with open(marker, "a") as f:
+            f.write("ran\n")
+        return 1
+
+    return train
+
+
+@pytest.mark.every_profile
+def test_busy_slots_fail_in_start_timeout_naming_the_jobs(spark, tmp_path, backend):
+    """Other jobs hold every slot: the run waits start_timeout for free slots, then says which
+    jobs hold how many of how many -- and its function never runs."""
+    import time
+
+    marker = tmp_path / "ran"
+    holder = _SlotHolder(spark, tmp_path)
+    started = time.monotonic()
+    try:
+        with pytest.raises(NotEnoughSlotsError) as info:
+            HorovodRunner(np=2, spark=spark, backend=backend, start_timeout=10,
+                          output_dir=str(tmp_path / "runs")).run(_marks(str(marker)))
+        took = time.monotonic() - started
+    finally:
+        assert holder.free()
+    message = str(info.value)
+    assert "2 of the session's 2" in message and "'holds the slots'" in message, message
+    assert took <= 15, f"raised after {took:.1f} s"
+    assert not marker.exists()
+
+
+@pytest.mark.every_profile
+def test_a_run_that_did_not_start_is_cancelled_and_never_runs(spark, tmp_path, backend,
+                                                               monkeypatch):
+    """The slots were free when checked but taken before the barrier stage started (a race the
+    check cannot close): after start_timeout the run's job is cancelled -- found by the tag
+    run.json names -- and its function never runs, not even once the slots are free."""
+    import time
+
+    import sparkhvd.driver.slots as slots
+
+    monkeypatch.setattr(slots, "busy_slots", lambda sc: (0, []))
+    marker = tmp_path / "ran"
+    holder = _SlotHolder(spark, tmp_path)
+    runner = HorovodRunner(np=2, spark=spark, backend=backend, start_timeout=10,
+                           output_dir=str(tmp_path / "runs"))
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="start_timeout=10 s.*none of its tasks will run"):
+            runner.run(_marks(str(marker)))
+        took = time.monotonic() - started
+    finally:
+        assert holder.free(), "the run's job is still there"
+    assert took <= 15, f"raised after {took:.1f} s"
+    assert not marker.exists(), "the function ran after run() had given up"
+    record = json.loads(open(runner.last_run_dir.file("run.json")).read())
+    assert record["spark_job"]["name"].startswith(f"sparkhvd-{record['run_id']}-")
+    assert record["status"] == "timed out"

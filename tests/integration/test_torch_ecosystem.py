@@ -355,3 +355,16 @@ def test_torchdistributors_lightning_shape_on_torchruns_numbering_says_the_fix(t
             torch_clients.lightning_fit)
     assert info.value.exc_type == "IndexError"
     assert "local_ranks='task'" in str(info.value), str(info.value)
+
+
+def test_fabric_in_torchdistributors_shape_on_torchruns_numbering_names_fabric(tmp_path):
+    """The same shape in Lightning Fabric fails in Fabric's strategy: the fix names Fabric."""
+    with pytest.raises(TrainingError) as info:
+        HorovodRunner(np=-2, backend="torch", output_dir=str(tmp_path)).run(
+            torch_clients.fabric_fit)
+    assert info.value.exc_type == "IndexError"
+    message = str(info.value)
+    assert "Lightning's Fabric" in message and "Fabric(devices=" in message, message
+    assert "Trainer" not in message and "local_ranks='task'" in message
+    assert HorovodRunner(np=-2, backend="torch", output_dir=str(tmp_path)).run(
+        torch_clients.fabric_fit, devices=2, num_nodes=1)["world"] == 2

@@ -211,3 +211,30 @@ def test_progress_updates_are_drawn_live_and_only_final_states_are_kept(tmp_path
     quiet.line(Line(0, "stdout", "1/3 [..]", update=True))
     quiet.close()
     assert console.getvalue() == ""
+
+
+def test_a_knock_on_traceback_is_one_line_on_the_console_and_whole_in_the_log(tmp_path, shown):
+    """Rank 0's collective saw its peer go: the console gets the exception line and where the
+    traceback is; the rank log keeps every line. A traceback of the rank's own stays whole."""
+    logger, lines = shown
+    router = RankLogRouter("rank0", log_dir=str(tmp_path), logger=logger)
+    knock_on = ["Traceback (most recent call last):", '  File "train.py", line 9, in <module>',
+                "    dist.all_reduce(t)",
+                "RuntimeError: [pair.cc:537] Read error [127.0.0.1]:4: Connection reset by peer"]
+    own = ["Traceback (most recent call last):", '  File "train.py", line 3', "KeyError: 'x'"]
+    for text in knock_on + own:
+        router.line(Line(0, "stderr", text))
+    router.close()
+    assert lines == [f"[rank 0] {knock_on[-1]} (a peer went away; traceback in "
+                     "logs/rank-0.log)"] + [f"[rank 0] {text}" for text in own]
+    assert open(tmp_path / "rank-0.log").read().splitlines() == knock_on + own
+
+
+def test_a_traceback_cut_short_is_shown_when_the_run_ends(shown):
+    logger, lines = shown
+    router = RankLogRouter("rank0", logger=logger)
+    router.line(Line(1, "stderr", "Traceback (most recent call last):"))
+    router.line(Line(1, "stderr", '  File "train.py", line 3'))
+    router.close()
+    assert lines == ["[rank 1] Traceback (most recent call last):",
+                     '[rank 1]   File "train.py", line 3']

@@ -132,3 +132,23 @@ def test_the_drop_in_counts_gpus_as_sparks_class(monkeypatch):
     conf.clear()
     with pytest.raises(RuntimeError, match="was unset.*use_gpu=False"):
         TorchDistributor._task_gpus(SimpleNamespace(), 2)
+
+
+@pytest.mark.parametrize("frame, named", [
+    ("lightning/pytorch/strategies/ddp.py", "Trainer"),
+    ("pytorch_lightning/strategies/ddp.py", "Trainer"),
+    ("lightning/fabric/strategies/ddp.py", "Fabric"),
+    ("lightning_fabric/strategies/ddp.py", "Fabric")])
+def test_the_numbering_hint_names_what_the_user_ran(frame, named):
+    """Trainer(devices=1, num_nodes=N) and Fabric(devices=1, num_nodes=N) fail alike under
+    torchrun's numbering; the fix names the one in the traceback."""
+    from sparkhvd.rank.events import known_fix
+
+    trace = (f'File "/site-packages/{frame}", line 86, in root_device\n'
+             "    return self.parallel_devices[self.local_rank]\nIndexError: list index out of "
+             "range\n")
+    fix = known_fix(IndexError("list index out of range"), trace,
+                    {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    other = "Fabric" if named == "Trainer" else "Trainer"
+    assert f"Lightning's {named} has fewer devices" in fix and f"{named}(devices=" in fix
+    assert other not in fix and "local_ranks='task'" in fix

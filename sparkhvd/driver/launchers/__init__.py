@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import time
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional, Protocol
@@ -68,13 +69,22 @@ class LaunchSpec:
     #: Variables every rank gets (the rank's own are added per task).
     env: Mapping[str, str]
     placement: Placement
-    #: The run's time limit (``run(timeout=...)``).
+    #: The run's time limit (``run(timeout=...)``), counted from the call.
     timeout: Optional[float] = None
+    #: When that limit ends (``time.monotonic()``); None without a limit.
+    deadline: Optional[float] = None
     #: The run and attempt, for backends that tell their ranks (torchrun's variables).
     run: RunTag = RunTag()
+    #: The Spark job tag (or group) the attempt's jobs run under: recorded in ``run.json``
+    #: before submission, so the job can always be found and cancelled.
+    job: str = "sparkhvd"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
+
+    def time_left(self) -> Optional[float]:
+        """What is left of the run's limit now (None: no limit)."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     # -- read through to the one place each setting lives ---------------------------------
     @property

@@ -312,13 +312,13 @@ class BarrierLauncher:
                                spec.ranks_per_task, spec.node_per_task)
         threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True,
                          name="sparkhvd-control").start()
-        job = view.job(f"sparkhvd-{token[:12]}", f"sparkhvd: {spec.np} rank(s)")
+        job = view.job(spec.job, f"sparkhvd: {spec.np} rank(s) of run {spec.run.run_id}")
         mapper = functools.partial(arrow_barrier_task, TaskSpec(
             payload=spec.payload, options=spec.options.as_dict(), env=dict(spec.env),
             driver=control_address(spec, server), token=token,
             start_timeout=float(spec.start_timeout), backend=spec.backend,
             run_env=dict(run_env), ranks_per_task=spec.ranks_per_task,
-            node_per_task=spec.node_per_task))
+            node_per_task=spec.node_per_task, start_by=time.time() + spec.start_timeout))
         def target() -> list:
             return job.run(lambda: view.barrier_collect(spec.tasks, mapper, ROW_SCHEMA))
 
@@ -333,10 +333,13 @@ class BarrierLauncher:
         if monitor is not None:
             monitor.reach_ranks(server.ask_stacks)
         try:
-            collected = watch(target, timeout=spec.timeout, check=check, stop=stop,
-                              name="sparkhvd-barrier", timeout_message=SPARK_TIMEOUT,
+            collected = watch(target, timeout=spec.time_left(), check=check, stop=stop,
+                              name="sparkhvd-barrier",
+                              timeout_message=SPARK_TIMEOUT.format(timeout=spec.timeout or 0),
                               monitor=monitor)
             tasks = gather_rows(collected)
+            if any(t.get("status", {}).get("mode") == "late" for t in tasks.values()):
+                raise TimeoutError(_not_started(spec))
             server.wait_ended(10.0)
             replay_rows(server, sink, tasks)
             check(0.0)  # a rank that failed as the stage ended
@@ -376,11 +379,7 @@ def _checker(spec: LaunchSpec, view: Any, server: ControlServer, sink: Sink
         server.detach_if_incomplete(DETACH_AFTER_S)
         if server.plan is None and not server.detached and elapsed > spec.start_timeout:
             if not view.connect:
-                raise TimeoutError(
-                    f"The {spec.tasks} Spark task(s) did not all start within start_timeout="
-                    f"{spec.start_timeout:g} s, or could not reach this driver's control "
-                    f"channel ({spec.driver_host}). Check the cluster's free task slots "
-                    "and `sparkhvd doctor --np N`; or raise start_timeout.")
+                raise TimeoutError(_not_started(spec, server))
             if not waited["warned"]:
                 waited["warned"] = True
                 log.warning(
@@ -390,6 +389,16 @@ def _checker(spec: LaunchSpec, view: Any, server: ControlServer, sink: Sink
                     "(timeout= bounds the wait).", spec.driver_host, spec.start_timeout)
 
     return check
+
+
+def _not_started(spec: LaunchSpec, server: Optional[ControlServer] = None) -> str:
+    """Why a launch gave up starting: its job is cancelled and no task of it will run."""
+    started = f" ({len(server.tasks)} of {spec.tasks} started)" if server is not None else ""
+    return (f"The {spec.tasks} Spark task(s) did not all start within start_timeout="
+            f"{spec.start_timeout:g} s{started}, or could not reach this driver's control "
+            f"channel ({spec.driver_host}); the run's Spark job was cancelled and none of its "
+            "tasks will run. Other jobs may hold the task slots: check the Spark UI and "
+            "`sparkhvd doctor --np N`; or raise start_timeout.")
 
 
 def _results(server: ControlServer, tasks: dict[int, dict[str, Any]], np: int) -> list[Any]:

@@ -21,7 +21,8 @@ __side__ = "driver"
 
 log = logging.getLogger(__name__)
 
-#: The TimeoutError of a Spark launch that ran past run(timeout=...).
+#: The TimeoutError of a Spark launch that ran past run(timeout=...) (which counts from the
+#: call: waiting for slots and for the tasks to start included).
 SPARK_TIMEOUT = ("The training did not finish within {timeout:g} s; the ranks were stopped and "
                  "the Spark job cancelled.")
 
@@ -33,7 +34,7 @@ def watch(target: Callable[[], Any], *, timeout: Optional[float],
 
     ``check(elapsed_s)`` runs at every poll and may raise (a failed rank); so does the run's
     ``monitor`` (:class:`~sparkhvd.driver.monitor.RunMonitor`: stack requests, stalls). Past
-    ``timeout`` a ``TimeoutError(timeout_message)`` is raised, with where each rank was (their
+    ``timeout`` (what is left of the run's limit) a ``TimeoutError(timeout_message)`` is raised, with where each rank was (their
     stacks are collected before they are stopped). On any exception ``stop()`` runs first.
     """
     outcome: dict = {}
@@ -56,7 +57,7 @@ def watch(target: Callable[[], Any], *, timeout: Optional[float],
                 monitor.tick()
             if timeout is not None and elapsed > timeout:
                 explained = monitor.explain_timeout() if monitor is not None else ""
-                raise TimeoutError(timeout_message.format(timeout=timeout) + explained)
+                raise TimeoutError(timeout_message + explained)
     except BaseException as exc:
         try:
             stop()

@@ -196,9 +196,9 @@ class HorovodSparkLauncher:
                     cancel_job_group(sc, hooks["job_group"])
 
             try:
-                results = watch(target, timeout=spec.timeout, check=check,
+                results = watch(target, timeout=spec.time_left(), check=check,
                                 stop=stopper(cancel, sink), name="sparkhvd-horovod",
-                                timeout_message=SPARK_TIMEOUT,
+                                timeout_message=SPARK_TIMEOUT.format(timeout=spec.timeout or 0),
                                 monitor=getattr(sink, "monitor", None))
             except RuntimeError as exc:
                 failure = parse_failure(exc)

@@ -79,10 +79,10 @@ class LocalLauncher:
                         proc.request_stacks()
 
                 monitor.reach_ranks(ask_stacks)
-            watch(wait_all, timeout=spec.timeout, check=check, stop=stop,
+            watch(wait_all, timeout=spec.time_left(), check=check, stop=stop,
                   name="sparkhvd-local", monitor=monitor,
-                  timeout_message="The training did not finish within {timeout:g} s; the "
-                  "rank processes were stopped.")
+                  timeout_message=f"The training did not finish within {spec.timeout or 0:g} s; "
+                  "the rank processes were stopped.")
             check(0.0)
             return _results(procs, spec.np)
         finally:

@@ -1,0 +1,28 @@
+"""The run folder as a value: what ``print(runner.last_run_dir)`` and ``open(...)`` see."""
+import os
+
+import pytest
+
+from sparkhvd.runfolder.rundir import RunDir
+
+
+def test_a_local_run_folder_reads_as_its_path(tmp_path):
+    run_dir = RunDir(str(tmp_path))
+    assert str(run_dir) == run_dir.path == os.fspath(run_dir)
+    assert isinstance(run_dir, os.PathLike) and repr(run_dir) == f"RunDir({run_dir.path!r})"
+    with open(os.path.join(run_dir, "notes.txt"), "w") as f:
+        f.write("x")
+    assert os.path.exists(run_dir.file("notes.txt"))
+
+
+def test_a_published_remote_run_folder_is_its_url_not_a_path(tmp_path, monkeypatch):
+    """Once published, the folder is only remote: str() is its URL (no secret in it), and using
+    it as a local path says how to read it instead."""
+    run_dir = RunDir(str(tmp_path))
+    url = "abfss://runs@acct.dfs.core.windows.net/x/" + run_dir.run_id
+    monkeypatch.setattr(run_dir, "remote", object())
+    monkeypatch.setattr(run_dir, "url", url)
+    monkeypatch.setattr(run_dir, "path", url)
+    assert str(run_dir) == url
+    with pytest.raises(TypeError, match="remote, not a local path.*sparkhvd.storage"):
+        os.fspath(run_dir)
