@@ -189,6 +189,8 @@ class Resumed:
     epoch: int = 0
     #: checkpoints passed over (newest first), each "file: why"
     skipped: list[str] = field(default_factory=list)
+    #: steps of epoch ``epoch`` the checkpoint had done (0: it was taken at an epoch's end)
+    step: int = 0
 
 
 @dataclass

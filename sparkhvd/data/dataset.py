@@ -167,19 +167,19 @@ class DataFrameDataset:
             log.info("DataFrameDataset: reusing materialised data at %s (%d rows)",
                      storage.public_url(manifest.url), manifest.num_rows)
         else:
-            found = mat.profile(self._df, self.columns, self.kinds, self._schema)
-            mat.check_profile(found, self.columns, self.allow_nan)
             url = mat.new_cache_url(parent)
-            row_bytes = mat.row_bytes(self.columns, self.kinds, self._schema, found["lengths"],
-                                      self.dtype)
+            floats = [stored[c] for c in self.columns if mat.is_float(self._schema[c])]
             try:
-                written = mat.write(selected, url,
-                                    storage.delegate(url, self.storage_options, write=True),
-                                    max(1, mat.ROW_GROUP_BYTES // row_bytes),
-                                    mat.file_count(found["rows"], row_bytes, task_slots(view)))
+                written, stats = mat.write(
+                    selected, url, storage.delegate(url, self.storage_options, write=True),
+                    floats, mat.file_count(task_slots(view)))
+                found = mat.merge_stats(stats, stored)
+                mat.check_profile(found, self.columns, self.allow_nan)
             except BaseException:
                 mat._delete(url, self.storage_options)
                 raise
+            row_bytes = mat.row_bytes(self.columns, self.kinds, self._schema, found["lengths"],
+                                      self.dtype)
             manifest = mat.Manifest(url=url, files=[f for f, _, _ in written],
                                     row_counts=[n for _, n, _ in written],
                                     row_groups=[g for _, _, g in written], stored=stored,

@@ -1,15 +1,18 @@
 """Driver side of :class:`~sparkhvd.data.DataFrameDataset`: check once, write once, reuse.
 
-1. **Checks, one Spark job** (:func:`profile`): row count, nulls, NaNs, array lengths (a ragged
-   array column would be silently reshaped into garbage) -- all before anything is written.
-2. **Conversion in Spark SQL** (:func:`converted`): Spark ML vectors become float arrays
+1. **Conversion in Spark SQL** (:func:`converted`): Spark ML vectors become float arrays
    (``vector_to_array``), floating-point and decimal columns become ``dtype``; names are quoted
    (``a.b`` is a column, not a struct field) and stored as ``c0, c1, ...`` in Parquet.
-3. **Written by the executors** (:func:`write`): ``mapInArrow`` hands each partition's Arrow
-   batches to a function that writes them through :mod:`sparkhvd.storage` (fsspec/adlfs) as one
-   Parquet file with fixed-size row groups -- so ``abfss://`` caches need no Hadoop Azure
-   connector, only a short-lived SAS token the driver mints (:func:`sparkhvd.storage.delegate`).
-   The job returns each file's row and row-group counts: the :class:`Manifest` the ranks shard by.
+2. **Written and checked by the executors in one scan** (:func:`write`): ``mapInArrow`` hands
+   each partition's Arrow batches to a function that writes them through
+   :mod:`sparkhvd.storage` (fsspec/adlfs) as one Parquet file with row groups of about
+   :data:`ROW_GROUP_BYTES` -- so ``abfss://`` caches need no Hadoop Azure connector, only a
+   short-lived SAS token the driver mints (:func:`sparkhvd.storage.delegate`) -- and counts, as
+   it writes, what the checks need (:func:`batch_stats`: rows, nulls, NaNs, array lengths).
+   The job returns each file's row and row-group counts -- the :class:`Manifest` the ranks
+   read by -- and the counts; :func:`check_profile` then refuses bad data (a ragged array
+   column would be silently reshaped into garbage) and the files are deleted before anything
+   is launched. (A separate checking pass used to scan the DataFrame twice.)
 4. **Reused** (:class:`CacheRegistry`): a DataFrame with the same plan and columns, in the same
    session, is not written again; a cache is deleted when the last dataset using it is closed or
    garbage-collected, on a failed run, and at the driver's exit (unless ``keep_cache``).
@@ -41,8 +44,10 @@ _INTEGERS = ("ByteType", "ShortType", "IntegerType", "LongType")
 _FLOATS = ("FloatType", "DoubleType")
 _NUMERIC = _INTEGERS + _FLOATS + ("BooleanType", "DecimalType")
 _ARRAY_ELEMENTS = _INTEGERS + _FLOATS
-#: Target size of one Parquet row group: the unit a rank reads (and shuffles) at a time.
-ROW_GROUP_BYTES = 8 << 20
+#: Target size of one Parquet row group: the unit a rank reads at a time, and the block the
+#: global order permutes (:mod:`sparkhvd.data.sharding`): small enough that a shuffle window
+#: (64 MB by default) holds many blocks, large enough to read fast.
+ROW_GROUP_BYTES = 1 << 20
 #: How long a safe point waits for queued cache deletions (they go on in the background after).
 SETTLE_S = 30.0
 
@@ -75,7 +80,7 @@ def quoted(name: str) -> Any:
     return F.col("`" + name.replace("`", "``") + "`")
 
 
-def _is_float(data_type: Any) -> bool:
+def is_float(data_type: Any) -> bool:
     kind = _type_name(data_type)
     if kind == "ArrayType":
         return _type_name(data_type.elementType) in _FLOATS
@@ -99,9 +104,58 @@ class Manifest:
         return sum(self.row_counts)
 
 
+def batch_stats(batch: Any, floats: Sequence[str]) -> dict:
+    """What the checks need from one Arrow batch of the converted columns (``floats``: the
+    names holding floating-point values): rows; per column rows that are null or hold a null
+    element, rows holding a NaN, and the array lengths' range."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    def rows_with(parents: Any, mask: Any) -> int:
+        hit = pc.filter(parents, pc.fill_null(mask, False))
+        return len(pc.unique(hit)) if len(hit) else 0
+
+    stats: dict = {"rows": batch.num_rows, "nulls": {}, "nans": {}, "lengths": {}}
+    for name, col in zip(batch.schema.names, batch.columns):
+        nulls = col.null_count
+        nans = 0
+        if isinstance(col.type, (pa.ListType, pa.LargeListType)):
+            lengths = pc.list_value_length(col)
+            if lengths.null_count < len(lengths):
+                stats["lengths"][name] = (pc.min(lengths).as_py(), pc.max(lengths).as_py())
+            flat, parents = pc.list_flatten(col), pc.list_parent_indices(col)
+            if flat.null_count:
+                nulls += rows_with(parents, pc.is_null(flat))
+            if name in floats:
+                nans = rows_with(parents, pc.is_nan(flat))
+        elif name in floats:
+            nans = int(pc.sum(pc.fill_null(pc.is_nan(col), False)).as_py() or 0)
+        if nulls:
+            stats["nulls"][name] = nulls
+        if nans:
+            stats["nans"][name] = nans
+    return stats
+
+
+def merge_stats(parts: Sequence[dict], stored: Mapping[str, str]) -> dict:
+    """The partitions' :func:`batch_stats` as one profile, by the user's column names."""
+    names = {v: k for k, v in stored.items()}
+    found: dict = {"rows": 0, "nulls": {}, "nans": {}, "lengths": {}}
+    for part in parts:
+        found["rows"] += part["rows"]
+        for key in ("nulls", "nans"):
+            for col, n in part[key].items():
+                found[key][names[col]] = found[key].get(names[col], 0) + n
+        for col, (lo, hi) in part["lengths"].items():
+            was = found["lengths"].get(names[col], (lo, hi))
+            found["lengths"][names[col]] = (min(was[0], lo), max(was[1], hi))
+    return found
+
+
 def profile(df: Any, columns: Sequence[str], kinds: Mapping[str, str],
             schema: Mapping[str, Any]) -> dict:
-    """One Spark job: rows, and per column nulls, NaNs, array length range, null elements."""
+    """One Spark job: rows, and per column nulls, NaNs, array length range, null elements
+    (``predict``'s checks, which write nothing; materialising counts them while writing)."""
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F
 
@@ -121,12 +175,12 @@ def profile(df: Any, columns: Sequence[str], kinds: Mapping[str, str],
             # It is true on a match and NULL when the array holds a null and no match;
             # NaN equals NaN in Spark's comparisons. So, with every NaN removed first:
             # NULL <=> a null element.
-            probe = float("nan") if _is_float(schema[name]) else 0
+            probe = float("nan") if is_float(schema[name]) else 0
             aggs.append(rows_where(col.isNotNull() & F.array_contains(
                 F.array_remove(col, probe), probe).isNull(), f"inull{i}"))
-            if _is_float(schema[name]):
+            if is_float(schema[name]):
                 aggs.append(rows_where(F.array_contains(col, probe), f"nan{i}"))
-        elif _is_float(schema[name]):
+        elif is_float(schema[name]):
             aggs.append(F.sum(F.isnan(col).cast("long")).alias(f"nan{i}"))
     row = df.agg(*aggs).first().asDict()
     found: dict = {"rows": int(row["rows"] or 0), "nulls": {}, "nans": {}, "lengths": {}}
@@ -179,7 +233,7 @@ def converted(df: Any, columns: Sequence[str], kinds: Mapping[str, str],
         col, kind = quoted(name), _type_name(schema[name])
         if kinds[name] == "vector":
             col = vector_to_array(col, dtype=dtype)
-        elif kinds[name] == "array" and _is_float(schema[name]):
+        elif kinds[name] == "array" and is_float(schema[name]):
             col = col.cast(ArrayType(spark_float))
         elif kind in _FLOATS or kind == "DecimalType":
             col = col.cast(spark_float)
@@ -197,34 +251,32 @@ def row_bytes(columns: Sequence[str], kinds: Mapping[str, str], schema: Mapping[
     for name in columns:
         kind = _type_name(schema[name])
         element = schema[name].elementType if kind == "ArrayType" else schema[name]
-        size = np.dtype(dtype).itemsize if (_is_float(schema[name]) or kind == "DecimalType") \
+        size = np.dtype(dtype).itemsize if (is_float(schema[name]) or kind == "DecimalType") \
             else 8 if _type_name(element) in ("LongType", "IntegerType") else 4
         count = lengths.get(name, (1, 1))[1] if kinds[name] in ("array", "vector") else 1
         total += size * max(1, count)
     return max(1, total)
 
 
-#: Aim for Parquet files of about this size when merging an over-partitioned DataFrame.
-FILE_BYTES = 128 << 20
-
-
-def file_count(rows: int, row_bytes: int, cores: int) -> int:
-    """How many files (write tasks) to materialise ``rows`` rows into.
+def file_count(cores: int) -> int:
+    """How many files (write tasks) to materialise into: one wave of the cluster's task slots.
 
     Every write task costs a Python worker and a file, so a 2,000-row DataFrame spread over
-    1,000 partitions must not become 1,000 tasks and files (it took minutes). Merging keeps one
-    wave of tasks (``cores``, the cluster's task slots) so a large scan is not narrowed, and
-    enough files of about :data:`FILE_BYTES` for large data; a DataFrame with fewer partitions
-    keeps its own (``coalesce`` never splits).
+    1,000 partitions must not become 1,000 tasks and files (it took minutes). ``coalesce`` to
+    the task slots merges them without a shuffle and keeps the scan as wide as the cluster; a
+    DataFrame with fewer partitions keeps its own (``coalesce`` never splits). A file's size
+    does not matter to the ranks: they read row groups.
     """
-    return max(1, cores, -(-rows * row_bytes // FILE_BYTES))
+    return max(1, cores)
 
 
-def _partition_writer(url: str, options: Mapping[str, Any], rows_per_group: int) -> Any:
+def _partition_writer(url: str, options: Mapping[str, Any], group_bytes: int,
+                      floats: Sequence[str]) -> Any:
     """The function ``mapInArrow`` runs on the executors (see the module docstring)."""
 
     def write(batches: Any) -> Any:
         import itertools
+        import json
 
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -240,10 +292,13 @@ def _partition_writer(url: str, options: Mapping[str, Any], rows_per_group: int)
         partition = context.partitionId() if context is not None else 0
         name = f"part-{partition:05d}.parquet"
         groups: list[int] = []
+        rows_per_group = max(1, group_bytes * first.num_rows // max(1, first.nbytes))
+        stats = []
         with storage.open_atomic(f"{url}/{name}", options) as f:
             writer = pq.ParquetWriter(f, first.schema)
             pending = None
             for batch in itertools.chain([first], batches):
+                stats.append(batch_stats(batch, floats))
                 table = pa.Table.from_batches([batch])
                 pending = table if pending is None else pa.concat_tables([pending, table])
                 while pending.num_rows >= rows_per_group:
@@ -256,28 +311,34 @@ def _partition_writer(url: str, options: Mapping[str, Any], rows_per_group: int)
                 groups.append(pending.num_rows)
             writer.close()
         yield pa.RecordBatch.from_pydict({"partition": [partition], "file": [name],
-                                          "rows": [sum(groups)], "groups": [groups]})
+                                          "rows": [sum(groups)], "groups": [groups],
+                                          "stats": [json.dumps(stats)]})
 
     return write
 
 
-def write(df: Any, url: str, executor_options: Mapping[str, Any],
-          rows_per_group: int, files: Optional[int] = None) -> list[tuple[str, int, list[int]]]:
-    """Write ``df`` under ``url`` from the executors; ``(file, rows, row groups)`` in row order.
+def write(df: Any, url: str, executor_options: Mapping[str, Any], floats: Sequence[str],
+          files: Optional[int] = None, group_bytes: Optional[int] = None
+          ) -> tuple[list[tuple[str, int, list[int]]], list[dict]]:
+    """Write ``df`` under ``url`` from the executors: ``(file, rows, row groups)`` in row order,
+    and every batch's :func:`batch_stats`.
 
     ``files``: at most this many files (partitions are merged in order, see :func:`file_count`).
     """
+    import json
     import warnings
 
     if files:
         df = df.coalesce(files)  # narrow: no shuffle, row order kept
+    writer = _partition_writer(url, dict(executor_options), group_bytes or ROW_GROUP_BYTES,
+                               list(floats))
     with warnings.catch_warnings():  # pyspark's own pandas/pyarrow version checks warn
         warnings.simplefilter("ignore", DeprecationWarning)
-        rows = df.mapInArrow(_partition_writer(url, dict(executor_options), rows_per_group),
-                             "partition long, file string, rows long, groups array<long>"
-                             ).collect()
+        rows = df.mapInArrow(writer, "partition long, file string, rows long, "
+                                     "groups array<long>, stats string").collect()
     rows = sorted(rows, key=lambda r: r["partition"])
-    return [(f"{url}/{r['file']}", int(r["rows"]), [int(g) for g in r["groups"]]) for r in rows]
+    return ([(f"{url}/{r['file']}", int(r["rows"]), [int(g) for g in r["groups"]])
+             for r in rows], [s for r in rows for s in json.loads(r["stats"])])
 
 
 # -- reuse ---------------------------------------------------------------------------------------

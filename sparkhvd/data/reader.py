@@ -1,23 +1,23 @@
-"""Rank side of :class:`~sparkhvd.data.DataFrameDataset`: a shard, a row group at a time.
+"""Rank side of :class:`~sparkhvd.data.DataFrameDataset`: the global order, a window at a time.
 
-A rank owns the contiguous global rows ``[start, stop)`` of the materialised Parquet files (see
-:mod:`sparkhvd.data.dataset` for the policy). :class:`ShardReader` splits that range into
-*pieces* -- the parts of row groups inside it -- and reads one piece at a time with pyarrow,
-through :mod:`sparkhvd.storage` for remote caches (range reads: never a whole file).
+The order itself is the policy in :mod:`sparkhvd.data.sharding`: blocks (the Parquet row
+groups) permuted per epoch, grouped into windows of at least ``window_rows`` rows, each
+window's rows permuted, cut into micro-batches that the ranks take in turn.
+:func:`plan_epoch` lays an epoch's windows out; :func:`rank_batches` yields one rank's batches:
+it reads a window's blocks (one row group each, with pyarrow, through :mod:`sparkhvd.storage`
+for remote caches: range reads, never a whole file), gathers its micro-batches from them, and
+drops the window before reading the next.
 
-:func:`epoch_batches` turns pieces into exactly ``steps`` full batches:
+Every rank reads every window that holds one of its batches -- with windows of at least
+``size * batch_size`` rows, all of them: a rank decodes the whole dataset each epoch and keeps
+its share. That is the price of an order that does not depend on the number of ranks (Mosaic
+pays it as a local disk cache). Peak memory while streaming: one window of rows (about
+``window_rows``) + one batch; in memory: the whole dataset, read once.
 
-- in order (``shuffle=False``): pieces in file order, rows in order;
-- shuffled: the pieces' order is permuted each epoch (seeded by seed, epoch and rank), and rows
-  are permuted within a window of about ``shuffle_buffer`` rows. Every row of the range is seen
-  exactly once per epoch (except the fewer-than-one-batch remainder). The trade-off, as in
-  petastorm and ``tf.data.Dataset.shuffle``: two rows land in the same batch only if their
-  pieces were read into the same window -- a shuffle *within* windows of random pieces, not a
-  full permutation of the shard. A shard that fits the dataset's ``memory_cache`` is instead
-  held in memory and fully permuted every epoch.
-
-Peak memory while streaming: about ``shuffle_buffer`` rows + one row group + the prefetched
-batches, whatever the data size.
+Mixing: two rows meet in a batch only if their blocks fall into the same window, so a sorted
+dataset needs many blocks per window (the docs' rule: at least 32). Rows of one batch come in
+storage order (sorted gathers are faster; the order inside a batch does not matter to a
+gradient).
 """
 from __future__ import annotations
 
@@ -46,16 +46,10 @@ class Piece:
         return self.hi - self.lo
 
 
-def pieces_of(row_groups: Sequence[Sequence[int]], start: int, stop: int) -> list[Piece]:
-    """The pieces that make up global rows ``[start, stop)``, in global order."""
-    found, offset = [], 0
-    for f, groups in enumerate(row_groups):
-        for g, count in enumerate(groups):
-            lo, hi = max(start, offset), min(stop, offset + count)
-            if lo < hi:
-                found.append(Piece(f, g, lo - offset, hi - offset))
-            offset += count
-    return found
+def blocks_of(row_groups: Sequence[Sequence[int]]) -> list[Piece]:
+    """Every row group of the materialised files as one block, in storage order."""
+    return [Piece(f, g, 0, count) for f, groups in enumerate(row_groups)
+            for g, count in enumerate(groups) if count]
 
 
 class ShardReader:
@@ -139,47 +133,99 @@ class _Window:
         return self.take(np.arange(lo, hi))
 
 
-def epoch_batches(read: Callable[[Piece], Arrays], pieces: Sequence[Piece], batch_size: int,
-                  steps: int, *, rng: Optional[np.random.Generator],
-                  shuffle_buffer: int) -> Iterator[Arrays]:
-    """Exactly ``steps`` batches of ``batch_size`` rows from ``pieces`` (module docstring);
-    ``rng`` (shuffling) permutes the pieces and each window of ``shuffle_buffer`` rows."""
-    order = list(pieces)
-    if rng is not None:
-        order = [order[i] for i in rng.permutation(len(order))]
-    window_rows = max(batch_size, shuffle_buffer if rng is not None else batch_size)
-    carry: list[Arrays] = []
-    carried = 0
-    emitted = 0
-    source = iter(order)
-    exhausted = False
-    while emitted < steps:
-        parts, rows = carry, carried
-        while rows < window_rows and not exhausted:
-            piece = next(source, None)
-            if piece is None:
-                exhausted = True
+@dataclass(frozen=True)
+class Window:
+    """Consecutive blocks of an epoch's order: rows ``[start, start + rows)`` of ``S``."""
+
+    number: int
+    start: int
+    blocks: tuple[int, ...]
+    rows: int
+
+
+def plan_epoch(blocks: Sequence[Piece], window_rows: int, *, shuffle: bool, seed: int,
+               epoch: int) -> list[Window]:
+    """An epoch's windows: the blocks permuted (``shuffle``) or in storage order, grouped into
+    windows of at least ``window_rows`` rows (the last may be smaller)."""
+    order = np.random.default_rng([seed, epoch]).permutation(len(blocks)) if shuffle \
+        else np.arange(len(blocks))
+    windows: list[Window] = []
+    current: list[int] = []
+    rows = start = 0
+    for k in order.tolist():
+        current.append(k)
+        rows += blocks[k].rows
+        if rows >= window_rows:
+            windows.append(Window(len(windows), start, tuple(current), rows))
+            start, current, rows = start + rows, [], 0
+    if current:
+        windows.append(Window(len(windows), start, tuple(current), rows))
+    return windows
+
+
+def window_permutation(window: Window, *, seed: int, epoch: int) -> np.ndarray:
+    """The order of a shuffled window's rows (its own seed: a rank skips windows it needs
+    nothing from without drawing their permutations)."""
+    return np.random.default_rng([seed, epoch, window.number + 1]).permutation(window.rows)
+
+
+class _InMemory:
+    """The whole dataset in one set of arrays (blocks in storage order): a window of it
+    addressed through its blocks' storage offsets."""
+
+    def __init__(self, data: Arrays, blocks: Sequence[Piece], window: Window) -> None:
+        self.data = data
+        starts = np.concatenate([[0], np.cumsum([b.rows for b in blocks])[:-1]])
+        first = window.blocks[0]
+        ordered = window.blocks == tuple(range(first, first + len(window.blocks)))
+        self.storage = None if ordered else np.concatenate(
+            [np.arange(starts[k], starts[k] + blocks[k].rows) for k in window.blocks])
+        self.offset = int(starts[first]) if ordered else 0
+
+    def take(self, index: np.ndarray) -> Arrays:
+        where = np.sort(self.storage[index]) if self.storage is not None else index + self.offset
+        return _take(self.data, where)
+
+    def slice(self, lo: int, hi: int) -> Arrays:
+        if self.storage is None:
+            return {k: v[lo + self.offset:hi + self.offset] for k, v in self.data.items()}
+        return self.take(np.arange(lo, hi))
+
+
+def rank_batches(read_block: Callable[[int], Arrays], windows: Sequence[Window], *,
+                 batch_size: int, size: int, rank: int, start: int, steps: int,
+                 shuffle: bool, seed: int, epoch: int,
+                 in_memory: Optional[Callable[[Window], Any]] = None) -> Iterator[Arrays]:
+    """Rank ``rank``'s ``steps`` batches of an epoch from position ``start``: at step ``t`` the
+    rows ``[start + (t*size + rank)*b, +b)`` of ``S`` (:mod:`sparkhvd.data.sharding`).
+
+    ``read_block(k)`` reads block ``k``; ``in_memory(window)``, when the data is held in
+    memory, addresses a window without reading. A batch that spans two windows is gathered
+    from both; a window none of this rank's batches touches is not read.
+    """
+    b = batch_size
+    t = 0
+    pending: list[Arrays] = []
+    for w in windows:
+        if t >= steps:
+            return
+        end = w.start + w.rows
+        if end <= start + (t * size + rank) * b:
+            continue  # before this rank's next batch: not read
+        view = in_memory(w) if in_memory is not None else \
+            _Window([read_block(k) for k in w.blocks])
+        perm = window_permutation(w, seed=seed, epoch=epoch) if shuffle else None
+        while t < steps:
+            lo = start + (t * size + rank) * b
+            a, z = max(lo, w.start), min(lo + b, end)
+            if a >= end:
                 break
-            parts.append(read(piece))
-            rows += piece.rows
-        if rows < batch_size:
-            return  # not reachable when steps came from steps_per_epoch
-        window = _Window(parts)
-        usable = rows - rows % batch_size
-        perm = rng.permutation(rows) if rng is not None else None
-        for start in range(0, usable, batch_size):
-            if emitted == steps:
-                return
             if perm is not None:
-                # sorted gathers are faster; the order within a batch does not matter
-                yield window.take(np.sort(perm[start:start + batch_size]))
+                pending.append(view.take(np.sort(perm[a - w.start:z - w.start])))
             else:
-                yield window.slice(start, start + batch_size)
-            emitted += 1
-        if usable == rows:
-            carry = []
-        elif perm is not None:
-            carry = [window.take(np.sort(perm[usable:]))]
-        else:
-            carry = [window.slice(usable, rows)]
-        carried = rows - usable
+                pending.append(view.slice(a - w.start, z - w.start))
+            if lo + b > end:
+                break  # the rest of this batch is in the next window
+            yield _concat(pending)
+            pending = []
+            t += 1

@@ -1,41 +1,53 @@
-"""The rank half of ``DataFrameDataset``: this rank's shard, in memory or streamed.
+"""The rank half of ``DataFrameDataset``: this rank's part of each epoch's global order.
 
 A rank's function receives a :class:`DatasetShard` where the driver passed a
 ``DataFrameDataset`` (the runner prepares it, :mod:`sparkhvd.driver.arguments`): the same
-reading methods -- :meth:`~DatasetShard.tf_dataset`, :meth:`~DatasetShard.batches`,
-:meth:`~DatasetShard.steps_per_epoch` -- over a :class:`~sparkhvd.data.sharding.ShardSource`
-(policy there; streaming in :mod:`sparkhvd.data.reader`).
+reading methods -- :meth:`~DatasetShard.torch_batches`, :meth:`~DatasetShard.tf_dataset`,
+:meth:`~DatasetShard.batches`, :meth:`~DatasetShard.steps_per_epoch` -- over a
+:class:`~sparkhvd.data.sharding.ShardSource` (the order policy there; reading a window at a
+time in :mod:`sparkhvd.data.reader`).
+
+The shard knows where the ranks are in the order (:attr:`DatasetShard.position`, updated as
+batches are handed out) and can continue from a saved position (:meth:`load_state_dict`):
+the checkpoint helpers save and restore it with the model.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
+import warnings
 from typing import Any, Iterator, Optional
 
 import numpy as np
 
 from sparkhvd.common.identity import current_rank
-from sparkhvd.data.reader import ShardReader, epoch_batches, pieces_of
-from sparkhvd.data.sharding import ShardSource
+from sparkhvd.data.reader import Arrays, ShardReader, _InMemory, blocks_of, plan_epoch, rank_batches
+from sparkhvd.data.sharding import Position, ShardSource, steps_from
 
 __side__ = "rank"
 
-#: Default shuffle window when streaming: about this many bytes of rows (at least 4 batches).
-SHUFFLE_BUFFER_BYTES = 64 << 20
+log = logging.getLogger(__name__)
 
 
 class DatasetShard:
-    """This rank's rows of a materialised DataFrame (see the module docstring).
+    """This rank's view of a materialised DataFrame (see the module docstring).
 
-    A shard up to ``memory_cache`` bytes is read once and kept: later epochs and full
-    permutations come from memory. Larger shards are streamed every epoch.
+    A dataset up to ``memory_cache`` bytes is read once and kept (each rank holds all of it:
+    a rank's rows change every epoch); a larger one is streamed a window at a time.
     """
 
     def __init__(self, source: ShardSource) -> None:
         self.source = source
-        #: Bytes up to which the shard is kept in memory (from the dataset; may be changed).
+        #: Bytes up to which the dataset is kept in memory (from the dataset; may be changed).
         self.memory_cache = source.memory_cache
-        self._shard_cache: Optional[tuple[tuple[int, int], dict[str, np.ndarray]]] = None
+        self._blocks = blocks_of(source.row_groups)
+        self._memory: Optional[Arrays] = None
+        self._resume: Optional[Position] = None
+        self._restored_epoch = 0
+        #: Where the ranks are after the last batch this rank handed out (None before any):
+        #: what :meth:`state_dict` returns.
+        self.position: Optional[Position] = None
 
     @property
     def features(self) -> list[str]:
@@ -61,17 +73,68 @@ class DatasetShard:
     def storage_options(self) -> dict:
         return dict(self.source.storage_options)
 
-    def shard_bounds(self, rank: Optional[int] = None, size: Optional[int] = None) -> tuple[int, int]:
-        """``(start, stop)`` global row indices owned by ``rank`` (default: this rank)."""
-        return self.source.shard_bounds(rank, size)
-
     def steps_per_epoch(self, batch_size: int, size: Optional[int] = None) -> int:
-        """Full batches every rank runs per epoch (the same on all ranks)."""
+        """Full batches every rank runs in a whole epoch (the same on all ranks)."""
         return self.source.steps_per_epoch(batch_size, size)
 
-    def shard_bytes(self, rank: Optional[int] = None, size: Optional[int] = None) -> int:
-        """About how many bytes this rank's rows take in memory."""
-        return self.source.shard_bytes(rank, size)
+    def steps_in_epoch(self, batch_size: int, epoch: int, size: Optional[int] = None) -> int:
+        """Batches every rank runs in ``epoch``: fewer than :meth:`steps_per_epoch` in the
+        epoch a restored position continues."""
+        n_size = current_rank().size if size is None else size
+        if self._resume is not None and self._resume.epoch == epoch:
+            return steps_from(self.num_rows, self._resume.samples, batch_size, n_size)
+        return self.source.steps_per_epoch(batch_size, n_size)
+
+    def rank_bytes(self) -> int:
+        """About how many bytes of rows a rank holds while reading (the whole dataset when it
+        is kept in memory, else one shuffle window)."""
+        return self.source.rank_bytes(self.memory_cache)
+
+    # -- position ------------------------------------------------------------------------------
+    def state_dict(self) -> Optional[dict]:
+        """The position after the last batch handed out (plain data; None before any)."""
+        return self.position.as_dict() if self.position is not None else None
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        """Continue from a saved position: the next :meth:`batches` (or ``torch_batches``,
+        ``tf_dataset``) of that epoch starts where it stopped -- with any number of ranks."""
+        if not state:
+            self._resume = None
+            self._restored_epoch = 0
+            return
+        position = Position.from_dict(state)
+        if position.num_rows and position.num_rows != self.num_rows:
+            raise ValueError(
+                f"The saved data position is for {position.num_rows} rows, but this dataset has "
+                f"{self.num_rows}: it is not the data the checkpoint trained on. Resume with "
+                "the same DataFrame, or start the data over (resume=False).")
+        self._resume = position
+        self._restored_epoch = position.epoch
+        self.position = position
+
+    @property
+    def resume_epoch(self) -> Optional[int]:
+        """The epoch a restored position continues (None when nothing was restored)."""
+        return self._resume.epoch if self._resume is not None else None
+
+    def _start(self, epoch: int, shuffle: bool, seed: int, window: int) -> int:
+        resume, self._resume = self._resume, None
+        if resume is None or resume.epoch != epoch:
+            if resume is not None and resume.epoch > epoch:
+                self._resume = resume  # an earlier epoch first: keep it for its own epoch
+            return 0
+        changed = [name for name, was, now in (("shuffle", resume.shuffle, shuffle),
+                                               ("seed", resume.seed, seed),
+                                               ("shuffle window", resume.window_rows, window))
+                   if was != now]
+        if changed:
+            log.warning("The saved data position was taken with another %s (%s): epoch %d "
+                        "continues at row %d of a different order, so some rows of it may be "
+                        "seen twice and others not at all.", " and ".join(changed),
+                        ", ".join(f"{getattr(resume, k)}" for k in ("shuffle", "seed",
+                                                                       "window_rows")),
+                        epoch, resume.samples)
+        return resume.samples
 
     def _to_numpy(self, name: str, column: Any, n: int) -> np.ndarray:
         import pyarrow as pa
@@ -94,67 +157,80 @@ class DatasetShard:
         return ShardReader(self.source.files, dict(self.source.stored), self.storage_options,
                            self._to_numpy)
 
-    def streams(self, rank: Optional[int] = None, size: Optional[int] = None) -> bool:
-        """Whether this rank's shard is streamed (larger than ``memory_cache``)."""
-        return self.shard_bytes(rank, size) > self.memory_cache
+    def streams(self) -> bool:
+        """Whether the dataset is streamed a window at a time (larger than ``memory_cache``)."""
+        return not self.source.in_memory(self.memory_cache)
 
-    def load_shard(self, rank: Optional[int] = None, size: Optional[int] = None) -> dict[str, np.ndarray]:
-        """This rank's rows as numpy arrays, read once and kept (use for shards that fit)."""
-        bounds = self.shard_bounds(rank, size)
-        if self._shard_cache and self._shard_cache[0] == bounds:
-            return self._shard_cache[1]
-        reader = self._reader()
+    def load_all(self, reader: Optional[ShardReader] = None) -> Arrays:
+        """Every row as numpy arrays, read once and kept (the in-memory mode). The arrays are
+        this shard's own (writable), so batches of them become tensors without a copy."""
+        if self._memory is not None:
+            return self._memory
+        own = reader is None
+        reader = reader or self._reader()
         try:
-            parts = [reader.read(p) for p in pieces_of(self.source.row_groups, *bounds)]
+            parts = [reader.read(block) for block in self._blocks]
         finally:
-            reader.close()
-        arrays = {c: np.concatenate([p[c] for p in parts]) if len(parts) > 1 else parts[0][c]
-                  for c in self.columns} if parts else {c: np.empty((0,)) for c in self.columns}
-        self._shard_cache = (bounds, arrays)
-        return arrays
+            if own:
+                reader.close()
+        self._memory = {c: np.concatenate([p[c] for p in parts]) for c in self.columns}
+        return self._memory
 
     def _shape(self, data: dict[str, np.ndarray]) -> Any:
         columns = {c: data[c] for c in self.features}
         x = columns[self.features[0]] if len(self.features) == 1 else columns
         return (x, data[self.label]) if self.label else x
 
+    def _epoch(self, batch_size: int, epoch: int, *, shuffle: bool, seed: int, rank: int,
+               size: int, start: int, window: int, reader: ShardReader) -> Iterator[Arrays]:
+        steps = steps_from(self.num_rows, start, batch_size, size)
+        windows = plan_epoch(self._blocks, window, shuffle=shuffle, seed=seed, epoch=epoch)
+        in_memory = None
+        if not self.streams():
+            data = self.load_all(reader)
+            in_memory = lambda w: _InMemory(data, self._blocks, w)  # noqa: E731
+        return rank_batches(lambda k: reader.read(self._blocks[k]), windows,
+                            batch_size=batch_size, size=size, rank=rank, start=start,
+                            steps=steps, shuffle=shuffle, seed=seed, epoch=epoch,
+                            in_memory=in_memory)
+
     def batches(self, batch_size: int, epoch: int = 0, *, shuffle: bool = False, seed: int = 0,
                 rank: Optional[int] = None, size: Optional[int] = None,
                 shuffle_buffer: Optional[int] = None,
                 reader: Optional[ShardReader] = None) -> Iterator[Any]:
-        """One epoch of this rank's full batches: ``(x, y)`` (or ``x`` without a label).
+        """This rank's full batches of ``epoch``: ``(x, y)`` (or ``x`` without a label).
 
-        Unshuffled batches are views of the data pyarrow read (no copy), so they may be
+        The ranks' batches, step by step and rank by rank, are the epoch's one global order
+        (:mod:`sparkhvd.data.sharding`), whatever the number of ranks. In an epoch a restored
+        position continues (:meth:`load_state_dict`), it starts there.
+
+        Unshuffled batches may be views of the data pyarrow read (no copy), so they may be
         read-only: copy a batch before changing it in place.
 
         Args:
-            shuffle: a new order every epoch, seeded by ``seed``, the epoch and the rank (see
-                :mod:`sparkhvd.data.reader` for what streaming shuffles mean).
-            shuffle_buffer: rows per shuffle window when streaming (default: ~64 MB of rows).
+            shuffle: a new global order every epoch, seeded by ``seed`` and the epoch.
+            seed: a non-negative int, the same on every rank.
+            shuffle_buffer: rows per shuffle window when streaming (default: ~64 MB of rows);
+                the same on every rank and in every run that resumes this one.
         """
-        steps = self.steps_per_epoch(batch_size, size)
-        r = current_rank()[0] if rank is None else rank
-        rng = np.random.default_rng([seed, epoch, r]) if shuffle else None
-        if not self.streams(rank, size):
-            arrays = self.load_shard(rank, size)
-            order = rng.permutation(len(next(iter(arrays.values())))) if rng is not None \
-                else None
-            for step in range(steps):
-                if order is not None:
-                    idx: Any = np.sort(order[step * batch_size:(step + 1) * batch_size])
-                else:
-                    idx = slice(step * batch_size, (step + 1) * batch_size)  # views, no copy
-                yield self._shape({c: arrays[c][idx] for c in self.columns})
-            return
-        if shuffle_buffer is None:
-            shuffle_buffer = max(4 * batch_size,
-                                 SHUFFLE_BUFFER_BYTES // max(1, self.source.row_bytes))
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int; got {seed!r}")
+        self.source.steps_per_epoch(batch_size, size)  # checks batch_size and the data size
+        me = current_rank()
+        r = me.rank if rank is None else rank
+        n_size = me.size if size is None else size
+        window = self.source.window_rows(shuffle_buffer, self.memory_cache)
+        start = self._start(epoch, shuffle, seed, window)
+        done_before = start // (n_size * batch_size)  # steps of this epoch at this size
         own = reader is None
         reader = reader or self._reader()
         try:
-            pieces = pieces_of(self.source.row_groups, *self.shard_bounds(rank, size))
-            for data in epoch_batches(reader.read, pieces, batch_size, steps, rng=rng,
-                                      shuffle_buffer=shuffle_buffer):
+            for step, data in enumerate(self._epoch(
+                    batch_size, epoch, shuffle=shuffle, seed=int(seed), rank=r, size=n_size,
+                    start=start, window=window, reader=reader), start=1):
+                self.position = Position(epoch, start + step * n_size * batch_size, int(seed),
+                                         shuffle, window, self.num_rows, batch_size, n_size,
+                                         done_before + step)
                 yield self._shape(data)
         finally:
             if own:
@@ -164,14 +240,20 @@ class DatasetShard:
                       seed: int = 0, shuffle_buffer: Optional[int] = None,
                       device: Any = None) -> Iterator[Any]:
         """One epoch of this rank's full batches as torch tensors: ``(x, y)``, or ``x`` (a dict
-        of tensors for several feature columns) -- :meth:`batches`, converted without a copy
-        where the arrays allow it. ``device``: move each batch there (e.g. ``"cuda"``)."""
+        of tensors for several feature columns) -- :meth:`batches`, converted without a copy:
+        a tensor shares memory with the rows read (the in-memory dataset, or the window), so
+        change a batch only out of place (``x = x / 255``, not ``x.div_(255)``).
+        ``device``: move each batch there (e.g. ``"cuda"``)."""
         import torch
 
         def tensor(array: np.ndarray) -> Any:
-            if not array.flags.writeable:  # a view of pyarrow's buffer: torch wants its own
-                array = array.copy()
-            value = torch.from_numpy(array)
+            if array.flags.writeable:
+                value = torch.from_numpy(array)
+            else:  # a view of a buffer pyarrow read for this batch only: shared, not copied
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="The given NumPy array is not "
+                                            "writable", category=UserWarning)
+                    value = torch.from_numpy(array)
             return value.to(device) if device is not None else value
 
         def convert(value: Any) -> Any:
@@ -192,7 +274,9 @@ class DatasetShard:
         Each iteration is one epoch (:meth:`torch_batches`); call ``set_epoch(e)`` before each,
         as with ``DistributedSampler``, for a new shuffle. Use it with
         ``DataLoader(ds, batch_size=None)`` (the batches are already made); with
-        ``num_workers=N`` the workers take every N-th batch, so each row is still seen once.
+        ``num_workers=N`` the workers take every N-th batch, so each row is still seen once --
+        but the position then lives in the workers: save it (:meth:`state_dict`) only from a
+        loader without workers.
         """
         import torch
 
@@ -207,7 +291,7 @@ class DatasetShard:
                 self.epoch = int(epoch)
 
             def __len__(self) -> int:
-                return shard.steps_per_epoch(batch_size)
+                return shard.steps_in_epoch(batch_size, self.epoch)
 
             def __iter__(self) -> Iterator[Any]:
                 info = torch.utils.data.get_worker_info()
@@ -231,9 +315,10 @@ class DatasetShard:
 
         Args:
             batch_size: rows per batch (per rank).
-            epochs: how many epochs the dataset yields; ``None`` (default) repeats forever, which
-                suits ``model.fit(..., steps_per_epoch=ds.steps_per_epoch(batch_size))``.
-            shuffle: a new order each epoch (seeded by ``seed``, epoch and rank).
+            epochs: the epoch the dataset ends before; ``None`` (default) repeats forever, which
+                suits ``model.fit(..., steps_per_epoch=ds.steps_per_epoch(batch_size))``. It
+                starts at epoch 0, or where a restored position continues.
+            shuffle: a new global order each epoch (seeded by ``seed`` and the epoch).
             prefetch: batches prepared ahead of the training step.
             shuffle_buffer: rows per shuffle window when streaming.
         """
@@ -241,7 +326,8 @@ class DatasetShard:
 
         reader = self._reader()
         try:
-            first = next(self.batches(batch_size, 0, reader=reader))
+            self.source.steps_per_epoch(batch_size)
+            first = self._shape({c: v[:1] for c, v in reader.read(self._blocks[0]).items()})
 
             def spec(value: Any) -> Any:
                 if isinstance(value, dict):
@@ -251,7 +337,9 @@ class DatasetShard:
             signature = tuple(spec(v) for v in first) if self.label else spec(first)
 
             def generate() -> Iterator[Any]:
-                for epoch in (range(epochs) if epochs is not None else itertools.count()):
+                begin = self._restored_epoch  # every iterator (Keras may make several)
+                for epoch in (range(begin, epochs) if epochs is not None
+                              else itertools.count(begin)):
                     yield from self.batches(batch_size, epoch, shuffle=shuffle, seed=seed,
                                             shuffle_buffer=shuffle_buffer, reader=reader)
 
@@ -265,4 +353,4 @@ class DatasetShard:
 
     def __repr__(self) -> str:
         return (f"DatasetShard(features={self.features}, label={self.label!r}, "
-                f"{self.num_rows} rows, rank rows {self.shard_bounds()})")
+                f"{self.num_rows} rows, {'streamed' if self.streams() else 'in memory'})")

@@ -152,6 +152,9 @@ class KerasDistributed:
         storage_options: credentials for checkpoint/resume URLs on remote storage (rank 0).
         backend: ``"horovod"`` or ``"tf"``; default: what ``HorovodRunner(backend=...)`` set.
         hvd: (Horovod) the horovod Keras module (default ``horovod.tensorflow.keras``).
+        data: the ``DatasetShard`` whose ``tf_dataset`` feeds ``fit``: a resumed run's data
+            then continues the global order at the restored epoch (without it, epoch N of a
+            resumed run reads epoch 0's order). Keras checkpoints are taken at epoch ends.
     """
 
     def __init__(self, *, epochs: int, batch_size: Optional[int] = None,
@@ -159,7 +162,7 @@ class KerasDistributed:
                  checkpoint: Union[bool, str] = True, resume: Union[None, bool, str] = None,
                  average_metrics: bool = True, progress: bool = True, tensorboard: bool = False,
                  storage_options: Optional[dict] = None, backend: Optional[str] = None,
-                 hvd: Any = None) -> None:
+                 hvd: Any = None, data: Any = None) -> None:
         backend = backend or os.environ.get(protocol.BACKEND_ENV) or "horovod"
         if backend not in ("horovod", "tf"):
             raise ValueError(f"backend must be 'horovod' or 'tf'; got {backend!r}")
@@ -185,6 +188,7 @@ class KerasDistributed:
                     "install tensorboard (on the driver and the executors), or tensorboard=False.")
         self.tensorboard = tensorboard
         self.storage_options = storage_options
+        self.data = data
         files = run_files()
         self.checkpoint_store: Optional[checkpoints.CheckpointStore]
         if checkpoint is True:
@@ -243,6 +247,8 @@ class KerasDistributed:
         if self.resume_store is not None:
             epoch, state = self.flavour.share((epoch, state))
         self.initial_epoch, self.state = int(epoch), dict(state)
+        if self.data is not None and self.initial_epoch:
+            self.data.load_state_dict({"epoch": self.initial_epoch, "samples": 0})
         return self.initial_epoch
 
     def _checkpoint_state(self) -> dict:

@@ -168,19 +168,26 @@ def digest(data: bytes) -> dict:
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def record_name(epoch: int) -> str:
-    """The record of epoch N's checkpoint: ``epoch-000N.json`` (its files, sizes, checksums)."""
-    return f"epoch-{epoch:04d}.json"
+def checkpoint_name(epoch: int, step: int = 0) -> str:
+    """A checkpoint's name: ``epoch-000N`` after N epochs, ``epoch-000N-step-000000K`` after
+    step K of the epoch that follows them (a mid-epoch checkpoint). Names sort as progress."""
+    return f"epoch-{epoch:04d}" + (f"-step-{step:07d}" if step else "")
+
+
+def record_name(epoch: int, step: int = 0) -> str:
+    """The record of a checkpoint (its files, sizes, checksums): its name + ``.json``."""
+    return checkpoint_name(epoch, step) + ".json"
 
 
 def write_checkpoint(store: CheckpointStore, epoch: int, files: Mapping[str, bytes],
-                     info: dict) -> dict:
+                     info: dict, step: int = 0) -> dict:
     """Write a checkpoint: its files, then its record (each file's size and checksum), then
     ``latest.json`` -- so a record never names a file that is not complete."""
     try:
         for name, data in files.items():
             store.write(name, data)
-        return commit_checkpoint(store, epoch, {n: digest(d) for n, d in files.items()}, info)
+        return commit_checkpoint(store, epoch, {n: digest(d) for n, d in files.items()}, info,
+                                 step)
     except OSError as exc:
         raise not_written(store, epoch, exc) from exc
 
@@ -203,35 +210,36 @@ def not_written(store: CheckpointStore, epoch: int, exc: OSError) -> OSError:
 
 
 def commit_checkpoint(store: CheckpointStore, epoch: int, files: Mapping[str, dict],
-                      info: dict) -> dict:
+                      info: dict, step: int = 0) -> dict:
     """Write the record of a checkpoint whose ``files`` (name -> :func:`digest`) are in, then
-    ``latest.json``."""
-    record = {**info, "epoch": epoch, "files": dict(files)}
+    ``latest.json``. ``step``: steps of epoch ``epoch`` done (0: an epoch-end checkpoint)."""
+    record = {**info, "epoch": epoch, "step": step, "files": dict(files)}
     data = json.dumps(record).encode()
-    store.write(record_name(epoch), data)
+    store.write(record_name(epoch, step), data)
     store.write(LATEST, data)
     store.committed = record  # what a later failed write names as the last good one
     return record
 
 
 def _candidates(store: CheckpointStore, problems: list[str]) -> list[dict]:
-    """Every checkpoint record the folder has, newest first: ``latest.json`` and each
-    ``epoch-000N.json`` (a corrupt ``latest.json`` is a problem, not the end)."""
-    records: dict[int, dict] = {}
+    """Every checkpoint record the folder has, newest first (by epoch, then step):
+    ``latest.json`` and each ``epoch-000N[-step-K].json`` (a corrupt ``latest.json`` is a
+    problem, not the end)."""
+    records: dict[tuple[int, int], dict] = {}
     names = store.list()
     for name in [LATEST, *sorted((n for n in names if _RECORD.match(n)), reverse=True)]:
         if name == LATEST and names and LATEST not in names:
             continue
         try:
             record = json.loads(store.read(name))
-            epoch = int(record["epoch"])
+            progress = (int(record["epoch"]), int(record.get("step") or 0))
         except FileNotFoundError:
             continue
         except Exception as exc:  # noqa: BLE001 - any unreadable record is one problem
             problems.append(f"{store.describe(name)}: unreadable ({_why(exc)})")
             continue
-        records.setdefault(epoch, record)
-    return [records[e] for e in sorted(records, reverse=True)]
+        records.setdefault(progress, record)
+    return [records[p] for p in sorted(records, reverse=True)]
 
 
 def _files_of(record: dict) -> dict[str, Optional[dict]]:
@@ -303,11 +311,11 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:200]}"
 
 
-_RECORD = re.compile(r"^epoch-\d{4,}\.json$")
+_RECORD = re.compile(r"^epoch-\d{4,}(-step-\d+)?\.json$")
 
 
 def announce_resume(store: CheckpointStore, file: Optional[str] = None, epoch: int = 0,
-                    problems: Sequence[str] = ()) -> None:
+                    problems: Sequence[str] = (), step: int = 0) -> None:
     """Rank 0 says what it resumed from (``file`` None: nothing found), on its console line
     and to the driver (``run.json``'s ``resume``), for every framework's helpers."""
     from sparkhvd.common import protocol
@@ -321,8 +329,9 @@ def announce_resume(store: CheckpointStore, file: Optional[str] = None, epoch: i
     where = store.describe(file)
     for problem in problems:
         print(f"resume: WARNING: {problem}", flush=True)
-    print(f"resume: restored {where}; continuing at epoch {epoch + 1}", flush=True)
-    emit(protocol.Resumed(rank=0, source=where, epoch=epoch, skipped=list(problems)))
+    at = f"epoch {epoch + 1}" + (f", after its step {step}" if step else "")
+    print(f"resume: restored {where}; continuing at {at}", flush=True)
+    emit(protocol.Resumed(rank=0, source=where, epoch=epoch, skipped=list(problems), step=step))
 
 
 def resume_store(resume: object, own: Optional[CheckpointStore],

@@ -158,6 +158,8 @@ class RunRecord(Mapping[str, Any]):
         if resumed is not None and resumed.source:
             restored = {"requested": requested, "restored": resumed.source,
                         "epoch": resumed.epoch}
+            if resumed.step:
+                restored["step"] = resumed.step
             if resumed.skipped:
                 restored["skipped"] = list(resumed.skipped)
             return {"resume": restored, "resumed_from": requested}

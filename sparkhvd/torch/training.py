@@ -37,6 +37,7 @@ from sparkhvd.runfolder.checkpoint_store import (
     RunFolderStore,
     UrlStore,
     announce_resume,
+    checkpoint_name,
     commit_checkpoint,
     digest,
     not_written,
@@ -168,13 +169,34 @@ class _CheckpointsBase:
     are saved and where they resume from."""
 
     def __init__(self, model: Any, optimizer: Any = None, *, url: Optional[str] = None,
-                 storage_options: Optional[dict] = None, resume: Any = None) -> None:
+                 storage_options: Optional[dict] = None, resume: Any = None,
+                 data: Any = None) -> None:
         self.model, self.optimizer = model, optimizer
+        self.data = data
         self.rank = current_rank().rank
         self.store: Optional[CheckpointStore] = _store(url, storage_options)
         self.resume_from = resume_store(resume, self.store, storage_options)
-        #: What :meth:`restore` loaded: ``extra`` state you saved, and the epoch.
+        #: What :meth:`restore` loaded: ``extra`` state you saved, the epoch and the step.
         self.restored: dict = {}
+
+    def _data_state(self, epoch: int, step: Optional[int]) -> Optional[dict]:
+        """The data's position to save with the model: where it is after ``step`` of
+        ``epoch``, or at the start of the next epoch for an epoch-end checkpoint."""
+        if self.data is None:
+            return None
+        state = self.data.state_dict()
+        if state is not None and step is None and "samples" in state:
+            state = {**state, "epoch": epoch + 1, "samples": 0, "step": 0}
+        return state
+
+    def _restore_data(self, state: Optional[dict]) -> None:
+        if self.data is not None and state:
+            self.data.load_state_dict(state)
+
+    def _announce(self, file: str, epoch: int, step: int, skipped: list) -> None:
+        self.restored = {**self.restored, "epoch": epoch, "step": step}
+        if self.rank == 0 and self.resume_from is not None:
+            announce_resume(self.resume_from, file, epoch, skipped, step)
 
 
 class Checkpoints(_CheckpointsBase):
@@ -191,34 +213,45 @@ class Checkpoints(_CheckpointsBase):
             ``storage_options``).
         resume: ``None`` (default) resumes when ``HorovodRunner(resume_from=...)`` asked;
             ``False`` never; a URL resumes from that folder.
+        data: the ``DatasetShard`` the loop reads (the ``DataFrameDataset`` argument): its
+            position in the global order is saved with the model and restored, so a resumed
+            run -- with any number of ranks -- continues the epoch where it stopped.
+
+    ``save(epoch)`` after an epoch, ``save(epoch, step=k)`` after step ``k`` of it (a mid-epoch
+    checkpoint: ``epoch-000N-step-000000K.pt``).
     """
 
     def __init__(self, model: Any, optimizer: Any = None, *, url: Optional[str] = None,
-                 storage_options: Optional[dict] = None, resume: Any = None) -> None:
+                 storage_options: Optional[dict] = None, resume: Any = None,
+                 data: Any = None) -> None:
         super().__init__(model, optimizer, url=url, storage_options=storage_options,
-                         resume=resume)
+                         resume=resume, data=data)
         if self.rank != 0:
             self.store = DISCARD  # one writer; every rank reads
 
-    def save(self, epoch: int, **extra: Any) -> Optional[str]:
-        """After epoch ``epoch`` (0-based): rank 0 writes the checkpoint; other ranks return."""
+    def save(self, epoch: int, step: Optional[int] = None, **extra: Any) -> Optional[str]:
+        """After epoch ``epoch`` (0-based), or after its step ``step`` (1-based: steps done):
+        rank 0 writes the checkpoint; other ranks return."""
         import torch
 
         if self.rank != 0 or self.store is None:
             return None
-        done = epoch + 1
+        done = epoch + 1 if not step else epoch
         buffer = io.BytesIO()
         torch.save({"model": unwrap(self.model).state_dict(),
                     "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-                    "epoch": done, "extra": extra}, buffer)
-        name = f"epoch-{done:04d}.pt"
-        write_checkpoint(self.store, done, {name: buffer.getvalue()}, {"file": name})
+                    "epoch": done, "step": step or 0, "extra": extra,
+                    "data": self._data_state(epoch, step)}, buffer)
+        name = f"{checkpoint_name(done, step or 0)}.pt"
+        write_checkpoint(self.store, done, {name: buffer.getvalue()}, {"file": name}, step or 0)
         return name
 
     def restore(self) -> int:
         """Load the newest usable checkpoint, if resuming; the epoch to start from (0
-        otherwise). A truncated, missing or unreadable newest checkpoint is skipped with a
-        warning (the next older one is used); none usable is a ``CheckpointError``."""
+        otherwise) -- the epoch a mid-epoch checkpoint was in, which the data (``data=``)
+        continues after its step. A truncated, missing or unreadable newest checkpoint is
+        skipped with a warning (the next older one is used); none usable is a
+        ``CheckpointError``."""
         import torch
 
         if self.resume_from is None:
@@ -236,9 +269,10 @@ class Checkpoints(_CheckpointsBase):
         record, state, skipped = _newest(self.resume_from, load, self.rank)
         if record is None or state is None:
             return 0
-        self.restored = {"epoch": int(state["epoch"]), **(state.get("extra") or {})}
-        if self.rank == 0:
-            announce_resume(self.resume_from, record["file"], int(state["epoch"]), skipped)
+        self.restored = dict(state.get("extra") or {})
+        self._restore_data(state.get("data"))
+        self._announce(record["file"], int(state["epoch"]), int(state.get("step") or 0),
+                       skipped)
         return int(state["epoch"])
 
 
@@ -261,6 +295,7 @@ class ShardedCheckpoints(_CheckpointsBase):
         url: a folder URL instead of the run folder.
         resume: as for :class:`Checkpoints` (``None``: when ``HorovodRunner(resume_from=...)``
             asked).
+        data: as for :class:`Checkpoints`: the data's position goes into the record.
 
     Call :meth:`save` and :meth:`restore` on every rank (they are collectives).
     """
@@ -275,8 +310,9 @@ class ShardedCheckpoints(_CheckpointsBase):
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optimizer": optim_state}
 
-    def save(self, epoch: int, **extra: Any) -> Optional[str]:
-        """After epoch ``epoch`` (0-based), on every rank: the checkpoint's folder name."""
+    def save(self, epoch: int, step: Optional[int] = None, **extra: Any) -> Optional[str]:
+        """After epoch ``epoch`` (0-based), or after its step ``step``, on every rank: the
+        checkpoint's folder name."""
         import shutil
         import tempfile
 
@@ -285,8 +321,8 @@ class ShardedCheckpoints(_CheckpointsBase):
 
         if self.store is None:
             return None
-        done = epoch + 1
-        name = f"epoch-{done:04d}"
+        done = epoch + 1 if not step else epoch
+        name = checkpoint_name(done, step or 0)
         local = tempfile.mkdtemp(prefix="sparkhvd-dcp-")
         try:
             dcp.save(self._state(), storage_writer=dcp.FileSystemWriter(local))
@@ -309,7 +345,8 @@ class ShardedCheckpoints(_CheckpointsBase):
         if self.rank == 0:
             shards = {k: v for part in everyone for k, v in sorted(part.items())}
             commit_checkpoint(self.store, done, shards,
-                              {"file": name, "sharded": True, "extra": extra})
+                              {"file": name, "sharded": True, "extra": extra,
+                               "data": self._data_state(epoch, step)}, step or 0)
         if dist.is_initialized():
             dist.barrier()
         return name
@@ -351,9 +388,9 @@ class ShardedCheckpoints(_CheckpointsBase):
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])
         epoch = int(record["epoch"])
-        self.restored = {"epoch": epoch, **(record.get("extra") or {})}
-        if self.rank == 0:
-            announce_resume(self.resume_from, record["file"], epoch, skipped)
+        self.restored = dict(record.get("extra") or {})
+        self._restore_data(record.get("data"))
+        self._announce(record["file"], epoch, int(record.get("step") or 0), skipped)
         return epoch
 
 

@@ -115,8 +115,9 @@ def _seen(ds, batch, epochs, shuffle_buffer=None):
 @pytest.mark.parametrize("streaming", [False, True])
 def test_each_row_once_per_epoch_equal_steps_and_shuffled(spark, tmp_path, monkeypatch,
                                                           streaming, backend):
-    """The sharding policy, in memory and streamed (a tiny memory budget and tiny row groups
-    force several row-group pieces per shard and several shuffle windows)."""
+    """The order policy on real ranks, in memory and streamed (a tiny memory budget and tiny
+    row groups force many blocks and several shuffle windows): each epoch one global order,
+    the ranks' batches taken in turn (tests/unit/test_data_order.py checks it for 1-3 ranks)."""
     from sparkhvd.data import materialize
 
     n, batch, size = 1003, 16, 2
@@ -128,24 +129,31 @@ def test_each_row_once_per_epoch_equal_steps_and_shuffled(spark, tmp_path, monke
     per_rank = HorovodRunner(np=size, spark=spark, output_dir=str(tmp_path),
                              backend=backend).run_all(
         _seen, ds=ds, batch=batch, epochs=2, shuffle_buffer=100 if streaming else None)
+    import pyarrow.parquet as pq
+
+    stored = [int(i) for f in ds.files for i in pq.read_table(f).column(0).to_pylist()]
     ds.close()
     assert {streams for _, _, streams, _ in per_rank} == {streaming}
-    assert {steps for _, steps, _, _ in per_rank} == {(n // size) // batch}, "equal steps"
+    assert {steps for _, steps, _, _ in per_rank} == {n // (size * batch)}, "equal steps"
     for epoch in range(2):
         rows = [r[0][epoch] for r in per_rank]
         union = set().union(*map(set, rows))
         assert sum(len(r) for r in rows) == len(union), "no row twice within an epoch"
         assert n - len(union) < size * batch, "fewer than size*batch rows left out"
         assert union <= set(range(n))
-    for (first, second), _, _, plain in per_rank:
-        assert first != second, "a different order every epoch"
-        assert first != plain, "shuffled, not in file order"
-        for rows in (first, second):  # the rank's own range, less than a batch left out
-            assert len(set(rows) - set(plain)) < batch and len(set(plain) - set(rows)) < batch
+    def in_turn(lists):  # the ranks' batches, step by step and rank by rank
+        return [i for step in zip(*(np.array_split(ids, len(ids) // batch) for ids in lists))
+                for b in step for i in b.tolist()]
+
+    plain = in_turn([r[3] for r in per_rank])
+    assert plain == stored[:len(plain)], "unshuffled: the files' order, batches in turn"
+    first, second = (in_turn([r[0][e] for r in per_rank]) for e in range(2))
+    assert first != second, "a different order every epoch"
+    assert first != plain, "shuffled, not in file order"
 
 
 def test_streamed_epoch_without_drops_sees_every_row_once(spark, monkeypatch):
-    """When the range divides into batches, a streamed shuffled epoch is a permutation."""
+    """When the rows divide into batches, a streamed shuffled epoch is a permutation."""
     from sparkhvd.data import materialize
 
     monkeypatch.setattr(materialize, "ROW_GROUP_BYTES", 8 * 24)
@@ -153,16 +161,17 @@ def test_streamed_epoch_without_drops_sees_every_row_once(spark, monkeypatch):
     from sparkhvd.data.shard import DatasetShard
 
     with DataFrameDataset(df, "id", "label", memory_cache=0).materialize() as dataset:
-        ds = DatasetShard(dataset.source)  # what a rank gets, read here
-        assert len(ds.source.row_groups[0]) > 1, "several row groups per file"
-        epochs = [[int(i) for x, _ in ds.batches(32, e, shuffle=True, seed=1, rank=1, size=2,
-                                                  shuffle_buffer=64) for i in x]
+        assert len(dataset.source.row_groups[0]) > 1, "several row groups per file"
+        epochs = [[int(i) for rank in (0, 1) for x, _ in DatasetShard(dataset.source).batches(
+            32, e, shuffle=True, seed=1, rank=rank, size=2, shuffle_buffer=64) for i in x]
                   for e in range(3)]
         for rows in epochs:
-            assert sorted(rows) == list(range(480, 960))
+            assert sorted(rows) == list(range(960))
         assert epochs[0] != epochs[1] != epochs[2]
-        plain = [int(i) for x, _ in ds.batches(32, 0, rank=1, size=2) for i in x]
-        assert plain == list(range(480, 960)), "unshuffled: the files' order"
+        plain = [int(i) for x, _ in DatasetShard(dataset.source).batches(32, 0, rank=1, size=2)
+                 for i in x]
+        assert plain == [i for s in range(15) for i in range(64 * s + 32, 64 * s + 64)], \
+            "unshuffled: the files' order, rank 1 takes every second batch"
 
 
 def test_datasets_travel_inside_containers_but_not_in_closures(spark, tmp_path, backend):
@@ -386,22 +395,23 @@ def test_remote_cache_on_azurite(spark, azurite, tmp_path, backend):
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_windows_span_pieces_of_any_size(shuffle):
-    """Batches gathered across pieces (no window copy) hold whole rows, each once."""
-    from sparkhvd.data.reader import Piece, epoch_batches
+    """Batches gathered across blocks and windows of any size hold whole rows, each once."""
+    from sparkhvd.data.reader import Piece, plan_epoch, rank_batches
 
     sizes = [5, 1, 13, 7, 2, 40, 3]
-    pieces, offset = [], 0
+    blocks, offset = [], 0
     for g, n in enumerate(sizes):
-        pieces.append(Piece(0, g, offset, offset + n))
+        blocks.append(Piece(0, g, offset, offset + n))
         offset += n
     rows = np.arange(offset)
 
-    def read(piece):
-        ids = rows[piece.lo:piece.hi]
+    def read(k):
+        ids = rows[blocks[k].lo:blocks[k].hi]
         return {"x": np.stack([ids, -ids], axis=1), "y": ids}
 
-    rng = np.random.default_rng(7) if shuffle else None
-    batches = list(epoch_batches(read, pieces, 4, offset // 4, rng=rng, shuffle_buffer=9))
+    windows = plan_epoch(blocks, 9, shuffle=shuffle, seed=7, epoch=0)
+    batches = list(rank_batches(read, windows, batch_size=4, size=1, rank=0, start=0,
+                                steps=offset // 4, shuffle=shuffle, seed=7, epoch=0))
     assert len(batches) == offset // 4 and all(len(b["y"]) == 4 for b in batches)
     seen = np.concatenate([b["y"] for b in batches])
     for b in batches:
@@ -410,7 +420,7 @@ def test_windows_span_pieces_of_any_size(shuffle):
     if shuffle:
         assert seen.tolist() != sorted(seen.tolist())
     else:
-        assert seen.tolist() == list(range(len(seen))), "in order: the pieces' rows as they are"
+        assert seen.tolist() == list(range(len(seen))), "in order: the blocks' rows as they are"
 
 
 def _ids(ds):

@@ -125,6 +125,35 @@ def test_dataframe_dataset_on_tf(spark, data, tmp_path):
     assert r0["accuracy"] >= 0.9
 
 
+def _fit_ids(train, epochs):
+    import tensorflow as tf
+
+    from sparkhvd.keras import KerasDistributed
+
+    kd = KerasDistributed(epochs=epochs, batch_size=16, data=train)
+    with kd.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Input((1,)), tf.keras.layers.Dense(1)])
+        model.compile(optimizer=kd.optimizer(tf.keras.optimizers.SGD(0.001)), loss="mse")
+    with train.tf_dataset(16, shuffle=True, seed=2) as ds:
+        kwargs = kd.fit_kwargs(model)
+        model.fit(ds, steps_per_epoch=train.steps_per_epoch(16), **kwargs)
+    return {"initial_epoch": kwargs["initial_epoch"], "position": train.state_dict()}
+
+
+def test_a_keras_resume_continues_the_data_order(spark, tmp_path):
+    """KerasDistributed(data=...) restores the epoch into the dataset: the resumed run reads
+    epoch 2's order (not epoch 0's again) and ends where an uninterrupted run ends."""
+    df = spark.range(256).selectExpr("CAST(id AS FLOAT) AS x", "CAST(id AS FLOAT) AS y")
+    with DataFrameDataset(df, "x", "y") as train:
+        HorovodRunner(np=2, spark=spark, backend="tf", output_dir=str(tmp_path)).run(
+            _fit_ids, train=train, epochs=2)
+        resumed = HorovodRunner(np=2, spark=spark, backend="tf", output_dir=str(tmp_path),
+                                resume_from=True).run(_fit_ids, train=train, epochs=3)
+    assert resumed["initial_epoch"] == 2
+    assert resumed["position"]["epoch"] == 2, "the resumed epoch is epoch 2 of the order"
+    assert resumed["position"]["samples"] >= 256 // 32 * 32
+
+
 def test_the_demo_job_on_a_standalone_cluster(standalone, tmp_path):
     sparkhvd_cli = os.path.join(os.path.dirname(sys.executable), "sparkhvd")
     job = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "train_digits.py")

@@ -154,6 +154,92 @@ def test_helpers_checkpoints_exact_resume_model_and_scoring(spark, linear, tmp_p
     np.testing.assert_allclose([r["prediction"] for r in got], expected, rtol=1e-5, atol=1e-5)
 
 
+def fit_ids(data, epochs, log_dir, every=5, kill_at=None):
+    """Trains on the ids' rows, saving a mid-epoch checkpoint (with the data's position) every
+    ``every`` steps; logs each step's ids after training on them; ``kill_at=(epoch, step)``:
+    rank 1 is SIGKILLed right after that step's checkpoint."""
+    import os
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    import sparkhvd.torch as st
+
+    ctx = st.setup()
+    torch.manual_seed(0)
+    model = ctx.wrap(torch.nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    ckpt = st.Checkpoints(model, opt, data=data)
+    log = open(os.path.join(log_dir, f"rank-{ctx.rank}-of-{ctx.world_size}.txt"), "a")
+    for epoch in range(ckpt.restore(), epochs):
+        for step, (x, y, ids) in enumerate(
+                (x["x"], y, x["id"]) for x, y in data.torch_batches(8, epoch, shuffle=True,
+                                                                     seed=4)):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x).squeeze(1), y).backward()
+            opt.step()
+            log.write(f"{epoch} {' '.join(str(int(i)) for i in ids)}\n")
+            log.flush()
+            done = data.position.step
+            if done % every == 0:
+                ckpt.save(epoch, step=done)
+                if kill_at == (epoch, done):
+                    dist.barrier()  # rank 0's checkpoint is in
+                    if ctx.rank == 1:
+                        os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.save(epoch)
+    return [p.detach().flatten().tolist() for p in st.unwrap(model).parameters()]
+
+
+def _trained(log_dir, epoch):
+    ids = []
+    for name in os.listdir(log_dir):
+        for line in open(os.path.join(log_dir, name)):
+            e, *rest = line.split()
+            if int(e) == epoch:
+                ids += [int(i) for i in rest]
+    return ids
+
+
+def test_a_killed_run_resumes_mid_epoch_with_another_number_of_ranks(spark, tmp_path):
+    """np=2 killed after step 10 of epoch 1 (checkpoint there, with the data's position);
+    resumed with np=2 it ends with the uninterrupted run's weights; resumed with 1 or 3 ranks
+    every id of epoch 1 is trained exactly once across both runs."""
+    n = 203
+    df = spark.range(n).selectExpr(
+        "id", "array(CAST(id % 7 AS FLOAT), CAST(id % 5 AS FLOAT), 1.0F) AS x",
+        "CAST(id % 7 + 2 * (id % 5) AS FLOAT) AS y")
+    with DataFrameDataset(df, ["x", "id"], "y") as ds:
+        logs = {k: tmp_path / k for k in ("straight", "killed", "np2", "np1", "np3")}
+        for folder in logs.values():
+            folder.mkdir()
+        straight = HorovodRunner(np=2, spark=spark, backend="torch",
+                                 output_dir=str(tmp_path / "a")).run(
+            fit_ids, data=ds, epochs=2, log_dir=str(logs["straight"]))
+        killed = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path / "b"))
+        with pytest.raises(TrainingError):
+            killed.run(fit_ids, data=ds, epochs=2, log_dir=str(logs["killed"]), kill_at=(1, 10))
+        assert os.path.exists(killed.last_run_dir.file("checkpoints/epoch-0001-step-0000010.pt"))
+        same = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path / "b"),
+                             resume_from=True)
+        weights = same.run(fit_ids, data=ds, epochs=2, log_dir=str(logs["np2"]))
+        assert same.last_run_dir.record["resume"]["step"] == 10
+        np.testing.assert_array_equal(np.concatenate(weights), np.concatenate(straight))
+        for size in (1, 3):
+            HorovodRunner(np=-size, backend="torch", output_dir=str(tmp_path / f"c{size}"),
+                          resume_from=killed.last_run_dir.path).run(
+                fit_ids, data=ds, epochs=2, log_dir=str(logs[f"np{size}"]))
+    before = _trained(logs["killed"], 1)
+    assert len(before) == 10 * 2 * 8
+    for size in (1, 2, 3):
+        after = _trained(logs[f"np{size}"], 1)
+        both = before + after
+        assert len(set(both)) == len(both), f"np={size}: an id of epoch 1 trained twice"
+        assert set(both) <= set(range(n)) and n - len(both) < size * 8, f"np={size}"
+        assert len(_trained(logs[f"np{size}"], 0)) == 0, "epoch 0 is not trained again"
+
+
 def test_a_state_dict_result_is_the_runs_model(tmp_path):
     def returns_state(steps=1):
         import torch
