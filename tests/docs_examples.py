@@ -37,6 +37,7 @@ EXAMPLES = {
     "keras_resume.py": Example(("horovod",), prints="epoch,"),
     "dataframe_keras.py": Example(("horovod",), prints="accuracy on the executors "),
     "pytorch_helpers.py": Example(("torch",), prints="accuracy "),
+    "dataframe_resume.py": Example(("torch",), prints="'step': 20"),
     "migrate_torchdistributor.py": Example(("torch",)),
     "migrate_horovod_spark.py": Example(("horovod",)),
     "migrate_mirrored_strategy_runner.py": Example(("tf",), prints="accuracy "),

@@ -169,7 +169,7 @@ class DatasetShard:
         own = reader is None
         reader = reader or self._reader()
         try:
-            parts = [reader.read(block) for block in self._blocks]
+            parts = reader.read_many(self._blocks)
         finally:
             if own:
                 reader.close()
@@ -189,7 +189,7 @@ class DatasetShard:
         if not self.streams():
             data = self.load_all(reader)
             in_memory = lambda w: _InMemory(data, self._blocks, w)  # noqa: E731
-        return rank_batches(lambda k: reader.read(self._blocks[k]), windows,
+        return rank_batches(lambda ks: reader.read_many([self._blocks[k] for k in ks]), windows,
                             batch_size=batch_size, size=size, rank=rank, start=start,
                             steps=steps, shuffle=shuffle, seed=seed, epoch=epoch,
                             in_memory=in_memory)

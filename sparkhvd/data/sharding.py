@@ -42,8 +42,9 @@ __side__ = "common"
 #: A dataset up to this size (bytes in memory) is read once by each rank and kept: later
 #: epochs are full permutations from memory. Larger datasets are streamed every epoch.
 MEMORY_CACHE_BYTES = 512 << 20
-#: Default shuffle window when streaming: about this many bytes of rows.
-SHUFFLE_WINDOW_BYTES = 64 << 20
+#: Default shuffle window when streaming: about this many bytes of rows -- 32 row groups of
+#: :data:`~sparkhvd.data.materialize.ROW_GROUP_BYTES`, enough blocks for sorted data to mix.
+SHUFFLE_WINDOW_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
