@@ -173,9 +173,8 @@ def fit_ids(data, epochs, log_dir, every=5, kill_at=None):
     ckpt = st.Checkpoints(model, opt, data=data)
     log = open(os.path.join(log_dir, f"rank-{ctx.rank}-of-{ctx.world_size}.txt"), "a")
     for epoch in range(ckpt.restore(), epochs):
-        for step, (x, y, ids) in enumerate(
-                (x["x"], y, x["id"]) for x, y in data.torch_batches(8, epoch, shuffle=True,
-                                                                     seed=4)):
+        for features, y in data.torch_batches(8, epoch, shuffle=True, seed=4):
+            x, ids = features["x"], features["id"]
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x).squeeze(1), y).backward()
             opt.step()
