@@ -509,6 +509,15 @@ def case_b2t(repeat: int, tiny: bool) -> list[dict]:
             for _ in DatasetShard(ds.source).torch_batches(batch):  # a fresh rank's shard
                 pass
 
+        def shuffled():
+            for _ in DatasetShard(ds.source).torch_batches(batch, shuffle=True, seed=1):
+                pass
+
+        def alone():  # rank 0 of 1, scaled to rows per half below
+            shard = DatasetShard(ds.source)
+            for _ in shard.batches(batch, rank=0, size=1):
+                pass
+
         def loader():
             data = DatasetShard(ds.source).torch_dataset(batch)
             for _ in torch.utils.data.DataLoader(data, batch_size=None):
@@ -522,11 +531,16 @@ def case_b2t(repeat: int, tiny: bool) -> list[dict]:
 
         timings = _interleaved([
             ("pyarrow in-process (ceiling)", _pyarrow_ceiling(files, half, width)),
+            ("pyarrow in-process, every row (what a rank of 2 decodes in the global order)",
+             _pyarrow_ceiling(files, rows_n, width)),
             ("sparkhvd DatasetShard.torch_batches", batches),
+            ("sparkhvd DatasetShard.torch_batches shuffled (global order)", shuffled),
+            ("sparkhvd DatasetShard.batches, rank 0 of 1 (every row)", alone),
             ("sparkhvd torch_dataset through a DataLoader", loader),
             ("petastorm make_torch_dataloader (defaults)", petastorm_defaults)], repeat)
         rows = [{"case": "B2T", "variant": variant, "unit": "rows/s per rank",
-                 **_stats([half / v for v in runs]), "rows": rows_n}
+                 **_stats([(rows_n if "every row" in variant else half) / v for v in runs]),
+                 "rows": rows_n}
                 for variant, runs in timings.items()]
     finally:
         for key in ("HOROVOD_RANK", "HOROVOD_SIZE"):

@@ -4,6 +4,8 @@ rank of 1, 2 or 3. No Spark: the materialised files are written here with pyarro
 executors write them (one file per partition, fixed-size row groups)."""
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -173,3 +175,29 @@ def test_sorted_data_trains_like_shuffled_data(tmp_path, mode):
     assert random_acc > 0.9
     assert abs(sorted_acc - random_acc) <= 0.02, results
     assert abs(sorted_labels - random_labels) <= 0.1 * random_labels, results
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_reader_gives_the_same_order(tmp_path, mode):
+    """torch_batches, torch_dataset and tf_dataset are batches() converted: the same rows, in
+    the same order (each checked where its framework is installed)."""
+    source = _ids(tmp_path, **MODES[mode])
+    kw = {"shuffle": True, "seed": 9}
+    want = [[int(i) for i in x] for x, _ in DatasetShard(source).batches(16, 1, **kw)]
+    found = {}
+    if importlib.util.find_spec("torch"):
+        import torch
+
+        found["torch_batches"] = [x.tolist() for x, _ in
+                                  DatasetShard(source).torch_batches(16, 1, **kw)]
+        data = DatasetShard(source).torch_dataset(16, **kw)
+        data.set_epoch(1)
+        found["torch_dataset"] = [x.tolist() for x, _ in
+                                  torch.utils.data.DataLoader(data, batch_size=None)]
+    if importlib.util.find_spec("tensorflow"):
+        shard = DatasetShard(source)
+        shard.load_state_dict({"epoch": 1, "samples": 0})  # start at epoch 1, as a resume does
+        with shard.tf_dataset(16, epochs=2, **kw) as ds:
+            found["tf_dataset"] = [[int(i) for i in x.numpy()] for x, _ in ds]
+    for reader, batches in found.items():
+        assert batches == want, reader
