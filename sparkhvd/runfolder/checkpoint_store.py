@@ -221,6 +221,31 @@ def commit_checkpoint(store: CheckpointStore, epoch: int, files: Mapping[str, di
     return record
 
 
+def prune(store: CheckpointStore, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` checkpoints (by epoch, then step) from ``store``: each
+    record's files, then the record. The newest is never deleted, and a checkpoint whose record
+    cannot be read is left as it is. Returns the records deleted."""
+    records = sorted(((progress, name) for name in store.list()
+                      if (progress := _progress_of(name)) is not None), reverse=True)
+    deleted = []
+    for _, name in records[max(1, keep):]:
+        try:
+            record = json.loads(store.read(name))
+        except Exception:  # noqa: BLE001 - an unreadable record is left for a person to see
+            continue
+        for file in _files_of(record):
+            store.delete(file)
+        store.delete(name)
+        deleted.append(name)
+    return deleted
+
+
+def _progress_of(name: str) -> Optional[tuple[int, int]]:
+    """``(epoch, step)`` of a record's name, None for other files."""
+    match = _RECORD.match(name)
+    return (int(match.group(1)), int(match.group(2) or 0)) if match else None
+
+
 def _candidates(store: CheckpointStore, problems: list[str]) -> list[dict]:
     """Every checkpoint record the folder has, newest first (by epoch, then step):
     ``latest.json`` and each ``epoch-000N[-step-K].json`` (a corrupt ``latest.json`` is a
@@ -311,7 +336,7 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:200]}"
 
 
-_RECORD = re.compile(r"^epoch-\d{4,}(-step-\d+)?\.json$")
+_RECORD = re.compile(r"^epoch-(\d{4,})(?:-step-(\d+))?\.json$")
 
 
 def announce_resume(store: CheckpointStore, file: Optional[str] = None, epoch: int = 0,

@@ -41,6 +41,7 @@ from sparkhvd.runfolder.checkpoint_store import (
     commit_checkpoint,
     digest,
     not_written,
+    prune,
     restore_newest,
     resume_store,
     write_checkpoint,
@@ -170,14 +171,57 @@ class _CheckpointsBase:
 
     def __init__(self, model: Any, optimizer: Any = None, *, url: Optional[str] = None,
                  storage_options: Optional[dict] = None, resume: Any = None,
-                 data: Any = None) -> None:
+                 data: Any = None, every_steps: Optional[int] = None,
+                 every_seconds: Optional[float] = None, keep: Optional[int] = None) -> None:
+        for name, value in (("every_steps", every_steps), ("keep", keep)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be a positive int or None; got {value!r}")
+        if every_seconds is not None and not every_seconds > 0:
+            raise ValueError(f"every_seconds must be a positive number or None; got "
+                             f"{every_seconds!r}")
         self.model, self.optimizer = model, optimizer
         self.data = data
+        self.every_steps, self.every_seconds, self.keep = every_steps, every_seconds, keep
         self.rank = current_rank().rank
         self.store: Optional[CheckpointStore] = _store(url, storage_options)
         self.resume_from = resume_store(resume, self.store, storage_options)
         #: What :meth:`restore` loaded: ``extra`` state you saved, the epoch and the step.
         self.restored: dict = {}
+        self._last_save = time.monotonic()
+        self._counted = (-1, 0)  # (epoch, steps) when there is no data to count them
+
+    def step(self, epoch: int, **extra: Any) -> Optional[str]:
+        """Call after each optimizer step (on every rank): writes a mid-epoch checkpoint when
+        one is due -- every ``every_steps`` steps of the epoch and/or ``every_seconds`` since the
+        last save -- and returns its name. The step number comes from ``data`` (its position)
+        or is counted here."""
+        done = self._steps_done(epoch)
+        due = bool(self.every_steps and done % self.every_steps == 0)
+        if not due and self.every_seconds:
+            due = self._agreed(time.monotonic() - self._last_save >= self.every_seconds)
+        return self.save(epoch, step=done, **extra) if due else None
+
+    def save(self, epoch: int, step: Optional[int] = None, **extra: Any) -> Optional[str]:
+        raise NotImplementedError  # each kind writes its own
+
+    def _steps_done(self, epoch: int) -> int:
+        position = getattr(self.data, "position", None)
+        if position is not None and position.epoch == epoch:
+            return int(position.step)
+        counted_epoch, steps = self._counted
+        self._counted = (epoch, steps + 1 if counted_epoch == epoch else 1)
+        return self._counted[1]
+
+    def _agreed(self, due: bool) -> bool:
+        """Whether every rank saves now: rank 0's clock decides where saving is a collective."""
+        return due
+
+    def _saved(self) -> None:
+        """After a save: the clock restarts; rank 0 prunes to the newest ``keep``."""
+        self._last_save = time.monotonic()
+        if self.keep and self.rank == 0 and self.store is not None:
+            prune(self.store, self.keep)
 
     def _data_state(self, epoch: int, step: Optional[int]) -> Optional[dict]:
         """The data's position to save with the model: where it is after ``step`` of
@@ -216,16 +260,25 @@ class Checkpoints(_CheckpointsBase):
         data: the ``DatasetShard`` the loop reads (the ``DataFrameDataset`` argument): its
             position in the global order is saved with the model and restored, so a resumed
             run -- with any number of ranks -- continues the epoch where it stopped.
+        every_steps: with :meth:`step` after each optimizer step, a mid-epoch checkpoint every
+            this many steps of an epoch.
+        every_seconds: ... and/or when this many seconds passed since the last save.
+        keep: keep only the newest this many checkpoints (rank 0 deletes older ones after each
+            save; the newest is never deleted). Through the run-folder service from a host
+            that cannot see the run folder, nothing is deleted.
 
     ``save(epoch)`` after an epoch, ``save(epoch, step=k)`` after step ``k`` of it (a mid-epoch
-    checkpoint: ``epoch-000N-step-000000K.pt``).
+    checkpoint: ``epoch-000N-step-000000K.pt``), or ``step(epoch)`` after every step and the
+    cadence above decides.
     """
 
     def __init__(self, model: Any, optimizer: Any = None, *, url: Optional[str] = None,
                  storage_options: Optional[dict] = None, resume: Any = None,
-                 data: Any = None) -> None:
+                 data: Any = None, every_steps: Optional[int] = None,
+                 every_seconds: Optional[float] = None, keep: Optional[int] = None) -> None:
         super().__init__(model, optimizer, url=url, storage_options=storage_options,
-                         resume=resume, data=data)
+                         resume=resume, data=data, every_steps=every_steps,
+                         every_seconds=every_seconds, keep=keep)
         if self.rank != 0:
             self.store = DISCARD  # one writer; every rank reads
 
@@ -235,6 +288,7 @@ class Checkpoints(_CheckpointsBase):
         import torch
 
         if self.rank != 0 or self.store is None:
+            self._last_save = time.monotonic()
             return None
         done = epoch + 1 if not step else epoch
         buffer = io.BytesIO()
@@ -244,6 +298,7 @@ class Checkpoints(_CheckpointsBase):
                     "data": self._data_state(epoch, step)}, buffer)
         name = f"{checkpoint_name(done, step or 0)}.pt"
         write_checkpoint(self.store, done, {name: buffer.getvalue()}, {"file": name}, step or 0)
+        self._saved()
         return name
 
     def restore(self) -> int:
@@ -296,9 +351,23 @@ class ShardedCheckpoints(_CheckpointsBase):
         resume: as for :class:`Checkpoints` (``None``: when ``HorovodRunner(resume_from=...)``
             asked).
         data: as for :class:`Checkpoints`: the data's position goes into the record.
+        every_steps, every_seconds, keep: as for :class:`Checkpoints` (with ``every_seconds``
+            rank 0's clock decides, one small broadcast per :meth:`step`).
 
     Call :meth:`save` and :meth:`restore` on every rank (they are collectives).
     """
+
+    def _agreed(self, due: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return due
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend() == "nccl" else torch.device("cpu")
+        flag = torch.tensor([int(due)], device=device)
+        dist.broadcast(flag, 0)  # one tiny collective per step, with every_seconds only
+        return bool(flag.item())
 
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -349,6 +418,7 @@ class ShardedCheckpoints(_CheckpointsBase):
                                "data": self._data_state(epoch, step)}, step or 0)
         if dist.is_initialized():
             dist.barrier()
+        self._saved()
         return name
 
     def restore(self) -> int:

@@ -239,6 +239,40 @@ def test_a_killed_run_resumes_mid_epoch_with_another_number_of_ranks(spark, tmp_
         assert len(_trained(logs[f"np{size}"], 0)) == 0, "epoch 0 is not trained again"
 
 
+def fit_with_cadence(data, epochs):
+    import torch
+
+    import sparkhvd.torch as st
+
+    ctx = st.setup()
+    model = ctx.wrap(torch.nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ckpt = st.Checkpoints(model, opt, data=data, every_steps=4, keep=3)
+    saved = []
+    for epoch in range(ckpt.restore(), epochs):
+        for features, y in data.torch_batches(8, epoch):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(features).squeeze(1), y).backward()
+            opt.step()
+            saved.append(ckpt.step(epoch))
+        saved.append(ckpt.save(epoch))
+    return [name for name in saved if name]
+
+
+def test_step_checkpoints_every_n_steps_keep_the_newest_k(spark, linear, tmp_path):
+    _, ds = linear  # 256 rows: 16 steps per epoch on 2 ranks of 8
+    runner = HorovodRunner(np=-2, spark=spark, backend="torch", output_dir=str(tmp_path))
+    saved = runner.run(fit_with_cadence, data=ds, epochs=2)
+    assert saved == ["epoch-0000-step-0000004.pt", "epoch-0000-step-0000008.pt",
+                     "epoch-0000-step-0000012.pt", "epoch-0000-step-0000016.pt", "epoch-0001.pt",
+                     "epoch-0001-step-0000004.pt", "epoch-0001-step-0000008.pt",
+                     "epoch-0001-step-0000012.pt", "epoch-0001-step-0000016.pt", "epoch-0002.pt"]
+    left = sorted(os.listdir(runner.last_run_dir.file("checkpoints")))
+    assert left == ["epoch-0001-step-0000012.json", "epoch-0001-step-0000012.pt",
+                    "epoch-0001-step-0000016.json", "epoch-0001-step-0000016.pt",
+                    "epoch-0002.json", "epoch-0002.pt", "latest.json"]
+
+
 def test_a_state_dict_result_is_the_runs_model(tmp_path):
     def returns_state(steps=1):
         import torch
