@@ -1204,13 +1204,15 @@ NOTES = """\
   the version before the in-place window gather, and 100k against 75k without tf.data, so the
   change is not a regression. tf.data's `from_generator` costs ~20 % here (each batch is
   copied into a tensor).
-- **B6 streaming.** Peak memory per rank is flat in the data size once the shard streams: the
-  shuffle window (~64 MB of rows), one 8 MB row group and the prefetched batches, on top of
-  TensorFlow's own ~0.6 GB. Rows/s cover the whole epoch as training meets it: the in-memory
+- **B6 streaming.** Peak memory per rank is flat in the data size once the data streams: the
+  shuffle window (~128 MB of rows since the global order; ~64 MB before), one 4 MB row group
+  and the batches being gathered, on top of TensorFlow's own ~0.6 GB. Rows/s cover the whole epoch as training meets it: the in-memory
   path reads its shard before the first batch, the streamed path while it goes (timing from
   the first batch on, as an earlier version did, left the in-memory read out and made the
   in-memory path look 3x faster than it is). A streamed window is gathered from its row
   groups in place: copying ~64 MB of rows into one array first cost as much as reading them.
+  Since the global order (issue 41) a rank reads every row group and keeps its share: at np=2
+  each rank decodes the whole dataset per epoch (B2T measures what that costs).
 - **B7 scoring.** `sparkhvd.predict` runs the model where the data is (Arrow batches, the model
   loaded once per executor Python worker); the reference collects the rows to the driver first.
   On local[2] both use the same two cores, so the gain here is not speed but that the data never

@@ -194,16 +194,22 @@ class _CheckpointsBase:
     def step(self, epoch: int, **extra: Any) -> Optional[str]:
         """Call after each optimizer step (on every rank): writes a mid-epoch checkpoint when
         one is due -- every ``every_steps`` steps of the epoch and/or ``every_seconds`` since the
-        last save -- and returns its name. The step number comes from ``data`` (its position)
-        or is counted here."""
+        last save -- and returns its name on every rank (None when none was due). The step
+        number comes from ``data`` (its position) or is counted here."""
         done = self._steps_done(epoch)
         due = bool(self.every_steps and done % self.every_steps == 0)
         if not due and self.every_seconds:
             due = self._agreed(time.monotonic() - self._last_save >= self.every_seconds)
-        return self.save(epoch, step=done, **extra) if due else None
+        if not due:
+            return None
+        return self.save(epoch, step=done, **extra) or self._name(epoch, done)
 
     def save(self, epoch: int, step: Optional[int] = None, **extra: Any) -> Optional[str]:
         raise NotImplementedError  # each kind writes its own
+
+    def _name(self, epoch: int, step: int) -> str:
+        """The name :meth:`save` gives a mid-epoch checkpoint of ``epoch`` after ``step``."""
+        return checkpoint_name(epoch, step)
 
     def _steps_done(self, epoch: int) -> int:
         position = getattr(self.data, "position", None)
@@ -282,6 +288,9 @@ class Checkpoints(_CheckpointsBase):
         if self.rank != 0:
             self.store = DISCARD  # one writer; every rank reads
 
+    def _name(self, epoch: int, step: int) -> str:
+        return f"{checkpoint_name(epoch, step)}.pt"
+
     def save(self, epoch: int, step: Optional[int] = None, **extra: Any) -> Optional[str]:
         """After epoch ``epoch`` (0-based), or after its step ``step`` (1-based: steps done):
         rank 0 writes the checkpoint; other ranks return."""
@@ -296,7 +305,7 @@ class Checkpoints(_CheckpointsBase):
                     "optimizer": self.optimizer.state_dict() if self.optimizer else None,
                     "epoch": done, "step": step or 0, "extra": extra,
                     "data": self._data_state(epoch, step)}, buffer)
-        name = f"{checkpoint_name(done, step or 0)}.pt"
+        name = self._name(done, step or 0)
         write_checkpoint(self.store, done, {name: buffer.getvalue()}, {"file": name}, step or 0)
         self._saved()
         return name

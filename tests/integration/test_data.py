@@ -405,9 +405,9 @@ def test_windows_span_pieces_of_any_size(shuffle):
         offset += n
     rows = np.arange(offset)
 
-    def read(k):
-        ids = rows[blocks[k].lo:blocks[k].hi]
-        return {"x": np.stack([ids, -ids], axis=1), "y": ids}
+    def read(ks):
+        return [{"x": np.stack([ids, -ids], axis=1), "y": ids}
+                for ids in (rows[blocks[k].lo:blocks[k].hi] for k in ks)]
 
     windows = plan_epoch(blocks, 9, shuffle=shuffle, seed=7, epoch=0)
     batches = list(rank_batches(read, windows, batch_size=4, size=1, rank=0, start=0,

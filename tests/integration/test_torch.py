@@ -154,9 +154,9 @@ def test_helpers_checkpoints_exact_resume_model_and_scoring(spark, linear, tmp_p
     np.testing.assert_allclose([r["prediction"] for r in got], expected, rtol=1e-5, atol=1e-5)
 
 
-def fit_ids(data, epochs, log_dir, every=5, kill_at=None):
-    """Trains on the ids' rows, saving a mid-epoch checkpoint (with the data's position) every
-    ``every`` steps; logs each step's ids after training on them; ``kill_at=(epoch, step)``:
+def fit_ids(data, epochs, log_dir, kill_at=None):
+    """Trains on the ids' rows, a mid-epoch checkpoint (with the data's position) every 5 steps,
+    the newest 3 kept; logs each step's ids after training on them; ``kill_at=(epoch, step)``:
     rank 1 is SIGKILLed right after that step's checkpoint."""
     import os
     import signal
@@ -170,7 +170,7 @@ def fit_ids(data, epochs, log_dir, every=5, kill_at=None):
     torch.manual_seed(0)
     model = ctx.wrap(torch.nn.Linear(3, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    ckpt = st.Checkpoints(model, opt, data=data)
+    ckpt = st.Checkpoints(model, opt, data=data, every_steps=5, keep=3)
     log = open(os.path.join(log_dir, f"rank-{ctx.rank}-of-{ctx.world_size}.txt"), "a")
     for epoch in range(ckpt.restore(), epochs):
         for features, y in data.torch_batches(8, epoch, shuffle=True, seed=4):
@@ -180,13 +180,10 @@ def fit_ids(data, epochs, log_dir, every=5, kill_at=None):
             opt.step()
             log.write(f"{epoch} {' '.join(str(int(i)) for i in ids)}\n")
             log.flush()
-            done = data.position.step
-            if done % every == 0:
-                ckpt.save(epoch, step=done)
-                if kill_at == (epoch, done):
-                    dist.barrier()  # rank 0's checkpoint is in
-                    if ctx.rank == 1:
-                        os.kill(os.getpid(), signal.SIGKILL)
+            if ckpt.step(epoch) and kill_at == (epoch, data.position.step):  # on every rank
+                dist.barrier()  # rank 0's checkpoint is in
+                if ctx.rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
         ckpt.save(epoch)
     return [p.detach().flatten().tolist() for p in st.unwrap(model).parameters()]
 
@@ -202,8 +199,8 @@ def _trained(log_dir, epoch):
 
 
 def test_a_killed_run_resumes_mid_epoch_with_another_number_of_ranks(spark, tmp_path):
-    """np=2 killed after step 10 of epoch 1 (checkpoint there, with the data's position);
-    resumed with np=2 it ends with the uninterrupted run's weights; resumed with 1 or 3 ranks
+    """np=2 killed after step 10 of epoch 1 (a step checkpoint there, with the data's position;
+    every 5 steps, the newest 3 kept); resumed with np=2 it ends with the uninterrupted run's weights; resumed with 1 or 3 ranks
     every id of epoch 1 is trained exactly once across both runs."""
     n = 203
     df = spark.range(n).selectExpr(
@@ -219,7 +216,10 @@ def test_a_killed_run_resumes_mid_epoch_with_another_number_of_ranks(spark, tmp_
         killed = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path / "b"))
         with pytest.raises(TrainingError):
             killed.run(fit_ids, data=ds, epochs=2, log_dir=str(logs["killed"]), kill_at=(1, 10))
-        assert os.path.exists(killed.last_run_dir.file("checkpoints/epoch-0001-step-0000010.pt"))
+        assert sorted(os.listdir(killed.last_run_dir.file("checkpoints"))) == [
+            "epoch-0001-step-0000005.json", "epoch-0001-step-0000005.pt",
+            "epoch-0001-step-0000010.json", "epoch-0001-step-0000010.pt",
+            "epoch-0001.json", "epoch-0001.pt", "latest.json"], "every 5 steps, the newest 3"
         same = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path / "b"),
                              resume_from=True)
         weights = same.run(fit_ids, data=ds, epochs=2, log_dir=str(logs["np2"]))
@@ -237,40 +237,6 @@ def test_a_killed_run_resumes_mid_epoch_with_another_number_of_ranks(spark, tmp_
         assert len(set(both)) == len(both), f"np={size}: an id of epoch 1 trained twice"
         assert set(both) <= set(range(n)) and n - len(both) < size * 8, f"np={size}"
         assert len(_trained(logs[f"np{size}"], 0)) == 0, "epoch 0 is not trained again"
-
-
-def fit_with_cadence(data, epochs):
-    import torch
-
-    import sparkhvd.torch as st
-
-    ctx = st.setup()
-    model = ctx.wrap(torch.nn.Linear(3, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ckpt = st.Checkpoints(model, opt, data=data, every_steps=4, keep=3)
-    saved = []
-    for epoch in range(ckpt.restore(), epochs):
-        for features, y in data.torch_batches(8, epoch):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(features).squeeze(1), y).backward()
-            opt.step()
-            saved.append(ckpt.step(epoch))
-        saved.append(ckpt.save(epoch))
-    return [name for name in saved if name]
-
-
-def test_step_checkpoints_every_n_steps_keep_the_newest_k(spark, linear, tmp_path):
-    _, ds = linear  # 256 rows: 16 steps per epoch on 2 ranks of 8
-    runner = HorovodRunner(np=-2, spark=spark, backend="torch", output_dir=str(tmp_path))
-    saved = runner.run(fit_with_cadence, data=ds, epochs=2)
-    assert saved == ["epoch-0000-step-0000004.pt", "epoch-0000-step-0000008.pt",
-                     "epoch-0000-step-0000012.pt", "epoch-0000-step-0000016.pt", "epoch-0001.pt",
-                     "epoch-0001-step-0000004.pt", "epoch-0001-step-0000008.pt",
-                     "epoch-0001-step-0000012.pt", "epoch-0001-step-0000016.pt", "epoch-0002.pt"]
-    left = sorted(os.listdir(runner.last_run_dir.file("checkpoints")))
-    assert left == ["epoch-0001-step-0000012.json", "epoch-0001-step-0000012.pt",
-                    "epoch-0001-step-0000016.json", "epoch-0001-step-0000016.pt",
-                    "epoch-0002.json", "epoch-0002.pt", "latest.json"]
 
 
 def test_a_state_dict_result_is_the_runs_model(tmp_path):
