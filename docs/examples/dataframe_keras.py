@@ -23,7 +23,7 @@ def train_fn(train, val, epochs):
                                  tf.keras.layers.Dense(10, activation="softmax")])
     model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.006)),
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    # each rank streams its own shard; equal steps on every rank
+    # each rank streams its batches of one global order; equal steps on every rank
     with train.tf_dataset(batch_size=32, shuffle=True, seed=1) as ds, \
             val.tf_dataset(batch_size=16) as vds:
         model.fit(ds, steps_per_epoch=train.steps_per_epoch(32), epochs=epochs, verbose=0,

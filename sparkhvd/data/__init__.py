@@ -1,13 +1,13 @@
-"""Spark DataFrame -> each rank's own shard: :class:`DataFrameDataset`.
+"""Spark DataFrame -> every rank's batches of one global order: :class:`DataFrameDataset`.
 
 The feature's two halves live here side by side, each module tagged with the side it runs on
 (``__side__``):
 
 - driver: :mod:`~sparkhvd.data.dataset` (checks, reuse), :mod:`~sparkhvd.data.materialize`
   (Parquet written by the executors);
-- common: :mod:`~sparkhvd.data.sharding` -- the sharding policy both sides agree on;
+- common: :mod:`~sparkhvd.data.sharding` -- the order policy both sides agree on;
 - rank: :mod:`~sparkhvd.data.shard` (the shard a rank's function receives) and
-  :mod:`~sparkhvd.data.reader` (streamed a row group at a time).
+  :mod:`~sparkhvd.data.reader` (the order read a window at a time).
 
 Public names are imported on first use (:mod:`sparkhvd.common.faces`): a rank never loads the
 driver half.

@@ -1,4 +1,4 @@
-"""``DataFrameDataset``, the driver half: a Spark DataFrame each rank will read its own shard of.
+"""``DataFrameDataset``, the driver half: a Spark DataFrame the ranks read in one global order.
 
 Created on the driver, passed to ``HorovodRunner.run()``: the runner prepares it right before
 launch (:mod:`sparkhvd.driver.arguments`): it is checked and materialised as Parquet by the
@@ -42,7 +42,7 @@ def default_cache_parent() -> str:
 
 
 class DataFrameDataset:
-    """A Spark DataFrame that each Horovod rank reads its own shard of (see the module docstring).
+    """A Spark DataFrame the ranks read in one global order (see the module docstring).
 
     Create it on the driver and pass it to :meth:`HorovodRunner.run` as an argument (also inside
     a list or dict). Inside the training function that argument is this rank's
@@ -66,8 +66,8 @@ class DataFrameDataset:
         dtype: floating-point type of float columns after materialisation (default float32).
         shared_cache: declare a ``file://`` cache to be a folder every executor sees.
         allow_nan: train on NaN values instead of refusing them.
-        memory_cache: a rank's shard up to this many bytes is kept in memory after the first
-            read (default 512 MB); larger shards stream every epoch.
+        memory_cache: a dataset up to this many bytes is kept in memory by each rank after
+            the first read (default 512 MB); a larger one streams every epoch.
 
     The materialised files are reused by every run with this dataset -- and by a new dataset
     of the same DataFrame (same plan and columns) in the same session -- until :meth:`close`
