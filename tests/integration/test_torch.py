@@ -239,6 +239,41 @@ def test_a_killed_run_resumes_mid_epoch_with_another_number_of_ranks(spark, tmp_
         assert len(_trained(logs[f"np{size}"], 0)) == 0, "epoch 0 is not trained again"
 
 
+def fit_sharded(data, stop_after=None):
+    """DDP with sharded checkpoints (DCP) every 3 steps, carrying the data's position."""
+    import torch
+
+    import sparkhvd.torch as st
+
+    ctx = st.setup()
+    torch.manual_seed(0)
+    model = ctx.wrap(torch.nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ckpt = st.ShardedCheckpoints(model, opt, data=data, every_steps=3)
+    start = ckpt.restore()
+    for x, y in data.torch_batches(8, start, shuffle=True, seed=2):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x).squeeze(1), y).backward()
+        opt.step()
+        ckpt.step(start)
+        if stop_after is not None and data.position.step == stop_after:
+            break
+        if stop_after is None:
+            break  # one batch is enough to see where the resumed run starts
+    return data.state_dict()
+
+
+def test_sharded_checkpoints_carry_the_data_position(spark, linear, tmp_path):
+    _, ds = linear
+    first = HorovodRunner(np=-2, spark=spark, backend="torch", output_dir=str(tmp_path))
+    assert first.run(fit_sharded, data=ds, stop_after=7)["samples"] == 7 * 2 * 8
+    resumed = HorovodRunner(np=-1, spark=spark, backend="torch", output_dir=str(tmp_path),
+                            resume_from=first.last_run_dir.path)
+    position = resumed.run(fit_sharded, data=ds)
+    assert resumed.last_run_dir.record["resume"]["step"] == 6
+    assert (position["epoch"], position["samples"]) == (0, 6 * 2 * 8 + 8), "after step 6, on"
+
+
 def test_a_state_dict_result_is_the_runs_model(tmp_path):
     def returns_state(steps=1):
         import torch
