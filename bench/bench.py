@@ -1206,11 +1206,12 @@ NOTES = """\
   copied into a tensor).
 - **B6 streaming.** Peak memory per rank is flat in the data size once the data streams: the
   shuffle window (~128 MB of rows since the global order; ~64 MB before), one 4 MB row group
-  and the batches being gathered, on top of TensorFlow's own ~0.6 GB. Rows/s cover the whole epoch as training meets it: the in-memory
-  path reads its shard before the first batch, the streamed path while it goes (timing from
-  the first batch on, as an earlier version did, left the in-memory read out and made the
-  in-memory path look 3x faster than it is). A streamed window is gathered from its row
-  groups in place: copying ~64 MB of rows into one array first cost as much as reading them.
+  and the batches being gathered, on top of TensorFlow's own ~0.6 GB. Rows/s cover the whole
+  epoch as training meets it: the in-memory path reads its data before the first batch, the
+  streamed path while it goes (timing from the first batch on, as an earlier version did,
+  left the in-memory read out and made the in-memory path look 3x faster than it is). A
+  streamed window is gathered from its row groups in place: copying ~64 MB of rows into one
+  array first cost as much as reading them.
   Since the global order (issue 41) a rank reads every row group and keeps its share: at np=2
   each rank decodes the whole dataset per epoch (B2T measures what that costs).
 - **B7 scoring.** `sparkhvd.predict` runs the model where the data is (Arrow batches, the model
@@ -1242,6 +1243,15 @@ NOTES = """\
   cores), use 256+ rows per rank per step on CPU, and for large models over a slow network
   horovod's `Compression.fp16` or torch DDP's `bucket_cap_mb` (buckets overlap the backward
   pass when cores are free).
+- **B2T since the global order (issue 41).** In-process on 100k rows x 784 float32 written in
+  4 MB row groups, streamed (memory_cache=0), best of 3 (2026-11-25, this VM): pyarrow
+  `read_table` of every row 265k rows/s; `batches()` rank 0 of 1 in order 259k (0.98x: the
+  reader reads a window's row groups in one scan per file -- a scan per row group had cost 2x
+  -- and hands torch the arrays without a copy), shuffled 200k (0.76x: one gather per row group
+  for 16 batches at a time; goal 0.9x not met for shuffled reads); rank 0 of 2 yields 130k rows/s
+  in order and 117k shuffled while decoding every row (the global order's cost: a rank of
+  `size` decodes the data `size` times per epoch). With 1 MB row groups the same reads ran at
+  0.54x. The figures below are from the last full `make bench` run, before these changes.
 - **B2T, the PyTorch data path** (rank 0 of 2, 400k rows x 784 float32, streamed). Where
   `torch_batches` loses to the ceiling (profiled in-process, 4 rounds): reading the shard one
   row group at a time gives 202k rows/s against 231k for `read_table` on whole files (reading

@@ -4,15 +4,16 @@ The order itself is the policy in :mod:`sparkhvd.data.sharding`: blocks (the Par
 groups) permuted per epoch, grouped into windows of at least ``window_rows`` rows, each
 window's rows permuted, cut into micro-batches that the ranks take in turn.
 :func:`plan_epoch` lays an epoch's windows out; :func:`rank_batches` yields one rank's batches:
-it reads a window's blocks (one row group each, with pyarrow, through :mod:`sparkhvd.storage`
-for remote caches: range reads, never a whole file), gathers its micro-batches from them, and
-drops the window before reading the next.
+it reads a window's blocks (one row group each; one pyarrow scan per file for all of a window's
+row groups in it, through :mod:`sparkhvd.storage` for remote caches: range reads, never a whole
+file), gathers its micro-batches from them (:data:`GATHER_BATCHES` at a time), and drops the
+window before reading the next.
 
 Every rank reads every window that holds one of its batches -- with windows of at least
 ``size * batch_size`` rows, all of them: a rank decodes the whole dataset each epoch and keeps
 its share. That is the price of an order that does not depend on the number of ranks (Mosaic
 pays it as a local disk cache). Peak memory while streaming: one window of rows (about
-``window_rows``) + one batch; in memory: the whole dataset, read once.
+``window_rows``) + the batches being gathered; in memory: the whole dataset, read once.
 
 Mixing: two rows meet in a batch only if their blocks fall into the same window, so a sorted
 dataset needs many blocks per window (the docs' rule: at least 32). Rows of one batch come in
