@@ -360,8 +360,10 @@ class ShardedCheckpoints(_CheckpointsBase):
         resume: as for :class:`Checkpoints` (``None``: when ``HorovodRunner(resume_from=...)``
             asked).
         data: as for :class:`Checkpoints`: the data's position goes into the record.
-        every_steps, every_seconds, keep: as for :class:`Checkpoints` (with ``every_seconds``
-            rank 0's clock decides, one small broadcast per :meth:`step`).
+        every_steps: as for :class:`Checkpoints`.
+        every_seconds: as for :class:`Checkpoints`; rank 0's clock decides (one small
+            broadcast per :meth:`step`).
+        keep: as for :class:`Checkpoints`.
 
     Call :meth:`save` and :meth:`restore` on every rank (they are collectives).
     """
