@@ -1243,16 +1243,26 @@ NOTES = """\
   cores), use 256+ rows per rank per step on CPU, and for large models over a slow network
   horovod's `Compression.fp16` or torch DDP's `bucket_cap_mb` (buckets overlap the backward
   pass when cores are free).
-- **B2T since the global order (issue 41).** In-process on 100k rows x 784 float32 written in
-  4 MB row groups, streamed (memory_cache=0), best of 3 (2026-11-25, this VM): pyarrow
-  `read_table` of every row 265k rows/s; `batches()` rank 0 of 1 in order 259k (0.98x: the
-  reader reads a window's row groups in one scan per file -- a scan per row group had cost 2x
-  -- and hands torch the arrays without a copy), shuffled 200k (0.76x: one gather per row group
-  for 16 batches at a time; goal 0.9x not met for shuffled reads); rank 0 of 2 yields 130k rows/s
-  in order and 117k shuffled while decoding every row (the global order's cost: a rank of
-  `size` decodes the data `size` times per epoch). With 1 MB row groups the same reads ran at
-  0.54x. The figures below are from the last full `make bench` run, before these changes.
-- **B2T, the PyTorch data path** (rank 0 of 2, 400k rows x 784 float32, streamed). Where
+- **B2T since the global order (issue 41)** (the table above: 2026-11-25T13-31, rank 0 of 2,
+  400k rows, streamed; the VM was about 2x slower than at the run quoted below -- the same
+  pyarrow ceiling read 108k rows/s against 231k). `torch_batches` in order 117k rows/s per
+  rank = 1.06x the ceiling per round (goal 0.9x: met; it was 0.70-0.75x): a window's row
+  groups are read in one pyarrow scan per file -- a scan per row group had cost 2x `read_table`
+  on the same rows at 1, 4 and 8 MB groups -- and torch gets the arrays without a copy. The
+  global order makes a rank of 2 decode every row (a rank alone reads 221k rows/s, every row
+  counted) and keep half: the ceiling row "every row" is what that decoding costs pyarrow.
+  Shuffled (the global order's windows): 99k = 0.84x the same reader in order (goal: at most
+  10 % lost -- not met: the gather, one per row group for 16 batches at a time, copies each
+  row twice) and 0.92x the ceiling. 2.45x petastorm's loader. `materialize()` in one scan (the
+  checks counted by the executors while they write) 56.7 s against petastorm's
+  `make_spark_converter` 53.7 s = 1.06x (goal 1.0x: not met in this run; it was 25.7 vs 20.0 s
+  = 1.29x with two scans, on the faster VM). Peak RSS per rank: 1,079 MB at 100k rows (in memory
+  -- each rank now holds the whole dataset, 313 MB, not its half) and 860 MB at 800k (streamed:
+  a 128 MB window and the 16 batches being gathered), so memory stays bounded as rows grow 8x.
+  In-process on 100k rows (4 MB groups, best of 3): in order 0.98x `read_table`, shuffled
+  0.76x; 1 MB row groups ran at 0.54x, hence 4 MB.
+- **B2T before the global order, the PyTorch data path** (rank 0 of 2, 400k rows x 784
+  float32, streamed; the figures of the run before 2026-11-25). Where
   `torch_batches` loses to the ceiling (profiled in-process, 4 rounds): reading the shard one
   row group at a time gives 202k rows/s against 231k for `read_table` on whole files (reading
   2 to 8 row groups per call was no faster); cutting batches from them 180k; making torch
