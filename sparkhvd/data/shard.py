@@ -123,17 +123,14 @@ class DatasetShard:
             if resume is not None and resume.epoch > epoch:
                 self._resume = resume  # an earlier epoch first: keep it for its own epoch
             return 0
-        changed = [name for name, was, now in (("shuffle", resume.shuffle, shuffle),
-                                               ("seed", resume.seed, seed),
-                                               ("shuffle window", resume.window_rows, window))
-                   if was != now]
-        if changed:
-            log.warning("The saved data position was taken with another %s (%s): epoch %d "
+        changed = [f"{name} {was!r} -> {now!r}" for name, was, now in (
+            ("shuffle", resume.shuffle, shuffle), ("seed", resume.seed, seed),
+            ("shuffle window", resume.window_rows, window)) if was != now]
+        if changed and resume.samples:
+            log.warning("The saved data position was taken with another order (%s): epoch %d "
                         "continues at row %d of a different order, so some rows of it may be "
-                        "seen twice and others not at all.", " and ".join(changed),
-                        ", ".join(f"{getattr(resume, k)}" for k in ("shuffle", "seed",
-                                                                       "window_rows")),
-                        epoch, resume.samples)
+                        "seen twice and others not at all.", ", ".join(changed), epoch,
+                        resume.samples)
         return resume.samples
 
     def _to_numpy(self, name: str, column: Any, n: int) -> np.ndarray:

@@ -201,3 +201,16 @@ def test_every_reader_gives_the_same_order(tmp_path, mode):
             found["tf_dataset"] = [[int(i) for i in x.numpy()] for x, _ in ds]
     for reader, batches in found.items():
         assert batches == want, reader
+
+
+def test_a_position_of_another_order_warns_only_mid_epoch(tmp_path, caplog):
+    source = _ids(tmp_path)
+    shard = DatasetShard(source)
+    shard.load_state_dict({"epoch": 1, "samples": 0})  # an epoch's start, as Keras restores it
+    with caplog.at_level("WARNING", logger="sparkhvd.data.shard"):
+        next(shard.batches(8, 1, shuffle=True, seed=3))
+        assert not caplog.records
+        shard.load_state_dict({"epoch": 1, "samples": 64, "seed": 2, "shuffle": True,
+                               "window_rows": 1000, "num_rows": 1000})
+        next(shard.batches(8, 1, shuffle=True, seed=3))
+    assert "seed 2 -> 3" in caplog.text and "continues at row 64" in caplog.text
