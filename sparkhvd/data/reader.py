@@ -206,7 +206,7 @@ def window_permutation(window: Window, *, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch, window.number + 1]).permutation(window.rows)
 
 
-class _InMemory:
+class InMemoryWindow:
     """The whole dataset in one set of arrays (blocks in storage order): a window of it
     addressed through its blocks' storage offsets."""
 

@@ -22,7 +22,14 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from sparkhvd.common.identity import current_rank
-from sparkhvd.data.reader import Arrays, ShardReader, _InMemory, blocks_of, plan_epoch, rank_batches
+from sparkhvd.data.reader import (
+    Arrays,
+    InMemoryWindow,
+    ShardReader,
+    blocks_of,
+    plan_epoch,
+    rank_batches,
+)
 from sparkhvd.data.sharding import Position, ShardSource, steps_from
 
 __side__ = "rank"
@@ -185,7 +192,7 @@ class DatasetShard:
         in_memory = None
         if not self.streams():
             data = self.load_all(reader)
-            in_memory = lambda w: _InMemory(data, self._blocks, w)  # noqa: E731
+            in_memory = lambda w: InMemoryWindow(data, self._blocks, w)  # noqa: E731
         return rank_batches(lambda ks: reader.read_many([self._blocks[k] for k in ks]), windows,
                             batch_size=batch_size, size=size, rank=rank, start=start,
                             steps=steps, shuffle=shuffle, seed=seed, epoch=epoch,
