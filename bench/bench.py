@@ -27,8 +27,9 @@ Cases (each run ``--repeat`` times; median, min and max are reported):
   floor, with where the time goes (Spark stage, rank start-up, import torch, rendezvous, end).
 - B4 storage: a 200 MB model written and read back on Azurite through sparkhvd.storage vs the
   Azure blob SDK directly (at least 9 runs each: Azurite is noisy).
-- B5 GPU: ResNet-50 images/s through sparkhvd vs plain Keras — needs a GPU machine; recorded as
-  skipped when there is none.
+- B5 GPU: ResNet-50 images/s through sparkhvd (backend='torch', one local rank per GPU, DDP
+  over nccl) vs the same loop in a plain process; the Keras form needs TensorFlow with a GPU.
+  Recorded as skipped where there is none.
 - B6 streaming: one shuffled epoch on 2 ranks at 100k/400k/800k rows x 784 float32: peak RSS
   (``ru_maxrss``) and rows/s per rank; in memory vs streamed at 100k.
 - B7 scoring: ``sparkhvd.predict`` on local[2] executors vs collecting the rows to the driver
@@ -838,9 +839,99 @@ def case_b4(repeat: int, tiny: bool) -> list[dict]:
         az.stop()
 
 
+def _resnet50_images(steps: int, batch: int, distributed: bool) -> dict:
+    """B5's loop: ResNet-50 (torchvision, random weights) on synthetic 224x224 images, bf16
+    autocast, channels-last, SGD; images/s over the steps after 10 warm-up steps. With
+    ``distributed``: DDP over nccl, one rank per GPU (cuda:LOCAL_RANK), as a sparkhvd rank runs
+    it; without: one plain process on cuda:0, nothing of sparkhvd or torch.distributed."""
+    import os as _os
+    import time as _time
+
+    import torch
+    import torchvision
+
+    local = int(_os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    torch.backends.cudnn.benchmark = True
+    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    size = 1
+    if distributed:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl")
+        size = dist.get_world_size()
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+    warm = 10
+    for step in range(warm + steps):
+        if step == warm:
+            torch.cuda.synchronize()
+            start = _time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+    torch.cuda.synchronize()
+    seconds = _time.perf_counter() - start
+    if distributed:
+        dist.destroy_process_group()
+    return {"samples_per_s": steps * batch * size / seconds,
+            "device": torch.cuda.get_device_name(local)}
+
+
+def _plain_resnet50(steps: int, batch: int) -> dict:
+    """B5's reference: the same loop in a fresh plain Python process (no sparkhvd)."""
+    code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import bench; "
+            f"print('RESULT ' + json.dumps(bench._resnet50_images({steps}, {batch}, False)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
 def case_b5(repeat: int, tiny: bool) -> list[dict]:
-    return [{"case": "B5", "variant": "ResNet-50 images/s (GPU)", "unit": "images/s",
-             "skipped": "no GPU on this machine; run `make bench CASE=B5` on a GPU host"}]
+    """GPU training throughput: ResNet-50 images/s through sparkhvd (backend='torch', np=-GPUs:
+    one local rank per GPU, DDP over nccl) vs the same loop in one plain process, taking turns.
+    The Keras form of B5 needs TensorFlow with a GPU; it is recorded as skipped without one."""
+    import importlib.util
+
+    rows: list[dict] = []
+    gpus = 0
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    if not gpus or importlib.util.find_spec("torchvision") is None:
+        rows.append({"case": "B5", "variant": "ResNet-50 images/s (GPU, torch)",
+                     "unit": "images/s", "skipped": "no GPU (or no torchvision) on this machine; "
+                     "run `make bench CASE=B5` on a GPU host"})
+    else:
+        from sparkhvd import HorovodRunner
+
+        steps, batch = (5, 8) if tiny else (60, 128)
+        out = tempfile.mkdtemp(prefix="bench-b5-")
+        results = _turns("B5", f"ResNet-50 bf16 batch {batch}/GPU, {gpus} GPU(s)", repeat, {
+            "plain torch, one process": lambda: _plain_resnet50(steps, batch),
+            f"sparkhvd HorovodRunner(np=-{gpus}, backend='torch'), DDP nccl":
+                lambda: HorovodRunner(np=-gpus, backend="torch", output_dir=out)
+                .run(_resnet50_images, steps=steps, batch=batch, distributed=True)})
+        name = torch.cuda.get_device_name(0)
+        for r in results:
+            r.update(unit="images/s", gpu=name)
+        rows += results
+    tf_gpus = []
+    if importlib.util.find_spec("tensorflow") is not None and gpus:
+        import tensorflow as tf
+
+        tf_gpus = tf.config.list_physical_devices("GPU")
+    if not tf_gpus:
+        rows.append({"case": "B5", "variant": "ResNet-50 images/s (GPU, Keras)",
+                     "unit": "images/s", "skipped": "needs TensorFlow with a GPU; "
+                     "not measured here"})
+    return rows
 
 
 # -- B6 ----------------------------------------------------------------------------------------

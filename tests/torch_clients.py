@@ -19,7 +19,8 @@ def _weights(module) -> list[float]:
             for v in p.detach().flatten().tolist()]
 
 
-def lightning_fit(devices: int = 1, num_nodes: int = 2, root: str | None = None) -> dict:
+def lightning_fit(devices: int = 1, num_nodes: int = 2, root: str | None = None,
+                  accelerator: str = "cpu") -> dict:
     """A LightningModule trained with ``Trainer(strategy="ddp", devices, num_nodes)``; with
     ``root``, Lightning's checkpoints go to ``<run folder>/<root>`` (``sparkhvd.torch.output_dir``).
     """
@@ -48,7 +49,8 @@ def lightning_fit(devices: int = 1, num_nodes: int = 2, root: str | None = None)
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
     model = Regression()
-    trainer = L.Trainer(accelerator="cpu", strategy="ddp", devices=devices, num_nodes=num_nodes,
+    trainer = L.Trainer(accelerator=accelerator, strategy="ddp", devices=devices,
+                        num_nodes=num_nodes,
                         max_epochs=2, enable_progress_bar=False, enable_model_summary=False,
                         logger=False, enable_checkpointing=root is not None,
                         default_root_dir=root)
@@ -56,6 +58,8 @@ def lightning_fit(devices: int = 1, num_nodes: int = 2, root: str | None = None)
     return {"rank": trainer.global_rank, "world": trainer.world_size,
             "local_rank": trainer.local_rank, "node_rank": trainer.node_rank,
             "environment": type(trainer.strategy.cluster_environment).__name__,
+            "device": str(trainer.strategy.root_device),
+            "backend": getattr(trainer.strategy, "process_group_backend", None),
             "weights": _weights(model)}
 
 
@@ -79,7 +83,7 @@ def fabric_fit(devices: int = 1, num_nodes: int = 2) -> dict:
             "weights": _weights(model)}
 
 
-def hf_trainer(output_dir: str | None = None, save_steps: int = 0) -> dict:
+def hf_trainer(output_dir: str | None = None, save_steps: int = 0, use_cpu: bool = True) -> dict:
     """A tiny BERT fine-tuned by ``transformers.Trainer`` for 10 steps; with ``output_dir``, its
     checkpoints go to ``<run folder>/<output_dir>`` (``sparkhvd.torch.output_dir``)."""
     import tempfile
@@ -104,12 +108,13 @@ def hf_trainer(output_dir: str | None = None, save_steps: int = 0) -> dict:
              "labels": labels[i]} for i in range(80)]
     args = TrainingArguments(
         output_dir=output_dir or tempfile.mkdtemp(), max_steps=10, per_device_train_batch_size=4,
-        learning_rate=1e-3, seed=0, report_to=[], use_cpu=True, disable_tqdm=True,
+        learning_rate=1e-3, seed=0, report_to=[], use_cpu=use_cpu, disable_tqdm=True,
         logging_steps=100, save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500, dataloader_num_workers=0)
     trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
-    return {"rank": args.process_index, "world": args.world_size, "weights": _weights(model)}
+    return {"rank": args.process_index, "world": args.world_size, "device": str(args.device),
+            "weights": _weights(model)}
 
 
 def accelerate_loop() -> dict:
@@ -170,7 +175,8 @@ def fsdp2(epochs: int = 4) -> dict:
 
 
 def deepspeed_zero1(config: dict | None = None) -> dict:
-    """DeepSpeed ZeRO stage 1 with torch's Adam on its CPU accelerator (gloo)."""
+    """DeepSpeed ZeRO stage 1 with torch's Adam on the accelerator DeepSpeed finds (its CPU one
+    over gloo here, CUDA over nccl on a GPU host)."""
     import deepspeed
     import torch
 
@@ -184,11 +190,12 @@ def deepspeed_zero1(config: dict | None = None) -> dict:
     rank = engine.global_rank
     data = torch.Generator().manual_seed(3 + rank)
     for _ in range(5):
-        x = torch.randn(8, 6, generator=data)
+        x = torch.randn(8, 6, generator=data).to(engine.device)
         loss = torch.nn.functional.mse_loss(engine(x), x.sum(1, keepdim=True))
         engine.backward(loss)
         engine.step()
-    return {"rank": rank, "world": engine.world_size, "weights": _weights(engine.module)}
+    return {"rank": rank, "world": engine.world_size, "device": str(engine.device),
+            "weights": _weights(engine.module)}
 
 
 def deepspeed_script() -> None:

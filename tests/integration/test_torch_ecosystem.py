@@ -313,31 +313,59 @@ def test_a_hang_with_two_ranks_per_task_names_each_rank(spark, tmp_path):
     assert "ranks 0, 1, 2 wait in all_reduce" in message, message
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here: runs wherever one is")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
+                               reason="no GPU here: runs wherever one is")
+
+
+def on_gpu():
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    total = torch.ones(1, device="cuda")
+    dist.all_reduce(total)
+    return {"device": torch.cuda.current_device(), "sum": total.item(),
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+@needs_gpu
 def test_on_gpus_nccl_and_one_rank_per_gpu(tmp_path):
     """Wherever a GPU is present: every GPU a rank (np=-N local processes), each on
-    cuda:LOCAL_RANK, nccl all_reduce; DeepSpeed ZeRO-1 on the GPU accelerator."""
+    cuda:LOCAL_RANK, nccl all_reduce."""
     gpus = torch.cuda.device_count()
-
-    def on_gpu():
-        import os
-
-        import torch
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl")
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        total = torch.ones(1, device="cuda")
-        dist.all_reduce(total)
-        return {"device": torch.cuda.current_device(), "sum": total.item()}
-
     records = HorovodRunner(np=-gpus, backend="torch", output_dir=str(tmp_path)).run_all(on_gpu)
     assert [r["device"] for r in records] == list(range(gpus))
     assert {r["sum"] for r in records} == {float(gpus)}
-    ds = HorovodRunner(np=-gpus, backend="torch", output_dir=str(tmp_path)).run_all(
+
+
+@needs_gpu
+def test_deepspeed_zero1_on_gpus(tmp_path):
+    pytest.importorskip("deepspeed")
+    gpus = torch.cuda.device_count()
+    records = HorovodRunner(np=-gpus, backend="torch", output_dir=str(tmp_path)).run_all(
         torch_clients.deepspeed_zero1)
-    assert {r["world"] for r in ds} == {gpus}
+    assert {r["world"] for r in records} == {gpus}
+    assert [r["device"] for r in records] == [f"cuda:{i}" for i in range(gpus)]
+
+
+@needs_gpu
+def test_lightning_and_hf_trainer_on_gpus(tmp_path):
+    """The clients as their users write them for GPUs: Trainer(accelerator="gpu") over nccl,
+    HF Trainer on CUDA; each rank on its own GPU."""
+    gpus = torch.cuda.device_count()
+    runner = HorovodRunner(np=-gpus, backend="torch", output_dir=str(tmp_path))
+    lightning = runner.run_all(torch_clients.lightning_fit, devices=gpus, num_nodes=1,
+                               accelerator="gpu")
+    assert [r["device"] for r in lightning] == [f"cuda:{i}" for i in range(gpus)]
+    assert {r["backend"] for r in lightning} == {"nccl"}
+    assert {r["world"] for r in lightning} == {gpus}
+    hf = HorovodRunner(np=-gpus, backend="torch", output_dir=str(tmp_path)).run_all(
+        torch_clients.hf_trainer, use_cpu=False)
+    assert [r["device"] for r in hf] == [f"cuda:{i}" for i in range(gpus)]
 
 
 def test_ranks_per_task_is_checked_against_the_slots(spark):
