@@ -31,7 +31,8 @@ DEMO_ARGS := --backend torch
 TORCH_TESTS := tests/unit/test_rank_placement.py tests/integration/test_torch.py tests/integration/test_demo.py \
 	tests/integration/test_torch_ecosystem.py tests/unit/test_torch_numbering.py \
 	tests/integration/test_checkpoint_faults.py tests/integration/test_docs_examples.py \
-	tests/integration/test_failures.py tests/cluster/test_multihost_torch.py tests/unit/test_data_order.py
+	tests/integration/test_failures.py tests/cluster/test_multihost_torch.py tests/unit/test_data_order.py \
+	tests/integration/test_elastic.py
 TEST_ARGS := -m "torch_backend or not (spark or ranks or azurite or cluster or netns or notebook or connect or horovod)" $(TORCH_TESTS)
 else
 PY := .venv/bin/python

@@ -136,6 +136,9 @@ class LaunchFailure(SparkhvdError):
     vanished: bool = False
     #: Its Spark task (host) stopped answering.
     lost: bool = False
+    #: Every rank that ended stopped on a notice after its checkpoint
+    #: (:data:`~sparkhvd.common.protocol.PREEMPTED_EXIT`).
+    preempted: bool = False
 
     def __post_init__(self) -> None:
         super().__init__(self.detail)

@@ -106,6 +106,17 @@ BACKEND_ENV = "SPARKHVD_BACKEND"
 #: The signal that makes a rank write every thread's stack (``faulthandler``, set up in the
 #: rank by :mod:`sparkhvd.rank.stack_dump`).
 STACKS_SIGNAL = signal.SIGUSR1
+#: The signal that is a *notice* to a rank: its node is about to be reclaimed (Kubernetes, YARN
+#: and systemd send it before they kill), or the driver asks it to stop at its next step
+#: (a decommissioned executor, a resize). A rank whose checkpoint helper listens finishes its
+#: step, checkpoints and exits as preempted (:mod:`sparkhvd.elastic.notices`).
+NOTICE_SIGNAL = signal.SIGTERM
+#: The reason a rank gives when the notice came to another rank (spread by the helpers).
+NOTICE_SPREAD = "a notice on another rank"
+#: The exit status of a rank that stopped on a notice after its checkpoint (``EX_TEMPFAIL``).
+PREEMPTED_EXIT = 75
+#: The world size of the attempt before this one, when it differed (a resize); unset else.
+PREVIOUS_SIZE_ENV = "SPARKHVD_PREVIOUS_WORLD_SIZE"
 #: Set when the rank must also look for stack requests in the run folder itself (launchers
 #: without a channel to remote ranks: horovod's).
 STACKS_POLL_ENV = "SPARKHVD_STACKS_POLL"
@@ -200,6 +211,23 @@ class OutputDir:
 
     rank: int
     name: str
+
+
+@dataclass
+class Listening:
+    """A rank's checkpoint helper listens for notices: a notice becomes a checkpoint after the
+    step, then a preempted exit (the driver asks only such ranks to stop for a resize)."""
+
+    rank: int
+
+
+@dataclass
+class Preempted:
+    """A rank stopped on a notice after ``checkpoint`` (its name; empty when none was written)."""
+
+    rank: int
+    checkpoint: str = ""
+    reason: str = ""
 
 
 @dataclass
@@ -301,16 +329,25 @@ class DumpStacks:
 
 
 @dataclass
+class Notice:
+    """The driver tells a task to give its ranks a notice (:data:`NOTICE_SIGNAL`): checkpoint
+    after the step they are in, then stop -- ``reason`` is for the task's log."""
+
+    reason: str = ""
+
+
+@dataclass
 class Detached:
     """The driver's answer to :class:`Hello` when some task could not reach it: run without
     the control channel and return everything in the Spark job's rows."""
 
 
-Message = Union[Line, Started, Error, Metrics, Resumed, OutputDir, Exit, Stacks, Heartbeat, Hello,
-                Assign, Abort, DumpStacks, Detached]
+Message = Union[Line, Started, Error, Metrics, Resumed, OutputDir, Listening, Preempted, Exit,
+                Stacks, Heartbeat, Hello, Assign, Abort, DumpStacks, Notice, Detached]
 KINDS: dict[str, type] = {cls.__name__.lower(): cls for cls in
-                          (Line, Started, Error, Metrics, Resumed, OutputDir, Exit, Stacks,
-                           Heartbeat, Hello, Assign, Abort, DumpStacks, Detached)}
+                          (Line, Started, Error, Metrics, Resumed, OutputDir, Listening,
+                           Preempted, Exit, Stacks, Heartbeat, Hello, Assign, Abort, DumpStacks,
+                           Notice, Detached)}
 
 
 def to_dict(msg: Any) -> dict[str, Any]:

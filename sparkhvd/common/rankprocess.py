@@ -161,6 +161,15 @@ class RankProcess:
         threading.Thread(target=fallback, daemon=True, name=f"sparkhvd-rank{self.rank}-stacks"
                          ).start()
 
+    def notice(self) -> None:
+        """Give the rank a notice (:data:`~sparkhvd.common.protocol.NOTICE_SIGNAL` to the rank
+        itself, not its supervisor): a listening checkpoint helper checkpoints after the step
+        and the rank exits as preempted."""
+        pid = self.rank_pid
+        if pid is not None and self.poll() is None:
+            with contextlib.suppress(OSError):
+                os.kill(pid, protocol.NOTICE_SIGNAL)
+
     # -- lifecycle ----------------------------------------------------------------------------
     def poll(self) -> Optional[int]:
         return self.proc.poll() if self.proc else None

@@ -193,15 +193,24 @@ class RunMonitor:
         self.reports: list[StackReport] = []
         self._stall_reported_at: Optional[float] = None
         self._next_request_check = 0.0
+        #: the attempt's :class:`~sparkhvd.elastic.watch.AttemptWatch` (decommission, grow)
+        self.watch: Any = None
 
-    def reach_ranks(self, ask_stacks: Callable[[], None]) -> None:
-        """How the launcher asks its ranks for their stacks (its control channel, its
-        processes); without it the ranks on this machine are signalled."""
+    def reach_ranks(self, ask_stacks: Callable[[], None],
+                    notify: Optional[Callable[[str], None]] = None) -> None:
+        """How the launcher asks its ranks for their stacks and gives them a notice (its
+        control channel, its processes); without it the ranks on this machine are signalled
+        for stacks, and no notice is given."""
         self._ask_stacks = ask_stacks
+        if notify is not None and self.watch is not None:
+            self.watch.reach(notify)
 
     # -- from the watch loop -------------------------------------------------------------------
     def tick(self) -> None:
-        """Answer a pending request; detect a stall (may raise :class:`StallError`)."""
+        """Answer a pending request; let the attempt's watch look; detect a stall (may raise
+        :class:`StallError`)."""
+        if self.watch is not None:
+            self.watch.tick()
         now = time.monotonic()
         if self.run_path and now >= self._next_request_check:
             self._next_request_check = now + REQUEST_POLL_S

@@ -40,6 +40,10 @@ class RunOutcome:
         self.resumed: Optional[protocol.Resumed] = None
         #: ``<run folder>/<name>`` folders the ranks asked for (``sparkhvd.torch.output_dir``)
         self.output_dirs: set[str] = set()
+        #: ranks whose checkpoint helper listens for notices
+        self.listening: set[int] = set()
+        #: rank -> how it stopped on a notice (its checkpoint)
+        self.preempted: dict[int, protocol.Preempted] = {}
         #: called with each of rank 0's epoch records as it arrives (e.g. MLflow)
         self.listeners: list = []
         #: how the ranks' reports came (barrier launcher, :meth:`reported_by`): "live" over the
@@ -87,6 +91,10 @@ class RunOutcome:
                 self.resumed = msg
             elif isinstance(msg, protocol.OutputDir):
                 self.output_dirs.add(msg.name)
+            elif isinstance(msg, protocol.Listening):
+                self.listening.add(msg.rank)
+            elif isinstance(msg, protocol.Preempted):
+                self.preempted[msg.rank] = msg
             elif isinstance(msg, protocol.Exit):
                 self.exits[msg.rank] = msg.code
         for listener in listeners:  # outside the lock: a listener may be slow (a server)

@@ -52,9 +52,12 @@ class Verdict:
     first: RankFailure
     #: Every failure reported, ``first`` first.
     failures: tuple[RankFailure, ...]
-    #: Why a retry may help (the rank, executor or host was lost), or None: retrying would
-    #: repeat the same error.
+    #: Why a retry may help (the rank, executor or host was lost, or the ranks stopped on a
+    #: notice), or None: retrying would repeat the same error.
     retryable: Optional[str]
+    #: The ranks stopped on a notice after their checkpoint (a preemption, not a loss: it has
+    #: its own budget, :class:`~sparkhvd.driver.retry.RetryPolicy`).
+    preempted: bool = False
 
     def error(self, run_folder: Optional[str] = None) -> TrainingError:
         """The user's error, naming the run folder's logs when it is known."""
@@ -81,6 +84,13 @@ def classify(failure: LaunchFailure, reported: Sequence[RankFailure],
     last lines rank N printed (the message of a rank that died without raising).
     """
     host = failure.host or (hosts.get(failure.rank) if failure.rank is not None else None)
+    if failure.preempted:
+        rank = failure.rank if failure.rank is not None else -1
+        first = RankFailure(rank=rank, exc_type=None, exit_code=failure.exit_code, host=host,
+                            message=failure.detail, traceback="")
+        where = f"rank {rank}" + (f" on host {host}" if host else "")
+        return Verdict(first, (first,), f"{where} stopped on a notice after its checkpoint",
+                       preempted=True)
     own = next((f for f in reported if f.rank == failure.rank), None)
     cause = next((f for f in reported if f.exc_type in CAUSES), None)
     gone = failure.vanished or failure.lost or signal_of(failure.exit_code) is not None

@@ -1,10 +1,18 @@
-"""Whether a failed attempt is retried: decided here alone.
+"""Whether a failed attempt is relaunched: decided here alone.
 
-Like Ray Train's ``FailurePolicy``: the run hands the policy how an attempt ended, and the policy
-answers ``"retry"`` or ``"raise"`` (``"done"`` for an attempt that succeeded). Only a *lost*
-rank, executor or host is worth another attempt (:attr:`Verdict.retryable
-<sparkhvd.driver.rank_end.Verdict.retryable>`): what the training function raised, a crash of
-its own, a stall, a timeout or an interrupt would only happen again.
+Like Ray Train v2's ``FailurePolicy`` (``max_failures`` and ``max_preemption_failures``): the run
+hands the policy how an attempt ended, and the policy answers ``"retry"`` or ``"raise"``
+(``"done"`` for an attempt that succeeded). Two budgets, counted apart:
+
+- ``max_retries``: attempts that *lost* a rank, executor or host (:attr:`Verdict.retryable
+  <sparkhvd.driver.rank_end.Verdict.retryable>`) -- default 0, or :data:`ELASTIC_RETRIES` for an
+  elastic run, which exists to go on after a loss;
+- ``max_preemptions``: attempts whose ranks stopped on a notice after their checkpoint (a node
+  reclaimed, an executor decommissioned, a resize) -- default :data:`MAX_PREEMPTIONS`: each
+  costs at most a step, and spot clusters see many.
+
+What the training function raised, a crash of its own, a stall, a timeout or an interrupt would
+only happen again: never retried.
 """
 from __future__ import annotations
 
@@ -17,23 +25,58 @@ __side__ = "driver"
 
 Decision = Literal["done", "retry", "raise"]
 
+#: ``max_retries`` of an elastic run (``min_np``/``max_np``) that does not set it.
+ELASTIC_RETRIES = 3
+#: ``max_preemptions`` when not set.
+MAX_PREEMPTIONS = 10
 
-@dataclass(frozen=True)
+
+@dataclass
 class RetryPolicy:
-    """Relaunch a run whose rank, executor or host was lost, at most ``max_retries`` times."""
+    """Relaunch a run whose rank, executor or host was lost, at most ``max_retries`` times, and
+    one whose ranks stopped on a notice, at most ``max_preemptions`` times."""
 
     max_retries: int = 0
+    max_preemptions: int = MAX_PREEMPTIONS
+    #: what was used so far
+    retries: int = 0
+    preemptions: int = 0
+
+    @classmethod
+    def of(cls, max_retries: Optional[int], max_preemptions: Optional[int],
+           elastic: bool) -> "RetryPolicy":
+        """The policy for a run's settings (None: the defaults above)."""
+        return cls(ELASTIC_RETRIES if max_retries is None and elastic else max_retries or 0,
+                   MAX_PREEMPTIONS if max_preemptions is None else max_preemptions)
 
     @property
-    def attempts(self) -> int:
-        """The most attempts a run makes."""
-        return self.max_retries + 1
+    def restarts(self) -> int:
+        """The most relaunches a run makes (torchrun's ``TORCHELASTIC_MAX_RESTARTS``)."""
+        return self.max_retries + self.max_preemptions
 
-    def decide(self, attempt: int, failed: bool, verdict: Optional[Verdict]) -> Decision:
-        """What follows attempt number ``attempt`` (1-based): ``failed`` says whether it failed,
-        ``verdict`` how its ranks ended (None when no rank failed: a stall, say)."""
+    def decide(self, failed: bool, verdict: Optional[Verdict], planned: bool = False) -> Decision:
+        """What follows an attempt: ``failed`` says whether it failed, ``verdict`` how its ranks
+        ended (None when no rank failed: a stall, say); ``planned``: the driver itself asked
+        the ranks to stop (a grow), which uses no budget. A retry is counted against its
+        budget."""
         if not failed:
             return "done"
-        if verdict is None or verdict.retryable is None or attempt >= self.attempts:
+        if verdict is None or verdict.retryable is None:
             return "raise"
+        if planned:
+            return "retry"
+        if verdict.preempted:
+            if self.preemptions >= self.max_preemptions:
+                return "raise"
+            self.preemptions += 1
+            return "retry"
+        if self.retries >= self.max_retries:
+            return "raise"
+        self.retries += 1
         return "retry"
+
+    def budget(self, verdict: Verdict) -> str:
+        """``attempt 2 of max_retries=3`` -- the budget a retry used, for the console."""
+        if verdict.preempted:
+            return f"preemption {self.preemptions} of max_preemptions={self.max_preemptions}"
+        return f"retry {self.retries} of max_retries={self.max_retries}"

@@ -1,28 +1,44 @@
-"""One run -- one call of ``HorovodRunner.run`` or ``run_all`` -- as its attempts, in order.
+"""One run -- one call of ``HorovodRunner.run`` or ``run_all`` -- as a state machine of attempts.
+
+Like Ray Train v2's controller: the run is always in one named :class:`State`, and every
+transition is made by :meth:`Run._enter` alone, which logs it and writes it to ``run.json``
+(``state``, ``states``; ``resizes`` for a change of size) and MLflow::
+
+    placing -> running -> finished
+                 |  \-> failed
+                 |-> restarting -> placing -> running ...   (same size: a lost rank, a notice)
+                 \-> resizing  -> placing -> running ...   (another size: elastic)
 
 The story of a run, start to end (:meth:`Run.execute`):
 
 1. the run folder is made and checked (remote storage is written to before training), and
    ``run.json`` says what was asked (:class:`~sparkhvd.runfolder.record.RunRecord`);
-2. the ranks are placed: which launcher, where the driver is reached, the Spark task slots;
+2. *placing*: how many ranks (:class:`~sparkhvd.elastic.scaling.ScalingPolicy`: ``np``, or for
+   an elastic run what the free slots allow within ``min_np``..``max_np``), which launcher,
+   where the driver is reached, the Spark task slots;
 3. MLflow tracking starts when asked; the resume source is resolved;
-4. :class:`Attempt` after attempt launches the ranks, until the :class:`~sparkhvd.driver.retry.
-   RetryPolicy` says it is done or the error is raised -- a lost rank, executor or host is
-   relaunched from the run's own checkpoints;
-5. the run is recorded (status, error, PIDs, curves, the model) and published, and rank 0's
+4. *running*: an :class:`Attempt` launches the ranks; the driver watches it
+   (:class:`~sparkhvd.elastic.watch.AttemptWatch`: executors being decommissioned, slots to
+   grow into) and may ask the ranks to stop at their next step;
+5. the :class:`~sparkhvd.driver.retry.RetryPolicy` says *finished*, *failed*, or relaunch:
+   *restarting* at the same size or *resizing* to another, from the run's newest checkpoint;
+6. the run is recorded (status, error, PIDs, curves, the model) and published, and rank 0's
    result -- or the error, naming the run folder -- goes back to the caller.
 
 A rank's end is decoded once, by :func:`sparkhvd.driver.rank_end.classify`, into the
-:class:`~sparkhvd.driver.rank_end.Verdict` the policy and the error are made from.
+:class:`~sparkhvd.driver.rank_end.Verdict` the policy and the error are made from. The run is
+built from a frozen :class:`~sparkhvd.driver.spec.RunSpec`, not from its runner.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 import math
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.backends import RunTag
@@ -37,15 +53,30 @@ from sparkhvd.driver.monitor import RunMonitor
 from sparkhvd.driver.outcome import RunOutcome, merge_epochs
 from sparkhvd.driver.rank_end import Verdict, classify
 from sparkhvd.driver.retry import RetryPolicy
+from sparkhvd.driver.spec import RunSpec
+from sparkhvd.elastic import cluster
+from sparkhvd.elastic.scaling import ScalingPolicy
+from sparkhvd.elastic.watch import AttemptWatch
 from sparkhvd.runfolder.record import now
 from sparkhvd.runfolder.rundir import RunDir, resolve_resume_source
-
-if TYPE_CHECKING:
-    from sparkhvd.driver.runner import HorovodRunner
 
 __side__ = "driver"
 
 log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    """The run's states: each a name, and whether the run ends in it."""
+
+    PLACING = ("placing", False)
+    RUNNING = ("running", False)
+    RESTARTING = ("restarting", False)
+    RESIZING = ("resizing", False)
+    FINISHED = ("finished", True)
+    FAILED = ("failed", True)
+
+    def __init__(self, label: str, terminal: bool) -> None:
+        self.label, self.terminal = label, terminal
 
 
 def _status_of(exc: BaseException) -> str:
@@ -72,25 +103,35 @@ def _resumes_from(resume: Optional[str], library: Optional[str]) -> str:
 
 
 class Run:
-    """One call of ``run``/``run_all``: its run folder, its attempts, its result."""
+    """One call of ``run``/``run_all``: its run folder, its states and attempts, its result."""
 
-    def __init__(self, runner: "HorovodRunner", fn: Callable, blob: bytes, spark: Any, *,
+    def __init__(self, spec: RunSpec, fn: Callable, blob: bytes, spark: Any, *,
                  kwargs: Mapping[str, Any], return_all: bool, timeout: Optional[float]) -> None:
-        self.runner, self.fn, self.blob, self.spark = runner, fn, blob, spark
+        self.spec, self.fn, self.blob, self.spark = spec, fn, blob, spark
         self.kwargs, self.return_all, self.timeout = kwargs, return_all, timeout
         #: ``run(timeout=...)`` counts from the call: slots, start and every attempt
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        config = runner.run_config
-        self.policy = RetryPolicy(config.max_retries)
+        config = spec.config
+        # horovod's elastic mode resizes inside one attempt (horovod.spark.run_elastic)
+        self.scaling = ScalingPolicy.of(spec.scaling) if not spec.facts.horovod_elastic else \
+            ScalingPolicy(spec.scaling.size, spec.scaling.size, spec.scaling.size)
+        self.policy = RetryPolicy.of(config.max_retries, config.max_preemptions,
+                                     self.scaling.elastic)
         self.run_dir = RunDir(config.output_dir, storage_options=dict(config.storage_options))
         self.record = self.run_dir.record
         self.attempts: list[Attempt] = []
         self.metrics: list[dict] = []
-        launch = runner.launch_config
+        self.state: Optional[State] = None
+        #: executor id -> host of the executors this run saw lost (left out of slot counts)
+        self.lost_executors: dict[str, str] = {}
+        #: tasks this run saw vanish with their executor (Spark Connect's slot count)
+        self.lost_tasks = 0
+        launch = spec.launch
         #: the ranks' lines: console and logs/rank-N.log (files open as ranks start)
         self.router = RankLogRouter(config.driver_log_verbosity, log_dir=self.run_dir.logs,
                                     verbose=launch.verbose)
         self.tracker: Any = None
+        self.view: Any = None
 
     def time_left(self) -> Optional[float]:
         """What is left of ``run(timeout=...)`` now (None: no limit)."""
@@ -109,21 +150,25 @@ class Run:
         except StorageError as exc:
             self._record_end("failed", exc)
             raise
-        runner = self.runner
-        self.record.started(np=runner.np, mode=runner.scaling.mode,
-                            ranks_per_task=runner.scaling.ranks_per_task,
-                            node_per_task=runner.scaling.node_per_task, backend=runner.backend,
-                            function=getattr(self.fn, "__qualname__", repr(self.fn)))
+        spec = self.spec
+        elastic = {"min_np": self.scaling.min_np, "max_np": self.scaling.max_np} \
+            if self.scaling.elastic else {}
+        self.record.started(np=spec.scaling.np, mode=spec.scaling.mode,
+                            ranks_per_task=spec.scaling.ranks_per_task,
+                            node_per_task=spec.scaling.node_per_task, backend=spec.backend,
+                            function=getattr(self.fn, "__qualname__", repr(self.fn)), **elastic)
         self.router.note(f"run {self.run_dir.run_id}: run folder {self.record['output']} "
                          "(run.json, logs/; runner.last_run_dir)")
         last: Optional[Attempt] = None
         try:
-            placement = self._place()
-            self._track(placement)
-            last = self._attempt_until_done(placement, env, self._resume_source())
-            status, error = last.status, last.error
+            last = self._drive(env)
+            # out of preemption budget: the run failed (its last attempt says it was preempted)
+            status = "failed" if last.status == "preempted" else last.status
+            error = last.error
         except BaseException as exc:
             status, error = _status_of(exc), exc
+            if self.state is not None and not self.state.terminal:
+                self._enter(State.FAILED, f"{type(exc).__name__}: {str(exc)[:200]}")
         finally:
             self.router.close()
             self._write_curves()
@@ -133,49 +178,153 @@ class Run:
             raise error  # type: ignore[misc]
         return self._end(status, error, last)
 
+    # -- the state machine -----------------------------------------------------------------
+    def _enter(self, state: State, why: str, **details: Any) -> None:
+        """The one place the run changes state: logged, in ``run.json`` and in MLflow."""
+        previous, self.state = self.state, state
+        entry = {"state": state.label, "at": now(), "why": why, **details}
+        self.record.transition(entry)
+        if self.tracker is not None:
+            self.tracker.transition(entry)
+        log.debug("run %s: %s -> %s (%s)", self.run_dir.run_id,
+                  previous.label if previous else "-", state.label, why)
+
+    def _drive(self, env: dict[str, str]) -> "Attempt":
+        """placing -> running -> (restarting | resizing -> placing -> running ...) until the
+        policy says finished or failed; the last attempt."""
+        size, why = self.scaling.np, "the run starts"
+        resume: Optional[str] = None
+        library: Optional[str] = None
+        previous_size: Optional[int] = None
+        while True:
+            self._enter(State.PLACING, why, size=size)
+            if not self.attempts:
+                size = self._size_now(size)
+            placement = self._place(size)
+            if not self.attempts:
+                self._track(placement)
+                resume = self._resume_source()
+            self.run_dir.remove_torn()  # a retry never trips over a killed writer's leftovers
+            attempt = Attempt(self, len(self.attempts) + 1, placement, resume, library, size,
+                              previous_size)
+            self.attempts.append(attempt)
+            self._enter(State.RUNNING, f"attempt {attempt.number} launches {size} rank(s)",
+                        attempt=attempt.number, size=size)
+            attempt.launch(dict(env))
+            self.metrics = merge_epochs(self.metrics, attempt.outcome.metrics)
+            self.record.attempt_ended(attempt.entry(), attempt.outcome.resumed)
+            request = attempt.watch.request if attempt.watch is not None else None
+            planned = request is not None and request.kind == "grow" and \
+                attempt.verdict is not None and attempt.verdict.preempted
+            decision = self.policy.decide(attempt.status != "succeeded", attempt.verdict,
+                                          planned=planned)
+            if decision == "done":
+                self._enter(State.FINISHED, f"attempt {attempt.number} succeeded")
+                return attempt
+            if decision == "raise":
+                self._enter(State.FAILED, attempt.entry().get("error") or attempt.status)
+                return attempt
+            verdict = attempt.verdict
+            assert verdict is not None
+            self._note_losses(attempt, verdict)
+            resume = self.run_dir.own_checkpoints() or resume
+            library = None if resume else self._library_checkpoints()
+            why = self._why(attempt, request, verdict)
+            new_size = self._size_now(self._relaunch_size(attempt, request))
+            checkpoint = self.run_dir.newest_checkpoint() if resume else None
+            state = State.RESIZING if new_size != size else State.RESTARTING
+            self._enter(state, why, attempt=attempt.number, checkpoint=checkpoint,
+                        **{"from": size, "to": new_size})
+            budget = "a planned resize" if planned else self.policy.budget(verdict)
+            log.warning("sparkhvd: attempt %d ended because %s; relaunching %s with %d rank(s)%s "
+                        "(attempt %d; %s)", attempt.number, why, _resumes_from(resume, library),
+                        new_size, f" (was {size})" if new_size != size else "",
+                        attempt.number + 1, budget)
+            self.router.line_all(f"---- attempt {attempt.number + 1}: {state.label} after {why}"
+                                 f"{f' ({size} -> {new_size} ranks)' if new_size != size else ''}"
+                                 " ----")
+            previous_size, size = size, new_size
+            why = f"relaunch after attempt {attempt.number}"
+
+    @staticmethod
+    def _why(attempt: "Attempt", request: Any, verdict: Verdict) -> str:
+        """Why an attempt is relaunched, in words: the driver's request, the rank that got the
+        notice, or the loss."""
+        if request is not None:
+            return str(request.reason)
+        noticed = {rank: msg.reason for rank, msg in attempt.outcome.preempted.items()
+                   if msg.reason != protocol.NOTICE_SPREAD}
+        if verdict.preempted and noticed:
+            rank = min(noticed)
+            host = attempt.outcome.hosts.get(rank)
+            return (f"rank {rank}{f' on host {host}' if host else ''} got a notice "
+                    f"({noticed[rank]}) and every rank stopped after its checkpoint")
+        return verdict.retryable or "?"
+
+    def _note_losses(self, attempt: "Attempt", verdict: Verdict) -> None:
+        """The executors (or, on Connect, the tasks) an attempt lost: left out of the next
+        slot count until Spark drops them itself."""
+        failure = attempt.failure
+        if failure is None or not (failure.vanished or failure.lost):
+            return
+        self.lost_tasks += 1
+        watch = attempt.watch
+        if failure.lost and watch is not None and failure.host:
+            hosts = dict(cluster.safely("executors", lambda: {
+                e.id: e.host for e in cluster.executors(self.view.sc)}, {}))
+            for exec_id in set(watch.executors.values()):
+                if hosts.get(exec_id) == failure.host:
+                    self.lost_executors[exec_id] = failure.host
+
+    def _free_slots(self, ended: Optional[str] = None) -> int:
+        return cluster.free_slots(self.view, self.lost_executors, self.lost_tasks, ended)
+
+    def _size_now(self, size: int) -> int:
+        """An elastic run's size for this placement: ``size`` if that many slots are free, else
+        what is free within ``min_np``..``max_np`` (waiting up to ``slot_wait_s`` for
+        ``min_np``). Other runs keep ``size`` (the slot check names a shortfall)."""
+        if not self.scaling.elastic or not self.spec.scaling.spark:
+            return size
+        self._ensure_view()
+        ended = self.attempt.spark_job if self.attempt is not None else None
+        free = self.scaling.relaunch_size(
+            lambda: self._free_slots(ended), self.spec.launch.slot_wait_s,
+            lambda n: cluster.describe_lost(self.lost_executors))
+        return min(size, free)
+
+    def _relaunch_size(self, attempt: "Attempt", request: Any) -> int:
+        """The size a relaunch asks for: a grow's target, else ``max_np`` for an elastic run
+        (placing trims it to the free slots), else the same size."""
+        if not self.scaling.elastic:
+            return attempt.size
+        if request is not None and request.grow_to:
+            return int(request.grow_to)
+        return self.scaling.max_np
+
+    def _ensure_view(self) -> None:
+        if self.view is None and self.spark is not None:
+            from sparkhvd.driver.sparkview import SparkView
+
+            self.view = SparkView(self.spark)
+
     # -- the steps ---------------------------------------------------------------------------
     def _rank_env(self) -> dict[str, str]:
         """What every rank gets from the driver: the user's ``env=`` and sparkhvd's own."""
-        launch = self.runner.launch_config
+        launch = self.spec.launch
         remember_environment(os.environ)
         env = rank_env(dict(launch.env), verbose=launch.verbose)
-        if self.runner.backend == "horovod":
+        if self.spec.backend == "horovod":
             check_keras({**os.environ, **env})
         return env
 
     def _track(self, placement: Placement) -> None:
-        config = self.runner.run_config
+        config = self.spec.config
         if config.mlflow:
             from sparkhvd.ops.tracking import MlflowTracker
 
             self.tracker = MlflowTracker(config.mlflow)
             self.tracker.start(self.run_dir, {**self.record.params(),
                                               "launcher": placement.launcher}, self.kwargs)
-
-    def _attempt_until_done(self, placement: Placement, env: dict[str, str],
-                            resume: Optional[str]) -> "Attempt":
-        library: Optional[str] = None
-        for number in range(1, self.policy.attempts + 1):
-            self.run_dir.remove_torn()  # a retry never trips over a killed writer's leftovers
-            attempt = Attempt(self, number, placement, resume, library)
-            self.attempts.append(attempt)
-            attempt.launch(dict(env))
-            self.metrics = merge_epochs(self.metrics, attempt.outcome.metrics)
-            self.record.attempt_ended(attempt.entry(), attempt.outcome.resumed)
-            decision = self.policy.decide(number, attempt.status != "succeeded", attempt.verdict)
-            if decision != "retry":
-                return attempt
-            assert attempt.verdict is not None
-            resume = self.run_dir.own_checkpoints() or resume
-            library = None if resume else self._library_checkpoints()
-            log.warning("sparkhvd: attempt %d of %d failed because %s; relaunching %s "
-                        "(attempt %d, max_retries=%d)", number, self.policy.attempts,
-                        attempt.verdict.retryable, _resumes_from(resume, library), number + 1,
-                        self.policy.max_retries)
-            self.router.line_all(f"---- attempt {number + 1}: relaunched after "
-                                 f"{attempt.verdict.retryable} ----")
-            placement = self._place()
-        raise AssertionError("unreachable: the policy ends every run")
 
     def _library_checkpoints(self) -> Optional[str]:
         """The ``st.output_dir`` folders of this run that hold files -- a library's own
@@ -223,41 +372,43 @@ class Run:
                   self.record["timings"]["total"])
 
     # -- what the steps ask of Spark and the run folder -------------------------------------
-    def _place(self) -> Placement:
-        """Which launcher, where the driver is reached, and whether the ranks share its disk."""
-        runner = self.runner
-        if not runner.scaling.spark:
+    def _place(self, size: int) -> Placement:
+        """Which launcher, where the driver is reached, and whether the ranks share its disk;
+        the task slots for ``size`` ranks checked."""
+        spec = self.spec
+        if not spec.scaling.spark:
             self.record.placed("local")
             return Placement("local", nics=frozenset({"lo"}))
         from sparkhvd.driver.session import check_worker_python
         from sparkhvd.driver.slots import check_slots
-        from sparkhvd.driver.sparkview import SparkView
 
         placing = time.monotonic()
-        view = SparkView(self.spark)
-        name = choose_launcher(runner.launch_facts().with_session(view))
-        check_worker_python(view, runner.backend)
-        launch = runner.launch_config
+        self._ensure_view()
+        view = self.view
+        name = choose_launcher(spec.facts.with_session(view))
+        if not self.attempts:
+            check_worker_python(view, spec.backend)
+        launch = spec.launch
         # Waiting for other jobs' slots is part of starting: start_timeout (from here) and the
         # run's own limit bound it too.
         left = self.time_left()
         busy_wait = min(launch.slot_wait_s,
                         launch.start_timeout - (time.monotonic() - placing),
                         math.inf if left is None else left)
-        slots = check_slots(view, runner.scaling.tasks,
+        slots = check_slots(view, size // spec.scaling.ranks_per_task,
                             wait_s=0 if view.master.startswith("local") else launch.slot_wait_s,
-                            ranks_per_task=runner.scaling.ranks_per_task,
+                            ranks_per_task=spec.scaling.ranks_per_task,
                             busy_wait_s=max(0.0, busy_wait))
         self.record.placed(name, spark_master=view.master, spark_app_id=view.app_id,
                            session=view.kind, slots=slots.slots)
         here = view.executors_here()
         return Placement(name, driver_host=view.driver_host(), executors_here=here,
-                         nics=runner.launch_config.nics or (frozenset({"lo"}) if here else None),
+                         nics=launch.nics or (frozenset({"lo"}) if here else None),
                          session=view)
 
     def _resume_source(self) -> Optional[str]:
         """The checkpoints folder to resume from (or None), recorded as *requested*."""
-        config = self.runner.run_config
+        config = self.spec.config
         if config.resume_from is None or config.resume_from is False:
             return None
         source = resolve_resume_source(config.resume_from, config.output_dir,
@@ -288,24 +439,37 @@ class Attempt:
     rank failed -- the :class:`~sparkhvd.driver.rank_end.Verdict`."""
 
     def __init__(self, run: Run, number: int, placement: Placement,
-                 resume: Optional[str], library: Optional[str] = None) -> None:
+                 resume: Optional[str], library: Optional[str] = None, size: int = 0,
+                 previous_size: Optional[int] = None) -> None:
         """``resume``: the checkpoints sparkhvd restores; ``library``: the folders where a
-        library keeps its own (``st.output_dir``), when sparkhvd has none."""
+        library keeps its own (``st.output_dir``), when sparkhvd has none; ``size``: the
+        ranks it launches (``previous_size``: the attempt before, after a resize)."""
         self.run, self.number, self.placement, self.resume = run, number, placement, resume
         self.library = library
+        self.size = size or run.scaling.np
+        self.previous_size = previous_size
         self.outcome = RunOutcome(run.router)
         if run.tracker is not None:
             self.outcome.listeners.append(run.tracker.metrics)
-        launch = run.runner.launch_config
+        launch = run.spec.launch
         self.monitor = self.outcome.monitor = RunMonitor(
             self.outcome, run.run_dir.path, stall_timeout=launch.stall_timeout,
             on_stall=launch.on_stall)
         #: the Spark job tag (or group) of this attempt's barrier stage: in ``run.json`` before
         #: the job is submitted, so it can always be found and cancelled
         self.spark_job = f"sparkhvd-{run.run_dir.run_id}-{number}"
+        #: the driver's eye on the running attempt (decommission, slots to grow into)
+        self.watch: Optional[AttemptWatch] = None
+        if placement.launcher == "barrier":
+            outcome = self.outcome
+            self.watch = self.monitor.watch = AttemptWatch(
+                placement.session, self.spark_job, run.scaling, self.size,
+                listening=lambda: len(outcome.listening) >= self.size,
+                lost=lambda: run.lost_executors)
         self.status = "running"
         self.results: list = []
         self.verdict: Optional[Verdict] = None
+        self.failure: Optional[LaunchFailure] = None
         self.error: Optional[BaseException] = None
 
     def launch(self, env: dict[str, str]) -> None:
@@ -328,9 +492,11 @@ class Attempt:
             run.record.launched(control=self.outcome.channel)
             self.status = "succeeded"
         except LaunchFailure as failure:
+            self.failure = failure
             self.verdict = classify(failure, self.outcome.reported(), self.outcome.hosts,
                                     run.router.tail)
-            self.status, self.error = "failed", self.verdict.error()
+            self.status = "preempted" if self.verdict.preempted else "failed"
+            self.error = self.verdict.error()
         except StallError as exc:
             self.status, self.error = "stalled", exc
         finally:
@@ -340,7 +506,7 @@ class Attempt:
         """This attempt's entry in ``run.json``'s ``attempts``."""
         pids = self.outcome.pid_record()
         entry: dict[str, Any] = {
-            "attempt": self.number, "status": self.status,
+            "attempt": self.number, "status": self.status, "size": self.size,
             "resumed_from": self.resume or self.library,
             "resumed_by": "sparkhvd" if self.resume else "library" if self.library else None,
             "ended_at": now(),
@@ -350,22 +516,34 @@ class Attempt:
             entry["restored"] = resumed.source
             if resumed.skipped:
                 entry["skipped"] = list(resumed.skipped)
-        if self.error is not None:
+        if self.error is not None and self.status != "preempted":
             entry["error"] = str(self.error).split("\n", 1)[0]
             entry["retryable"] = self.verdict.retryable if self.verdict is not None else None
+        if self.verdict is not None and self.verdict.preempted:
+            stopped = self.outcome.preempted
+            entry["preempted"] = {"checkpoint": next((m.checkpoint for m in stopped.values()
+                                                      if m.checkpoint), None),
+                                  "reasons": sorted({m.reason for m in stopped.values()}),
+                                  "requested": self.watch.request.reason
+                                  if self.watch is not None and self.watch.request else None}
         return entry
 
     def _spec(self, env: dict[str, str]) -> LaunchSpec:
         run = self.run
-        runner, launch = run.runner, run.runner.launch_config
+        spec, launch = run.spec, run.spec.launch
+        scaling = spec.scaling
+        if self.size != scaling.size:  # an elastic run's attempt at another size
+            scaling = dataclasses.replace(scaling, np=self.size if scaling.np > 0 else -self.size)
+        if self.previous_size is not None and self.previous_size != self.size:
+            env[protocol.PREVIOUS_SIZE_ENV] = str(self.previous_size)
         return LaunchSpec(
-            scaling=runner.scaling, launch=launch, backend=runner.backend, payload=run.blob,
+            scaling=scaling, launch=launch, backend=spec.backend, payload=run.blob,
             options=RankOptions(verbose=launch.verbose, return_all=run.return_all,
-                                elastic=bool(runner.scaling.elastic),
+                                elastic=spec.facts.horovod_elastic,
                                 env_keep=tuple(sorted(set(launch.env) | set(env)))),
             env=env, placement=self.placement, timeout=run.timeout, deadline=run.deadline,
             job=self.spark_job,
-            run=RunTag(run.run_dir.run_id, self.number - 1, run.policy.max_retries))
+            run=RunTag(run.run_dir.run_id, self.number - 1, run.policy.restarts))
 
     def _start_files(self) -> tuple[Any, dict[str, str]]:
         """Start the run-folder service; the variables that tell the ranks where their run
@@ -373,7 +551,7 @@ class Attempt:
         from sparkhvd.runfolder.service import RunFileService
         from sparkhvd.storage import public_url
 
-        run_dir, config = self.run.run_dir, self.run.runner.run_config
+        run_dir, config = self.run.run_dir, self.run.spec.config
         options = dict(config.storage_options)
         files = RunFileService(self.placement.driver_host, run_dir.path,
                                (self.resume, options) if self.resume else None).start()

@@ -26,6 +26,7 @@ from sparkhvd.driver.settings import (
     group_keywords,
     seconds,
 )
+from sparkhvd.driver.spec import RunSpec
 from sparkhvd.runfolder.rundir import RunDir
 
 __side__ = "driver"
@@ -119,10 +120,12 @@ class HorovodRunner:
     Settings come in four groups (:mod:`sparkhvd.driver.settings`), given as objects or -- as
     always -- as keywords, each filed into its group:
 
-    - ``scaling=ScalingConfig(np, min_np, max_np, ranks_per_task, local_ranks)``: how many
-      ranks (``np > 0``: Spark task slots, checked up front; ``np < 0``: local processes on the
-      driver); ``min_np``/``max_np`` make an elastic run (``horovod.spark.run_elastic``, see
-      docs/guides/failures.md); ``ranks_per_task`` ranks in each Spark task (one per GPU of a node), and
+    - ``scaling=ScalingConfig(np, min_np, max_np, ranks_per_task, local_ranks, resize_check_s)``:
+      how many ranks (``np > 0``: Spark task slots, checked up front; ``np < 0``: local
+      processes on the driver); ``min_np``/``max_np`` make an elastic run (torch and tf:
+      relaunched from the newest checkpoint with the slots there are, grown back every
+      ``resize_check_s``; horovod: ``horovod.spark.run_elastic``; see docs/guides/spot.md);
+      ``ranks_per_task`` ranks in each Spark task (one per GPU of a node), and
       what ``LOCAL_RANK`` counts (``local_ranks``: ``"host"``, torchrun's, or ``"task"``,
       TorchDistributor's).
     - ``launch=LaunchConfig(launcher, start_timeout, heartbeat_timeout, slot_wait_s, nics, env,
@@ -131,7 +134,7 @@ class HorovodRunner:
       ``env`` adds variables for the ranks (the driver's environment is never copied
       wholesale, see :mod:`sparkhvd.common.environment`).
     - ``run_config=RunConfig(output_dir, storage_options, resume_from, timeline, mlflow,
-      driver_log_verbosity)``: the run folder (local, ``abfss://``, ``az://``, ``file://``;
+      driver_log_verbosity, max_retries, max_preemptions)``: the run folder (local, ``abfss://``, ``az://``, ``file://``;
       ``storage_options`` are used on the driver only, never recorded), resuming from a run's
       checkpoints (``True``: the latest run under ``output_dir``), a Horovod timeline, MLflow
       tracking, and which ranks' output the console shows (``"rank0"`` or ``"all"``).
@@ -143,8 +146,8 @@ class HorovodRunner:
     ``"tf"``: ``tf.distribute.MultiWorkerMirroredStrategy`` from a ``TF_CONFIG`` each rank
     gets -- no horovod at all, so current TensorFlow, Keras 3 and numpy 2 work -- or
     ``"torch"``: torchrun's variables for ``torch.distributed`` (``init_process_group()``
-    unchanged; helpers in :mod:`sparkhvd.torch`). Elastic runs, ``launcher="horovod"`` and
-    ``timeline`` are Horovod-only.
+    unchanged; helpers in :mod:`sparkhvd.torch`). ``launcher="horovod"`` and ``timeline`` are
+    Horovod-only.
 
     Example::
 
@@ -167,7 +170,8 @@ class HorovodRunner:
                  heartbeat_timeout: float = _UNSET,
                  mlflow: Union[None, bool, str] = _UNSET,
                  stall_timeout: Optional[float] = _UNSET, on_stall: str = _UNSET,
-                 max_retries: int = _UNSET) -> None:
+                 max_retries: Optional[int] = _UNSET, max_preemptions: Optional[int] = _UNSET,
+                 resize_check_s: float = _UNSET) -> None:
         given = {k: v for k, v in locals().items()
                  if v is not _UNSET and k not in ("self", "backend", "scaling", "launch",
                                                    "run_config", "session", "__class__")}
@@ -255,7 +259,9 @@ class HorovodRunner:
         succeeded = False
         try:
             blob = _payload.dumps(fn, prepared.kwargs)
-            run = Run(self, fn, blob, spark, kwargs=kwargs, return_all=return_all,
+            spec = RunSpec(self.backend, self.scaling, self.launch_config, self.run_config,
+                           self.launch_facts())
+            run = Run(spec, fn, blob, spark, kwargs=kwargs, return_all=return_all,
                       timeout=timeout)
             self.last_run_dir, self._run = run.run_dir, run
             try:

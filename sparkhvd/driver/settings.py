@@ -46,9 +46,14 @@ class ScalingConfig:
     Args:
         np: ``N > 0`` runs N ranks in N Spark task slots (checked up front); ``-N`` runs N ranks
             as local processes on the driver, without Spark tasks (quick debugging).
-        min_np: elastic training (``horovod.spark.run_elastic``): the run goes on while
-            between ``min_np`` and ``max_np`` ranks are alive.
-        max_np: the most ranks of an elastic run.
+        min_np: an elastic run: it goes on with as few as ``min_np`` ranks. On
+            ``backend="torch"``/``"tf"`` a lost rank, executor or host -- or a notice -- relaunches
+            the run from its newest checkpoint with the ranks the cluster can give now, within
+            ``min_np``..``max_np`` (torchrun's ``--nnodes=MIN:MAX``; classic Spark and Spark
+            Connect); on ``backend="horovod"`` it is ``horovod.spark.run_elastic``.
+        max_np: the most ranks of an elastic run: it grows back to it when slots come back.
+        resize_check_s: how often an elastic run below ``max_np`` looks for free task slots
+            (classic sessions); it grows at the ranks' next step.
         ranks_per_task: ranks each Spark task starts (default 1): a node with k GPUs scheduled
             as one task (``spark.task.resource.gpu.amount=k``) runs one rank per GPU, as
             ``torchrun --nproc-per-node k`` would. ``np`` counts ranks, so it must be a multiple.
@@ -64,8 +69,10 @@ class ScalingConfig:
     max_np: Optional[int] = None
     ranks_per_task: int = 1
     local_ranks: Optional[str] = None
+    resize_check_s: float = 30.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "resize_check_s", seconds("resize_check_s", self.resize_check_s))
         np = self.np
         if isinstance(np, bool) or not isinstance(np, int) or np == 0:
             raise ValueError(
@@ -94,8 +101,8 @@ class ScalingConfig:
                 "ranks is their node (LOCAL_RANK 0..k-1 over the task's GPUs, as torchrun on a "
                 "node). Fix: leave local_ranks unset (or 'task').")
         if (k > 1 or self.local_ranks == "task") and self.elastic is not None:
-            raise ValueError("Elastic training (min_np/max_np) runs one rank per Spark task with "
-                             "horovod's numbering; drop ranks_per_task/local_ranks='task'.")
+            raise ValueError("Elastic training (min_np/max_np) runs one rank per Spark task, "
+                             "numbered by host; drop ranks_per_task/local_ranks='task'.")
 
     def elastic_range(self, np: int) -> tuple[Any, Any]:
         return (np if self.min_np is None else self.min_np,
@@ -209,6 +216,10 @@ class RunConfig:
         max_retries: relaunch a run that failed because an executor, host or rank process was
             lost -- not because the training function raised -- up to this many times, each
             attempt resuming from the run's own latest checkpoint (``run.json`` records them).
+            Default 0, or 3 for an elastic run (``min_np``/``max_np``).
+        max_preemptions: relaunch a run whose ranks stopped on a notice (SIGTERM to a rank, a
+            decommissioned executor, a resize) after their checkpoint up to this many times,
+            counted apart from ``max_retries`` (default 10: each costs at most a step).
     """
 
     output_dir: str = "runs"
@@ -217,13 +228,17 @@ class RunConfig:
     timeline: bool = False
     mlflow: Union[None, bool, str] = None
     driver_log_verbosity: str = "rank0"
-    max_retries: int = 0
+    max_retries: Optional[int] = None
+    max_preemptions: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_verbosity(self.driver_log_verbosity)
-        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or \
-                self.max_retries < 0:
-            raise ValueError(f"max_retries must be an int >= 0; got {self.max_retries!r}")
+        for name in ("max_retries", "max_preemptions"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ValueError(f"{name} must be an int >= 0 (or None: the default); "
+                                 f"got {value!r}")
         object.__setattr__(self, "storage_options", _frozen_map(self.storage_options))
 
     def __repr__(self) -> str:  # storage_options hold credentials: never shown

@@ -218,13 +218,16 @@ def check_slots(target, np: int, *, wait_s: float = 0.0, ranks_per_task: int = 1
     return _free_enough(target, found, np, ranks_per_task, busy_wait_s)
 
 
-def busy_slots(sc) -> tuple[int, list[str]]:
+def busy_slots(sc, ignore: frozenset = frozenset()) -> tuple[int, list[str]]:
     """How many task slots other jobs' running tasks hold now, and those jobs (``job 3
-    'description'``), from Spark's status tracker. ``(0, [])`` where it cannot tell."""
+    'description'``), from Spark's status tracker. ``(0, [])`` where it cannot tell.
+    ``ignore``: job ids not to count (a run's own attempt that is ending)."""
     try:
         tracker = sc.statusTracker()
         busy, jobs = 0, []  # a running task holds one slot
         for job_id in tracker.getActiveJobsIds():
+            if job_id in ignore:
+                continue
             info = tracker.getJobInfo(job_id)
             running = sum(getattr(tracker.getStageInfo(stage), "numActiveTasks", 0) or 0
                           for stage in (info.stageIds if info else []))

@@ -278,9 +278,12 @@ def _run_ranks(procs: list[RankProcess], channel: Optional[_Channel]) -> list[Op
             channel.send(protocol.Heartbeat(rank=procs[0].rank))
 
     def watch_driver(channel: _Channel) -> None:  # an abort, or a lost driver, ends the ranks
-        while isinstance(channel.receive(), protocol.DumpStacks):
+        while isinstance(msg := channel.receive(), (protocol.DumpStacks, protocol.Notice)):
             for proc in procs:
-                proc.request_stacks()
+                if isinstance(msg, protocol.Notice):
+                    proc.notice()
+                else:
+                    proc.request_stacks()
         if not done.is_set():
             for proc in procs:
                 proc.terminate()
@@ -300,7 +303,7 @@ def _run_ranks(procs: list[RankProcess], channel: Optional[_Channel]) -> list[Op
                 if codes[i] is None and proc.poll() is not None:
                     proc.finish()
                     codes[i] = proc.poll()
-                    if codes[i] and failed_at is None:
+                    if codes[i] and codes[i] != protocol.PREEMPTED_EXIT and failed_at is None:
                         failed_at = time.monotonic()
                     if channel is not None:
                         channel.send(protocol.Exit(rank=proc.rank, code=codes[i]))

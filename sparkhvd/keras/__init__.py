@@ -19,9 +19,12 @@ __side__ = "public"
 
 _CALLBACKS = ("BroadcastInitialState", "EpochProgress", "LearningRateWarmup", "MetricAverage",
               "RankZeroCheckpoint", "RunFolderTensorBoard", "latest_checkpoint", "warmup_lr")
-__all__ = ["KerasDistributed", *_CALLBACKS, "in_strategy", "StrategyMissingError",
+#: an elastic run's old and new world size; the exception of a rank stopped on a notice
+_ELASTIC = ("world_size_change", "WorldSizeChange", "Preempted")
+__all__ = ["KerasDistributed", *_CALLBACKS, *_ELASTIC, "in_strategy", "StrategyMissingError",
            "model_bytes", "checkpoint_bytes"]
 __getattr__, __dir__ = lazy_face(__name__, {
     "KerasDistributed": "distributed", **{name: "callbacks" for name in _CALLBACKS},
+    **{name: "distributed" for name in _ELASTIC},
     "in_strategy": "plain", "StrategyMissingError": "plain",
     "model_bytes": "modelio", "checkpoint_bytes": "modelio"})

@@ -210,8 +210,16 @@ class EpochProgress(tf.keras.callbacks.Callback):
 
 
 class RankZeroCheckpoint(tf.keras.callbacks.Callback):
-    """Rank 0 saves a checkpoint every ``every`` epochs: the model, the optimizer state and the
-    training state, atomically (see :mod:`sparkhvd.keras.checkpoints`).
+    """Rank 0 saves a checkpoint every ``every`` epochs -- and, with ``every_steps`` or
+    ``every_seconds``, in the middle of epochs -- the model, the optimizer state and the
+    training state, atomically (see :mod:`sparkhvd.keras.checkpoints`); after a *notice*
+    (SIGTERM: a node about to go, or the driver resizing the run) it saves after the step and
+    every rank stops (:class:`~sparkhvd.elastic.notices.Preempted`).
+
+    Checkpoints are named by the *data's* position: ``epoch-000N`` after N epochs,
+    ``epoch-000N-step-000000K`` after step K of the next. A run resumed in the middle of an
+    epoch (``start``) reads the rest of that epoch first, so its Keras epochs end K steps into
+    the data's; its last epoch stops K steps early, where the data's last epoch ends.
 
     Args:
         url: a :class:`~sparkhvd.keras.checkpoints.CheckpointStore`, or a folder URL.
@@ -222,11 +230,26 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
             warm-up target...).
         write: whether this rank writes; with tf.distribute every worker takes part in saving
             (reading some variables is a collective) and only rank 0 writes.
+        every_steps: a mid-epoch checkpoint every this many steps of an epoch.
+        every_seconds: ... and/or when this many seconds passed since the last save (rank 0's
+            clock decides).
+        agree: ``(by_time, noticed) -> (by_time, noticed)`` the same on every rank (a small
+            collective after each step); None: this rank alone decides.
+        data: the ``DatasetShard`` whose ``tf_dataset`` feeds ``fit``: its position goes into
+            each checkpoint, counted from the steps trained (a prefetching pipeline runs ahead).
+        start: ``(epoch, samples)`` of the data where this fit starts (a restored
+            checkpoint's: rows of that epoch all ranks consumed).
+        collective: every rank takes part in saving (tf.distribute reads some variables
+            collectively); else only the writing rank serialises the model.
     """
 
     def __init__(self, url: Union[str, checkpoints.CheckpointStore], every: int = 1,
                  storage_options: Optional[dict] = None, keep: Optional[int] = None,
-                 state: Optional[Callable[[], dict]] = None, write: bool = True) -> None:
+                 state: Optional[Callable[[], dict]] = None, write: bool = True,
+                 every_steps: Optional[int] = None, every_seconds: Optional[float] = None,
+                 agree: Optional[Callable[[bool, bool], tuple[bool, bool]]] = None,
+                 data: Any = None, start: tuple[int, int] = (0, 0),
+                 collective: bool = False) -> None:
         super().__init__()
         self.store = url if isinstance(url, checkpoints.CheckpointStore) else \
             checkpoints.UrlStore(url, storage_options)
@@ -234,25 +257,93 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
         self.keep = keep
         self.state = state
         self.write = write
+        self.every_steps, self.every_seconds = every_steps, every_seconds
+        self.agree, self.data, self.start = agree, data, start
+        self.collective = collective
         self.saved: list[str] = []
+        self._epoch = start[0]
+        self._trained = 0  # steps since this fit began
+        self._in_epoch = 0  # steps of the current Keras epoch
+        self._last_save = time.monotonic()
+        self._stop_at_epoch_end = False  # a notice at an epoch's last step
+
+    def position(self) -> tuple[int, int, int]:
+        """``(epoch, samples, step)`` of the data now: epochs done, then rows of the next one
+        consumed by all ranks and steps into it. Counted from the steps trained (``data``'s
+        own position runs ahead of the model by what the input pipeline prefetched)."""
+        now = self.data.state_dict() if self.data is not None else None
+        if not now or not now.get("batch_size"):
+            return self._epoch, 0, self._in_epoch
+        batch = int(now["batch_size"]) * int(now.get("world_size") or 1)
+        rows = int(now["num_rows"])
+        epoch, samples = self.start
+        first = max(0, rows - samples) // batch  # steps left in the epoch it started in
+        if self._trained < first:
+            samples += self._trained * batch
+        else:
+            epoch, step = divmod(self._trained - first, max(1, rows // batch))
+            epoch, samples = self.start[0] + 1 + epoch, step * batch
+        return epoch, samples, samples // batch
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self._epoch, self._in_epoch = epoch, 0
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        from sparkhvd.elastic.notices import noticed, stop
+
+        self._trained += 1
+        self._in_epoch += 1
+        epoch, _, step = self.position()
+        epochs = (self.params or {}).get("epochs")
+        if self.start[1] and epochs and (epoch, step) == (epochs, 0):
+            self.model.stop_training = True  # the data's last epoch ends here
+        by_steps = bool(self.every_steps and step and step % self.every_steps == 0)
+        by_time = bool(self.every_seconds and
+                       time.monotonic() - self._last_save >= self.every_seconds)
+        notice = noticed() is not None
+        if self.agree is not None:
+            by_time, notice = self.agree(by_time, notice)
+        if not (by_steps or by_time or notice) or not step:
+            if notice:  # at an epoch boundary: the epoch's own checkpoint follows, then stop
+                self._stop_at_epoch_end = True
+            return
+        name = self._save(epoch, step)
+        if notice:
+            raise stop(name)
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
-        if (epoch + 1) % self.every:
+        from sparkhvd.elastic.notices import stop
+
+        data_epoch, _, step = self.position() if self.data is not None else (epoch + 1, 0, 0)
+        stopping = self._stop_at_epoch_end
+        if (epoch + 1) % self.every and not stopping:
             return
+        name = self._save(data_epoch, step)
+        if stopping:
+            raise stop(name)
+
+    def _save(self, epoch: int, step: int) -> str:
         state = dict(self.state() if self.state else {})
         lr = getattr(self.model.optimizer, "learning_rate", None)
         if lr is not None and hasattr(lr, "numpy") and "lr" not in state:
             state["lr"] = float(lr.numpy())
-        name = checkpoints.save(self.store if self.write else checkpoints.DISCARD, self.model,
-                                epoch + 1, state)
+        if self.data is not None and self.data.state_dict() is not None:
+            data_epoch, samples, data_step = self.position()
+            state["data"] = {**self.data.state_dict(), "epoch": data_epoch, "samples": samples,
+                             "step": data_step}
+        name = checkpoints.checkpoint_name(epoch, step)
+        if self.write or self.collective:
+            name = checkpoints.save(self.store if self.write else checkpoints.DISCARD,
+                                    self.model, epoch, state, step)
+        self._last_save = time.monotonic()
         if not self.write:
-            return
+            return name
         self.saved.append(name)
-        if self.keep and len(self.saved) > self.keep:
-            old = self.saved.pop(0)
-            self.store.delete(old)
-            self.store.delete(old.rsplit(".", 1)[0] + ".optimizer.npz")
-            self.store.delete(old.rsplit(".", 1)[0] + ".json")
+        if self.keep:
+            from sparkhvd.runfolder.checkpoint_store import prune
+
+            prune(self.store, self.keep)
+        return name
 
 
 def latest_checkpoint(url: str, storage_options: Optional[dict] = None) -> Optional[tuple[int, str]]:

@@ -25,6 +25,7 @@ from sparkhvd.runfolder.checkpoint_store import (
     CheckpointStore,
     RunFolderStore,
     UrlStore,
+    checkpoint_name,
     latest,
     record_name,
     restore_newest,
@@ -58,14 +59,16 @@ def build_optimizer(optimizer: Any, model: Any) -> None:
         optimizer._create_all_weights(model.trainable_variables)
 
 
-def save(store: CheckpointStore, model: Any, epoch: int, state: dict) -> str:
-    """Write the checkpoint of ``epoch`` (model, optimizer, state), ``latest.json`` last."""
+def save(store: CheckpointStore, model: Any, epoch: int, state: dict, step: int = 0) -> str:
+    """Write the checkpoint of ``epoch`` (model, optimizer, state) -- after its ``step`` of the
+    next epoch, for a mid-epoch one -- ``latest.json`` last."""
     import numpy as np
 
     from sparkhvd.keras.modelio import checkpoint_bytes
 
     data, suffix = checkpoint_bytes(model)
-    name = f"epoch-{epoch:04d}{suffix}"
+    base = checkpoint_name(epoch, step)
+    name = f"{base}{suffix}"
     files = {name: data}
     info: dict = {"file": name, "state": state}
     optimizer = getattr(model, "optimizer", None)
@@ -74,10 +77,10 @@ def save(store: CheckpointStore, model: Any, epoch: int, state: dict) -> str:
         if variables:
             buffer = io.BytesIO()
             np.savez(buffer, **{f"v{i}": v.numpy() for i, v in enumerate(variables)})
-            info["optimizer"] = f"epoch-{epoch:04d}.optimizer.npz"
+            info["optimizer"] = f"{base}.optimizer.npz"
             info["optimizer_names"] = [v.name for v in variables]
             files[info["optimizer"]] = buffer.getvalue()
-    write_checkpoint(store, epoch, files, info)
+    write_checkpoint(store, epoch, files, info, step)
     return name
 
 

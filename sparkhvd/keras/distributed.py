@@ -23,6 +23,13 @@ import os
 from typing import Any, Optional, Sequence, Union
 
 from sparkhvd.common import protocol
+from sparkhvd.elastic.notices import (  # noqa: F401 - public in sparkhvd.keras
+    Preempted,
+    WorldSizeChange,
+    listen,
+    take_back,
+    world_size_change,
+)
 from sparkhvd.keras import checkpoints
 from sparkhvd.keras.callbacks import (
     BroadcastInitialState,
@@ -77,6 +84,14 @@ class _HorovodFlavour:
     def world(self) -> Any:
         return self.collectives
 
+    def agree(self, by_time: bool, notice: bool) -> tuple[bool, bool]:
+        """Rank 0's clock and any rank's notice, on every rank (one small allreduce)."""
+        import tensorflow as tf
+
+        flags = tf.constant([int(by_time and self.rank == 0), int(notice)], tf.int32)
+        total = self.collectives.allreduce(flags, op=self.collectives.Sum).numpy()
+        return bool(total[0]), bool(total[1])
+
 
 class _World:
     """What the warm-up needs to know of the world: its size."""
@@ -100,6 +115,8 @@ class _TFFlavour:
         from sparkhvd.keras.plain import multiworker_strategy
 
         self.strategy = multiworker_strategy()
+        take_back()  # the strategy's runtime took SIGTERM over: notices are ours
+        self._agree_fn: Any = None
         resolver = self.strategy.cluster_resolver
         self.rank = int(resolver.task_id or 0) if resolver is not None else 0
         self.size = int(self.strategy.num_replicas_in_sync)
@@ -118,6 +135,22 @@ class _TFFlavour:
 
     def world(self) -> Any:
         return _World(self.size)
+
+    def agree(self, by_time: bool, notice: bool) -> tuple[bool, bool]:
+        """Rank 0's clock and any rank's notice, on every worker (one small all-reduce)."""
+        import tensorflow as tf
+
+        if self._agree_fn is None:  # one traced function: an eager collective costs far more
+            strategy = self.strategy
+
+            @tf.function
+            def summed(flags: Any) -> Any:
+                return strategy.reduce(tf.distribute.ReduceOp.SUM,
+                                       strategy.run(tf.identity, args=(flags,)), axis=None)
+
+            self._agree_fn = summed
+        total = self._agree_fn(tf.constant([float(by_time and self.rank == 0), float(notice)]))
+        return bool(total[0] > 0), bool(total[1] > 0)
 
 
 class KerasDistributed:
@@ -152,9 +185,19 @@ class KerasDistributed:
         storage_options: credentials for checkpoint/resume URLs on remote storage (rank 0).
         backend: ``"horovod"`` or ``"tf"``; default: what ``HorovodRunner(backend=...)`` set.
         hvd: (Horovod) the horovod Keras module (default ``horovod.tensorflow.keras``).
-        data: the ``DatasetShard`` whose ``tf_dataset`` feeds ``fit``: a resumed run's data
-            then continues the global order at the restored epoch (without it, epoch N of a
-            resumed run reads epoch 0's order). Keras checkpoints are taken at epoch ends.
+        data: the ``DatasetShard`` whose ``tf_dataset`` feeds ``fit``: its position goes into
+            every checkpoint, so a resumed run's data continues the global order where the
+            checkpoint was taken -- in the middle of an epoch too, with any number of ranks
+            (without it, epoch N of a resumed run reads epoch 0's order, and a mid-epoch
+            checkpoint resumes at the start of its epoch).
+        every_steps: also a checkpoint every this many steps of an epoch.
+        every_seconds: ... and/or when this many seconds passed since the last one.
+        keep: keep only the newest this many checkpoints.
+
+    In a sparkhvd run the checkpoints also *listen for notices*: SIGTERM to any rank (a node
+    about to be reclaimed) or the driver resizing the run makes every rank save after its
+    step and stop (the run relaunches from that checkpoint). This costs one small collective
+    per step (:meth:`agree`).
     """
 
     def __init__(self, *, epochs: int, batch_size: Optional[int] = None,
@@ -162,7 +205,8 @@ class KerasDistributed:
                  checkpoint: Union[bool, str] = True, resume: Union[None, bool, str] = None,
                  average_metrics: bool = True, progress: bool = True, tensorboard: bool = False,
                  storage_options: Optional[dict] = None, backend: Optional[str] = None,
-                 hvd: Any = None, data: Any = None) -> None:
+                 hvd: Any = None, data: Any = None, every_steps: Optional[int] = None,
+                 every_seconds: Optional[float] = None, keep: Optional[int] = None) -> None:
         backend = backend or os.environ.get(protocol.BACKEND_ENV) or "horovod"
         if backend not in ("horovod", "tf"):
             raise ValueError(f"backend must be 'horovod' or 'tf'; got {backend!r}")
@@ -189,6 +233,15 @@ class KerasDistributed:
         self.tensorboard = tensorboard
         self.storage_options = storage_options
         self.data = data
+        for name, value in (("every_steps", every_steps), ("keep", keep)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be a positive int or None; got {value!r}")
+        if every_seconds is not None and not every_seconds > 0:
+            raise ValueError(f"every_seconds must be a positive number or None; got "
+                             f"{every_seconds!r}")
+        self.every_steps, self.every_seconds, self.keep = every_steps, every_seconds, keep
+        self.start: tuple[int, int] = (0, 0)
         files = run_files()
         self.checkpoint_store: Optional[checkpoints.CheckpointStore]
         if checkpoint is True:
@@ -199,6 +252,8 @@ class KerasDistributed:
         else:
             self.checkpoint_store = None
         self.resume_store = resume_store(resume, self.checkpoint_store, storage_options)
+        if self.checkpoint_store is not None:
+            listen()  # in a sparkhvd rank, a notice now becomes a checkpoint after the step
         self.initial_epoch = 0
         self.state: dict = {}
         self.warmup: Optional[LearningRateWarmup] = None
@@ -242,14 +297,30 @@ class KerasDistributed:
                     announce_resume(self.resume_store)
             else:
                 epoch, state = int(info["epoch"]), dict(info.get("state") or {})
+                step = int(info.get("step") or 0)
+                state["step"] = step
                 if self.rank == 0:
-                    announce_resume(self.resume_store, info["file"], epoch, problems)
+                    announce_resume(self.resume_store, info["file"], epoch, problems, step)
         if self.resume_store is not None:
             epoch, state = self.flavour.share((epoch, state))
         self.initial_epoch, self.state = int(epoch), dict(state)
-        if self.data is not None and self.initial_epoch:
-            self.data.load_state_dict({"epoch": self.initial_epoch, "samples": 0})
+        step = int(self.state.pop("step", 0) or 0)
+        position = self.state.pop("data", None)
+        samples = int(position.get("samples") or 0) if step and position else 0
+        if self.data is not None and (self.initial_epoch or samples):
+            self.data.load_state_dict(position if samples else
+                                      {"epoch": self.initial_epoch, "samples": 0})
+        if step and self.data is None:
+            log.warning("sparkhvd: the checkpoint was taken after step %d of epoch %d; without "
+                        "KerasDistributed(data=...) the run resumes at the start of that epoch "
+                        "(those steps are trained again)", step, self.initial_epoch + 1)
+        self.start = (self.initial_epoch, samples if self.data is not None else 0)
         return self.initial_epoch
+
+    def agree(self, by_time: bool, notice: bool) -> tuple[bool, bool]:
+        """Whether to checkpoint now, the same on every rank: rank 0's clock decides
+        ``by_time``, any rank's notice is everyone's."""
+        return self.flavour.agree(by_time, notice)
 
     def _checkpoint_state(self) -> dict:
         return {"warmup_target_lr": self.warmup.target_lr if self.warmup else None}
@@ -265,10 +336,12 @@ class KerasDistributed:
         if self.rank == 0 and self.progress:
             gbs = self.batch_size * self.size if self.batch_size else None
             cbs.append(EpochProgress(self.epochs, gbs))
-        if self.checkpoint_store is not None and (self.rank == 0 or
-                                                  self.flavour.save_everywhere):
-            cbs.append(RankZeroCheckpoint(self.checkpoint_store, state=self._checkpoint_state,
-                                          write=self.rank == 0))
+        if self.checkpoint_store is not None:  # on every rank: they agree on when to save
+            cbs.append(RankZeroCheckpoint(
+                self.checkpoint_store, state=self._checkpoint_state, write=self.rank == 0,
+                keep=self.keep, every_steps=self.every_steps, every_seconds=self.every_seconds,
+                agree=self.agree if self.size > 1 else None, data=self.data, start=self.start,
+                collective=self.flavour.save_everywhere))
         if self.rank == 0 and self.tensorboard:
             cbs.append(RunFolderTensorBoard())
         return cbs

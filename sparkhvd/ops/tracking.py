@@ -73,6 +73,7 @@ class MlflowTracker:
         self.major = int(str(getattr(self.mlflow, "__version__", "2")).split(".")[0] or 2)
         self.run_id: Optional[str] = None
         self.model_id: Optional[str] = None  # MLflow 3's logged model, once logged
+        self._resizes = 0
         self._lock = threading.Lock()
 
     def start(self, run_dir: Any, params: Mapping[str, Any], kwargs: Mapping[str, Any]) -> None:
@@ -107,6 +108,27 @@ class MlflowTracker:
                 self.client.log_batch(self.run_id, metrics=batch)
             except Exception as exc:  # noqa: BLE001 - tracking must never stop training
                 log.warning("MLflow: could not log epoch %s: %s", step, redact(str(exc)))
+
+    def transition(self, entry: Mapping[str, Any]) -> None:
+        """A change of the run's state: the world size of every attempt as the metric
+        ``world_size`` (step = attempt), and each resize as a tag ``sparkhvd.resizeN``
+        ("3 -> 2: why, from checkpoint")."""
+        if self.run_id is None:
+            return
+        try:
+            if entry["state"] == "running":
+                self.client.log_metric(self.run_id, "world_size", float(entry["size"]),
+                                       step=int(entry["attempt"]))
+            elif entry["state"] == "resizing":
+                self._resizes += 1
+                text = f"{entry['from']} -> {entry['to']}: {entry['why']}"
+                if entry.get("checkpoint"):
+                    text += f", from checkpoint {entry['checkpoint']}"
+                self.client.set_tag(self.run_id, f"sparkhvd.resize{self._resizes}",
+                                    redact(text)[:500])
+        except Exception as exc:  # noqa: BLE001 - tracking must never stop training
+            log.warning("MLflow: could not record the run's %s: %s", entry.get("state"),
+                        redact(str(exc)))
 
     def finish(self, run_dir: Any, status: str) -> None:
         """Artifacts from the run folder, then the run's final status."""

@@ -19,6 +19,8 @@ from sparkhvd.common.errors import PayloadError
 from sparkhvd.common.identity import current_rank
 from sparkhvd.common.netif import collective_iface_env
 from sparkhvd.common.proctree import become_subreaper, end_children, end_tree_on_term
+from sparkhvd.elastic.notices import Preempted
+from sparkhvd.elastic.notices import install as install_notices
 from sparkhvd.rank.arguments import open_argument
 from sparkhvd.rank.devices import apply_plan, detect_gpus, plan_rank
 from sparkhvd.rank.events import announce, emit, error_event, events
@@ -94,6 +96,8 @@ def rank_main(payload: bytes, wire_options: dict, *, pickle_result: bool = False
         keep = rank == 0 or options.return_all
         pickled = pickled_result(rank, result) if keep and (
             pickle_result or options.check_result) else None
+    except Preempted:  # reported by the helper that stopped; every rank exits the same way
+        raise SystemExit(protocol.PREEMPTED_EXIT) from None
     except BaseException as exc:
         emit(error_event(events.rank, exc))
         raise
@@ -107,14 +111,16 @@ def rank_main(payload: bytes, wire_options: dict, *, pickle_result: bool = False
 
 
 def _prepare_process(options: protocol.RankOptions, *, supervised: bool) -> None:
-    """Before the user's code: the environment it may see, the process tree it owns, the
-    rank announced, stacks on request, elastic resets followed, library noise quieted."""
+    """Before the user's code: the environment it may see, the process tree it owns, notices,
+    the rank announced, stacks on request, elastic resets followed, library noise quieted."""
     events.take_from_env()
     scrub_environment(list(options.env_keep))
     pick_gloo_iface()
     become_subreaper()
     if not supervised:  # no supervisor of ours (horovod's launcher): end our tree ourselves
         end_tree_on_term()
+    else:  # SIGTERM is a notice: a listening checkpoint helper turns it into a checkpoint
+        install_notices()
     announce(current_rank().rank)
     install_stacks()  # every thread's stack on request, however stuck the rank is
     if options.elastic:

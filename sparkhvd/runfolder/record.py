@@ -11,8 +11,8 @@ run_id, output        the run's id and (public) URL                             
 versions              sparkhvd, Python, pyspark, TF/Keras/torch/horovod              ``__init__``
 status                created, starting, succeeded, failed, timed out, stalled,      events
                       interrupted
-np, mode, backend,    what was asked (``local_ranks``: "host" or "task")             started
-ranks_per_task, ...
+np, mode, backend,    what was asked (``local_ranks``: "host" or "task"; ``min_np``,  started
+ranks_per_task, ...   ``max_np`` of an elastic run)
 launcher, session,    where it ran: launcher, Spark master/app, classic or connect,  placed
 spark_master, slots   the task slots seen
 resume                requested / restored / epoch / skipped, or a warning           resume_*,
@@ -20,8 +20,13 @@ resume                requested / restored / epoch / skipped, or a warning      
 mlflow                tracking URI (redacted), experiment, run id, model id          tracked
 timeline, control     the Horovod timeline's file; how reports came (live / rows)    launched
 stacks                the stack reports saved under logs/                            stacks_saved
-attempts              one entry per attempt: status, error, retryable, resumed_from,  attempt_ended
-                      restored, skipped, rank_pids, hosts, ended_at
+attempts              one entry per attempt: status, size, error, retryable,          attempt_ended
+                      preempted, resumed_from, restored, skipped, rank_pids, hosts,
+                      ended_at
+state, states         the run's state now, and every transition: state, at, why      transition
+                      (and the attempt, sizes, checkpoint)
+resizes               every change of the world size: from, to, why, checkpoint,     transition
+                      attempt
 rank_pids, pids,      the last attempt's rank -> pid, every pid, rank -> host        finished
 hosts
 error                 the error's type and first line                                finished
@@ -83,10 +88,11 @@ class RunRecord(Mapping[str, Any]):
 
     # -- the run's moments, in order ----------------------------------------------------------
     def started(self, *, np: int, mode: str, ranks_per_task: int, node_per_task: bool,
-                backend: str, function: str) -> None:
+                backend: str, function: str, **elastic: int) -> None:
+        """What was asked (``min_np=``, ``max_np=`` for an elastic run)."""
         self._write(status="starting", np=np, mode=mode, ranks_per_task=ranks_per_task,
                     local_ranks="task" if node_per_task else "host", backend=backend,
-                    function=function, started_at=now())
+                    function=function, started_at=now(), **elastic)
 
     def placed(self, launcher: str, **spark: Any) -> None:
         """Where the ranks go: the launcher, and the Spark session's master, app id, kind and
@@ -112,6 +118,17 @@ class RunRecord(Mapping[str, Any]):
     def stacks_saved(self, names: list[str]) -> None:
         if names:
             self._write(stacks=[*(self._fields.get("stacks") or []), *names])
+
+    def transition(self, entry: Mapping[str, Any]) -> None:
+        """The run entered a state (``entry``: state, at, why, ...); a resize is kept apart in
+        ``resizes`` too."""
+        fields: dict[str, Any] = {"state": entry["state"],
+                                  "states": [*(self._fields.get("states") or []), dict(entry)]}
+        if entry["state"] == "resizing":
+            fields["resizes"] = [*(self._fields.get("resizes") or []),
+                                 {k: entry.get(k) for k in
+                                  ("from", "to", "why", "checkpoint", "attempt", "at")}]
+        self._write(**fields)
 
     def attempt_ended(self, entry: Mapping[str, Any], resumed: Optional[Resumed]) -> None:
         """One more entry of ``attempts``, and what its ranks restored."""

@@ -192,6 +192,16 @@ class RunDir:
         folder = self.file("checkpoints")
         return folder if os.path.exists(os.path.join(folder, "latest.json")) else None
 
+    def newest_checkpoint(self) -> Optional[str]:
+        """The name of this run's newest complete checkpoint (``latest.json``'s file), if any."""
+        import json
+
+        try:
+            with open(os.path.join(self.file("checkpoints"), "latest.json")) as f:
+                return str(json.load(f).get("file") or "") or None
+        except (OSError, ValueError):
+            return None
+
     def save_result(self, result: Any) -> Optional[str]:
         """Keep what rank 0 returned: model bytes as ``model.h5``/``model.keras``/``model.pt``
         (TorchScript), a PyTorch ``state_dict`` as ``model.state_dict.pt``."""

@@ -21,19 +21,23 @@ from typing import Any
 
 from sparkhvd.torch.training import (
     Checkpoints,
+    Preempted,
     ShardedCheckpoints,
     TorchContext,
+    WorldSizeChange,
     model_bytes,
     output_dir,
     report,
     setup,
     unwrap,
+    world_size_change,
 )
 
 __side__ = "public"
 
-__all__ = ["Checkpoints", "ShardedCheckpoints", "TorchContext", "TorchDistributor",
-           "model_bytes", "output_dir", "report", "setup", "unwrap"]
+__all__ = ["Checkpoints", "Preempted", "ShardedCheckpoints", "TorchContext", "TorchDistributor",
+           "WorldSizeChange", "model_bytes", "output_dir", "report", "setup", "unwrap",
+           "world_size_change"]
 
 
 def __getattr__(name: str) -> Any:

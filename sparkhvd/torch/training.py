@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.identity import current_rank
+from sparkhvd.elastic.notices import Preempted, WorldSizeChange, listen, noticed, stop
+from sparkhvd.elastic.notices import world_size_change as _world_size_change
 from sparkhvd.rank.events import emit
 from sparkhvd.runfolder.checkpoint_store import (
     DISCARD,
@@ -184,6 +186,7 @@ class _CheckpointsBase:
         self.data = data
         self.every_steps, self.every_seconds, self.keep = every_steps, every_seconds, keep
         self.rank = current_rank().rank
+        listen()  # in a sparkhvd rank, a notice now becomes a checkpoint after the step
         self.store: Optional[CheckpointStore] = _store(url, storage_options)
         self.resume_from = resume_store(resume, self.store, storage_options)
         #: What :meth:`restore` loaded: ``extra`` state you saved, the epoch and the step.
@@ -194,18 +197,54 @@ class _CheckpointsBase:
     def step(self, epoch: int, **extra: Any) -> Optional[str]:
         """Call after each optimizer step (on every rank): writes a mid-epoch checkpoint when
         one is due -- every ``every_steps`` steps of the epoch and/or ``every_seconds`` since the
-        last save -- and returns its name on every rank (None when none was due). The step
-        number comes from ``data`` (its position) or is counted here."""
+        last save (rank 0's clock decides), or at once after a *notice* (SIGTERM to any rank:
+        its node is about to go, or the driver resizes the run; then every rank raises
+        :class:`~sparkhvd.elastic.notices.Preempted` after it, and the run relaunches) -- and
+        returns its name on every rank (None when none was due). The step number comes from
+        ``data`` (its position) or is counted here. One small collective per call agrees on
+        both."""
         done = self._steps_done(epoch)
-        due = bool(self.every_steps and done % self.every_steps == 0)
-        if not due and self.every_seconds:
-            due = self._agreed(time.monotonic() - self._last_save >= self.every_seconds)
-        if not due:
+        by_steps = bool(self.every_steps and done % self.every_steps == 0)
+        by_time = bool(self.every_seconds and
+                       time.monotonic() - self._last_save >= self.every_seconds)
+        by_time, notice = self._agree(by_time, noticed() is not None)
+        if not (by_steps or by_time or notice):
             return None
-        return self.save(epoch, step=done, **extra) or self._name(epoch, done)
+        return self._checkpoint(epoch, done, extra, notice) or self._name(epoch, done)
 
     def save(self, epoch: int, step: Optional[int] = None, **extra: Any) -> Optional[str]:
+        """After epoch ``epoch`` (0-based), or after its step ``step`` (1-based: steps done):
+        write the checkpoint (see the class). After a notice, every rank then raises
+        :class:`~sparkhvd.elastic.notices.Preempted`."""
+        _, notice = self._agree(False, noticed() is not None)
+        return self._checkpoint(epoch, step, extra, notice)
+
+    def _checkpoint(self, epoch: int, step: Optional[int], extra: dict,
+                    notice: bool) -> Optional[str]:
+        name = self._write(epoch, step, extra)
+        if notice:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()  # every rank's part is in before any rank leaves
+            raise stop(name or self._name(epoch + 1 if not step else epoch, step or 0))
+        return name
+
+    def _write(self, epoch: int, step: Optional[int], extra: dict) -> Optional[str]:
         raise NotImplementedError  # each kind writes its own
+
+    def _agree(self, by_time: bool, notice: bool) -> tuple[bool, bool]:
+        """Whether to checkpoint now, the same on every rank: rank 0's clock decides
+        ``by_time``, any rank's notice is everyone's -- one 2-element all_reduce (on a gloo
+        group beside an nccl one, so no GPU sync)."""
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return by_time, notice
+        flags = torch.tensor([int(by_time and self.rank == 0), int(notice)], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=_flag_group())
+        return bool(flags[0]), bool(flags[1])
 
     def _name(self, epoch: int, step: int) -> str:
         """The name :meth:`save` gives a mid-epoch checkpoint of ``epoch`` after ``step``."""
@@ -218,10 +257,6 @@ class _CheckpointsBase:
         counted_epoch, steps = self._counted
         self._counted = (epoch, steps + 1 if counted_epoch == epoch else 1)
         return self._counted[1]
-
-    def _agreed(self, due: bool) -> bool:
-        """Whether every rank saves now: rank 0's clock decides where saving is a collective."""
-        return due
 
     def _saved(self) -> None:
         """After a save: the clock restarts; rank 0 prunes to the newest ``keep``."""
@@ -291,9 +326,8 @@ class Checkpoints(_CheckpointsBase):
     def _name(self, epoch: int, step: int) -> str:
         return f"{checkpoint_name(epoch, step)}.pt"
 
-    def save(self, epoch: int, step: Optional[int] = None, **extra: Any) -> Optional[str]:
-        """After epoch ``epoch`` (0-based), or after its step ``step`` (1-based: steps done):
-        rank 0 writes the checkpoint; other ranks return."""
+    def _write(self, epoch: int, step: Optional[int], extra: dict) -> Optional[str]:
+        """Rank 0 writes the checkpoint; other ranks return."""
         import torch
 
         if self.rank != 0 or self.store is None:
@@ -368,18 +402,6 @@ class ShardedCheckpoints(_CheckpointsBase):
     Call :meth:`save` and :meth:`restore` on every rank (they are collectives).
     """
 
-    def _agreed(self, due: bool) -> bool:
-        import torch
-        import torch.distributed as dist
-
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return due
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend() == "nccl" else torch.device("cpu")
-        flag = torch.tensor([int(due)], device=device)
-        dist.broadcast(flag, 0)  # one tiny collective per step, with every_seconds only
-        return bool(flag.item())
-
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -390,9 +412,8 @@ class ShardedCheckpoints(_CheckpointsBase):
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optimizer": optim_state}
 
-    def save(self, epoch: int, step: Optional[int] = None, **extra: Any) -> Optional[str]:
-        """After epoch ``epoch`` (0-based), or after its step ``step``, on every rank: the
-        checkpoint's folder name."""
+    def _write(self, epoch: int, step: Optional[int], extra: dict) -> Optional[str]:
+        """Every rank's shards, then rank 0's commit: the checkpoint's folder name."""
         import shutil
         import tempfile
 
@@ -475,6 +496,35 @@ class ShardedCheckpoints(_CheckpointsBase):
         return epoch
 
 
+_FLAG_GROUPS: dict = {}
+
+
+def _flag_group() -> Any:
+    """The process group the checkpoint helpers agree in: the default one on gloo, a gloo group
+    beside it on nccl (made once, by every rank at its first agreement)."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        return None
+    key = id(dist.distributed_c10d._get_default_group())
+    if key not in _FLAG_GROUPS:
+        _FLAG_GROUPS[key] = dist.new_group(backend="gloo")
+    return _FLAG_GROUPS[key]
+
+
+def world_size_change() -> WorldSizeChange:
+    """``(before, now)``: the world size of the attempt before this one and of this one, after
+    an elastic run resized (equal otherwise). The usual rules, for data-parallel SGD::
+
+        change = st.world_size_change()
+        lr = base_lr * ctx.world_size            # per-sample rule: re-derived from the size
+        per_rank_batch = global_batch // ctx.world_size   # or: keep the global batch
+
+    ``change.factor`` (now / before) rescales a value computed for the old size.
+    """
+    return _world_size_change()
+
+
 def output_dir(name: str) -> str:
     """A folder for files a library writes itself -- Lightning's ``default_root_dir``,
     Hugging Face ``TrainingArguments(output_dir=...)`` -- that ends up in the run folder as
@@ -522,5 +572,5 @@ def model_bytes(model: Any, example_input: Any = None) -> bytes:
 
 
 __all__ = ["TorchContext", "setup", "unwrap", "report", "Checkpoints", "ShardedCheckpoints",
-           "output_dir", "model_bytes"]
+           "output_dir", "model_bytes", "world_size_change", "WorldSizeChange", "Preempted"]
 

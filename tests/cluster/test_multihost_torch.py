@@ -110,3 +110,64 @@ def test_sharded_checkpoints_and_library_checkpoints_from_hosts_that_cannot_see_
     hf.run(torch_clients.hf_trainer, output_dir="hf", save_steps=5)
     saved = os.listdir(hf.last_run_dir.file("hf"))
     assert {"checkpoint-5", "checkpoint-10"} <= set(saved), saved
+
+
+def test_an_elastic_run_loses_a_host_goes_on_with_two_and_grows_back(
+        cluster_spark, netns_cluster, cluster_azurite, tmp_path, rank_lines):
+    """np=3, min_np=2 on three hosts: a host dies mid-epoch -> the run relaunches from its
+    newest step checkpoint with the 2 hosts left (never waiting for the lost one); the host
+    comes back -> the run grows back to 3 at its next step. Every id once per epoch (the steps
+    since the checkpoint, lost with the host, are trained again, not counted twice)."""
+    import elastic_training as et
+    from conftest import wait_for
+    from sparkhvd import DataFrameDataset
+
+    n = 403
+    df = cluster_spark.range(n).selectExpr(
+        "id", "array(CAST(id % 7 AS FLOAT), CAST(id % 5 AS FLOAT), 1.0F) AS x",
+        "CAST(id % 7 + 2 * (id % 5) AS FLOAT) AS y")
+    lost: dict = {}
+
+    def trouble():
+        def mid_epoch():
+            ranks = et.read_lines(rank_lines).get(0, {})
+            return len(ranks) == 3 and all(any(e == 1 and s >= 5 for e, s, _ in r["steps"])
+                                           for r in ranks.values())
+        assert wait_for(mid_epoch, 240, 0.2)
+        lost["host"] = "h3"
+        netns_cluster.kill_host("h3")
+        assert wait_for(lambda: len(et.read_lines(rank_lines).get(1, {})) == 2, 240, 0.2)
+        netns_cluster.restore_host("h3")
+
+    thread = threading.Thread(target=trouble, daemon=True)
+    try:
+        with DataFrameDataset(df, ["x", "id"], "y", cache_url=cluster_azurite.url(
+                "cache", "elastic"), storage_options=cluster_azurite.options()) as ds:
+            runner = HorovodRunner(np=3, min_np=2, max_np=3, resize_check_s=2,
+                                   spark=cluster_spark, backend="torch",
+                                   driver_log_verbosity="all", output_dir=str(tmp_path / "runs"))
+            thread.start()
+            result = runner.run(et.train_ids, data=ds, epochs=3, log_dir=None,
+                                step_s=0.25, every_steps=2)
+        thread.join(60)
+        record = runner.last_run_dir.record
+        assert [a["size"] for a in record["attempts"]] == [3, 2, 3], record["attempts"]
+        first, second = record["resizes"]
+        assert (first["from"], first["to"]) == (3, 2) and "h3" in first["why"], first
+        assert (second["from"], second["to"]) == (2, 3) and "growing" in second["why"]
+        assert result == {"world": 3, "change": (2, 3)}
+        restored = record["attempts"][1]["restored"].rsplit("/", 1)[-1]
+        name = restored.rsplit(".", 1)[0]
+        epoch, step = int(name.split("-")[1]), int(name.rsplit("-", 1)[1])
+        logs = et.read_lines(rank_lines)
+        for entry in logs[0].values():  # lost with the host: trained again after the restore
+            entry["steps"] = [(e, s, i) for e, s, i in entry["steps"]
+                              if e < epoch or (e == epoch and s <= step)]
+        for e in range(3):
+            ids = et.ids_of_epoch(logs, e)
+            assert len(ids) == len(set(ids)), f"epoch {e}: an id trained twice"
+            assert set(ids) <= set(range(n)) and n - len(ids) < 3 * 4, f"epoch {e}"
+    finally:
+        thread.join(60)
+        if "host" in lost and netns_cluster.alive_workers() < 3:
+            netns_cluster.restore_host(lost["host"])

@@ -84,8 +84,10 @@ def test_horovod_spark_run_is_refused_with_the_fix(connect):
     assert choose_launcher("auto", view) == "barrier"
     with pytest.raises(ValueError, match="needs a SparkContext; this is a Spark Connect"):
         choose_launcher("horovod", view)
-    with pytest.raises(ValueError, match="Elastic training runs on horovod.spark.run"):
+    with pytest.raises(ValueError, match="Elastic horovod training runs on horovod.spark.run"):
         choose_launcher("auto", view, elastic=(1, 2))
+    # torch and tf elastic runs relaunch on the barrier launcher, on Connect too
+    assert choose(LaunchFacts("torch", "auto", True).with_session(view)) == "barrier"
 
 
 def test_unreachable_control_channel_still_ends_well(connect, tmp_path, monkeypatch,

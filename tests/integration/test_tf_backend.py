@@ -154,6 +154,86 @@ def test_a_keras_resume_continues_the_data_order(spark, tmp_path):
     assert resumed["position"]["samples"] >= 256 // 32 * 32
 
 
+def _fit_logged(train, epochs, log_dir):
+    """KerasDistributed with step checkpoints every 3 steps; a callback logs each step as
+    ``attempt epoch step`` (Keras' own epoch and step) to ``<log_dir>/rank-N.txt``."""
+    import os
+    import time
+
+    import tensorflow as tf
+
+    from sparkhvd.keras import KerasDistributed
+
+    kd = KerasDistributed(epochs=epochs, batch_size=8, data=train, every_steps=3, keep=2)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or \
+        str(len([f for f in os.listdir(log_dir) if f.startswith(f"pid-{kd.rank}-")]))
+    open(os.path.join(log_dir, f"pid-{kd.rank}-{os.getpid()}"), "w").close()
+    log = open(os.path.join(log_dir, f"rank-{kd.rank}.txt"), "a")
+
+    class Steps(tf.keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            log.write(f"{attempt} {self.epoch} {batch + 1}\n")
+            log.flush()
+            time.sleep(0.1)  # time for the test to send its notice mid-epoch
+
+    with kd.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Input((1,)), tf.keras.layers.Dense(1)])
+        model.compile(optimizer=kd.optimizer(tf.keras.optimizers.SGD(0.0001)), loss="mse")
+    with train.tf_dataset(8, shuffle=True, seed=2) as ds:
+        kwargs = kd.fit_kwargs(model, callbacks=[Steps()])
+        model.fit(ds, steps_per_epoch=train.steps_per_epoch(8), **kwargs)
+    return {"initial_epoch": kwargs["initial_epoch"], "start": list(kd.start)}
+
+
+def test_a_notice_to_a_keras_rank_costs_at_most_one_step_and_resumes_mid_epoch(spark,
+                                                                               tmp_path):
+    """SIGTERM to rank 1 mid-epoch: both ranks save after the step (a step checkpoint with the
+    data's position), stop as preempted, and the relaunch continues in the middle of that
+    epoch -- the run trains exactly as many steps as an uninterrupted one, plus at most one."""
+    import signal
+    import threading
+
+    from conftest import wait_for
+
+    df = spark.range(320).selectExpr("CAST(id AS FLOAT) / 320 AS x", "CAST(id AS FLOAT) AS y")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def lines(rank):
+        path = logs / f"rank-{rank}.txt"
+        return [tuple(int(w) for w in line.split()) for line in open(path)] \
+            if path.exists() else []
+
+    def notice():
+        assert wait_for(lambda: any(e == 1 and s >= 5 for _, e, s in lines(1)), 240, 0.1)
+        pid = next(int(f.split("-")[2]) for f in os.listdir(logs) if f.startswith("pid-1-"))
+        os.kill(pid, signal.SIGTERM)
+
+    thread = threading.Thread(target=notice, daemon=True)
+    with DataFrameDataset(df, "x", "y") as train:
+        runner = HorovodRunner(np=2, spark=spark, backend="tf", output_dir=str(tmp_path / "r"))
+        thread.start()
+        result = runner.run(_fit_logged, train=train, epochs=3, log_dir=str(logs))
+    thread.join(5)
+    record = runner.last_run_dir.record
+    first, second = record["attempts"]
+    assert first["status"] == "preempted" and second["status"] == "succeeded", first
+    checkpoint = first["preempted"]["checkpoint"]
+    assert checkpoint.startswith("epoch-0001-step-"), checkpoint
+    step = int(checkpoint.split("-")[-1].split(".")[0])
+    per_epoch = 320 // 2 // 8
+    assert result == {"initial_epoch": 1, "start": [1, step * 16]}
+    for rank in (0, 1):
+        ran = lines(rank)
+        before = [s for a, e, s in ran if a == 0 and e == 1]
+        assert max(before) - step <= 1, f"rank {rank}: steps {step + 1}..{max(before)} redone"
+        after = [(e, s) for a, e, s in ran if a == 1]
+        assert len(after) == 3 * per_epoch - (per_epoch + step), "the rest of the run, once"
+
+
 def test_the_demo_job_on_a_standalone_cluster(standalone, tmp_path):
     sparkhvd_cli = os.path.join(os.path.dirname(sys.executable), "sparkhvd")
     job = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "train_digits.py")
@@ -168,8 +248,9 @@ def test_the_demo_job_on_a_standalone_cluster(standalone, tmp_path):
 
 
 def test_horovod_only_options_are_refused_on_tf():
-    with pytest.raises(ValueError, match="min_np/max_np .* need backend='horovod'"):
-        HorovodRunner(np=3, min_np=2, backend="tf")
+    assert HorovodRunner(np=3, min_np=2, backend="tf").elastic == (2, 3)  # relaunched, not horovod's
+    with pytest.raises(ValueError, match="launcher='horovod' need backend='horovod'"):
+        HorovodRunner(np=3, launcher="horovod", backend="tf")
     with pytest.raises(ValueError, match="timeline=True need backend='horovod'"):
         HorovodRunner(np=2, timeline=True, backend="tf")
     with pytest.raises(ValueError, match="backend must be one of"):

@@ -122,10 +122,24 @@ def test_the_retry_policy_alone_decides(max_retries, attempt, failed, retryable,
         failure = (LaunchFailure(0, None, "gone", vanished=True) if retryable else
                    LaunchFailure(0, 1, "exited"))
         verdict = _classify(failure, [] if retryable else [_raised(0)])
-    policy = RetryPolicy(max_retries)
-    assert policy.attempts == max_retries + 1
-    assert policy.decide(attempt, failed, verdict) == decision
+    policy = RetryPolicy(max_retries, retries=attempt - 1)
+    assert policy.decide(failed, verdict) == decision
 
 
 def test_a_stall_or_any_failure_without_a_verdict_is_raised():
-    assert RetryPolicy(5).decide(1, True, None) == "raise"
+    assert RetryPolicy(5).decide(True, None) == "raise"
+
+
+def test_preemptions_and_losses_have_their_own_budgets():
+    """A notice's preempted exit uses max_preemptions, a lost rank max_retries; a grow the
+    driver asked for uses neither. Elastic runs get 3 retries unless they say otherwise."""
+    preempted = _classify(LaunchFailure(1, 75, "stopped on a notice", preempted=True), [])
+    lost = _classify(LaunchFailure(0, None, "gone", vanished=True), [])
+    assert preempted.preempted and preempted.retryable and not lost.preempted
+    policy = RetryPolicy(max_retries=1, max_preemptions=2)
+    assert [policy.decide(True, preempted) for _ in range(3)] == ["retry", "retry", "raise"]
+    assert policy.decide(True, lost) == "retry" and policy.decide(True, lost) == "raise"
+    assert RetryPolicy(0, 0).decide(True, preempted, planned=True) == "retry"
+    assert RetryPolicy.of(None, None, elastic=True).max_retries == 3
+    assert RetryPolicy.of(None, None, elastic=False).max_retries == 0
+    assert RetryPolicy.of(0, 4, elastic=True) == RetryPolicy(0, 4)

@@ -200,9 +200,14 @@ class LaunchFacts:
 
     @property
     def horovod_only(self) -> list[str]:
-        return [name for name, used in (("min_np/max_np (elastic)", self.elastic),
-                                        ("launcher='horovod'", self.requested == "horovod"),
+        return [name for name, used in (("launcher='horovod'", self.requested == "horovod"),
                                         ("timeline=True", self.timeline)) if used]
+
+    @property
+    def horovod_elastic(self) -> bool:
+        """An elastic run on horovod's own elastic mode (``horovod.spark.run_elastic``); the
+        other backends' elastic runs relaunch on the barrier launcher."""
+        return self.elastic and self.backend == "horovod"
 
 
 def _dynamic_why(f: LaunchFacts) -> str:
@@ -222,14 +227,16 @@ RULES: tuple[tuple[Callable[[LaunchFacts], bool], Callable[[LaunchFacts], str]],
     (lambda f: f.backend != "horovod" and bool(f.horovod_only),
      lambda f: f"{' and '.join(f.horovod_only)} need backend='horovod'; backend={f.backend!r} "
                "runs on sparkhvd's barrier launcher (see docs/guides/backends.md)."),
-    (lambda f: f.requested == "barrier" and f.elastic,
-     lambda f: "Elastic training (min_np/max_np) runs on horovod.spark.run_elastic; use "
-               "launcher='auto' or 'horovod'."),
-    (lambda f: bool(f.connect) and (f.requested == "horovod" or f.elastic),
-     lambda f: f"{'Elastic training' if f.elastic else 'launcher=' + repr(f.requested)} runs on "
-               "horovod.spark.run, which needs a SparkContext; this is a Spark Connect session, "
-               "which has none. Fix: launcher='auto' (sparkhvd's barrier stage works on Connect) "
-               "without min_np/max_np, or a classic session."),
+    (lambda f: f.requested == "barrier" and f.horovod_elastic,
+     lambda f: "Elastic training (min_np/max_np) on backend='horovod' runs on "
+               "horovod.spark.run_elastic; use launcher='auto' or 'horovod' (or backend='torch'/"
+               "'tf', whose elastic runs relaunch on the barrier launcher)."),
+    (lambda f: bool(f.connect) and (f.requested == "horovod" or f.horovod_elastic),
+     lambda f: f"{'Elastic horovod training' if f.horovod_elastic else 'launcher=' + repr(f.requested)}"
+               " runs on horovod.spark.run, which needs a SparkContext; this is a Spark Connect "
+               "session, which has none. Fix: launcher='auto' (sparkhvd's barrier stage works on "
+               "Connect), with backend='torch' or 'tf' for an elastic run, or a classic "
+               "session."),
     (lambda f: bool(f.dynamic) and (f.backend != "horovod" or bool(f.connect)), _dynamic_why),
     (lambda f: bool(f.dynamic) and f.requested == "barrier",
      lambda f: "launcher='barrier' cannot run with spark.dynamicAllocation.enabled=true (Spark "
@@ -252,4 +259,4 @@ def choose_launcher(facts: LaunchFacts) -> str:
         return "barrier"  # the barrier stage is the only way
     if facts.requested in ("barrier", "horovod"):
         return facts.requested
-    return "horovod" if (facts.elastic or facts.dynamic) else "barrier"
+    return "horovod" if (facts.horovod_elastic or facts.dynamic) else "barrier"

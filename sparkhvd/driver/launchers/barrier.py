@@ -43,7 +43,7 @@ from sparkhvd.common.identity import RankIdentity
 from sparkhvd.common.netif import collective_iface_env
 from sparkhvd.common.protocol import TaskSpec, rank_slots, task_slots
 from sparkhvd.driver.launchers import LaunchSpec, Sink
-from sparkhvd.driver.launchers.base import SPARK_TIMEOUT, stopper, watch
+from sparkhvd.driver.launchers.base import SPARK_TIMEOUT, preempted_now, stopper, watch
 from sparkhvd.driver.payload import load_result
 from sparkhvd.driver.sparkview import stopped_session_error
 
@@ -208,6 +208,18 @@ class ControlServer(socketserver.ThreadingTCPServer):
         with self.cond:
             tasks = list(self.tasks.values())
         failed = [(*f, t) for t in tasks for f in t.failed()]
+        preempted = preempted_now([f[:3] for f in failed],
+                                  any(t.ended_at is None and len(t.codes) < len(t.ranks)
+                                      for t in tasks))
+        if preempted is None:
+            return None  # the others are finishing the same step
+        if preempted:
+            _, rank, code, task = min(failed, key=lambda f: f[0])
+            return LaunchFailure(rank, code, f"rank {rank} (Spark partition "
+                                 f"{task.info.partition} on host {task.info.host}) stopped on a "
+                                 "notice after its checkpoint", host=task.info.host,
+                                 preempted=True)
+        failed = [f for f in failed if f[2] != protocol.PREEMPTED_EXIT] or failed
         if failed:
             _, rank, code, task = min(failed, key=lambda f: (f[0], f[2] is None))
             where = f"rank {rank} (Spark partition {task.info.partition} on host " \
@@ -236,6 +248,16 @@ class ControlServer(socketserver.ThreadingTCPServer):
             conns = [t.conn for t in self.tasks.values()
                      if t.conn is not None and t.ended_at is None]
         data = protocol.encode(protocol.DumpStacks())
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.sendall(data)
+
+    def notify(self, reason: str) -> None:
+        """Give every task's ranks a notice: they checkpoint after their step, then stop."""
+        with self.cond:
+            conns = [t.conn for t in self.tasks.values()
+                     if t.conn is not None and t.ended_at is None]
+        data = protocol.encode(protocol.Notice(reason=reason))
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.sendall(data)
@@ -331,7 +353,7 @@ class BarrierLauncher:
         stop = stopper(cancel, sink)
         monitor = getattr(sink, "monitor", None)
         if monitor is not None:
-            monitor.reach_ranks(server.ask_stacks)
+            monitor.reach_ranks(server.ask_stacks, server.notify)
         try:
             collected = watch(target, timeout=spec.time_left(), check=check, stop=stop,
                               name="sparkhvd-barrier",

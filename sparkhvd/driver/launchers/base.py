@@ -21,6 +21,27 @@ __side__ = "driver"
 
 log = logging.getLogger(__name__)
 
+#: After one rank stopped on a notice, how long the others get to stop the same way (they
+#: finish the same step and checkpoint) before the attempt ends without them.
+PREEMPT_GRACE_S = 60.0
+
+
+def preempted_now(exits: list[tuple[float, int, Optional[int]]], running: bool) -> Optional[bool]:
+    """Whether an attempt whose ranks ended as ``exits`` (``(when, rank, status)`` of each rank
+    that failed) ended *preempted*: True once every one of them stopped on a notice and none is
+    still running (or :data:`PREEMPT_GRACE_S` passed); None while the others may still follow;
+    False when some rank failed otherwise."""
+    from sparkhvd.common.protocol import PREEMPTED_EXIT
+
+    if not exits:
+        return False
+    if any(code != PREEMPTED_EXIT for _, _, code in exits):
+        return False
+    if running and time.monotonic() - min(when for when, _, _ in exits) < PREEMPT_GRACE_S:
+        return None
+    return True
+
+
 #: The TimeoutError of a Spark launch that ran past run(timeout=...) (which counts from the
 #: call: waiting for slots and for the tasks to start included).
 SPARK_TIMEOUT = ("The training did not finish within {timeout:g} s; the ranks were stopped and "

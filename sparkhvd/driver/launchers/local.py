@@ -18,10 +18,10 @@ from sparkhvd.common.environment import process_env
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.common.identity import RankIdentity
 from sparkhvd.common.netif import collective_iface_env
-from sparkhvd.common.protocol import rank_slots
+from sparkhvd.common.protocol import PREEMPTED_EXIT, rank_slots
 from sparkhvd.common.rankprocess import RankProcess
 from sparkhvd.driver.launchers import LaunchSpec, Sink
-from sparkhvd.driver.launchers.base import watch
+from sparkhvd.driver.launchers.base import preempted_now, watch
 from sparkhvd.driver.payload import load_result
 
 __side__ = "driver"
@@ -59,11 +59,18 @@ class LocalLauncher:
             def check(_elapsed: float) -> None:
                 failed = sorted((p for p in procs if p.rank in exited and p.poll() != 0),
                                 key=lambda p: exited[p.rank])
+                preempted = preempted_now([(exited[p.rank], p.rank, p.poll()) for p in failed],
+                                          len(exited) < len(procs))
+                if preempted is None:
+                    return  # the others are finishing the same step
+                if not preempted:
+                    failed = [p for p in failed if p.poll() != PREEMPTED_EXIT] or failed
                 if failed:
                     proc = failed[0]  # the first to exit; the others are stopped after it
-                    raise LaunchFailure(proc.rank, proc.poll(),
-                                        f"local rank {proc.rank} exited with status {proc.poll()}",
-                                        host=socket.gethostname())
+                    how = "stopped on a notice after its checkpoint" if preempted else \
+                        f"exited with status {proc.poll()}"
+                    raise LaunchFailure(proc.rank, proc.poll(), f"local rank {proc.rank} {how}",
+                                        host=socket.gethostname(), preempted=preempted)
                 stale = sink.stale_error()
                 if stale is not None:
                     raise stale
@@ -78,7 +85,11 @@ class LocalLauncher:
                     for proc in procs:
                         proc.request_stacks()
 
-                monitor.reach_ranks(ask_stacks)
+                def notify(_reason: str) -> None:
+                    for proc in procs:
+                        proc.notice()
+
+                monitor.reach_ranks(ask_stacks, notify)
             watch(wait_all, timeout=spec.time_left(), check=check, stop=stop,
                   name="sparkhvd-local", monitor=monitor,
                   timeout_message=f"The training did not finish within {spec.timeout or 0:g} s; "

@@ -1,0 +1,75 @@
+"""How many ranks the next attempt of a run gets: decided here alone.
+
+Like Ray Train v2's scaling policy, with torchrun's elastic range: a run asks for ``np`` ranks
+and, when elastic, accepts anything from ``min_np`` to ``max_np``. Every relaunch -- after a
+lost rank, executor or host, or after a notice -- takes the ranks the cluster can give *now*
+(never waiting for the lost slots), as many as ``max_np``; below ``min_np`` it waits up to
+``slot_wait_s`` for slots, then fails naming what is missing. While an attempt runs below
+``max_np``, the driver looks for free slots every ``resize_check_s`` and grows the run back at
+its next step (:mod:`sparkhvd.elastic.watch`).
+
+The slots are counted by :mod:`sparkhvd.elastic.cluster`: on classic sessions from the
+executors Spark has (those being decommissioned, and those this run lost, left out) less the
+slots other jobs hold; on Spark Connect, which shows no executors, from the session's declared
+slots less the executors this run saw lost.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from sparkhvd.common.errors import NotEnoughSlotsError
+
+__side__ = "driver"
+
+#: How often a run below its ``max_np`` looks for free slots to grow into (``resize_check_s``).
+RESIZE_CHECK_S = 30.0
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    """The sizes a run may have (``min_np``..``max_np``; both ``np`` when it is not elastic)."""
+
+    np: int
+    min_np: int
+    max_np: int
+    resize_check_s: float = RESIZE_CHECK_S
+
+    @classmethod
+    def of(cls, scaling: "object") -> "ScalingPolicy":
+        """The policy of a :class:`~sparkhvd.driver.settings.ScalingConfig`."""
+        size = abs(scaling.np)  # type: ignore[attr-defined]
+        elastic = scaling.elastic  # type: ignore[attr-defined]
+        lo, hi = elastic if elastic else (size, size)
+        return cls(size, lo, hi, scaling.resize_check_s)  # type: ignore[attr-defined]
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_np != self.max_np
+
+    def relaunch_size(self, free: Callable[[], int], wait_s: float,
+                      why_missing: Callable[[int], str]) -> int:
+        """The size of a relaunch: ``min(max_np, free slots)``, waiting up to ``wait_s`` for
+        ``min_np``. ``free()`` counts the slots free now; ``why_missing(free)`` says where
+        the rest went (for the error)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            now = free()
+            if now >= self.min_np:
+                return min(self.max_np, now)
+            if time.monotonic() >= deadline:
+                raise NotEnoughSlotsError(
+                    f"The elastic run needs at least min_np={self.min_np} Spark task slots to go "
+                    f"on, but {now} are free after waiting {wait_s:.0f} s ({why_missing(now)}). "
+                    "Fix: bring executors back (or free the slots other jobs hold), lower "
+                    "min_np, or wait longer with slot_wait_s; the run's checkpoints are in its "
+                    "run folder (resume_from=True continues from them).")
+            time.sleep(0.5)
+
+    def grow_to(self, size: int, free: int) -> Optional[int]:
+        """The size to grow to when ``free`` slots are free beside the run's ``size``, or
+        None (already at ``max_np``, or nothing free)."""
+        if size >= self.max_np or free < 1:
+            return None
+        return min(self.max_np, size + free)

@@ -1,0 +1,119 @@
+"""What the driver watches while an attempt runs, and when it asks the ranks to stop early.
+
+Two things end an attempt on purpose, each at the ranks' next step (a notice, delivered by
+the launcher: the Spark task signals its rank, see :mod:`sparkhvd.elastic.notices`):
+
+- an executor under one of the run's ranks is being **decommissioned** (Spark's graceful
+  decommission: ``decommission-worker.sh``/SIGPWR on standalone, a Kubernetes pod's or a YARN
+  node's drain) -- looked at every :data:`DECOMMISSION_POLL_S`; running barrier tasks go on
+  by themselves, so the run must learn of it here;
+- an elastic run below ``max_np`` finds **free slots** -- looked at every ``resize_check_s``
+  -- and grows back.
+
+Only ranks whose checkpoint helper listens are asked (a notice would otherwise kill them, and
+a grow would cost the work since their last checkpoint); the attempt's :class:`StopRequest`
+says why the run relaunched. Classic sessions only: a Spark Connect client sees no executors.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from sparkhvd.elastic import cluster
+from sparkhvd.elastic.scaling import ScalingPolicy
+
+__side__ = "driver"
+
+log = logging.getLogger(__name__)
+
+#: How often the driver looks for executors being decommissioned under the run's ranks.
+DECOMMISSION_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """Why the driver asked an attempt's ranks to stop at their next step."""
+
+    #: ``decommission`` or ``grow``
+    kind: str
+    reason: str
+    #: the size to relaunch with (``grow``)
+    grow_to: Optional[int] = None
+    #: executor id -> host being decommissioned (``decommission``)
+    executors: Optional[dict] = None
+
+
+class AttemptWatch:
+    """The driver's eye on one running attempt (ticked by the run's monitor)."""
+
+    def __init__(self, view: Any, job_tag: str, policy: ScalingPolicy, size: int,
+                 listening: Callable[[], bool], lost: Callable[[], dict],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.view, self.job_tag, self.policy, self.size = view, job_tag, policy, size
+        self.listening, self.lost, self.clock = listening, lost, clock
+        self.request: Optional[StopRequest] = None
+        #: partition -> executor id of the attempt's tasks, as last seen running
+        self.executors: dict[int, str] = {}
+        self._notify: Optional[Callable[[str], None]] = None
+        self._next_decommission = 0.0
+        self._next_grow = clock() + policy.resize_check_s
+        self._warned = False
+        self.active = view is not None and not view.connect and \
+            not str(view.master).startswith("local")
+
+    def reach(self, notify: Callable[[str], None]) -> None:
+        """How the launcher gives the ranks a notice (its control channel, its processes)."""
+        self._notify = notify
+
+    def tick(self) -> None:
+        if self.request is not None or self._notify is None or not self.active:
+            return
+        now = self.clock()
+        if now >= self._next_decommission:
+            self._next_decommission = now + DECOMMISSION_POLL_S
+            self._look_for_decommission()
+        if self.request is None and self.policy.elastic and self.size < self.policy.max_np \
+                and now >= self._next_grow:
+            self._next_grow = now + self.policy.resize_check_s
+            self._look_for_slots()
+
+    def _look_for_decommission(self) -> None:
+        sc = self.view.sc
+        self.executors.update(cluster.safely(
+            "where the ranks run", lambda: cluster.task_executors(sc, self.job_tag), {}))
+        going = cluster.safely("decommissioning executors", lambda: cluster.decommissioning(sc),
+                               {})
+        ours = {e: h for e, h in going.items() if e in set(self.executors.values())}
+        if not ours:
+            return
+        where = ", ".join(f"executor {e} on {h}" for e, h in sorted(ours.items()))
+        if not self.listening():
+            if not self._warned:
+                self._warned = True
+                log.warning("sparkhvd: %s is being decommissioned, but the ranks have no "
+                            "checkpoint helper that listens for notices (sparkhvd.torch."
+                            "Checkpoints/ShardedCheckpoints, sparkhvd.keras.KerasDistributed): "
+                            "the run loses the work since its last checkpoint when it goes",
+                            where)
+            return
+        self._ask(StopRequest("decommission", f"{where} is being decommissioned",
+                              executors=ours))
+
+    def _look_for_slots(self) -> None:
+        if not self.listening():
+            return
+        free = cluster.safely("free slots", lambda: cluster.free_slots(
+            self.view, lost=self.lost()), 0)
+        grow_to = self.policy.grow_to(self.size, free)
+        if grow_to is not None:
+            self._ask(StopRequest("grow", f"{free} Spark task slot(s) free: growing from "
+                                  f"{self.size} to {grow_to} ranks", grow_to=grow_to))
+
+    def _ask(self, request: StopRequest) -> None:
+        self.request = request
+        log.warning("sparkhvd: %s; the ranks checkpoint after their current step and the run "
+                    "relaunches", request.reason)
+        assert self._notify is not None
+        self._notify(request.reason)

@@ -1,0 +1,209 @@
+"""Surviving the cloud on backend="torch": a notice costs at most one step, elastic runs shrink
+and grow back, on local Spark, a standalone cluster with Spark's graceful decommissioning, and
+Spark Connect. Every test counts the ids each attempt trained (tests/elastic_training.py):
+every id of an epoch exactly once across the attempts. Runs in the torch profile."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import conftest
+import elastic_training as et
+from sparkhvd import DataFrameDataset, HorovodRunner
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.torch_backend, pytest.mark.timeout(600)]
+
+N = 203  # rows: with 4 per rank and step, a few rows of each epoch are left out
+
+
+def _frame(spark, n=N):
+    return spark.range(n).selectExpr(
+        "id", "array(CAST(id % 7 AS FLOAT), CAST(id % 5 AS FLOAT), 1.0F) AS x",
+        "CAST(id % 7 + 2 * (id % 5) AS FLOAT) AS y")
+
+
+def _once_each(logs, epoch, n, size_batch):
+    ids = et.ids_of_epoch(logs, epoch)
+    assert len(ids) == len(set(ids)), f"epoch {epoch}: an id trained twice"
+    assert set(ids) <= set(range(n)) and n - len(ids) < size_batch, f"epoch {epoch}: ids lost"
+
+
+def _when(condition, what, timeout=240):
+    assert conftest.wait_for(condition, timeout, 0.1), f"timed out waiting for {what}"
+
+
+def test_sigterm_to_a_rank_costs_at_most_one_step(spark, tmp_path):
+    """A node's notice: SIGTERM to rank 1's process mid-epoch. Every rank finishes its step,
+    the step checkpoint is written, the ranks exit as preempted and the run relaunches from it
+    (its own budget, not max_retries): no step is trained twice, no id lost."""
+    logs_dir = tmp_path / "logs"
+    logs_dir.mkdir()
+
+    def notice_when_mid_epoch():
+        def at_step_6():
+            logs = et.read_logs(logs_dir)
+            rank1 = logs.get(0, {}).get(1)
+            return rank1 if rank1 and any(e == 1 and s >= 6 for e, s, _ in rank1["steps"]) \
+                else None
+        _when(at_step_6, "rank 1 mid-epoch")
+        os.kill(at_step_6()["pid"], signal.SIGTERM)
+
+    thread = threading.Thread(target=notice_when_mid_epoch, daemon=True)
+    with DataFrameDataset(_frame(spark), ["x", "id"], "y") as ds:
+        runner = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path / "r"))
+        thread.start()
+        result = runner.run(et.train_ids, data=ds, epochs=2, log_dir=str(logs_dir), step_s=0.1)
+    thread.join(5)
+    assert result == {"world": 2, "change": (2, 2)}
+    record = runner.last_run_dir.record
+    first, second = record["attempts"]
+    assert first["status"] == "preempted" and second["status"] == "succeeded"
+    checkpoint = first["preempted"]["checkpoint"]
+    assert checkpoint.startswith("epoch-0001-step-"), checkpoint
+    step = int(checkpoint[len("epoch-0001-step-"):-len(".pt")])
+    logs = et.read_logs(logs_dir)
+    for rank in (0, 1):  # what each rank did after the checkpoint is redone: at most a step
+        last = max(s for e, s, _ in logs[0][rank]["steps"] if e == 1)
+        assert last - step <= 1, f"rank {rank} trained steps {step + 1}..{last} again"
+    for epoch in (0, 1):
+        _once_each(logs, epoch, N, 2 * 4)
+    states = [s["state"] for s in record["states"]]
+    assert states == ["placing", "running", "restarting", "placing", "running", "finished"]
+    restart = record["states"][2]
+    assert "rank 1" in restart["why"] and "notice (SIGTERM)" in restart["why"], restart
+    assert restart["checkpoint"] == checkpoint
+
+
+def test_an_elastic_run_on_spark_connect(connect, tmp_path):
+    """min_np/max_np on a Spark Connect session (the barrier launcher): a rank killed mid-epoch
+    relaunches from the step checkpoint with the slots there are; every id once per epoch
+    (the steps since that checkpoint are redone, not counted twice)."""
+    spark = connect
+    logs_dir = tmp_path / "logs"
+    logs_dir.mkdir()
+
+    def kill_when_mid_epoch():
+        def at_step_5():
+            rank1 = et.read_logs(logs_dir).get(0, {}).get(1)
+            return rank1 if rank1 and any(e == 1 and s >= 5 for e, s, _ in rank1["steps"]) \
+                else None
+        _when(at_step_5, "rank 1 mid-epoch")
+        os.kill(at_step_5()["pid"], signal.SIGKILL)
+
+    thread = threading.Thread(target=kill_when_mid_epoch, daemon=True)
+    with DataFrameDataset(_frame(spark), ["x", "id"], "y") as ds:
+        runner = HorovodRunner(np=2, min_np=1, max_np=2, spark=spark, backend="torch",
+                               output_dir=str(tmp_path / "r"))
+        thread.start()
+        runner.run(et.train_ids, data=ds, epochs=2, log_dir=str(logs_dir), step_s=0.1,
+                   every_steps=2)
+    thread.join(5)
+    record = runner.last_run_dir.record
+    assert record["session"] == "connect" and record["min_np"] == 1 and record["max_np"] == 2
+    first, second = record["attempts"]
+    assert first["status"] == "failed" and "killed by signal 9" in first["retryable"]
+    restored = second["restored"].rsplit("/", 1)[-1]
+    logs = _cut_at(et.read_logs(logs_dir), 0, restored)
+    for epoch in (0, 1):
+        _once_each(logs, epoch, N, 2 * 4)
+
+
+def _cut_at(logs, attempt, checkpoint):
+    """``logs`` with the steps of ``attempt`` after ``checkpoint`` (what the next attempt
+    restored) left out: they were lost with the rank and trained again."""
+    name = checkpoint.rsplit(".", 1)[0]
+    epoch = int(name.split("-")[1]) - (0 if "-step-" in name else 1)
+    step = int(name.rsplit("-", 1)[1]) if "-step-" in name else 10 ** 9
+    for entry in logs[attempt].values():
+        entry["steps"] = [(e, s, ids) for e, s, ids in entry["steps"]
+                          if e < epoch or (e == epoch and s <= step)]
+    return logs
+
+
+DRIVER = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+os.environ["PYSPARK_PYTHON"] = sys.executable  # the executors' Python (pyspark reads it)
+import elastic_training as et
+from pyspark.sql import SparkSession
+from sparkhvd import DataFrameDataset, HorovodRunner
+spark = (SparkSession.builder.master({master!r}).config("spark.driver.host", "127.0.0.1")
+         .config("spark.decommission.enabled", "true").config("spark.executor.cores", "1")
+         .config("spark.executor.memory", "1g").config("spark.ui.enabled", "false")
+         .config("spark.pyspark.python", sys.executable).getOrCreate())
+spark.sparkContext.setLogLevel("ERROR")
+from sparkhvd.driver.slots import check_slots
+check_slots(spark.sparkContext, 3, wait_s=90)
+df = spark.range({n}).selectExpr(
+    "id", "array(CAST(id % 7 AS FLOAT), CAST(id % 5 AS FLOAT), 1.0F) AS x",
+    "CAST(id % 7 + 2 * (id % 5) AS FLOAT) AS y")
+with DataFrameDataset(df, ["x", "id"], "y") as ds:
+    runner = HorovodRunner(np=3, min_np=2, max_np=3, resize_check_s=2, spark=spark,
+                           backend="torch", output_dir={out!r})
+    result = runner.run(et.train_ids, data=ds, epochs=3, log_dir={logs!r}, step_s=0.25)
+print("RESULT " + json.dumps({{"run": runner.last_run_dir.path, "result": result}}), flush=True)
+"""
+
+
+def test_a_decommissioned_worker_shrinks_the_run_and_a_new_one_grows_it_back(tmp_path,
+                                                                            monkeypatch):
+    """A standalone cluster with spark.decommission.enabled, np=3, min_np=2: a worker told to
+    decommission (SIGPWR, as decommission-worker.sh sends) mid-epoch -> a checkpoint at the
+    step of the notice (at most a step redone per rank), the run goes on with 2 ranks; a new
+    worker -> it grows back to 3 at its next step. Every id once per epoch."""
+    monkeypatch.setenv("SPARK_WORKER_OPTS", "-Dspark.decommission.enabled=true")
+    cluster = conftest.StandaloneCluster(str(tmp_path), workers=3, cores=1)
+    logs_dir, out = tmp_path / "logs", tmp_path / "runs"
+    logs_dir.mkdir()
+    n = 403
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(tests=os.path.dirname(conftest.__file__),
+                                    master=cluster.master_url, n=n, out=str(out),
+                                    logs=str(logs_dir)))
+    try:
+        cluster.wait_for_workers(3)
+        driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        try:
+            def mid_epoch():
+                ranks = et.read_logs(logs_dir).get(0, {})
+                return len(ranks) == 3 and all(any(e == 1 and s >= 4 for e, s, _ in r["steps"])
+                                               for r in ranks.values())
+            _when(mid_epoch, "three ranks mid-epoch")
+            os.kill(cluster.procs["worker2"].pid, signal.SIGPWR)  # decommission-worker.sh
+            _when(lambda: len(et.read_logs(logs_dir).get(1, {})) == 2, "the run at 2 ranks")
+            cluster.start_worker("worker3")  # capacity comes back
+            stdout, stderr = driver.communicate(timeout=400)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+        assert driver.returncode == 0, stderr[-5000:]
+        line = next(x for x in stdout.splitlines() if x.startswith("RESULT "))
+        done = json.loads(line[len("RESULT "):])
+        record = json.load(open(os.path.join(done["run"], "run.json")))
+        sizes = [a["size"] for a in record["attempts"]]
+        assert sizes == [3, 2, 3], record["attempts"]
+        resizes = record["resizes"]
+        assert (resizes[0]["from"], resizes[0]["to"]) == (3, 2)
+        assert "decommissioned" in resizes[0]["why"], resizes[0]
+        assert (resizes[1]["from"], resizes[1]["to"]) == (2, 3) and "growing" in resizes[1]["why"]
+        assert done["result"] == {"world": 3, "change": [2, 3]}
+        logs = et.read_logs(logs_dir)
+        assert {r["world"] for r in logs[1].values()} == {(3, 2)}
+        step = int(record["attempts"][0]["preempted"]["checkpoint"].split("-")[-1][:-3])
+        epoch = int(record["attempts"][0]["preempted"]["checkpoint"].split("-")[1])
+        for rank, entry in logs[0].items():
+            last = max(s for e, s, _ in entry["steps"] if e == epoch)
+            assert last - step <= 1, f"rank {rank} redid steps {step + 1}..{last}"
+        for epoch in range(3):
+            _once_each(logs, epoch, n, 3 * 4)
+    finally:
+        cluster.stop()
