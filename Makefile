@@ -78,6 +78,12 @@ ifeq ($(PROFILE),tf215)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check \
 		--no-deps torch==2.13.0 sympy mpmath networkx filelock
 endif
+ifeq ($(PROFILE),torch)
+	@# B12 runs Ray Train v2 on Spark beside sparkhvd, from an environment of its own
+	@test -x .venv-ray/bin/python || { python3 -m venv .venv-ray && .venv-ray/bin/python -m pip \
+		install -q --disable-pip-version-check -c constraints-torch.txt \
+		"ray[default,train]==2.60.0" torch==2.13.0 pyspark==4.3.0 psutil; }
+endif
 	$(PY) bench/bench.py $(foreach c,$(CASE),--case $(c))
 
 # The multi-host test cluster (network namespaces, root only), by hand for debugging.

@@ -318,6 +318,42 @@ class StandaloneCluster:
 
 
 @pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on 127.0.0.1 with a SQLite backend, stopped by PID."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    pytest.importorskip("mlflow", reason="the mlflow extra is part of the dev install")
+    work = tmp_path_factory.mktemp("mlflow")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{work}/mlflow.db",
+         "--default-artifact-root", f"file://{work}/artifacts", "--workers", "1"],
+        stdout=open(work / "server.log", "wb"), stderr=subprocess.STDOUT,
+        start_new_session=True, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2).read()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                pytest.fail("mlflow server did not start: "
+                            + (work / "server.log").read_text()[-2000:])
+            time.sleep(0.5)
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(30)
+
+
+@pytest.fixture(scope="session")
 def standalone(tmp_path_factory):
     """Master + two one-core workers on 127.0.0.1; every process stopped by PID at the end."""
     cluster = StandaloneCluster(str(tmp_path_factory.mktemp("standalone")), workers=2, cores=1)

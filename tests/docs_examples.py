@@ -38,6 +38,7 @@ EXAMPLES = {
     "dataframe_keras.py": Example(("horovod",), prints="accuracy on the executors "),
     "pytorch_helpers.py": Example(("torch",), prints="accuracy "),
     "dataframe_resume.py": Example(("torch",), prints="'step': 20"),
+    "spot_elastic.py": Example(("torch",), prints="('restarting', 'epoch-0000-step-0000030.pt')"),
     "migrate_torchdistributor.py": Example(("torch",)),
     "migrate_horovod_spark.py": Example(("horovod",)),
     "migrate_mirrored_strategy_runner.py": Example(("tf",), prints="accuracy "),

@@ -99,3 +99,106 @@ def ids_of_epoch(logs, epoch):
     """Every id trained in ``epoch``, over every attempt and rank (a list: repeats show)."""
     return [i for ranks in logs.values() for entry in ranks.values()
             for e, _, ids in entry["steps"] if e == epoch for i in ids]
+
+
+def _mark(log_dir, name):
+    """A file per rank process, ``<name>-<rank>-<pid>``: where the test finds whom to kill."""
+    open(os.path.join(log_dir, f"{name}-{os.environ.get('RANK', '0')}-{os.getpid()}"),
+         "w").close()
+
+
+def hf_elastic(log_dir, max_steps=16):
+    """A Hugging Face Trainer that resumes from its own checkpoints in the run folder after any
+    relaunch, at any world size -- the one line: ``resume_from_checkpoint=
+    get_last_checkpoint(output_dir)``. Logs each step's global step and world size."""
+    import time
+
+    import torch
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+    from transformers.trainer_utils import get_last_checkpoint
+
+    import sparkhvd.torch as st
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _mark(log_dir, "hf")
+    out = st.output_dir("hf")
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=16, num_labels=2))
+    ids = torch.randint(0, 64, (256, 12), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": ids[i], "attention_mask": torch.ones(12, dtype=torch.long),
+             "labels": int(ids[i, 0] % 2)} for i in range(len(ids))]
+
+    class Slow(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            with open(os.path.join(log_dir, f"steps-{args.process_index}.txt"), "a") as f:
+                f.write(f"{state.global_step} {args.world_size}\n")
+            time.sleep(0.3)
+
+    args = TrainingArguments(output_dir=out, max_steps=max_steps, per_device_train_batch_size=4,
+                             save_strategy="steps", save_steps=2, learning_rate=1e-3, seed=0,
+                             report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=100,
+                             dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Slow()])
+    trainer.train(resume_from_checkpoint=get_last_checkpoint(out))  # the one line
+    return {"world": args.world_size, "step": trainer.state.global_step}
+
+
+def lightning_elastic(log_dir, max_steps=16):
+    """Lightning's Trainer resuming from its own ``last.ckpt`` in the run folder -- the one
+    line: ``trainer.fit(..., ckpt_path="last")`` -- with devices and nodes as this attempt's
+    world has them."""
+    import time
+
+    import lightning as L
+    import torch
+
+    import sparkhvd.torch as st
+
+    _mark(log_dir, "lightning")
+    root = st.output_dir("lightning")
+
+    class Regression(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def on_train_batch_end(self, *_):
+            with open(os.path.join(log_dir, f"steps-{self.global_rank}.txt"), "a") as f:
+                f.write(f"{self.global_step} {self.trainer.world_size}\n")
+            time.sleep(0.3)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 4)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    saves = L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_last=True,
+                                                every_n_train_steps=2)
+    trainer = L.Trainer(accelerator="cpu", strategy="ddp",
+                        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+                        num_nodes=int(os.environ["GROUP_WORLD_SIZE"]), max_steps=max_steps,
+                        enable_progress_bar=False, enable_model_summary=False, logger=False,
+                        callbacks=[saves], default_root_dir=root)
+    trainer.fit(Regression(), loader, ckpt_path="last")  # the one line
+    return {"world": trainer.world_size, "step": trainer.global_step}
+
+
+def read_steps(log_dir):
+    """Every ``(global step, world size)`` rank 0 logged, in order."""
+    path = os.path.join(log_dir, "steps-0.txt")
+    return [tuple(int(w) for w in line.split()) for line in open(path)] \
+        if os.path.exists(path) else []

@@ -115,6 +115,11 @@ NOTICE_SIGNAL = signal.SIGTERM
 NOTICE_SPREAD = "a notice on another rank"
 #: The exit status of a rank that stopped on a notice after its checkpoint (``EX_TEMPFAIL``).
 PREEMPTED_EXIT = 75
+#: Set for the ranks of an elastic run (``min_np``/``max_np``): helpers look for notices after
+#: every step, since the driver may ask them to stop for a resize.
+ELASTIC_ENV = "SPARKHVD_ELASTIC"
+#: The run's attempt a rank belongs to (1, 2, ... after each relaunch), on every backend.
+ATTEMPT_ENV = "SPARKHVD_ATTEMPT"
 #: The world size of the attempt before this one, when it differed (a resize); unset else.
 PREVIOUS_SIZE_ENV = "SPARKHVD_PREVIOUS_WORLD_SIZE"
 #: Set when the rank must also look for stack requests in the run folder itself (launchers

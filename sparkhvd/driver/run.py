@@ -534,6 +534,9 @@ class Attempt:
         scaling = spec.scaling
         if self.size != scaling.size:  # an elastic run's attempt at another size
             scaling = dataclasses.replace(scaling, np=self.size if scaling.np > 0 else -self.size)
+        env[protocol.ATTEMPT_ENV] = str(self.number)
+        if run.scaling.elastic:
+            env[protocol.ELASTIC_ENV] = "1"
         if self.previous_size is not None and self.previous_size != self.size:
             env[protocol.PREVIOUS_SIZE_ENV] = str(self.previous_size)
         return LaunchSpec(

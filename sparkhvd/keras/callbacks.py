@@ -241,6 +241,10 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
             checkpoint's: rows of that epoch all ranks consumed).
         collective: every rank takes part in saving (tf.distribute reads some variables
             collectively); else only the writing rank serialises the model.
+        every_step_notices: look for a notice after every step (an elastic run), not only at
+            the steps that may checkpoint. The ranks agree on it in one small collective per
+            step, so it is on only with ``every_steps``/``every_seconds`` or an elastic run;
+            otherwise a notice is taken at the epoch's end.
     """
 
     def __init__(self, url: Union[str, checkpoints.CheckpointStore], every: int = 1,
@@ -249,7 +253,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
                  every_steps: Optional[int] = None, every_seconds: Optional[float] = None,
                  agree: Optional[Callable[[bool, bool], tuple[bool, bool]]] = None,
                  data: Any = None, start: tuple[int, int] = (0, 0),
-                 collective: bool = False) -> None:
+                 collective: bool = False, every_step_notices: bool = False) -> None:
         super().__init__()
         self.store = url if isinstance(url, checkpoints.CheckpointStore) else \
             checkpoints.UrlStore(url, storage_options)
@@ -260,6 +264,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self.agree, self.data, self.start = agree, data, start
         self.collective = collective
+        self.every_step_notices = every_step_notices
         self.saved: list[str] = []
         self._epoch = start[0]
         self._trained = 0  # steps since this fit began
@@ -297,6 +302,8 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
         epochs = (self.params or {}).get("epochs")
         if self.start[1] and epochs and (epoch, step) == (epochs, 0):
             self.model.stop_training = True  # the data's last epoch ends here
+        if not (self.every_steps or self.every_seconds or self.every_step_notices):
+            return  # notices are taken at the epoch's end
         by_steps = bool(self.every_steps and step and step % self.every_steps == 0)
         by_time = bool(self.every_seconds and
                        time.monotonic() - self._last_save >= self.every_seconds)
@@ -304,18 +311,23 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
         if self.agree is not None:
             by_time, notice = self.agree(by_time, notice)
         if not (by_steps or by_time or notice) or not step:
-            if notice:  # at an epoch boundary: the epoch's own checkpoint follows, then stop
-                self._stop_at_epoch_end = True
+            # a notice at the epoch's last step: the epoch's own checkpoint, then stop
+            self._stop_at_epoch_end = self._stop_at_epoch_end or notice
             return
         name = self._save(epoch, step)
         if notice:
             raise stop(name)
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
-        from sparkhvd.elastic.notices import stop
+        from sparkhvd.elastic.notices import noticed, stop
 
         data_epoch, _, step = self.position() if self.data is not None else (epoch + 1, 0, 0)
         stopping = self._stop_at_epoch_end
+        if not stopping and self.agree is not None and not (
+                self.every_steps or self.every_seconds or self.every_step_notices):
+            _, stopping = self.agree(False, noticed() is not None)  # once an epoch
+        elif not stopping:
+            stopping = self.agree is None and noticed() is not None
         if (epoch + 1) % self.every and not stopping:
             return
         name = self._save(data_epoch, step)

@@ -196,8 +196,9 @@ class KerasDistributed:
 
     In a sparkhvd run the checkpoints also *listen for notices*: SIGTERM to any rank (a node
     about to be reclaimed) or the driver resizing the run makes every rank save after its
-    step and stop (the run relaunches from that checkpoint). This costs one small collective
-    per step (:meth:`agree`).
+    step and stop (the run relaunches from that checkpoint). With ``every_steps`` or
+    ``every_seconds``, or in an elastic run, the ranks agree on it after every step (one small
+    collective, :meth:`agree`); otherwise at the epoch's end.
     """
 
     def __init__(self, *, epochs: int, batch_size: Optional[int] = None,
@@ -341,7 +342,8 @@ class KerasDistributed:
                 self.checkpoint_store, state=self._checkpoint_state, write=self.rank == 0,
                 keep=self.keep, every_steps=self.every_steps, every_seconds=self.every_seconds,
                 agree=self.agree if self.size > 1 else None, data=self.data, start=self.start,
-                collective=self.flavour.save_everywhere))
+                collective=self.flavour.save_everywhere,
+                every_step_notices=bool(os.environ.get(protocol.ELASTIC_ENV))))
         if self.rank == 0 and self.tensorboard:
             cbs.append(RunFolderTensorBoard())
         return cbs

@@ -280,6 +280,8 @@ class _CheckpointsBase:
 
     def _announce(self, file: str, epoch: int, step: int, skipped: list) -> None:
         self.restored = {**self.restored, "epoch": epoch, "step": step}
+        if step:  # steps counted without data= go on from the restored one
+            self._counted = (epoch, step)
         if self.rank == 0 and self.resume_from is not None:
             announce_resume(self.resume_from, file, epoch, skipped, step)
 

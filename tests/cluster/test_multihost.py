@@ -405,3 +405,82 @@ def test_a_hang_across_hosts_names_where_each_rank_is(cluster_spark, tmp_path):
         assert f"=== rank {rank} (pid" in text
     assert {line.split(" on host ")[1].split(";")[0] for line in text.splitlines()
             if line.startswith("=== rank")} == HOSTS
+
+
+def _keras_elastic(train, epochs):
+    """KerasDistributed on backend="tf" with step checkpoints every 2 steps and the data's
+    position; prints ``elastic-log a<attempt>-r<rank> world BEFORE NOW`` once and
+    ``elastic-log ... EPOCH STEP`` per step (Keras' own), slowly enough to be caught mid-epoch."""
+    import os
+    import time
+
+    import tensorflow as tf
+
+    from sparkhvd.keras import KerasDistributed, world_size_change
+
+    kd = KerasDistributed(epochs=epochs, batch_size=4, data=train, every_steps=2, keep=2)
+    tag = f"elastic-log a{int(os.environ['SPARKHVD_ATTEMPT']) - 1}-r{kd.rank}"
+    change = world_size_change()
+    print(f"{tag} world {change.before} {change.now} pid {os.getpid()}", flush=True)
+
+    class Steps(tf.keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            print(f"{tag} {self.epoch} {batch + 1}", flush=True)
+            time.sleep(0.25)
+
+    with kd.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Input((1,)), tf.keras.layers.Dense(1)])
+        model.compile(optimizer=kd.optimizer(tf.keras.optimizers.SGD(0.0001)), loss="mse")
+    with train.tf_dataset(4, shuffle=True, seed=2) as ds:
+        model.fit(ds, steps_per_epoch=train.steps_per_epoch(4),
+                  **kd.fit_kwargs(model, callbacks=[Steps()]))
+    return {"world": kd.size, "change": tuple(change)}
+
+
+def test_an_elastic_tf_run_loses_a_host_and_grows_back(cluster_spark, netns_cluster,
+                                                       cluster_azurite, tmp_path, rank_lines):
+    """backend="tf", np=3, min_np=2: a host dies mid-epoch -> the run goes on with the 2 left
+    from its newest step checkpoint; the host returns -> the run grows back to 3 at its next
+    step (a notice to every rank, a checkpoint, a relaunch)."""
+    import elastic_training as et
+    from conftest import wait_for
+
+    df = cluster_spark.range(240).selectExpr("CAST(id AS FLOAT) / 240 AS x",
+                                             "CAST(id AS FLOAT) / 240 AS y")
+
+    def trouble():
+        def mid_epoch():
+            ranks = et.read_lines(rank_lines).get(0, {})
+            return len(ranks) == 3 and all(any(e == 1 and s >= 3 for e, s, _ in r["steps"])
+                                           for r in ranks.values())
+        assert wait_for(mid_epoch, 300, 0.2)
+        netns_cluster.kill_host("h3")
+        assert wait_for(lambda: len(et.read_lines(rank_lines).get(1, {})) == 2, 300, 0.2)
+        netns_cluster.restore_host("h3")
+
+    thread = threading.Thread(target=trouble, daemon=True)
+    try:
+        with DataFrameDataset(df, "x", "y", cache_url=cluster_azurite.url("cache", "tf-elastic"),
+                              storage_options=cluster_azurite.options()) as ds:
+            runner = HorovodRunner(np=3, min_np=2, max_np=3, resize_check_s=2,
+                                   spark=cluster_spark, backend="tf",
+                                   driver_log_verbosity="all", output_dir=str(tmp_path))
+            thread.start()
+            result = runner.run(_keras_elastic, train=ds, epochs=3)
+        thread.join(60)
+        record = runner.last_run_dir.record
+        assert [a["size"] for a in record["attempts"]] == [3, 2, 3], record["attempts"]
+        shrink, grow = record["resizes"]
+        assert (shrink["from"], shrink["to"]) == (3, 2) and "h3" in shrink["why"], shrink
+        assert (grow["from"], grow["to"]) == (2, 3) and "growing" in grow["why"], grow
+        assert record["attempts"][1]["preempted"]["checkpoint"], record["attempts"][1]
+        assert result == {"world": 3, "change": (2, 3)}
+        logs = et.read_lines(rank_lines)
+        assert {r["world"] for r in logs[1].values()} == {(3, 2)}
+    finally:
+        thread.join(60)
+        if netns_cluster.alive_workers() < 3:
+            netns_cluster.restore_host("h3")

@@ -207,3 +207,74 @@ def test_a_decommissioned_worker_shrinks_the_run_and_a_new_one_grows_it_back(tmp
             _once_each(logs, epoch, n, 3 * 4)
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("client", ["hf", "lightning"])
+def test_hf_and_lightning_resume_their_own_checkpoints_through_a_resize(
+        spark, tmp_path, client, request, monkeypatch):
+    """np=2, min_np=1 while another job holds one of local[2]'s slots: the run starts with 1
+    rank. Mid-run the other job ends and rank 0 is killed: the run relaunches with 2 ranks
+    (a resize), and the library resumes from its own checkpoints in the run folder (the one
+    line each needs) -- finishing its steps once, at the new size. The resize is in run.json
+    and (Lightning's run) in MLflow, on a real tracking server."""
+    tracking = None
+    if client == "lightning":
+        tracking = request.getfixturevalue("mlflow_server")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sc = spark.sparkContext
+    blocker = threading.Thread(target=lambda: _hold_one_slot(sc), daemon=True)
+    blocker.start()
+    _when(lambda: _running_tasks(sc) >= 1, "the other job to hold a slot")
+
+    def kill_mid_run():
+        _when(lambda: len(et.read_steps(logs)) >= 5, f"{client} mid-run")
+        sc.cancelJobGroup("elastic-test-blocker")
+        _when(lambda: _running_tasks(sc) == 1, "the other job to end")  # our one rank's task
+        pid = next(int(f.split("-")[2]) for f in os.listdir(logs)
+                   if f.startswith(f"{client}-0-"))
+        os.kill(pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=kill_mid_run, daemon=True)
+    fn = et.hf_elastic if client == "hf" else et.lightning_elastic
+    runner = HorovodRunner(np=2, min_np=1, max_np=2, spark=spark, backend="torch",
+                           output_dir=str(tmp_path / "r"), mlflow="elastic" if tracking else None)
+    thread.start()
+    result = runner.run(fn, log_dir=str(logs))
+    thread.join(5)
+    record = runner.last_run_dir.record
+    assert [a["size"] for a in record["attempts"]] == [1, 2], record["attempts"]
+    assert record["attempts"][1]["resumed_by"] == "library", record["attempts"][1]
+    assert (record["resizes"][0]["from"], record["resizes"][0]["to"]) == (1, 2)
+    assert result == {"world": 2, "step": 16}
+    steps = et.read_steps(logs)
+    first_at_two = next(i for i, (_, world) in enumerate(steps) if world == 2)
+    assert steps[first_at_two][0] > 2, "it resumed from a checkpoint, not from the start"
+    assert [s for s, _ in steps[first_at_two:]] == list(range(steps[first_at_two][0], 17))
+    if tracking:
+        from mlflow.tracking import MlflowClient
+
+        mlflow = MlflowClient(tracking)
+        run_id = record["mlflow"]["run_id"]
+        sizes = [(m.step, m.value) for m in mlflow.get_metric_history(run_id, "world_size")]
+        assert sorted(sizes) == [(1, 1.0), (2, 2.0)]
+        tag = mlflow.get_run(run_id).data.tags["sparkhvd.resize1"]
+        assert tag.startswith("1 -> 2: ") and "killed by signal 9" in tag, tag
+
+
+def _hold_one_slot(sc):
+    import time as _time
+
+    sc.setJobGroup("elastic-test-blocker", "holds a slot", interruptOnCancel=True)
+    try:
+        sc.parallelize([0], 1).foreach(lambda _: _time.sleep(600))
+    except Exception:  # noqa: BLE001 - cancelled by the test
+        pass
+
+
+def _running_tasks(sc):
+    tracker = sc.statusTracker()
+    return sum(getattr(tracker.getStageInfo(s), "numActiveTasks", 0) or 0
+               for j in tracker.getActiveJobsIds() if tracker.getJobInfo(j)
+               for s in tracker.getJobInfo(j).stageIds)

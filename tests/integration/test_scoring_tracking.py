@@ -5,7 +5,6 @@ Spark 4 + MLflow 3 with backend="tf" (predict_batch_udf and MLflow change across
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -84,38 +83,6 @@ def test_tensorboard_event_files_in_the_run_folder(trained):
 
 
 # -- MLflow --------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """A real `mlflow server` on 127.0.0.1 with a SQLite backend, stopped by PID."""
-    import socket
-    import urllib.request
-
-    pytest.importorskip("mlflow", reason="the mlflow extra is part of the dev install")
-    work = tmp_path_factory.mktemp("mlflow")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{work}/mlflow.db",
-         "--default-artifact-root", f"file://{work}/artifacts", "--workers", "1"],
-        stdout=open(work / "server.log", "wb"), stderr=subprocess.STDOUT,
-        start_new_session=True, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2).read()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-                pytest.fail("mlflow server did not start: "
-                            + (work / "server.log").read_text()[-2000:])
-            time.sleep(0.5)
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(30)
 
 
 def test_mlflow_run_on_a_real_server(spark, data, tmp_path, mlflow_server, monkeypatch, backend,
@@ -182,7 +149,6 @@ def test_mlflow_failed_and_interrupted_runs(tmp_path, mlflow_server, monkeypatch
     assert client.get_run(record["mlflow"]["run_id"]).info.status == "FAILED"
 
     def hangs(started):
-        import time
 
         open(started, "w").close()  # the run is tracked and its ranks train
         time.sleep(600)

@@ -23,6 +23,7 @@ from sparkhvd.common.rankprocess import RankProcess
 from sparkhvd.driver.launchers import LaunchSpec, Sink
 from sparkhvd.driver.launchers.base import preempted_now, watch
 from sparkhvd.driver.payload import load_result
+from sparkhvd.driver.rank_end import EXTERNAL_SIGNALS, signal_of
 
 __side__ = "driver"
 
@@ -57,8 +58,11 @@ class LocalLauncher:
                     time.sleep(0.05)
 
             def check(_elapsed: float) -> None:
+                # a rank killed from outside is the cause of its peers' broken collectives,
+                # whichever of them this loop saw exit first
                 failed = sorted((p for p in procs if p.rank in exited and p.poll() != 0),
-                                key=lambda p: exited[p.rank])
+                                key=lambda p: (signal_of(p.poll()) not in EXTERNAL_SIGNALS,
+                                               exited[p.rank]))
                 preempted = preempted_now([(exited[p.rank], p.rank, p.poll()) for p in failed],
                                           len(exited) < len(procs))
                 if preempted is None:
