@@ -9,7 +9,9 @@ import os
 
 def train_ids(data, epochs, log_dir, step_s=0.0, every_steps=1000, notice_at=None,
               sharded=False):
-    """``notice_at=(epoch, step, rank)``: that rank of the first attempt gets SIGTERM -- a
+    """``step_s``: seconds to sleep after each step, or one value per attempt (the last one for
+    later attempts) -- a slow attempt leaves the test time to act in it.
+    ``notice_at=(epoch, step, rank)``: that rank of the first attempt gets SIGTERM -- a
     node's notice -- right after that step. Logs ``<log_dir>/a<attempt>-r<rank>.txt``: a
     ``world BEFORE NOW pid PID`` line, then ``EPOCH STEP id id ...`` per step; with
     ``log_dir=None`` it prints them (``elastic-log a<attempt>-r<rank> ...``: ranks on hosts
@@ -29,6 +31,8 @@ def train_ids(data, epochs, log_dir, step_s=0.0, every_steps=1000, notice_at=Non
     kind = st.ShardedCheckpoints if sharded else st.Checkpoints
     ckpt = kind(model, opt, data=data, every_steps=every_steps, keep=3)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if isinstance(step_s, (list, tuple)):
+        step_s = step_s[min(attempt, len(step_s) - 1)]
     log = open(os.path.join(log_dir, f"a{attempt}-r{ctx.rank}.txt"), "a") if log_dir else \
         _Printed(f"elastic-log a{attempt}-r{ctx.rank}")
     log.write(f"world {change.before} {change.now} pid {os.getpid()}\n")
@@ -107,7 +111,7 @@ def _mark(log_dir, name):
          "w").close()
 
 
-def hf_elastic(log_dir, max_steps=16):
+def hf_elastic(log_dir, max_steps=12):
     """A Hugging Face Trainer that resumes from its own checkpoints in the run folder after any
     relaunch, at any world size -- the one line: ``resume_from_checkpoint=
     get_last_checkpoint(output_dir)``. Logs each step's global step and world size."""
@@ -140,7 +144,7 @@ def hf_elastic(log_dir, max_steps=16):
         def on_step_end(self, args, state, control, **kwargs):
             with open(os.path.join(log_dir, f"steps-{args.process_index}.txt"), "a") as f:
                 f.write(f"{state.global_step} {args.world_size}\n")
-            time.sleep(0.3)
+            time.sleep(0.2)
 
     args = TrainingArguments(output_dir=out, max_steps=max_steps, per_device_train_batch_size=4,
                              save_strategy="steps", save_steps=2, learning_rate=1e-3, seed=0,
@@ -151,7 +155,7 @@ def hf_elastic(log_dir, max_steps=16):
     return {"world": args.world_size, "step": trainer.state.global_step}
 
 
-def lightning_elastic(log_dir, max_steps=16):
+def lightning_elastic(log_dir, max_steps=12):
     """Lightning's Trainer resuming from its own ``last.ckpt`` in the run folder -- the one
     line: ``trainer.fit(..., ckpt_path="last")`` -- with devices and nodes as this attempt's
     world has them."""
@@ -177,7 +181,7 @@ def lightning_elastic(log_dir, max_steps=16):
         def on_train_batch_end(self, *_):
             with open(os.path.join(log_dir, f"steps-{self.global_rank}.txt"), "a") as f:
                 f.write(f"{self.global_step} {self.trainer.world_size}\n")
-            time.sleep(0.3)
+            time.sleep(0.2)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05)

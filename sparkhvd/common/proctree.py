@@ -59,19 +59,24 @@ def stop_processes(procs: list[Any], grace_s: float = 5.0) -> None:
     psutil.wait_procs(alive, timeout=grace_s)
 
 
-def stop_pids(pids: Iterable[int], grace_s: float = 5.0) -> None:
+def stop_pids(pids: Iterable[int], grace_s: float = 5.0, kill: bool = False) -> None:
     """:func:`stop_processes` for PIDs of this machine and everything they started (those
     already gone are skipped): the descendants are listed *before* anything is stopped, since a
-    killed parent's children are re-parented out of reach."""
+    killed parent's children are re-parented out of reach. ``kill``: SIGKILL the given PIDs
+    at once (rank processes, to which SIGTERM is a notice to checkpoint, not to stop); their
+    descendants are still stopped politely."""
     import psutil
 
     procs: dict[int, Any] = {}
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             proc = psutil.Process(pid)
-            procs[proc.pid] = proc
             for child in proc.children(recursive=True):
                 procs.setdefault(child.pid, child)
+            if kill:
+                proc.kill()
+            else:
+                procs.setdefault(proc.pid, proc)
     stop_processes(list(procs.values()), grace_s)
 
 

@@ -419,7 +419,8 @@ def _keras_elastic(train, epochs):
     from sparkhvd.keras import KerasDistributed, world_size_change
 
     kd = KerasDistributed(epochs=epochs, batch_size=4, data=train, every_steps=2, keep=2)
-    tag = f"elastic-log a{int(os.environ['SPARKHVD_ATTEMPT']) - 1}-r{kd.rank}"
+    attempt = int(os.environ["SPARKHVD_ATTEMPT"])
+    tag = f"elastic-log a{attempt - 1}-r{kd.rank}"
     change = world_size_change()
     print(f"{tag} world {change.before} {change.now} pid {os.getpid()}", flush=True)
 
@@ -429,7 +430,7 @@ def _keras_elastic(train, epochs):
 
         def on_train_batch_end(self, batch, logs=None):
             print(f"{tag} {self.epoch} {batch + 1}", flush=True)
-            time.sleep(0.25)
+            time.sleep(0.6 if attempt == 2 else 0.1)  # slow at 2 ranks: time to grow back
 
     with kd.scope():
         model = tf.keras.Sequential([tf.keras.layers.Input((1,)), tf.keras.layers.Dense(1)])
@@ -469,7 +470,7 @@ def test_an_elastic_tf_run_loses_a_host_and_grows_back(cluster_spark, netns_clus
                                    spark=cluster_spark, backend="tf",
                                    driver_log_verbosity="all", output_dir=str(tmp_path))
             thread.start()
-            result = runner.run(_keras_elastic, train=ds, epochs=3)
+            result = runner.run(_keras_elastic, train=ds, epochs=2)
         thread.join(60)
         record = runner.last_run_dir.record
         assert [a["size"] for a in record["attempts"]] == [3, 2, 3], record["attempts"]

@@ -122,7 +122,7 @@ def test_an_elastic_run_loses_a_host_goes_on_with_two_and_grows_back(
     from conftest import wait_for
     from sparkhvd import DataFrameDataset
 
-    n = 403
+    n = 253
     df = cluster_spark.range(n).selectExpr(
         "id", "array(CAST(id % 7 AS FLOAT), CAST(id % 5 AS FLOAT), 1.0F) AS x",
         "CAST(id % 7 + 2 * (id % 5) AS FLOAT) AS y")
@@ -147,8 +147,8 @@ def test_an_elastic_run_loses_a_host_goes_on_with_two_and_grows_back(
                                    spark=cluster_spark, backend="torch",
                                    driver_log_verbosity="all", output_dir=str(tmp_path / "runs"))
             thread.start()
-            result = runner.run(et.train_ids, data=ds, epochs=3, log_dir=None,
-                                step_s=0.25, every_steps=2)
+            result = runner.run(et.train_ids, data=ds, epochs=2, log_dir=None,
+                                step_s=(0.1, 0.6, 0.05), every_steps=2)  # slow at 2 ranks
         thread.join(60)
         record = runner.last_run_dir.record
         assert [a["size"] for a in record["attempts"]] == [3, 2, 3], record["attempts"]
@@ -163,7 +163,7 @@ def test_an_elastic_run_loses_a_host_goes_on_with_two_and_grows_back(
         for entry in logs[0].values():  # lost with the host: trained again after the restore
             entry["steps"] = [(e, s, i) for e, s, i in entry["steps"]
                               if e < epoch or (e == epoch and s <= step)]
-        for e in range(3):
+        for e in range(2):
             ids = et.ids_of_epoch(logs, e)
             assert len(ids) == len(set(ids)), f"epoch {e}: an id trained twice"
             assert set(ids) <= set(range(n)) and n - len(ids) < 3 * 4, f"epoch {e}"

@@ -148,7 +148,8 @@ df = spark.range({n}).selectExpr(
 with DataFrameDataset(df, ["x", "id"], "y") as ds:
     runner = HorovodRunner(np=3, min_np=2, max_np=3, resize_check_s=2, spark=spark,
                            backend="torch", output_dir={out!r})
-    result = runner.run(et.train_ids, data=ds, epochs=3, log_dir={logs!r}, step_s=0.25)
+    result = runner.run(et.train_ids, data=ds, epochs=2, log_dir={logs!r},
+                        step_s=(0.15, 0.6, 0.05))  # slow at 2 ranks: time to grow back
 print("RESULT " + json.dumps({{"run": runner.last_run_dir.path, "result": result}}), flush=True)
 """
 
@@ -163,7 +164,7 @@ def test_a_decommissioned_worker_shrinks_the_run_and_a_new_one_grows_it_back(tmp
     cluster = conftest.StandaloneCluster(str(tmp_path), workers=3, cores=1)
     logs_dir, out = tmp_path / "logs", tmp_path / "runs"
     logs_dir.mkdir()
-    n = 403
+    n = 253
     script = tmp_path / "driver.py"
     script.write_text(DRIVER.format(tests=os.path.dirname(conftest.__file__),
                                     master=cluster.master_url, n=n, out=str(out),
@@ -203,7 +204,7 @@ def test_a_decommissioned_worker_shrinks_the_run_and_a_new_one_grows_it_back(tmp
         for rank, entry in logs[0].items():
             last = max(s for e, s, _ in entry["steps"] if e == epoch)
             assert last - step <= 1, f"rank {rank} redid steps {step + 1}..{last}"
-        for epoch in range(3):
+        for epoch in range(2):
             _once_each(logs, epoch, n, 3 * 4)
     finally:
         cluster.stop()
@@ -229,7 +230,7 @@ def test_hf_and_lightning_resume_their_own_checkpoints_through_a_resize(
     _when(lambda: _running_tasks(sc) >= 1, "the other job to hold a slot")
 
     def kill_mid_run():
-        _when(lambda: len(et.read_steps(logs)) >= 5, f"{client} mid-run")
+        _when(lambda: len(et.read_steps(logs)) >= 4, f"{client} mid-run")
         sc.cancelJobGroup("elastic-test-blocker")
         _when(lambda: _running_tasks(sc) == 1, "the other job to end")  # our one rank's task
         pid = next(int(f.split("-")[2]) for f in os.listdir(logs)
@@ -247,11 +248,11 @@ def test_hf_and_lightning_resume_their_own_checkpoints_through_a_resize(
     assert [a["size"] for a in record["attempts"]] == [1, 2], record["attempts"]
     assert record["attempts"][1]["resumed_by"] == "library", record["attempts"][1]
     assert (record["resizes"][0]["from"], record["resizes"][0]["to"]) == (1, 2)
-    assert result == {"world": 2, "step": 16}
+    assert result == {"world": 2, "step": 12}
     steps = et.read_steps(logs)
     first_at_two = next(i for i, (_, world) in enumerate(steps) if world == 2)
     assert steps[first_at_two][0] > 2, "it resumed from a checkpoint, not from the start"
-    assert [s for s, _ in steps[first_at_two:]] == list(range(steps[first_at_two][0], 17))
+    assert [s for s, _ in steps[first_at_two:]] == list(range(steps[first_at_two][0], 13))
     if tracking:
         from mlflow.tracking import MlflowClient
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import digits_keras
+from conftest import HAS_HOROVOD
 from sparkhvd import DataFrameDataset, HorovodRunner
 
 pytestmark = [pytest.mark.tf_backend, pytest.mark.timeout(600)]
@@ -188,6 +189,8 @@ def _fit_logged(train, epochs, log_dir):
     return {"initial_epoch": kwargs["initial_epoch"], "start": list(kd.start)}
 
 
+@pytest.mark.skipif(HAS_HOROVOD, reason="Keras 3 here; TF 2.15's Keras takes notices in the "
+                                        "netns elastic test (tests/cluster/test_multihost.py)")
 def test_a_notice_to_a_keras_rank_costs_at_most_one_step_and_resumes_mid_epoch(spark,
                                                                                tmp_path):
     """SIGTERM to rank 1 mid-epoch: both ranks save after the step (a step checkpoint with the

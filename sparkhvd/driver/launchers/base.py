@@ -93,10 +93,11 @@ def watch(target: Callable[[], Any], *, timeout: Optional[float],
 
 def stopper(cancel: Callable[[], None], sink: Any) -> Callable[[], None]:
     """A Spark launch's ``stop``: ``cancel()`` (tell the ranks, cancel the Spark job), then end
-    the run's rank processes on this machine that are still there."""
+    the run's rank processes on this machine that are still there (SIGKILL: to a rank, SIGTERM
+    is a notice, :mod:`sparkhvd.elastic.notices`)."""
     def stop() -> None:
         cancel()
-        stop_pids(local_rank_pids(sink))
+        stop_pids(local_rank_pids(sink), kill=True)
 
     return stop
 

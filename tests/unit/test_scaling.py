@@ -1,0 +1,34 @@
+"""How many ranks an elastic run's next attempt gets (sparkhvd.elastic.scaling), alone."""
+import pytest
+
+from sparkhvd.common.errors import NotEnoughSlotsError
+from sparkhvd.driver.settings import ScalingConfig
+from sparkhvd.elastic.scaling import ScalingPolicy
+
+
+def test_a_relaunch_takes_the_free_slots_up_to_max_np():
+    policy = ScalingPolicy.of(ScalingConfig(np=3, min_np=2, max_np=4, resize_check_s=5))
+    assert policy.elastic and (policy.min_np, policy.max_np, policy.resize_check_s) == (2, 4, 5)
+    assert policy.relaunch_size(lambda: 2, 0, str) == 2
+    assert policy.relaunch_size(lambda: 9, 0, str) == 4
+
+
+def test_below_min_np_it_waits_for_slots_then_names_what_is_missing():
+    free = iter([1, 1, 3])
+    policy = ScalingPolicy.of(ScalingConfig(np=3, min_np=2))
+    assert policy.relaunch_size(lambda: next(free), 5, str) == 3  # slots came back in time
+    with pytest.raises(NotEnoughSlotsError, match=r"min_np=2 .* but 1 are free after waiting "
+                                                  r"0 s \(executor 7 on h3 lost\)"):
+        policy.relaunch_size(lambda: 1, 0, lambda n: "executor 7 on h3 lost")
+
+
+def test_it_grows_only_below_max_np_and_only_into_free_slots():
+    policy = ScalingPolicy.of(ScalingConfig(np=4, min_np=2, max_np=4))
+    assert policy.grow_to(2, 0) is None and policy.grow_to(4, 3) is None
+    assert policy.grow_to(2, 1) == 3 and policy.grow_to(2, 5) == 4
+    assert not ScalingPolicy.of(ScalingConfig(np=-2)).elastic
+
+
+def test_resize_check_s_is_a_positive_time():
+    with pytest.raises(ValueError, match="resize_check_s must be a positive number"):
+        ScalingConfig(np=2, resize_check_s=0)
