@@ -114,7 +114,8 @@ def _mark(log_dir, name):
 def hf_elastic(log_dir, max_steps=12):
     """A Hugging Face Trainer that resumes from its own checkpoints in the run folder after any
     relaunch, at any world size -- the one line: ``resume_from_checkpoint=
-    get_last_checkpoint(output_dir)``. Logs each step's global step and world size."""
+    st.last_checkpoint(output_dir)`` (the newest *complete* one: a rank killed while the Trainer
+    wrote one leaves it torn). Logs each step's global step and world size."""
     import time
 
     import torch
@@ -125,7 +126,6 @@ def hf_elastic(log_dir, max_steps=12):
         TrainerCallback,
         TrainingArguments,
     )
-    from transformers.trainer_utils import get_last_checkpoint
 
     import sparkhvd.torch as st
 
@@ -151,7 +151,7 @@ def hf_elastic(log_dir, max_steps=12):
                              report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=100,
                              dataloader_num_workers=0)
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Slow()])
-    trainer.train(resume_from_checkpoint=get_last_checkpoint(out))  # the one line
+    trainer.train(resume_from_checkpoint=st.last_checkpoint(out))  # the one line
     return {"world": args.world_size, "step": trainer.state.global_step}
 
 

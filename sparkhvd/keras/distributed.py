@@ -40,7 +40,7 @@ from sparkhvd.keras.callbacks import (
     RunFolderTensorBoard,
     uses_schedule,
 )
-from sparkhvd.runfolder.checkpoint_store import announce_resume, resume_store
+from sparkhvd.runfolder.checkpoint_store import announce_resume, check_cadence, resume_store
 from sparkhvd.runfolder.rank_files import run_files
 
 __side__ = "rank"
@@ -234,13 +234,7 @@ class KerasDistributed:
         self.tensorboard = tensorboard
         self.storage_options = storage_options
         self.data = data
-        for name, value in (("every_steps", every_steps), ("keep", keep)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"{name} must be a positive int or None; got {value!r}")
-        if every_seconds is not None and not every_seconds > 0:
-            raise ValueError(f"every_seconds must be a positive number or None; got "
-                             f"{every_seconds!r}")
+        check_cadence(every_steps, every_seconds, keep)
         self.every_steps, self.every_seconds, self.keep = every_steps, every_seconds, keep
         self.start: tuple[int, int] = (0, 0)
         files = run_files()

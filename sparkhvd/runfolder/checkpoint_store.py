@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import re
-from typing import Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 __side__ = "rank"
 
@@ -166,6 +166,18 @@ def latest(store: CheckpointStore) -> Optional[dict]:
 def digest(data: bytes) -> dict:
     """What a checkpoint records of each file: its size and SHA-256."""
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def check_cadence(every_steps: Any, every_seconds: Any, keep: Any) -> None:
+    """The checkpoint helpers' cadence settings (torch and Keras), checked once: ValueError
+    naming the one that is wrong."""
+    for name, value in (("every_steps", every_steps), ("keep", keep)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"{name} must be a positive int or None; got {value!r}")
+    if every_seconds is not None and not every_seconds > 0:
+        raise ValueError(f"every_seconds must be a positive number or None; got "
+                         f"{every_seconds!r}")
 
 
 def checkpoint_name(epoch: int, step: int = 0) -> str:

@@ -25,6 +25,7 @@ from sparkhvd.torch.training import (
     ShardedCheckpoints,
     TorchContext,
     WorldSizeChange,
+    last_checkpoint,
     model_bytes,
     output_dir,
     report,
@@ -36,8 +37,8 @@ from sparkhvd.torch.training import (
 __side__ = "public"
 
 __all__ = ["Checkpoints", "Preempted", "ShardedCheckpoints", "TorchContext", "TorchDistributor",
-           "WorldSizeChange", "model_bytes", "output_dir", "report", "setup", "unwrap",
-           "world_size_change"]
+           "WorldSizeChange", "last_checkpoint", "model_bytes", "output_dir", "report", "setup",
+           "unwrap", "world_size_change"]
 
 
 def __getattr__(name: str) -> Any:

@@ -39,6 +39,7 @@ from sparkhvd.runfolder.checkpoint_store import (
     RunFolderStore,
     UrlStore,
     announce_resume,
+    check_cadence,
     checkpoint_name,
     commit_checkpoint,
     digest,
@@ -175,13 +176,7 @@ class _CheckpointsBase:
                  storage_options: Optional[dict] = None, resume: Any = None,
                  data: Any = None, every_steps: Optional[int] = None,
                  every_seconds: Optional[float] = None, keep: Optional[int] = None) -> None:
-        for name, value in (("every_steps", every_steps), ("keep", keep)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"{name} must be a positive int or None; got {value!r}")
-        if every_seconds is not None and not every_seconds > 0:
-            raise ValueError(f"every_seconds must be a positive number or None; got "
-                             f"{every_seconds!r}")
+        check_cadence(every_steps, every_seconds, keep)
         self.model, self.optimizer = model, optimizer
         self.data = data
         self.every_steps, self.every_seconds, self.keep = every_steps, every_seconds, keep
@@ -527,6 +522,26 @@ def world_size_change() -> WorldSizeChange:
     return _world_size_change()
 
 
+def last_checkpoint(folder: str, complete: str = "trainer_state.json") -> Optional[str]:
+    """The newest *complete* ``checkpoint-N`` folder a library left in ``folder``, or None.
+
+    A rank killed while its library wrote a checkpoint leaves a folder that is not whole; a
+    Hugging Face ``Trainer`` writes ``trainer_state.json`` last, so a folder without it is
+    skipped -- ``transformers``' own ``get_last_checkpoint`` would pick it and ``train`` then
+    refuse it. The one line that resumes a ``Trainer`` after any relaunch::
+
+        trainer.train(resume_from_checkpoint=st.last_checkpoint(args.output_dir))
+    """
+    import re
+
+    found = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        match = re.fullmatch(r"checkpoint-(\d+)", name)
+        if match and os.path.exists(os.path.join(folder, name, complete)):
+            found.append((int(match.group(1)), name))
+    return os.path.join(folder, max(found)[1]) if found else None
+
+
 def output_dir(name: str) -> str:
     """A folder for files a library writes itself -- Lightning's ``default_root_dir``,
     Hugging Face ``TrainingArguments(output_dir=...)`` -- that ends up in the run folder as
@@ -574,5 +589,6 @@ def model_bytes(model: Any, example_input: Any = None) -> bytes:
 
 
 __all__ = ["TorchContext", "setup", "unwrap", "report", "Checkpoints", "ShardedCheckpoints",
-           "output_dir", "model_bytes", "world_size_change", "WorldSizeChange", "Preempted"]
+           "output_dir", "model_bytes", "world_size_change", "WorldSizeChange", "Preempted",
+           "last_checkpoint"]
 

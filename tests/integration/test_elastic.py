@@ -40,6 +40,21 @@ def _when(condition, what, timeout=240):
     assert conftest.wait_for(condition, timeout, 0.1), f"timed out waiting for {what}"
 
 
+def _signal_rank_1(logs_dir, step, signum):
+    """A thread (not started) that sends ``signum`` to the first attempt's rank 1 once it has
+    logged ``step`` of epoch 1."""
+    def rank_1_there():
+        rank1 = et.read_logs(logs_dir).get(0, {}).get(1)
+        return rank1 if rank1 and any(e == 1 and s >= step for e, s, _ in rank1["steps"]) \
+            else None
+
+    def send():
+        _when(rank_1_there, "rank 1 mid-epoch")
+        os.kill(rank_1_there()["pid"], signum)
+
+    return threading.Thread(target=send, daemon=True)
+
+
 def test_sigterm_to_a_rank_costs_at_most_one_step(spark, tmp_path):
     """A node's notice: SIGTERM to rank 1's process mid-epoch. Every rank finishes its step,
     the step checkpoint is written, the ranks exit as preempted and the run relaunches from it
@@ -47,16 +62,7 @@ def test_sigterm_to_a_rank_costs_at_most_one_step(spark, tmp_path):
     logs_dir = tmp_path / "logs"
     logs_dir.mkdir()
 
-    def notice_when_mid_epoch():
-        def at_step_6():
-            logs = et.read_logs(logs_dir)
-            rank1 = logs.get(0, {}).get(1)
-            return rank1 if rank1 and any(e == 1 and s >= 6 for e, s, _ in rank1["steps"]) \
-                else None
-        _when(at_step_6, "rank 1 mid-epoch")
-        os.kill(at_step_6()["pid"], signal.SIGTERM)
-
-    thread = threading.Thread(target=notice_when_mid_epoch, daemon=True)
+    thread = _signal_rank_1(logs_dir, 6, signal.SIGTERM)
     with DataFrameDataset(_frame(spark), ["x", "id"], "y") as ds:
         runner = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path / "r"))
         thread.start()
@@ -90,15 +96,7 @@ def test_an_elastic_run_on_spark_connect(connect, tmp_path):
     logs_dir = tmp_path / "logs"
     logs_dir.mkdir()
 
-    def kill_when_mid_epoch():
-        def at_step_5():
-            rank1 = et.read_logs(logs_dir).get(0, {}).get(1)
-            return rank1 if rank1 and any(e == 1 and s >= 5 for e, s, _ in rank1["steps"]) \
-                else None
-        _when(at_step_5, "rank 1 mid-epoch")
-        os.kill(at_step_5()["pid"], signal.SIGKILL)
-
-    thread = threading.Thread(target=kill_when_mid_epoch, daemon=True)
+    thread = _signal_rank_1(logs_dir, 5, signal.SIGKILL)
     with DataFrameDataset(_frame(spark), ["x", "id"], "y") as ds:
         runner = HorovodRunner(np=2, min_np=1, max_np=2, spark=spark, backend="torch",
                                output_dir=str(tmp_path / "r"))

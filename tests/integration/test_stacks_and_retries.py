@@ -181,7 +181,7 @@ def test_a_killed_rank_is_retried_from_the_last_checkpoint(spark, tmp_path, rank
     assert record["status"] == "succeeded" and record["resume"]["epoch"] == 2 \
         if "resume" in record else True
     log = open(runner.last_run_dir.file("logs/rank-1.log")).read()
-    assert "---- attempt 2: relaunched after" in log
+    assert "---- attempt 2: restarting after" in log
 
 
 def test_what_the_function_raises_is_not_retried(tmp_path):
