@@ -40,6 +40,8 @@ Cases (each run ``--repeat`` times; median, min and max are reported):
   to the first step after the relaunch, and the steps each rank trained twice -- with epoch
   checkpoints only (``max_retries`` before step checkpoints), step checkpoints every 10 steps,
   and a notice.
+- B13 the time split's cost: B3's CNN at np=2 with the sampler on and off, taking turns, and
+  the sampler's work per sample (goal: on >= 0.98 x off).
 - B9 an over-partitioned DataFrame (2,000 rows in 1,000 partitions): materialise + one epoch at
   np=2, partitions merged into one wave of write tasks vs one Parquet file per partition.
 
@@ -1384,10 +1386,71 @@ def _b12_ray(repeat: int, epochs: int, steps: int, at: tuple[int, int]) -> list[
              **_stats(redone)}]
 
 
+# -- B13 ---------------------------------------------------------------------------------------
+def _classify_cost(frames, rounds):
+    """Microseconds to sample and classify one stack of ``frames`` frames (the sampler's work
+    per sample), measured inside a rank at that depth."""
+    import time as _time
+
+    from sparkhvd.timing.buckets import classify
+    from sparkhvd.timing.sampler import main_thread_frames
+
+    def nest(depth):
+        if depth:
+            return nest(depth - 1)
+        import threading
+
+        ident = threading.main_thread().ident
+        start = _time.perf_counter()
+        for _ in range(rounds):
+            classify(main_thread_frames(ident))
+        return 1e6 * (_time.perf_counter() - start) / rounds
+    return nest(frames)
+
+
+def case_b13(repeat: int, tiny: bool) -> list[dict]:
+    """B13 the time split's cost: B3's CNN at np=2 (batch 64 per rank, DDP over gloo on torch,
+    else horovod) with the sampler on (the default) and off (``time_split=False``), taking
+    turns; and the sampler's work per sample."""
+    import importlib.util
+
+    from sparkhvd import HorovodRunner
+
+    spark = _spark()
+    backend = "torch" if importlib.util.find_spec("torch") else "horovod"
+    fn = _train_synthetic_torch if backend == "torch" else _train_synthetic
+    steps, batch = (10, 16) if tiny else (80, 64)
+    out = tempfile.mkdtemp(prefix="bench-b13-")
+    env = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+    def train(on):
+        res = HorovodRunner(np=2, spark=spark, output_dir=out, env=env, backend=backend,
+                            time_split=on).run_all(fn, steps=steps, batch=batch,
+                                                   t_start=time.time())
+        return sum(r["samples_per_s"] for r in res)
+
+    train(True)  # warm-up
+    got: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(max(3, repeat) if not tiny else 1):
+        for on in (False, True):
+            got[on].append(train(on))
+    how = f"np=2, backend={backend}, batch {batch}/rank"
+    rows = [{"case": "B13", "variant": f"training, time split {'on' if on else 'off'}, {how}",
+             "unit": "samples/s", **_stats(got[on])} for on in (False, True)]
+    rows.append({"case": "B13", "variant": f"throughput on / off (per round), {how}",
+                 "unit": "ratio", **_stats([a / b for a, b in zip(got[True], got[False])])})
+    cost = [HorovodRunner(np=-1, output_dir=out).run(_classify_cost, frames=40,
+                                                     rounds=200 if tiny else 5000)
+            for _ in range(max(1, repeat))]
+    rows.append({"case": "B13", "variant": "one sample: read and classify a 40-frame stack",
+                 "unit": "us", **_stats(cost)})
+    return rows
+
+
 CASES = {"B1": case_b1, "B1C": case_b1c, "B1T": case_b1t, "B2": case_b2, "B2T": case_b2t,
          "B3": case_b3,
          "B4": case_b4, "B5": case_b5, "B6": case_b6, "B7": case_b7, "B8": case_b8,
-         "B9": case_b9, "B10": case_b10, "B11": case_b11, "B12": case_b12}
+         "B9": case_b9, "B10": case_b10, "B11": case_b11, "B12": case_b12, "B13": case_b13}
 
 
 def environment() -> dict:

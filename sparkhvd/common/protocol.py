@@ -41,6 +41,9 @@ class RankOptions:
     #: Pickle the kept value in the rank to name what cannot travel (launchers that pickle it
     #: themselves, e.g. horovod's).
     check_result: bool = False
+    #: Sample where the rank's time goes (:mod:`sparkhvd.timing`); ``time_split=False`` on the
+    #: runner turns it off.
+    time_split: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         """The wire form (JSON on a command line, pickled by horovod)."""
@@ -263,6 +266,23 @@ class Stacks:
 
 
 @dataclass
+class TimeSplit:
+    """Where one rank's time went over one interval (:mod:`sparkhvd.timing.sampler`): seconds
+    per bucket, where in the code each bucket was spent, and the process' system metrics."""
+
+    rank: int
+    host: str = ""
+    #: the interval, as wall-clock seconds since the epoch
+    start: float = 0.0
+    end: float = 0.0
+    seconds: dict[str, float] = field(default_factory=dict)
+    #: bucket -> the innermost user frame ("train.py:42 load_batch") or the collective's name
+    where: dict[str, str] = field(default_factory=dict)
+    #: MLflow's system-metric names (``cpu_utilization_percentage``, ...) -> value
+    system: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class Heartbeat:
     """A Spark task is alive (sent every second; silence means a lost host)."""
 
@@ -348,10 +368,11 @@ class Detached:
 
 
 Message = Union[Line, Started, Error, Metrics, Resumed, OutputDir, Listening, Preempted, Exit,
-                Stacks, Heartbeat, Hello, Assign, Abort, DumpStacks, Notice, Detached]
+                Stacks, TimeSplit, Heartbeat, Hello, Assign, Abort, DumpStacks, Notice,
+                Detached]
 KINDS: dict[str, type] = {cls.__name__.lower(): cls for cls in
                           (Line, Started, Error, Metrics, Resumed, OutputDir, Listening,
-                           Preempted, Exit, Stacks, Heartbeat, Hello, Assign, Abort, DumpStacks,
+                           Preempted, Exit, Stacks, TimeSplit, Heartbeat, Hello, Assign, Abort, DumpStacks,
                            Notice, Detached)}
 
 

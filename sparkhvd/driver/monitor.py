@@ -29,7 +29,6 @@ import logging
 import os
 import re
 import socket
-import sysconfig
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from typing import Any, Callable, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.errors import StallError
+from sparkhvd.timing.buckets import COLLECTIVE, is_user_code
 
 __side__ = "driver"
 
@@ -49,9 +49,6 @@ REQUEST_POLL_S = 0.5
 #: The file ``sparkhvd stacks`` drops into a run folder (the driver answers and removes it).
 REQUEST_NAME = ".stacks-request"
 
-#: A frame in one of these functions means the rank waits for its peers.
-COLLECTIVE = re.compile(r"(?i)(all_?reduce|all_?gather|broadcast|barrier|reduce_scatter|"
-                        r"all_?to_?all|synchronize|collective|_wait_for_workers)")
 _FAULTHANDLER = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 _PYSPY = re.compile(r"^\s+(?P<func>\S+) \((?P<file>[^:()]+):(?P<line>\d+)\)")
 _THREAD = re.compile(r'^(Current thread|Thread) (0x[0-9a-f]+|\d+)(?: \(\w+\))?:?\s*(?:"(?P<name>[^"]*)")?')
@@ -92,15 +89,8 @@ def parse(msg: protocol.Stacks) -> RankStacks:
     return RankStacks(msg.rank, msg.host, msg.pid, msg.source, msg.text, main)
 
 
-_LIBRARY = tuple(p for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib",
-                                                                    "purelib", "platlib")} if p)
-_SPARKHVD = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def _is_user_code(frame: Frame) -> bool:
-    path = os.path.abspath(frame.file)
-    return not (path.startswith(_LIBRARY) or path.startswith(_SPARKHVD) or
-                "site-packages" in path or "dist-packages" in path or frame.file.startswith("<"))
+    return is_user_code(frame.file)
 
 
 def where(stacks: RankStacks) -> tuple[str, Optional[Frame]]:

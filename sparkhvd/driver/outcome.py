@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.errors import LaunchFailure, RankFailure
@@ -56,6 +56,8 @@ class RunOutcome:
         self.stacks: dict[int, tuple[float, protocol.Stacks]] = {}
         #: the run's :class:`~sparkhvd.driver.monitor.RunMonitor` (stalls, stack requests)
         self.monitor: Any = None
+        #: takes each rank's :class:`~sparkhvd.common.protocol.TimeSplit` (None: not sampled)
+        self.time_splits: Optional[Callable[[protocol.TimeSplit], None]] = None
         self._error_seen: dict[int, float] = {}
         self._lock = threading.Lock()
 
@@ -64,6 +66,10 @@ class RunOutcome:
         if isinstance(msg, protocol.Stacks):
             with self._lock:
                 self.stacks[msg.rank] = (time.monotonic(), msg)
+            return
+        if isinstance(msg, protocol.TimeSplit):  # sampled on a timer: never progress
+            if self.time_splits is not None:
+                self.time_splits(msg)
             return
         self.last_progress = time.monotonic()
         if isinstance(msg, protocol.Line):

@@ -22,7 +22,8 @@ The story of a run, start to end (:meth:`Run.execute`):
    grow into) and may ask the ranks to stop at their next step;
 5. the :class:`~sparkhvd.driver.retry.RetryPolicy` says *finished*, *failed*, or relaunch:
    *restarting* at the same size or *resizing* to another, from the run's newest checkpoint;
-6. the run is recorded (status, error, PIDs, curves, the model) and published, and rank 0's
+6. the run is recorded (status, error, PIDs, curves, where the ranks' time went, the model,
+   ``report.html``) and published, and rank 0's
    result -- or the error, naming the run folder -- goes back to the caller.
 
 A rank's end is decoded once, by :func:`sparkhvd.driver.rank_end.classify`, into the
@@ -59,6 +60,7 @@ from sparkhvd.elastic.scaling import ScalingPolicy
 from sparkhvd.elastic.watch import AttemptWatch
 from sparkhvd.runfolder.record import now
 from sparkhvd.runfolder.rundir import RunDir, resolve_resume_source
+from sparkhvd.timing.splits import TimeSplits
 
 __side__ = "driver"
 
@@ -132,6 +134,11 @@ class Run:
                                     verbose=launch.verbose)
         self.tracker: Any = None
         self.view: Any = None
+        #: where the ranks' time goes: timing.jsonl, stragglers on the console, report.html
+        self.timing: Optional[TimeSplits] = TimeSplits(
+            self.run_dir.path, say=self.router.note,
+            findings=lambda found: self.record.timed(findings=found)) \
+            if config.time_split else None
 
     def time_left(self) -> Optional[float]:
         """What is left of ``run(timeout=...)`` now (None: no limit)."""
@@ -172,6 +179,9 @@ class Run:
         finally:
             self.router.close()
             self._write_curves()
+            if self.timing is not None:
+                self.timing.close()
+                self.record.timed(**self.timing.summary())
             settle_dataset_caches()
         if last is None:  # a timeout, an interrupt, a bad setting: recorded, then raised
             self._record_end(status, error)
@@ -230,7 +240,7 @@ class Run:
             resume = self.run_dir.own_checkpoints() or resume
             library = None if resume else self._library_checkpoints()
             why = self._why(attempt, request, verdict)
-            new_size = self._size_now(self._relaunch_size(attempt, request))
+            new_size = self._size_now(self._relaunch_size(attempt, request), grow=planned)
             checkpoint = self.run_dir.newest_checkpoint() if resume else None
             state = State.RESIZING if new_size != size else State.RESTARTING
             self._enter(state, why, attempt=attempt.number, checkpoint=checkpoint,
@@ -279,17 +289,18 @@ class Run:
     def _free_slots(self, ended: Optional[str] = None) -> int:
         return cluster.free_slots(self.view, self.lost_executors, self.lost_tasks, ended)
 
-    def _size_now(self, size: int) -> int:
+    def _size_now(self, size: int, grow: bool = False) -> int:
         """An elastic run's size for this placement: ``size`` if that many slots are free, else
         what is free within ``min_np``..``max_np`` (waiting up to ``slot_wait_s`` for
-        ``min_np``). Other runs keep ``size`` (the slot check names a shortfall)."""
+        ``min_np``; a planned ``grow`` to ``size`` waits a moment for its slots). Other runs
+        keep ``size`` (the slot check names a shortfall)."""
         if not self.scaling.elastic or not self.spec.scaling.spark:
             return size
         self._ensure_view()
         ended = self.attempt.spark_job if self.attempt is not None else None
         free = self.scaling.relaunch_size(
             lambda: self._free_slots(ended), self.spec.launch.slot_wait_s,
-            lambda n: cluster.describe_lost(self.lost_executors))
+            lambda n: cluster.describe_lost(self.lost_executors), want=size if grow else None)
         return min(size, free)
 
     def _relaunch_size(self, attempt: "Attempt", request: Any) -> int:
@@ -325,6 +336,8 @@ class Run:
             self.tracker = MlflowTracker(config.mlflow)
             self.tracker.start(self.run_dir, {**self.record.params(),
                                               "launcher": placement.launcher}, self.kwargs)
+            if self.timing is not None:
+                self.timing.tracker = self.tracker
 
     def _library_checkpoints(self) -> Optional[str]:
         """The ``st.output_dir`` folders of this run that hold files -- a library's own
@@ -364,6 +377,7 @@ class Run:
                              pids=outcome.pid_record() if outcome is not None else {},
                              resumed=outcome.resumed if outcome is not None else None,
                              model=model)
+        self._write_report()
         if self.tracker is not None:
             self.tracker.finish(self.run_dir, status)
         if status != "succeeded":
@@ -417,6 +431,17 @@ class Run:
         self.record.resume_requested(source)
         return source
 
+    def _write_report(self) -> None:
+        """``report.html``: the run at a glance, one offline file (:mod:`sparkhvd.timing.
+        report`); never in the way of the run's outcome."""
+        from sparkhvd.timing.report import write_report
+
+        try:
+            write_report(self.run_dir.path)
+            self.record.reported("report.html")
+        except Exception as exc:  # noqa: BLE001 - a report must never hide the run's outcome
+            log.warning("could not write report.html: %s", exc)
+
     def _write_curves(self) -> None:
         """``metrics.csv`` always; ``curves.png`` where matplotlib is installed (the ``plots``
         extra): nobody asked for a picture, so its absence is no warning."""
@@ -451,6 +476,9 @@ class Attempt:
         self.outcome = RunOutcome(run.router)
         if run.tracker is not None:
             self.outcome.listeners.append(run.tracker.metrics)
+        if run.timing is not None:
+            run.timing.begin(number, self.size)
+            self.outcome.time_splits = run.timing.add
         launch = run.spec.launch
         self.monitor = self.outcome.monitor = RunMonitor(
             self.outcome, run.run_dir.path, stall_timeout=launch.stall_timeout,
@@ -543,6 +571,7 @@ class Attempt:
             scaling=scaling, launch=launch, backend=spec.backend, payload=run.blob,
             options=RankOptions(verbose=launch.verbose, return_all=run.return_all,
                                 elastic=spec.facts.horovod_elastic,
+                                time_split=run.timing is not None,
                                 env_keep=tuple(sorted(set(launch.env) | set(env)))),
             env=env, placement=self.placement, timeout=run.timeout, deadline=run.deadline,
             job=self.spark_job,

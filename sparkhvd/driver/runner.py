@@ -133,11 +133,12 @@ class HorovodRunner:
       run is elastic or the session uses dynamic allocation (then ``horovod.spark.run``);
       ``env`` adds variables for the ranks (the driver's environment is never copied
       wholesale, see :mod:`sparkhvd.common.environment`).
-    - ``run_config=RunConfig(output_dir, storage_options, resume_from, timeline, mlflow,
-      driver_log_verbosity, max_retries, max_preemptions)``: the run folder (local, ``abfss://``, ``az://``, ``file://``;
-      ``storage_options`` are used on the driver only, never recorded), resuming from a run's
-      checkpoints (``True``: the latest run under ``output_dir``), a Horovod timeline, MLflow
-      tracking, and which ranks' output the console shows (``"rank0"`` or ``"all"``).
+    - ``run_config=RunConfig(output_dir, storage_options, resume_from, timeline, time_split,
+      mlflow, driver_log_verbosity, max_retries, max_preemptions)``: the run folder (local,
+      ``abfss://``, ``az://``, ``file://``; ``storage_options`` are used on the driver only,
+      never recorded), resuming from a run's checkpoints (``True``: the latest run under
+      ``output_dir``), a Horovod timeline, where the ranks' time goes (``report.html``),
+      MLflow tracking, and which ranks' output the console shows (``"rank0"`` or ``"all"``).
     - ``session=SessionConfig(spark, preset)``: the SparkSession (classic or Spark Connect;
       default the active one, else ``local[np]``) and a ``conf/`` preset to check ``np``
       against and start a session from.
@@ -171,7 +172,7 @@ class HorovodRunner:
                  mlflow: Union[None, bool, str] = _UNSET,
                  stall_timeout: Optional[float] = _UNSET, on_stall: str = _UNSET,
                  max_retries: Optional[int] = _UNSET, max_preemptions: Optional[int] = _UNSET,
-                 resize_check_s: float = _UNSET) -> None:
+                 resize_check_s: float = _UNSET, time_split: bool = _UNSET) -> None:
         given = {k: v for k, v in locals().items()
                  if v is not _UNSET and k not in ("self", "backend", "scaling", "launch",
                                                    "run_config", "session", "__class__")}

@@ -210,6 +210,10 @@ class RunConfig:
         resume_from: ``True`` for the latest run under ``output_dir`` with checkpoints, or a run
             folder / checkpoints URL.
         timeline: record a Horovod timeline as ``timeline.json`` in the run folder.
+        time_split: sample where every rank's time goes (data loading, computing, collectives,
+            checkpoint I/O), name stragglers as the run goes, keep system metrics, and write
+            ``report.html`` (default ``True``; costs about 1 % of throughput, see
+            docs/guides/slow.md).
         mlflow: ``True`` or an experiment name: track the run in MLflow.
         driver_log_verbosity: ``"rank0"`` (rank 0's output and every rank's errors on the
             console) or ``"all"``.
@@ -226,6 +230,7 @@ class RunConfig:
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     resume_from: Any = None
     timeline: bool = False
+    time_split: bool = True
     mlflow: Union[None, bool, str] = None
     driver_log_verbosity: str = "rank0"
     max_retries: Optional[int] = None

@@ -25,6 +25,9 @@ __side__ = "driver"
 
 #: How often a run below its ``max_np`` looks for free slots to grow into (``resize_check_s``).
 RESIZE_CHECK_S = 30.0
+#: A grow's relaunch waits up to this long for the slots it was planned for (the stopped
+#: ranks' tasks ending, a returning executor registering) before it takes what is free.
+GROW_SETTLE_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -49,16 +52,22 @@ class ScalingPolicy:
         return self.min_np != self.max_np
 
     def relaunch_size(self, free: Callable[[], int], wait_s: float,
-                      why_missing: Callable[[int], str]) -> int:
+                      why_missing: Callable[[int], str], want: Optional[int] = None,
+                      settle_s: float = GROW_SETTLE_S) -> int:
         """The size of a relaunch: ``min(max_np, free slots)``, waiting up to ``wait_s`` for
-        ``min_np``. ``free()`` counts the slots free now; ``why_missing(free)`` says where
-        the rest went (for the error)."""
-        deadline = time.monotonic() + wait_s
+        ``min_np`` -- and, for a grow to ``want`` ranks, up to ``settle_s`` for those slots (the
+        ranks that just stopped, an executor still registering). ``free()`` counts the slots
+        free now; ``why_missing(free)`` says where the rest went (for the error)."""
+        start = time.monotonic()
         while True:
             now = free()
+            waited = time.monotonic() - start
+            if want is not None and now < want and waited < settle_s:
+                time.sleep(0.5)
+                continue
             if now >= self.min_np:
                 return min(self.max_np, now)
-            if time.monotonic() >= deadline:
+            if waited >= wait_s:
                 raise NotEnoughSlotsError(
                     f"The elastic run needs at least min_np={self.min_np} Spark task slots to go "
                     f"on, but {now} are free after waiting {wait_s:.0f} s ({why_missing(now)}). "

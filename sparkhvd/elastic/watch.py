@@ -7,8 +7,8 @@ the launcher: the Spark task signals its rank, see :mod:`sparkhvd.elastic.notice
   decommission: ``decommission-worker.sh``/SIGPWR on standalone, a Kubernetes pod's or a YARN
   node's drain) -- looked at every :data:`DECOMMISSION_POLL_S`; running barrier tasks go on
   by themselves, so the run must learn of it here;
-- an elastic run below ``max_np`` finds **free slots** -- looked at every ``resize_check_s``
-  -- and grows back.
+- an elastic run below ``max_np`` finds **free slots** -- looked at every ``resize_check_s``,
+  and again :data:`GROW_CONFIRM_S` later before it asks -- and grows back.
 
 Only ranks whose checkpoint helper listens are asked (a notice would otherwise kill them, and
 a grow would cost the work since their last checkpoint); the attempt's :class:`StopRequest`
@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 #: How often the driver looks for executors being decommissioned under the run's ranks.
 DECOMMISSION_POLL_S = 1.0
+#: Free slots are looked at again this much later before a grow is asked for: while executors
+#: come and go, Spark may list a lost one beside its replacement for a moment.
+GROW_CONFIRM_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class AttemptWatch:
         self._notify: Optional[Callable[[str], None]] = None
         self._next_decommission = 0.0
         self._next_grow = clock() + policy.resize_check_s
+        #: the size a first look found room for, confirmed by the next look
+        self._grow_seen: Optional[int] = None
         self._warned = False
         self.active = view is not None and not view.connect and \
             not str(view.master).startswith("local")
@@ -76,8 +81,9 @@ class AttemptWatch:
             self._look_for_decommission()
         if self.request is None and self.policy.elastic and self.size < self.policy.max_np \
                 and now >= self._next_grow:
-            self._next_grow = now + self.policy.resize_check_s
             self._look_for_slots()
+            self._next_grow = now + (GROW_CONFIRM_S if self._grow_seen is not None
+                                     else self.policy.resize_check_s)
 
     def _look_for_decommission(self) -> None:
         sc = self.view.sc
@@ -107,9 +113,12 @@ class AttemptWatch:
         free = cluster.safely("free slots", lambda: cluster.free_slots(
             self.view, lost=self.lost()), 0)
         grow_to = self.policy.grow_to(self.size, free)
-        if grow_to is not None:
-            self._ask(StopRequest("grow", f"{free} Spark task slot(s) free: growing from "
-                                  f"{self.size} to {grow_to} ranks", grow_to=grow_to))
+        seen, self._grow_seen = self._grow_seen, grow_to
+        if grow_to is not None and seen is not None:  # two looks agree
+            grow_to = min(grow_to, seen)
+            self._ask(StopRequest("grow", f"{grow_to - self.size} Spark task slot(s) free: "
+                                  f"growing from {self.size} to {grow_to} ranks",
+                                  grow_to=grow_to))
 
     def _ask(self, request: StopRequest) -> None:
         self.request = request

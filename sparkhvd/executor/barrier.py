@@ -111,8 +111,9 @@ class _Kept:
         self.lock = threading.Lock()
 
     def add(self, msg: Any) -> None:
-        if isinstance(msg, protocol.Heartbeat) or getattr(msg, "update", False):
-            return  # progress updates are for a live console only
+        if isinstance(msg, (protocol.Heartbeat, protocol.TimeSplit)) or \
+                getattr(msg, "update", False):
+            return  # progress updates and time splits are for a live driver only
         data = protocol.encode(msg)
         with self.lock:
             self.messages.append((isinstance(msg, protocol.Line), data))

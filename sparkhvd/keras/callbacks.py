@@ -205,6 +205,8 @@ class EpochProgress(tf.keras.callbacks.Callback):
         parts.append(f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
         print(" - ".join(parts), flush=True)
         record = {"epoch": epoch + 1, "seconds": round(elapsed, 3)}
+        if self.global_batch_size and steps:  # the report's throughput over time
+            record["samples_per_s"] = round(steps * self.global_batch_size / elapsed, 1)
         record.update({k: float(v) for k, v in logs.items() if _is_number(v)})
         emit(protocol.Metrics(rank=0, record=record))
 

@@ -222,6 +222,20 @@ def stacks(run_folder: str, timeout: float) -> None:
         raise click.ClickException(str(exc)) from None
 
 
+@main.command()
+@click.argument("run_folder", type=click.Path(exists=True, file_okay=False))
+def report(run_folder: str) -> None:
+    """Write report.html into a run folder (a local one; every run writes its own at the end):
+    attempts, throughput, each rank's time split, stragglers, system metrics, curves, logs.
+    One static file that works offline: sparkhvd report runs/<run-id>."""
+    from sparkhvd.timing.report import write_report
+
+    if not os.path.exists(os.path.join(run_folder, "run.json")):
+        raise click.ClickException(f"{run_folder} has no run.json: pass a run folder "
+                                   "(runs/<run-id>)")
+    click.echo(write_report(run_folder))
+
+
 def spark_submit_command(preset: str, master: Optional[str], job: str,
                          job_args: tuple[str, ...] = ()) -> list[str]:
     """The full ``spark-submit`` command line for a job under a preset."""

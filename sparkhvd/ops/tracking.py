@@ -109,6 +109,35 @@ class MlflowTracker:
             except Exception as exc:  # noqa: BLE001 - tracking must never stop training
                 log.warning("MLflow: could not log epoch %s: %s", step, redact(str(exc)))
 
+    def system_metrics(self, rank: int, metrics: Mapping[str, float], step: int) -> None:
+        """One rank's system metrics in MLflow's own shape (``system/rank_<N>/<name>``, as its
+        ``SystemMetricsMonitor`` logs a node's), so the run's System metrics tab shows them."""
+        if self.run_id is None:
+            return
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(f"system/rank_{rank}/{name}", float(value), now, step)
+                 for name, value in metrics.items() if isinstance(value, (int, float))]
+        with self._lock:
+            try:
+                self.client.log_batch(self.run_id, metrics=batch)
+            except Exception as exc:  # noqa: BLE001 - tracking must never stop training
+                log.debug("MLflow: could not log rank %d's system metrics: %s", rank,
+                          redact(str(exc)))
+
+    def finding(self, number: int, text: str) -> None:
+        """What the time split found (a straggler, an input-bound run) as a tag
+        ``sparkhvd.findingN``."""
+        if self.run_id is None:
+            return
+        try:
+            self.client.set_tag(self.run_id, f"sparkhvd.finding{number}", redact(text)[:500])
+        except Exception as exc:  # noqa: BLE001 - tracking must never stop training
+            log.warning("MLflow: could not record a finding: %s", redact(str(exc)))
+
     def transition(self, entry: Mapping[str, Any]) -> None:
         """A change of the run's state: the world size of every attempt as the metric
         ``world_size`` (step = attempt), and each resize as a tag ``sparkhvd.resizeN``
@@ -154,7 +183,8 @@ class MlflowTracker:
         try:
             local = run_dir.path if os.path.isdir(run_dir.path) else None
             if local:
-                for name in ("run.json", "metrics.csv", "curves.png", "timeline.json"):
+                for name in ("run.json", "metrics.csv", "curves.png", "timeline.json",
+                             "timing.jsonl", "report.html"):
                     if os.path.exists(os.path.join(local, name)):
                         self.client.log_artifact(self.run_id, os.path.join(local, name))
                 if os.path.isdir(os.path.join(local, "logs")):

@@ -112,7 +112,8 @@ def rank_main(payload: bytes, wire_options: dict, *, pickle_result: bool = False
 
 def _prepare_process(options: protocol.RankOptions, *, supervised: bool) -> None:
     """Before the user's code: the environment it may see, the process tree it owns, notices,
-    the rank announced, stacks on request, elastic resets followed, library noise quieted."""
+    the rank announced, stacks on request, its time sampled, elastic resets followed, library
+    noise quieted."""
     events.take_from_env()
     scrub_environment(list(options.env_keep))
     pick_gloo_iface()
@@ -123,6 +124,10 @@ def _prepare_process(options: protocol.RankOptions, *, supervised: bool) -> None
         install_notices()
     announce(current_rank().rank)
     install_stacks()  # every thread's stack on request, however stuck the rank is
+    if options.time_split:  # where the rank's time goes, sampled (sparkhvd.timing)
+        from sparkhvd.timing.sampler import start
+
+        start()
     if options.elastic:
         from sparkhvd.common.patches import follow_elastic_resets
 
@@ -150,6 +155,10 @@ def _place_rank() -> None:
 def _hand_over_files() -> None:
     """After the user's code, whatever happened: the timeline and ``output_dir()`` files into
     the run folder, the rank's children ended, its output flushed."""
+    with contextlib.suppress(Exception):
+        from sparkhvd.timing.sampler import finish
+
+        finish()
     with contextlib.suppress(Exception):
         from sparkhvd.runfolder.rank_files import publish_timeline
 

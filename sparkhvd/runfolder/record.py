@@ -20,6 +20,10 @@ resume                requested / restored / epoch / skipped, or a warning      
 mlflow                tracking URI (redacted), experiment, run id, model id          tracked
 timeline, control     the Horovod timeline's file; how reports came (live / rows)    launched
 stacks                the stack reports saved under logs/                            stacks_saved
+time_split            where the ranks' time went: file (timing.jsonl), ranks (host,  timed
+                      seconds, share and where per bucket), findings (stragglers,
+                      input- or communication-bound)
+report                the run's report (report.html)                                 reported
 attempts              one entry per attempt: status, size, error, retryable,          attempt_ended
                       preempted, resumed_from, restored, skipped, rank_pids, hosts,
                       ended_at
@@ -42,6 +46,7 @@ import datetime as _dt
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Optional
@@ -69,6 +74,8 @@ class RunRecord(Mapping[str, Any]):
         self._fields: dict[str, Any] = {"run_id": run_id, "status": "created", "output": output,
                                         "versions": dict(versions), "timings": {}}
         self._t0 = time.monotonic()
+        #: writes come from the run's thread and from launcher threads (findings as they come)
+        self._lock = threading.RLock()
 
     # -- reading ----------------------------------------------------------------------------
     def __getitem__(self, key: str) -> Any:
@@ -149,6 +156,16 @@ class RunRecord(Mapping[str, Any]):
             fields["model"] = model
         self._write(**fields)
 
+    def timed(self, **time_split: Any) -> None:
+        """Where the ranks' time went (:mod:`sparkhvd.timing.splits`): merged into
+        ``time_split`` (findings as they come, the totals at the end)."""
+        with self._lock:
+            self._write(time_split={**(self._fields.get("time_split") or {}), **time_split})
+
+    def reported(self, name: str) -> None:
+        """The run's report file (``report.html``)."""
+        self._write(report=name)
+
     def annotate(self, **fields: Any) -> None:
         """The caller's own notes in ``run.json`` (e.g. the demo's test accuracy)."""
         self._write(**fields)
@@ -159,9 +176,10 @@ class RunRecord(Mapping[str, Any]):
 
     # -- the one writer ------------------------------------------------------------------------
     def _write(self, **fields: Any) -> None:
-        self._fields.update(fields)
-        text = redact(json.dumps(self._fields, indent=2, default=str))
-        atomic_write(self.path, text.encode())
+        with self._lock:
+            self._fields.update(fields)
+            text = redact(json.dumps(self._fields, indent=2, default=str))
+            atomic_write(self.path, text.encode())
 
     def _restored(self, resumed: Optional[Resumed], warn: bool = False) -> dict:
         """``resume``: what was asked, and what the (latest) attempt restored -- with the

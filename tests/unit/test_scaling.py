@@ -32,3 +32,33 @@ def test_it_grows_only_below_max_np_and_only_into_free_slots():
 def test_resize_check_s_is_a_positive_time():
     with pytest.raises(ValueError, match="resize_check_s must be a positive number"):
         ScalingConfig(np=2, resize_check_s=0)
+
+
+def test_a_grow_waits_a_moment_for_its_slots_then_takes_what_is_free():
+    policy = ScalingPolicy.of(ScalingConfig(np=3, min_np=2))
+    free = iter([2, 2, 3])
+    assert policy.relaunch_size(lambda: next(free), 0, str, want=3, settle_s=5) == 3
+    assert policy.relaunch_size(lambda: 2, 0, str, want=3, settle_s=0) == 2
+
+
+def test_a_grow_is_asked_for_only_when_a_second_look_agrees(monkeypatch):
+    """While executors come and go Spark may list a lost one beside its replacement: one look
+    that finds room is checked by another before the ranks are stopped."""
+    from types import SimpleNamespace
+
+    from sparkhvd.elastic import cluster, watch
+
+    looks = iter([1, 0, 1, 2])
+    monkeypatch.setattr(cluster, "free_slots", lambda view, lost=(): next(looks))
+    now = [0.0]
+    view = SimpleNamespace(connect=False, master="spark://x:7077")
+    w = watch.AttemptWatch(view, "job", ScalingPolicy.of(ScalingConfig(np=4, min_np=2)), 2,
+                           listening=lambda: True, lost=dict, clock=lambda: now[0])
+    asked = []
+    w.reach(asked.append)
+    monkeypatch.setattr(watch.AttemptWatch, "_look_for_decommission", lambda self: None)
+    for t in (30.0, 31.0, 61.0, 62.0):  # room, gone; room, room again -> grow
+        now[0] = t
+        w.tick()
+    assert w.request is not None and w.request.grow_to == 3 and len(asked) == 1
+    assert "1 Spark task slot(s) free: growing from 2 to 3" in asked[0]

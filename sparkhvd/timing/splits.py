@@ -1,0 +1,138 @@
+"""The driver's half of the time split: every rank's reports kept, compared, and recorded.
+
+Each :class:`~sparkhvd.common.protocol.TimeSplit` a rank sends becomes one line of
+``timing.jsonl`` in the run folder (the format is documented in the guide "Why is my run
+slow?")::
+
+    {"attempt": 1, "rank": 0, "host": "h1", "start": 1764140000.0, "end": 1764140005.0,
+     "seconds": {"data": 0.2, "compute": 3.1, "collective": 1.6},
+     "where": {"data": "train.py:42 __getitem__", "collective": "all_reduce"},
+     "system": {"cpu_utilization_percentage": 97.5, "rss_megabytes": 812.0, ...}}
+
+As reports arrive, :func:`sparkhvd.timing.stragglers.find` compares the ranks of the running
+attempt; each finding is said once on the console (``[sparkhvd] rank 1 (host h2) is the
+straggler: ...``), kept in ``run.json``'s ``time_split.findings`` and tagged in MLflow. At the
+end, ``run.json``'s ``time_split`` holds every rank's totals and where each bucket went.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import threading
+from typing import Any, Callable, Optional
+
+from sparkhvd.common import protocol
+from sparkhvd.timing.buckets import BUCKETS, share
+from sparkhvd.timing.stragglers import WINDOW_S, Finding, RankWindow, find
+
+__side__ = "driver"
+
+log = logging.getLogger(__name__)
+
+#: The file in the run folder, one JSON object per report.
+TIMING_FILE = "timing.jsonl"
+
+
+class TimeSplits:
+    """Every rank's reports of one run (any attempt), as they arrive (any thread)."""
+
+    def __init__(self, folder: str, *, say: Callable[[str], None],
+                 findings: Callable[[list[dict]], None],
+                 tracker: Optional[Any] = None) -> None:
+        """``say``: a console line; ``findings``: every finding so far, for ``run.json``;
+        ``tracker``: the run's MLflow tracker (system metrics and findings), if any."""
+        self.path = os.path.join(folder, TIMING_FILE)
+        self.say, self.on_findings, self.tracker = say, findings, tracker
+        self.attempt, self.size = 0, 0
+        self.findings: list[Finding] = []
+        self._said: set[tuple] = set()
+        #: rank -> bucket -> seconds, over the whole run (ranks renumber after a resize)
+        self.totals: dict[int, dict[str, float]] = collections.defaultdict(
+            lambda: collections.defaultdict(float))
+        self.places: dict[int, dict[str, dict[str, float]]] = collections.defaultdict(
+            lambda: collections.defaultdict(lambda: collections.defaultdict(float)))
+        self.hosts: dict[int, str] = {}
+        self.reports = 0
+        self._recent: list[protocol.TimeSplit] = []
+        self._lock = threading.Lock()
+        self._file: Any = None
+
+    def begin(self, attempt: int, size: int) -> None:
+        """A new attempt with ``size`` ranks: comparisons start over."""
+        with self._lock:
+            self.attempt, self.size, self._recent = attempt, size, []
+
+    def add(self, msg: protocol.TimeSplit) -> None:
+        """One rank's report: written, counted, compared."""
+        new: list[Finding] = []
+        with self._lock:
+            self._write(msg)
+            self.reports += 1
+            self.hosts[msg.rank] = msg.host
+            for bucket, seconds in msg.seconds.items():
+                self.totals[msg.rank][bucket] += seconds
+                place = msg.where.get(bucket)
+                if place:
+                    self.places[msg.rank][bucket][place] += seconds
+            self._recent = [m for m in self._recent if m.end >= msg.end - WINDOW_S] + [msg]
+            for finding in find(self._windows(), self.size):
+                if finding.key not in self._said:
+                    self._said.add(finding.key)
+                    self.findings.append(finding)
+                    new.append(finding)
+            every = [f.as_dict() for f in self.findings]
+        if self.tracker is not None and msg.system:
+            self.tracker.system_metrics(msg.rank, msg.system, self.reports)
+        for finding in new:
+            self.say(finding.text)
+            self.on_findings(every)
+            if self.tracker is not None:
+                self.tracker.finding(len(every), finding.text)
+
+    def _windows(self) -> list[RankWindow]:
+        seconds: dict[int, dict[str, float]] = collections.defaultdict(
+            lambda: collections.defaultdict(float))
+        where: dict[int, dict[str, dict[str, float]]] = collections.defaultdict(
+            lambda: collections.defaultdict(lambda: collections.defaultdict(float)))
+        hosts: dict[int, str] = {}
+        for m in self._recent:
+            hosts[m.rank] = m.host
+            for bucket, s in m.seconds.items():
+                seconds[m.rank][bucket] += s
+                if m.where.get(bucket):
+                    where[m.rank][bucket][m.where[bucket]] += s
+        return [RankWindow(rank, hosts[rank], dict(seconds[rank]),
+                           {b: dict(p) for b, p in where[rank].items()}) for rank in sorted(hosts)]
+
+    def _write(self, msg: protocol.TimeSplit) -> None:
+        try:
+            if self._file is None:
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+            line = {"attempt": self.attempt, **dataclasses.asdict(msg)}
+            self._file.write(json.dumps(line, default=str) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            log.debug("timing.jsonl: %s", exc)
+
+    def summary(self) -> dict:
+        """``run.json``'s ``time_split``: the file, each rank's seconds, shares and places."""
+        with self._lock:
+            ranks = {}
+            for rank in sorted(self.totals):
+                seconds = {b: round(self.totals[rank].get(b, 0.0), 2) for b in BUCKETS}
+                ranks[str(rank)] = {
+                    "host": self.hosts.get(rank, ""), "seconds": seconds,
+                    "share": {b: round(v, 4) for b, v in share(seconds).items()},
+                    "where": {b: max(p, key=lambda k: p[k])
+                              for b, p in self.places[rank].items() if p}}
+            return {"file": TIMING_FILE, "ranks": ranks,
+                    "findings": [f.as_dict() for f in self.findings]}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None

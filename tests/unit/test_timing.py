@@ -1,0 +1,129 @@
+"""The time split's decisions, without ranks: which bucket a stack is in, when a rank is a
+straggler or a run input-bound, the GPU metrics (NVML faked), the report from a run folder."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+import pytest
+from click.testing import CliRunner
+
+from sparkhvd.common import protocol
+from sparkhvd.timing.buckets import classify
+from sparkhvd.timing.report import render
+from sparkhvd.timing.splits import TimeSplits
+from sparkhvd.timing.stragglers import RankWindow, find, rank_list
+
+SITE = "/usr/lib/python3/site-packages"
+USER = "/home/me/train.py"
+
+
+@pytest.mark.parametrize("frames, bucket, where", [
+    ([(f"{SITE}/torch/distributed/distributed_c10d.py", 10, "all_reduce"),
+      (USER, 42, "train")], "collective", "all_reduce"),
+    ([(USER, 7, "__getitem__"), (f"{SITE}/torch/utils/data/_utils/fetch.py", 5, "fetch"),
+      (f"{SITE}/torch/utils/data/dataloader.py", 9, "__next__"), (USER, 40, "train")],
+     "data", "train.py:7 __getitem__"),
+    ([(f"{SITE}/torch/serialization.py", 1, "save"), (USER, 50, "train")], "checkpoint",
+     "train.py:50 train"),
+    ([(f"{SITE}/torch/nn/modules/linear.py", 3, "forward"), (USER, 44, "train")], "compute",
+     "train.py:44 train"),
+    ([("<frozen importlib._bootstrap>", 1, "_find_and_load"), (USER, 2, "train")], "other",
+     "train.py:2 train"),
+    ([(f"{SITE}/sparkhvd/rank/bootstrap.py", 1, "rank_main")], "other", ""),
+    ([(USER, 9, "my_allreduce"), (USER, 40, "train")], "compute", "train.py:9 my_allreduce"),
+])
+def test_a_stack_goes_in_one_bucket(frames, bucket, where):
+    assert classify(frames) == (bucket, where)
+
+
+def _window(rank, **seconds):
+    return RankWindow(rank, f"h{rank}", seconds, {"data": {"train.py:7 load": 1.0},
+                                                   "collective": {"all_reduce": 1.0}})
+
+
+def test_a_straggler_is_named_with_its_bucket_and_what_the_others_wait_in():
+    ranks = [_window(0, compute=8, collective=12), _window(1, compute=8, collective=12),
+             _window(2, data=11, compute=8, collective=1)]
+    (finding,) = find(ranks, 3)
+    assert (finding.kind, finding.rank, finding.bucket) == ("straggler", 2, "data")
+    assert finding.text == ("rank 2 (host h2) is the straggler: 55 % of its time in data loading "
+                            "(train.py:7 load) vs 0 % on the others; ranks 0, 1 wait in "
+                            "all_reduce 60 % of the time")
+
+
+def test_balanced_ranks_name_nobody_and_bound_runs_are_said():
+    assert find([_window(r, compute=12, collective=8) for r in range(3)], 3) == []
+    (bound,) = find([_window(r, data=15, compute=5) for r in range(2)], 2)
+    assert bound.kind == "input-bound" and "75 %" in bound.text
+    (comm,) = find([_window(r, compute=5, collective=15) for r in range(2)], 2)
+    assert comm.kind == "communication-bound"
+    assert find([_window(0, compute=5, collective=5)], 2) == [], "a rank missing: no verdict"
+    assert find([_window(0, data=5), _window(1, compute=5)], 2) == [], "too little sampled"
+    assert rank_list([0, 1, 2, 3]) == "ranks 0\u20133" and rank_list([4]) == "rank 4"
+
+
+def test_gpu_metrics_come_from_nvml(monkeypatch):
+    """NVML faked: the GPUs the rank sees (CUDA_VISIBLE_DEVICES), in MLflow's names."""
+    calls = []
+    fake = types.ModuleType("pynvml")
+    fake.nvmlInit = lambda: calls.append("init")
+    fake.nvmlDeviceGetCount = lambda: 4
+    fake.nvmlDeviceGetHandleByIndex = lambda i: f"gpu{i}"
+    fake.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu={"gpu2": 87}[h])
+    fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=3e9, total=12e9)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    from sparkhvd.timing.system import SystemMetrics
+
+    metrics = SystemMetrics().read()
+    assert calls == ["init"]
+    assert metrics["gpu_0_utilization_percentage"] == 87.0
+    assert metrics["gpu_0_memory_usage_megabytes"] == 3000.0
+    assert metrics["gpu_0_memory_usage_percentage"] == 25.0
+    assert metrics["rss_megabytes"] > 0 and "cpu_utilization_percentage" in metrics
+    assert not any(k.startswith("gpu_1") for k in metrics)
+
+
+def _split(rank, start, **seconds):
+    return protocol.TimeSplit(rank=rank, host=f"h{rank}", start=start, end=start + 5,
+                              seconds=seconds, where={"data": "train.py:7 load"},
+                              system={"cpu_utilization_percentage": 90.0 + rank})
+
+
+def test_a_run_folder_makes_a_report(tmp_path):
+    """Splits kept (timing.jsonl, the summary), a finding said once, the report rendered
+    from the folder alone, and `sparkhvd report` making it again."""
+    said, recorded = [], []
+    splits = TimeSplits(str(tmp_path), say=said.append, findings=recorded.append)
+    splits.begin(1, 2)
+    for i in range(5):
+        splits.add(_split(0, 5.0 * i, compute=1, collective=4))
+        splits.add(_split(1, 5.0 * i, data=4, compute=1))
+    splits.close()
+    assert len(said) == 1 and said[0].startswith("rank 1 (host h1) is the straggler: 80 %")
+    summary = splits.summary()
+    assert summary["ranks"]["1"]["share"]["data"] == 0.8 and summary["findings"][0]["rank"] == 1
+    lines = (tmp_path / "timing.jsonl").read_text().splitlines()
+    assert len(lines) == 10 and json.loads(lines[0])["attempt"] == 1
+    record = {"run_id": "r1", "status": "succeeded", "np": 2, "time_split": summary,
+              "states": [{"state": "placing", "at": "2026-11-26T08:00:00"},
+                         {"state": "running", "at": "2026-11-26T08:00:02", "attempt": 1,
+                          "size": 2}],
+              "finished_at": "2026-11-26T08:00:30", "attempts": [{"attempt": 1, "size": 2,
+                                                                  "status": "succeeded"}]}
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    (tmp_path / "metrics.csv").write_text("epoch,loss,val_loss,seconds\n1,0.9,1.0,3\n2,0.5,0.7,3\n")
+    page = render(str(tmp_path))
+    assert 'data-rank="1" data-bucket="data" data-share="0.8"' in page
+    assert "straggler: 80 %" in page and "attempt 1: 2 ranks" in page
+    assert "<script" not in page and "http" not in page.replace("http://www.w3.org", "")
+    from sparkhvd.ops.cli import main
+
+    out = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert out.exit_code == 0 and os.path.exists(tmp_path / "report.html"), out.output
+    (tmp_path / "logs").mkdir()
+    bad = CliRunner().invoke(main, ["report", str(tmp_path / "logs")])
+    assert bad.exit_code != 0 and "no run.json" in bad.output
