@@ -1419,7 +1419,7 @@ def case_b13(repeat: int, tiny: bool) -> list[dict]:
     spark = _spark()
     backend = "torch" if importlib.util.find_spec("torch") else "horovod"
     fn = _train_synthetic_torch if backend == "torch" else _train_synthetic
-    steps, batch = (10, 16) if tiny else (80, 64)
+    steps, batch = (10, 16) if tiny else (150, 64)
     out = tempfile.mkdtemp(prefix="bench-b13-")
     env = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
@@ -1431,7 +1431,7 @@ def case_b13(repeat: int, tiny: bool) -> list[dict]:
 
     train(True)  # warm-up
     got: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(max(3, repeat) if not tiny else 1):
+    for _ in range(max(5, repeat) if not tiny else 1):
         for on in (False, True):
             got[on].append(train(on))
     how = f"np=2, backend={backend}, batch {batch}/rank"
@@ -1439,7 +1439,7 @@ def case_b13(repeat: int, tiny: bool) -> list[dict]:
              "unit": "samples/s", **_stats(got[on])} for on in (False, True)]
     rows.append({"case": "B13", "variant": f"throughput on / off (per round), {how}",
                  "unit": "ratio", **_stats([a / b for a, b in zip(got[True], got[False])])})
-    cost = [HorovodRunner(np=-1, output_dir=out).run(_classify_cost, frames=40,
+    cost = [HorovodRunner(np=-1, output_dir=out, backend=backend).run(_classify_cost, frames=40,
                                                      rounds=200 if tiny else 5000)
             for _ in range(max(1, repeat))]
     rows.append({"case": "B13", "variant": "one sample: read and classify a 40-frame stack",
@@ -1622,6 +1622,12 @@ NOTES = """\
   the newest checkpoint its controller registered -- it polls the workers every 2 s, so a
   report made just before the loss can be missed and the one before is used. Ray's cluster
   start (about 30 s, every task slot held while it is up) is not in its recovery figure.
+- **B13, the time split's cost** (torch profile, `local[2]`, B3's CNN at np=2, batch 64 per
+  rank, 150 steps; sampler off and on taking turns, 5 rounds after a warm-up). The sampler reads
+  and classifies the main thread's stack ten times a second, 25 us each (0.03 % of a core),
+  and sends a report every 5 s. The measured median ratio, 0.98, is within the noise of this
+  2-core machine (the rounds range from 0.93 to 1.05): both ranks hold both cores, so any extra
+  thread waking up shows here before it would on a real node.
 - **B2, non-shuffled batches** are slices (views) of the shard's arrays; shuffled batches
   are one sorted gather each.
 - **B4.** `write_bytes` to Azure used to write a temporary blob and then move it into place
