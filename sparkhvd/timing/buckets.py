@@ -11,8 +11,9 @@ A sample is the main thread's frames, innermost first, as ``(file, line, functio
   ``datasets``, petastorm) or a library's collective (``all_reduce``, ``barrier``,
   ``broadcast``, horovod's ``synchronize``, ...; a function of the user's with such a name does
   not count);
-- ``other``: the innermost frame imports a module (a rank's start), or no frame is the user's
-  or an ML library's (sparkhvd's own start and end);
+- ``other``: a module is being imported (a rank's start; decided first, since an imported
+  module's body may live in a data or checkpoint library), or no frame is the user's or an ML
+  library's (sparkhvd's own start and end);
 - ``compute``: everything else -- the user's code and the frameworks' (forward, backward, the
   optimizer, a Keras step).
 
@@ -94,6 +95,8 @@ def classify(frames: Sample) -> tuple[str, str]:
     in ("all_reduce"); empty when there is none."""
     kinds = [_file_kind(file) for file, _, _ in frames]
     user = next((_frame_text(*f) for f, kind in zip(frames, kinds) if kind == "user"), "")
+    if "import" in kinds:  # a module being imported (its body may live in a data library)
+        return "other", user
     for (_, _, func), kind in zip(frames, kinds):
         if kind == "checkpoint" or (kind in ("ml", "library") and _CHECKPOINT_FUNCS.match(func)):
             return "checkpoint", user
@@ -102,8 +105,6 @@ def classify(frames: Sample) -> tuple[str, str]:
             return "data", user
         if kind != "user" and COLLECTIVE.search(func):
             return "collective", func
-    if kinds and kinds[0] == "import":
-        return "other", user
     if any(kind in ("user", "ml") for kind in kinds):
         return "compute", user
     return "other", user

@@ -63,6 +63,11 @@ def test_workers_train_identically_with_the_keras_helpers(spark, data, tmp_path,
     assert open(run.file("curves.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     latest = json.loads(open(run.file("checkpoints/latest.json")).read())
     assert latest["epoch"] == 8 and latest["optimizer"] == "epoch-0008.optimizer.npz"
+    # Keras under tf.distribute, unchanged: every rank's time split, the throughput in the report
+    split = run.record["time_split"]["ranks"]
+    assert set(split) == {"0", "1"} and all(r["seconds"]["compute"] > 0 for r in split.values())
+    assert "samples_per_s" in rows[0] and "throughput (samples/s)" in open(
+        run.file("report.html")).read()
 
 
 def test_resume_is_exact_on_tf(spark, data, tmp_path):

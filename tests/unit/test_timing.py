@@ -33,6 +33,9 @@ USER = "/home/me/train.py"
     ([("<frozen importlib._bootstrap>", 1, "_find_and_load"), (USER, 2, "train")], "other",
      "train.py:2 train"),
     ([(f"{SITE}/sparkhvd/rank/bootstrap.py", 1, "rank_main")], "other", ""),
+    ([(f"{SITE}/tensorflow/python/data/ops/dataset_ops.py", 1, "<module>"),
+      ("<frozen importlib._bootstrap>", 1, "_call_with_frames_removed"), (USER, 2, "train")],
+     "other", "train.py:2 train"),
     ([(USER, 9, "my_allreduce"), (USER, 40, "train")], "compute", "train.py:9 my_allreduce"),
 ])
 def test_a_stack_goes_in_one_bucket(frames, bucket, where):
