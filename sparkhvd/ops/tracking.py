@@ -5,8 +5,13 @@ arrive there as :class:`~sparkhvd.common.protocol.Metrics` events, the same reco
 ``metrics.csv``). The run folder stays the single source of truth; MLflow gets:
 
 - params: np, mode, launcher, the function, its scalar keyword arguments, package versions;
-- metrics: every epoch record, logged as it arrives (``step`` = epoch);
-- artifacts: ``run.json``, ``metrics.csv``, ``curves.png``, the rank logs, and the model (as
+- metrics: every epoch record, logged as it arrives (``step`` = epoch); every rank's system
+  metrics as ``system/rank_<N>/<name>`` (MLflow's own shape for a node, so its System metrics
+  tab shows them; :mod:`sparkhvd.timing`); ``world_size`` per attempt;
+- tags: each resize (``sparkhvd.resizeN``) and what the time split found (``sparkhvd.findingN``:
+  a straggler, an input- or communication-bound run);
+- artifacts: ``run.json``, ``metrics.csv``, ``curves.png``, ``report.html``, ``timing.jsonl``,
+  the rank logs, and the model (as
   MLflow's Keras/TensorFlow flavour where it loads, else the file);
 - tags linking both ways: ``sparkhvd.run_id`` / ``sparkhvd.run_folder`` on the MLflow run, and
   ``mlflow`` (tracking URI, experiment, run id) in ``run.json``;

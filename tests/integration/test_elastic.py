@@ -251,6 +251,8 @@ def test_hf_and_lightning_resume_their_own_checkpoints_through_a_resize(
     first_at_two = next(i for i, (_, world) in enumerate(steps) if world == 2)
     assert steps[first_at_two][0] > 2, "it resumed from a checkpoint, not from the start"
     assert [s for s, _ in steps[first_at_two:]] == list(range(steps[first_at_two][0], 13))
+    split = record["time_split"]["ranks"]  # the library's loop sampled, unchanged
+    assert set(split) == {"0", "1"} and all(r["seconds"]["compute"] > 0 for r in split.values())
     if tracking:
         from mlflow.tracking import MlflowClient
 
@@ -260,6 +262,11 @@ def test_hf_and_lightning_resume_their_own_checkpoints_through_a_resize(
         assert sorted(sizes) == [(1, 1.0), (2, 2.0)]
         tag = mlflow.get_run(run_id).data.tags["sparkhvd.resize1"]
         assert tag.startswith("1 -> 2: ") and "killed by signal 9" in tag, tag
+        # every rank's system metrics in MLflow's own shape; the report among the artifacts
+        metrics = mlflow.get_run(run_id).data.metrics
+        assert {"system/rank_0/cpu_utilization_percentage",
+                "system/rank_1/rss_megabytes"} <= set(metrics), sorted(metrics)
+        assert "report.html" in {a.path for a in mlflow.list_artifacts(run_id)}
 
 
 def _hold_one_slot(sc):

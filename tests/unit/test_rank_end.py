@@ -143,3 +143,26 @@ def test_preemptions_and_losses_have_their_own_budgets():
     assert RetryPolicy.of(None, None, elastic=True).max_retries == 3
     assert RetryPolicy.of(None, None, elastic=False).max_retries == 0
     assert RetryPolicy.of(0, 4, elastic=True) == RetryPolicy(0, 4)
+
+
+def test_a_stage_spark_aborted_for_a_lost_worker_names_the_rank_on_it():
+    """Spark may abort the barrier stage ("ExecutorLostFailure ... worker lost: <ip>:<port>")
+    before the heartbeat timeout: the loss is named as the silent heartbeat would have."""
+    import threading
+    from types import SimpleNamespace
+
+    from sparkhvd.common.protocol import TaskInfo
+    from sparkhvd.driver.launchers.barrier import ControlServer
+
+    tasks = {p: SimpleNamespace(rank=p, info=TaskInfo(p, f"h{p + 1}", f"10.0.0.{p + 1}"))
+             for p in range(3)}
+    server = SimpleNamespace(cond=threading.Condition(), tasks=tasks)
+    said = ("Job aborted due to stage failure: Could not recover from a failed barrier "
+            "ResultStage.\nExecutorLostFailure (executor 5 exited unrelated to the running "
+            "tasks) Reason: worker lost: 10.0.0.3:37911 got disassociated\n\tat org.apache...")
+    failure = ControlServer.lost_in(server, said)
+    assert failure is not None and (failure.rank, failure.host) == (2, "h3")
+    assert failure.lost and failure.vanished and "worker lost: 10.0.0.3:37911" in failure.detail
+    assert ControlServer.lost_in(server, "ExecutorLostFailure ... worker lost: 10.0.0.33:1") \
+        is None, "another address is nobody's"
+    assert ControlServer.lost_in(server, "Python worker raised ValueError") is None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 import secrets
 import socketserver
 import threading
@@ -242,6 +243,24 @@ class ControlServer(socketserver.ThreadingTCPServer):
                 "network is down", host=task.info.host, vanished=True, lost=True)
         return None
 
+    def lost_in(self, spark_error: str) -> Optional[LaunchFailure]:
+        """The rank whose executor Spark says it lost (``ExecutorLostFailure ... worker lost:
+        10.0.0.3:37911``), as the LaunchFailure a silent heartbeat would have made -- Spark
+        can abort the stage before the heartbeat timeout, and the loss is the cause."""
+        said = _EXECUTOR_LOST.search(spark_error)
+        if said is None:
+            return None
+        with self.cond:
+            tasks = list(self.tasks.values())
+        for task in sorted(tasks, key=lambda t: t.info.partition):
+            names = {n for n in (task.info.address, task.info.host) if n}
+            if any(re.search(rf"(?<![\w.]){re.escape(n)}(?![\w.])", spark_error) for n in names):
+                return LaunchFailure(
+                    task.rank, None, f"the executor of rank {task.rank} on host "
+                    f"{task.info.host} was lost (Spark: {said.group(0)[:200]})",
+                    host=task.info.host, vanished=True, lost=True)
+        return None
+
     def ask_stacks(self) -> None:
         """Ask every task for its rank's stacks (the task signals the rank)."""
         with self.cond:
@@ -365,6 +384,13 @@ class BarrierLauncher:
             server.wait_ended(10.0)
             replay_rows(server, sink, tasks)
             check(0.0)  # a rank that failed as the stage ended
+        except Exception as exc:
+            failure = _behind_spark_error(exc, server, spec)
+            with contextlib.suppress(Exception):
+                stop()
+            if failure is not None:
+                raise failure from exc
+            raise
         except BaseException:
             with contextlib.suppress(Exception):
                 stop()
@@ -376,6 +402,33 @@ class BarrierLauncher:
         modes = {t["status"].get("mode") for t in tasks.values()}
         sink.reported_by("rows" if "rows" in modes else "live")
         return _results(server, tasks, spec.np)
+
+
+#: What Spark says when a barrier stage failed because an executor or its worker went.
+_EXECUTOR_LOST = re.compile(r"ExecutorLostFailure[^\n]*?(?:worker lost|Executor lost|"
+                            r"Remote RPC client disassociated|exited)[^\n]*")
+
+
+def _behind_spark_error(exc: Exception, server: ControlServer, spec: LaunchSpec
+                        ) -> Optional[LaunchFailure]:
+    """The rank failure behind the Spark job's own error, when there is one: Spark may abort
+    the barrier stage (a lost worker, a task that failed) before the watch loop has seen why.
+    The lost executor's rank when Spark names it, else what the control server sees within a
+    heartbeat timeout. None for sparkhvd's own errors and before the ranks started."""
+    from sparkhvd.common.errors import SparkhvdError
+
+    if isinstance(exc, (SparkhvdError, TimeoutError)) or server.plan is None:
+        return None
+    lost = server.lost_in(str(exc))
+    if lost is not None:
+        return lost
+    deadline = time.monotonic() + spec.heartbeat_timeout + 2.0
+    while time.monotonic() < deadline:
+        failure = server.failure(spec.heartbeat_timeout)
+        if failure is not None:
+            return failure
+        time.sleep(0.2)
+    return None
 
 
 def _checker(spec: LaunchSpec, view: Any, server: ControlServer, sink: Sink
