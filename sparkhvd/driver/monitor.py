@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.errors import StallError
-from sparkhvd.timing.buckets import COLLECTIVE, is_user_code
+from sparkhvd.timing.buckets import is_collective, is_user_code
 
 __side__ = "driver"
 
@@ -97,7 +97,7 @@ def where(stacks: RankStacks) -> tuple[str, Optional[Frame]]:
     """``("collective", frame)`` when the main thread waits in a library's collective, else
     ``("elsewhere", frame)``: its innermost frame in user code (or innermost at all)."""
     for frame in stacks.main:  # a library's collective (the user's own names do not count)
-        if COLLECTIVE.search(frame.func) and not _is_user_code(frame):
+        if is_collective(frame.file, frame.func):
             return "collective", frame
     user = next((f for f in stacks.main if _is_user_code(f)), None)
     return "elsewhere", user or (stacks.main[0] if stacks.main else None)

@@ -10,7 +10,7 @@ A sample is the main thread's frames, innermost first, as ``(file, line, functio
   frame (sparkhvd's readers, ``torch.utils.data``, ``tf.data``, Keras' data adapters, HF
   ``datasets``, petastorm) or a library's collective (``all_reduce``, ``barrier``,
   ``broadcast``, horovod's ``synchronize``, ...; a function of the user's with such a name does
-  not count);
+  not count, nor a wait for the device such as ``torch.cuda.synchronize``);
 - ``other``: a module is being imported (a rank's start; decided first, since an imported
   module's body may live in a data or checkpoint library), or no frame is the user's or an ML
   library's (sparkhvd's own start and end);
@@ -38,9 +38,12 @@ BUCKETS = ("data", "compute", "collective", "checkpoint", "other")
 LABELS = {"data": "data loading", "compute": "computing", "collective": "waiting in collectives",
           "checkpoint": "checkpoint and run-folder I/O", "other": "other (start, imports)"}
 
-#: A frame in one of these functions means the rank waits for its peers.
+#: A library frame in one of these functions means the rank waits for its peers.
 COLLECTIVE = re.compile(r"(?i)(all_?reduce|all_?gather|broadcast|barrier|reduce_scatter|"
-                        r"all_?to_?all|synchronize|collective|_wait_for_workers)")
+                        r"all_?to_?all|collective|_wait_for_workers)")
+#: horovod's ``synchronize`` (a handle's result) is a collective; ``torch.cuda.synchronize``
+#: and the like wait for the device -- computing.
+_HOROVOD_SYNC = re.compile(r"(?i)synchronize")
 _DATA_FILES = re.compile(
     r"(/sparkhvd/data/|/torch/utils/data/|/tensorflow/python/data/|/keras/src/trainers/"
     r"data_adapters/|/keras/engine/data_adapter|-packages/datasets/|/petastorm/|/pyarrow/dataset"
@@ -85,6 +88,14 @@ def _file_kind(file: str) -> str:
     return "ml" if _ML_FILES.search(path) else "library"
 
 
+def is_collective(file: str, func: str) -> bool:
+    """Whether a library frame waits for the rank's peers (the user's own names never count)."""
+    if is_user_code(file):
+        return False
+    path = file.replace("\\", "/")
+    return bool(COLLECTIVE.search(func) or ("/horovod/" in path and _HOROVOD_SYNC.search(func)))
+
+
 def _frame_text(file: str, line: int, func: str) -> str:
     return f"{os.path.basename(file)}:{line} {func}"
 
@@ -100,10 +111,10 @@ def classify(frames: Sample) -> tuple[str, str]:
     for (_, _, func), kind in zip(frames, kinds):
         if kind == "checkpoint" or (kind in ("ml", "library") and _CHECKPOINT_FUNCS.match(func)):
             return "checkpoint", user
-    for (_, _, func), kind in zip(frames, kinds):
+    for (file, _, func), kind in zip(frames, kinds):
         if kind == "data":
             return "data", user
-        if kind != "user" and COLLECTIVE.search(func):
+        if kind != "user" and is_collective(file, func):
             return "collective", func
     if any(kind in ("user", "ml") for kind in kinds):
         return "compute", user

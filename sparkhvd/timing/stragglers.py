@@ -103,8 +103,8 @@ def find(ranks: list[RankWindow], size: int) -> list[Finding]:
             ("collective", "communication-bound", "waiting in collectives: more compute per "
              "all-reduce (a larger batch per rank, gradient accumulation) or fewer ranks per "
              "host helps")):
-        if bucket == "collective" and straggler is not None:
-            continue
+        if bucket == "collective" and (straggler is not None or len(ranks) < 2):
+            continue  # one rank has no peers to wait for
         least = min(shares[r.rank][bucket] for r in ranks)
         if least >= BOUND:
             places = {dominant(r.where, bucket) for r in ranks} - {""}

@@ -37,6 +37,10 @@ USER = "/home/me/train.py"
       ("<frozen importlib._bootstrap>", 1, "_call_with_frames_removed"), (USER, 2, "train")],
      "other", "train.py:2 train"),
     ([(USER, 9, "my_allreduce"), (USER, 40, "train")], "compute", "train.py:9 my_allreduce"),
+    ([(f"{SITE}/torch/cuda/__init__.py", 9, "synchronize"), (USER, 40, "train")], "compute",
+     "train.py:40 train"),  # waiting for the GPU is computing (seen on an H200)
+    ([(f"{SITE}/horovod/torch/mpi_ops.py", 9, "synchronize"), (USER, 40, "train")],
+     "collective", "synchronize"),
 ])
 def test_a_stack_goes_in_one_bucket(frames, bucket, where):
     assert classify(frames) == (bucket, where)
@@ -63,6 +67,7 @@ def test_balanced_ranks_name_nobody_and_bound_runs_are_said():
     assert bound.kind == "input-bound" and "75 %" in bound.text
     (comm,) = find([_window(r, compute=5, collective=15) for r in range(2)], 2)
     assert comm.kind == "communication-bound"
+    assert find([_window(0, compute=5, collective=15)], 1) == [], "one rank waits for no peer"
     assert find([_window(0, compute=5, collective=5)], 2) == [], "a rank missing: no verdict"
     assert find([_window(0, data=5), _window(1, compute=5)], 2) == [], "too little sampled"
     assert rank_list([0, 1, 2, 3]) == "ranks 0\u20133" and rank_list([4]) == "rank 4"
