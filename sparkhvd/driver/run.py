@@ -1,4 +1,4 @@
-"""One run -- one call of ``HorovodRunner.run`` or ``run_all`` -- as a state machine of attempts.
+r"""One run -- one call of ``HorovodRunner.run`` or ``run_all`` -- as a state machine of attempts.
 
 Like Ray Train v2's controller: the run is always in one named :class:`State`, and every
 transition is made by :meth:`Run._enter` alone, which logs it and writes it to ``run.json``
