@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.rank.events import emit, events
-from sparkhvd.timing.buckets import classify
+from sparkhvd.timing.buckets import classify, dominant
 
 __side__ = "rank"
 
@@ -89,7 +89,7 @@ class Sampler:
         return protocol.TimeSplit(
             rank=events.rank, host=self.host, start=round(start, 3), end=round(now, 3),
             seconds={k: round(v, 3) for k, v in seconds.items()},
-            where={b: max(c, key=lambda k: c[k]) for b, c in where.items() if c},
+            where={b: dominant(where, b) for b in where if where[b]},
             system=system)
 
     def _loop(self) -> None:

@@ -16,7 +16,6 @@ end, ``run.json``'s ``time_split`` holds every rank's totals and where each buck
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
@@ -25,7 +24,7 @@ import threading
 from typing import Any, Callable, Optional
 
 from sparkhvd.common import protocol
-from sparkhvd.timing.buckets import BUCKETS, share
+from sparkhvd.timing.buckets import BUCKETS, dominant, share
 from sparkhvd.timing.stragglers import WINDOW_S, Finding, RankWindow, find
 
 __side__ = "driver"
@@ -34,6 +33,13 @@ log = logging.getLogger(__name__)
 
 #: The file in the run folder, one JSON object per report.
 TIMING_FILE = "timing.jsonl"
+
+
+def _window_of(windows: dict[int, RankWindow], msg: protocol.TimeSplit) -> RankWindow:
+    """The rank's entry in ``windows`` (made on its first report; its host the latest)."""
+    window = windows.setdefault(msg.rank, RankWindow(msg.rank, msg.host, {}, {}))
+    window.host = msg.host
+    return window
 
 
 class TimeSplits:
@@ -49,12 +55,8 @@ class TimeSplits:
         self.attempt, self.size = 0, 0
         self.findings: list[Finding] = []
         self._said: set[tuple] = set()
-        #: rank -> bucket -> seconds, over the whole run (ranks renumber after a resize)
-        self.totals: dict[int, dict[str, float]] = collections.defaultdict(
-            lambda: collections.defaultdict(float))
-        self.places: dict[int, dict[str, dict[str, float]]] = collections.defaultdict(
-            lambda: collections.defaultdict(lambda: collections.defaultdict(float)))
-        self.hosts: dict[int, str] = {}
+        #: rank -> its time over the whole run (ranks renumber after a resize)
+        self.totals: dict[int, RankWindow] = {}
         self.reports = 0
         self._recent: list[protocol.TimeSplit] = []
         self._lock = threading.Lock()
@@ -71,12 +73,7 @@ class TimeSplits:
         with self._lock:
             self._write(msg)
             self.reports += 1
-            self.hosts[msg.rank] = msg.host
-            for bucket, seconds in msg.seconds.items():
-                self.totals[msg.rank][bucket] += seconds
-                place = msg.where.get(bucket)
-                if place:
-                    self.places[msg.rank][bucket][place] += seconds
+            _window_of(self.totals, msg).add(msg.seconds, msg.where)
             self._recent = [m for m in self._recent if m.end >= msg.end - WINDOW_S] + [msg]
             for finding in find(self._windows(), self.size):
                 if finding.key not in self._said:
@@ -93,19 +90,10 @@ class TimeSplits:
                 self.tracker.finding(len(every), finding.text)
 
     def _windows(self) -> list[RankWindow]:
-        seconds: dict[int, dict[str, float]] = collections.defaultdict(
-            lambda: collections.defaultdict(float))
-        where: dict[int, dict[str, dict[str, float]]] = collections.defaultdict(
-            lambda: collections.defaultdict(lambda: collections.defaultdict(float)))
-        hosts: dict[int, str] = {}
+        windows: dict[int, RankWindow] = {}
         for m in self._recent:
-            hosts[m.rank] = m.host
-            for bucket, s in m.seconds.items():
-                seconds[m.rank][bucket] += s
-                if m.where.get(bucket):
-                    where[m.rank][bucket][m.where[bucket]] += s
-        return [RankWindow(rank, hosts[rank], dict(seconds[rank]),
-                           {b: dict(p) for b, p in where[rank].items()}) for rank in sorted(hosts)]
+            _window_of(windows, m).add(m.seconds, m.where)
+        return [windows[rank] for rank in sorted(windows)]
 
     def _write(self, msg: protocol.TimeSplit) -> None:
         try:
@@ -122,12 +110,12 @@ class TimeSplits:
         with self._lock:
             ranks = {}
             for rank in sorted(self.totals):
-                seconds = {b: round(self.totals[rank].get(b, 0.0), 2) for b in BUCKETS}
+                total = self.totals[rank]
+                seconds = {b: round(total.seconds.get(b, 0.0), 2) for b in BUCKETS}
                 ranks[str(rank)] = {
-                    "host": self.hosts.get(rank, ""), "seconds": seconds,
+                    "host": total.host, "seconds": seconds,
                     "share": {b: round(v, 4) for b, v in share(seconds).items()},
-                    "where": {b: max(p, key=lambda k: p[k])
-                              for b, p in self.places[rank].items() if p}}
+                    "where": {b: dominant(total.where, b) for b in total.where}}
             return {"file": TIMING_FILE, "ranks": ranks,
                     "findings": [f.as_dict() for f in self.findings]}
 

@@ -50,6 +50,15 @@ class RankWindow:
     def total(self) -> float:
         return sum(self.seconds.values())
 
+    def add(self, seconds: dict[str, float], where: dict[str, str]) -> None:
+        """One report's seconds per bucket, and where each bucket's time went."""
+        for bucket, s in seconds.items():
+            self.seconds[bucket] = self.seconds.get(bucket, 0.0) + s
+            place = where.get(bucket)
+            if place:
+                places = self.where.setdefault(bucket, {})
+                places[place] = places.get(place, 0.0) + s
+
 
 @dataclass
 class Finding:
