@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from sparkhvd.data.order import DEFAULT_PARTITIONS
 from sparkhvd.data.sharding import MEMORY_CACHE_BYTES, ShardSource
 from sparkhvd.driver.slots import task_slots
 from sparkhvd.storage import public_url
@@ -25,7 +26,9 @@ __side__ = "driver"
 
 log = logging.getLogger(__name__)
 
-
+#: More partitions than this would make each partition's share of a window smaller than a
+#: row group.
+MAX_PARTITIONS = 4096
 
 def _as_list(value: Union[str, Sequence[str]], what: str) -> list[str]:
     if isinstance(value, str):
@@ -34,6 +37,14 @@ def _as_list(value: Union[str, Sequence[str]], what: str) -> list[str]:
     if not names or not all(isinstance(n, str) for n in names):
         raise TypeError(f"{what} must be a column name or a list of column names; got {value!r}")
     return names
+
+
+def _common_parent(urls: Sequence[str]) -> str:
+    """The folder all ``urls`` lie under (for the log line)."""
+    import posixpath
+
+    return posixpath.commonpath([u.split("://", 1)[-1] for u in urls]) if len(urls) > 1 \
+        else posixpath.dirname(urls[0].split("://", 1)[-1])
 
 
 def default_cache_parent() -> str:
@@ -66,8 +77,18 @@ class DataFrameDataset:
         dtype: floating-point type of float columns after materialisation (default float32).
         shared_cache: declare a ``file://`` cache to be a folder every executor sees.
         allow_nan: train on NaN values instead of refusing them.
-        memory_cache: a dataset up to this many bytes is kept in memory by each rank after
-            the first read (default 512 MB); a larger one streams every epoch.
+        in_place: read a DataFrame that is just a scan of Parquet files (``spark.read.parquet``,
+            a Parquet table, with a column selection) from its own files, writing nothing;
+            ``None`` (default): when its files suit (see the DataFrames guide), else
+            materialise; ``False``: always materialise; ``True``: in place or an error that
+            says why not.
+        memory_cache: bytes a rank may keep in memory (default 512 MB): a rank whose share
+            fits reads it once and keeps it, and a dataset that fits whole is shuffled as one
+            window per partition; otherwise the rows stream every epoch.
+        partitions: ``P``, the parts the rows are cut into for the order (default 24). With
+            ``np`` ranks each rank reads ``1 / gcd(np, P)`` of the data per epoch: only its
+            share when ``np`` divides ``P`` (with 24: 1, 2, 3, 4, 6, 8, 12, 24). Positions
+            saved with one ``P`` resume only with the same ``P``.
 
     The materialised files are reused by every run with this dataset -- and by a new dataset
     of the same DataFrame (same plan and columns) in the same session -- until :meth:`close`
@@ -91,7 +112,9 @@ class DataFrameDataset:
                  cache_url: Optional[str] = None,
                  storage_options: Optional[Mapping[str, Any]] = None, keep_cache: bool = False,
                  dtype: str = "float32", shared_cache: bool = False, allow_nan: bool = False,
-                 memory_cache: int = MEMORY_CACHE_BYTES) -> None:
+                 memory_cache: int = MEMORY_CACHE_BYTES,
+                 partitions: int = DEFAULT_PARTITIONS,
+                 in_place: Optional[bool] = None) -> None:
         from sparkhvd.data.materialize import check_column_type
 
         if getattr(df, "isStreaming", False):
@@ -124,6 +147,15 @@ class DataFrameDataset:
         self.shared_cache = shared_cache
         self.allow_nan = allow_nan
         self.memory_cache = int(memory_cache)
+        if isinstance(partitions, bool) or not isinstance(partitions, int) or \
+                not 1 <= partitions <= MAX_PARTITIONS:
+            raise ValueError(f"partitions must be an int from 1 to {MAX_PARTITIONS}; got "
+                             f"{partitions!r} (24 or 48 let most numbers of ranks read only "
+                             "their share)")
+        self.partitions = partitions
+        if in_place not in (None, True, False):
+            raise ValueError(f"in_place must be None, True or False; got {in_place!r}")
+        self.in_place = in_place
         self._df = df
         self._manifest: Any = None
         self._finalizer: Any = None
@@ -141,11 +173,12 @@ class DataFrameDataset:
                 "can read (abfss://...), or shared_cache=True if it is a shared mount.")
 
     def materialize(self) -> "DataFrameDataset":
-        """Check the columns and write them as Parquet -- or reuse an earlier materialisation of
-        the same DataFrame (driver; done by ``HorovodRunner.run`` before launch)."""
+        """Check the columns and find the Parquet the ranks read: the DataFrame's own files
+        when it is a plain Parquet scan that suits (``in_place``), else an earlier
+        materialisation of the same DataFrame, else write it (driver; done by
+        ``HorovodRunner.run`` before launch)."""
         if self._manifest is not None:
             return self
-        from sparkhvd import storage
         from sparkhvd.data import materialize as mat
         from sparkhvd.driver.session import DATA_MODULES, check_worker_python
         from sparkhvd.driver.sparkview import SparkView
@@ -158,41 +191,78 @@ class DataFrameDataset:
         view = SparkView(spark)
         check_worker_python(view, modules=DATA_MODULES,
                             purpose="the Spark jobs that write the DataFrame's Parquet")
-        self._check_cache_visible(parent, view.master, view.executors_here())
+        manifest = self._in_place() if self.in_place is not False else None
+        if manifest is None:
+            manifest = self._materialised(parent, view)
+        self._manifest = manifest
+        self._finalizer = mat.finalizer(self, manifest)
+        return self
+
+    def _in_place(self) -> Any:
+        """The DataFrame's own Parquet files, checked, when they can be read as they are
+        (:mod:`sparkhvd.data.in_place`); None (with the log line saying why) otherwise."""
+        from sparkhvd import storage
+        from sparkhvd.data import in_place
+        from sparkhvd.data import materialize as mat
+
+        found = in_place.plan(self._df, self.columns, self._schema, self.dtype,
+                              self.storage_options, self.partitions)
+        if isinstance(found, str):
+            if self.in_place:
+                raise ValueError(f"in_place=True, but the DataFrame cannot be read in place: "
+                                 f"{found}. Leave in_place unset to materialise it.")
+            log.info("DataFrameDataset: materialising (not read in place: %s)", found)
+            return None
+        profile = mat.profile(self._df, self.columns, self.kinds, self._schema)
+        mat.check_profile(profile, self.columns, self.allow_nan)
+        manifest = mat.Manifest(
+            url="", files=found.files, row_counts=found.row_counts, row_groups=found.row_groups,
+            stored={c: c for c in self.columns},
+            row_bytes=mat.row_bytes(self.columns, self.kinds, self._schema, profile["lengths"],
+                                    self.dtype),
+            extra={"rank_options": found.rank_options, "cast": found.cast, "in_place": True})
+        log.info("DataFrameDataset: reading %d rows of %s in place from %d Parquet file(s) "
+                 "under %s (a plain file scan: nothing written)", manifest.num_rows,
+                 self.columns, len(found.files),
+                 storage.public_url(_common_parent(found.files)))
+        return manifest
+
+    def _materialised(self, parent: str, view: Any) -> Any:
+        from sparkhvd import storage
+        from sparkhvd.data import materialize as mat
+
         selected, stored = mat.converted(self._df, self.columns, self.kinds, self._schema,
                                          self.dtype)
+        self._check_cache_visible(parent, view.master, view.executors_here())
         key = (parent, selected.semanticHash(), tuple(self.columns), self.dtype, self.allow_nan)
         manifest = mat.REGISTRY.find(key, selected)
         if manifest is not None:
             log.info("DataFrameDataset: reusing materialised data at %s (%d rows)",
                      storage.public_url(manifest.url), manifest.num_rows)
-        else:
-            url = mat.new_cache_url(parent)
-            floats = [stored[c] for c in self.columns if mat.is_float(self._schema[c])]
-            try:
-                written, stats = mat.write(
-                    selected, url, storage.delegate(url, self.storage_options, write=True),
-                    floats, mat.file_count(task_slots(view)))
-                found = mat.merge_stats(stats, stored)
-                mat.check_profile(found, self.columns, self.allow_nan)
-            except BaseException:
-                mat._delete(url, self.storage_options)
-                raise
-            row_bytes = mat.row_bytes(self.columns, self.kinds, self._schema, found["lengths"],
-                                      self.dtype)
-            manifest = mat.Manifest(url=url, files=[f for f, _, _ in written],
-                                    row_counts=[n for _, n, _ in written],
-                                    row_groups=[g for _, _, g in written], stored=stored,
-                                    row_bytes=row_bytes,
-                                    extra={"rank_options": storage.delegate(
-                                        url, self.storage_options, write=False)})
-            mat.REGISTRY.add(key, manifest, selected, self.storage_options, self.keep_cache)
-            log.info("DataFrameDataset: %d rows of %s in %d Parquet file(s) under %s",
-                     manifest.num_rows, self.columns, len(manifest.files),
-                     storage.public_url(url))
-        self._manifest = manifest
-        self._finalizer = mat.finalizer(self, manifest)
-        return self
+            return manifest
+        url = mat.new_cache_url(parent)
+        floats = [stored[c] for c in self.columns if mat.is_float(self._schema[c])]
+        try:
+            written, stats = mat.write(
+                selected, url, storage.delegate(url, self.storage_options, write=True),
+                floats, mat.file_count(task_slots(view)))
+            found = mat.merge_stats(stats, stored)
+            mat.check_profile(found, self.columns, self.allow_nan)
+        except BaseException:
+            mat._delete(url, self.storage_options)
+            raise
+        row_bytes = mat.row_bytes(self.columns, self.kinds, self._schema, found["lengths"],
+                                  self.dtype)
+        manifest = mat.Manifest(url=url, files=[f for f, _, _ in written],
+                                row_counts=[n for _, n, _ in written],
+                                row_groups=[g for _, _, g in written], stored=stored,
+                                row_bytes=row_bytes,
+                                extra={"rank_options": storage.delegate(
+                                    url, self.storage_options, write=False)})
+        mat.REGISTRY.add(key, manifest, selected, self.storage_options, self.keep_cache)
+        log.info("DataFrameDataset: %d rows of %s in %d Parquet file(s) under %s",
+                 manifest.num_rows, self.columns, len(manifest.files), storage.public_url(url))
+        return manifest
 
     def close(self) -> None:
         """Release the materialised files: removed once no dataset uses them (unless
@@ -217,8 +287,17 @@ class DataFrameDataset:
 
     @property
     def cache_dir(self) -> Optional[str]:
-        """URL of the materialised Parquet folder, once materialised."""
-        return self._manifest.url if self._manifest is not None else None
+        """URL of the materialised Parquet folder, once materialised (None when read in
+        place)."""
+        return self._manifest.url or None if self._manifest is not None else None
+
+    @property
+    def read_in_place(self) -> Optional[bool]:
+        """Whether the ranks read the DataFrame's own Parquet files (nothing was written);
+        None before :meth:`materialize`."""
+        if self._manifest is None:
+            return None
+        return bool(self._manifest.extra.get("in_place"))
 
     @property
     def files(self) -> list[str]:
@@ -243,7 +322,8 @@ class DataFrameDataset:
             stored=dict(manifest.stored), row_bytes=manifest.row_bytes,
             features=tuple(self.features), label=self.label, shapes=dict(self.shapes),
             memory_cache=self.memory_cache,
-            storage_options=dict(manifest.extra.get("rank_options", {})))
+            storage_options=dict(manifest.extra.get("rank_options", {})),
+            partitions=self.partitions, cast=dict(manifest.extra.get("cast", {})))
 
     def steps_per_epoch(self, batch_size: int, size: Optional[int] = None) -> int:
         """Full batches every rank runs per epoch (the same on all ranks)."""
@@ -252,10 +332,18 @@ class DataFrameDataset:
     # -- the runner's preparation protocol (sparkhvd.driver.arguments) ------------------------
     def prepare_for_ranks(self) -> ShardSource:
         """Materialise (or reuse) on the driver; what the ranks get in this object's place."""
-        if self._manifest is not None:
+        if self._manifest is not None and not self.read_in_place:
             log.info("DataFrameDataset: reusing materialised data at %s (%d rows)",
                      public_url(self._manifest.url), self._manifest.num_rows)
         return self.materialize().source
+
+    def launch_notes(self, sizes: Sequence[int]) -> list[str]:
+        """What the runner says once at launch for runs of ``sizes`` ranks: any of them that
+        reads more than its share (see ``partitions``)."""
+        if self._manifest is None:
+            return []
+        source = self.source
+        return [note for note in (source.size_note(n) for n in sorted(set(sizes))) if note]
 
     def after_run(self, succeeded: bool) -> None:
         """A failed run removes the materialised files at once (unless ``keep_cache``)."""

@@ -45,10 +45,12 @@ _FLOATS = ("FloatType", "DoubleType")
 _NUMERIC = _INTEGERS + _FLOATS + ("BooleanType", "DecimalType")
 _ARRAY_ELEMENTS = _INTEGERS + _FLOATS
 #: Target size of one Parquet row group: the unit a rank reads, and the block the global order
-#: permutes (:mod:`sparkhvd.data.sharding`): small enough that a shuffle window (128 MB by
-#: default) holds 32 blocks, large enough to read at pyarrow's speed (1 MB groups read at half
-#: of it, 4 and 8 MB at all of it: bench B2T).
-ROW_GROUP_BYTES = 4 << 20
+#: permutes (:mod:`sparkhvd.data.order`). Small, because a row group a partition boundary
+#: splits is read by two ranks (``P`` row groups more than the data per epoch: 1 MB groups
+#: cost 14 % on B14's 237 MB table, 512 KB about half that) and a shuffle window (128 MB by
+#: default, over 24 partitions) should hold many of them; large enough to read at pyarrow's
+#: speed when a scan takes several at once (bench B2T, B14).
+ROW_GROUP_BYTES = 512 << 10
 #: How long a safe point waits for queued cache deletions (they go on in the background after).
 SETTLE_S = 30.0
 

@@ -1,69 +1,53 @@
-"""Rank side of :class:`~sparkhvd.data.DataFrameDataset`: the global order, a window at a time.
+"""Rank side of :class:`~sparkhvd.data.DataFrameDataset`: one rank's batches of the global
+order, reading only the partitions it takes rows from.
 
-The order itself is the policy in :mod:`sparkhvd.data.sharding`: blocks (the Parquet row
-groups) permuted per epoch, grouped into windows of at least ``window_rows`` rows, each
-window's rows permuted, cut into micro-batches that the ranks take in turn.
-:func:`plan_epoch` lays an epoch's windows out; :func:`rank_batches` yields one rank's batches:
-it reads a window's blocks (one row group each; one pyarrow scan per file for all of a window's
-row groups in it, through :mod:`sparkhvd.storage` for remote caches: range reads, never a whole
-file), gathers its micro-batches from them (:data:`GATHER_BATCHES` at a time), and drops the
-window before reading the next.
+The order itself is :mod:`sparkhvd.data.order` (the why in :mod:`sparkhvd.data.sharding`):
+each partition's epoch sequence is a list of windows, and the ranks' positions map to
+``(partition, row of its sequence)``. :func:`rank_batches` walks one rank's positions a few
+batches at a time (:data:`GATHER_BATCHES`): it opens the windows of its partitions those
+positions reach -- all of them in one read (:class:`ShardReader`: one pyarrow scan per file,
+range reads through :mod:`sparkhvd.storage` for remote caches, never a whole file) -- gathers
+the rows, and drops each window once its partition's sequence has moved past it.
 
-Every rank reads every window that holds one of its batches -- with windows of at least
-``size * batch_size`` rows, all of them: a rank decodes the whole dataset each epoch and keeps
-its share. That is the price of an order that does not depend on the number of ranks (Mosaic
-pays it as a local disk cache). Peak memory while streaming: one window of rows (about
-``window_rows``) + the batches being gathered; in memory: the whole dataset, read once.
-
-Mixing: two rows meet in a batch only if their blocks fall into the same window, so a sorted
-dataset needs many blocks per window (the docs' rule: at least 32). Rows of one batch come in
-storage order (sorted gathers are faster; the order inside a batch does not matter to a
-gradient).
+A rank reads only its partitions (``1 / gcd(size, P)`` of the data: its share when ``size``
+divides ``P``), plus the row groups split by a partition boundary. Peak memory while
+streaming: a window of each partition it reads (about ``window_rows / gcd(size, P)`` rows) and
+the batches being gathered; when its share is kept in memory, the share.
 """
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Generator, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
+
+from sparkhvd.data.order import Piece, Window, rank_positions, window_permutation
 
 __side__ = "rank"
 
 Arrays = dict[str, np.ndarray]
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Rows ``[lo, hi)`` of row group ``group`` of file ``file`` (indices into the manifest)."""
-
-    file: int
-    group: int
-    lo: int
-    hi: int
-
-    @property
-    def rows(self) -> int:
-        return self.hi - self.lo
-
-
-def blocks_of(row_groups: Sequence[Sequence[int]]) -> list[Piece]:
-    """Every row group of the materialised files as one block, in storage order."""
-    return [Piece(f, g, 0, count) for f, groups in enumerate(row_groups)
-            for g, count in enumerate(groups) if count]
-
-
 class ShardReader:
     """Reads pieces of the materialised files (pyarrow datasets, one fragment per Parquet
-    file; remote files through one open fsspec handle each)."""
+    file; remote files through one open fsspec handle each). ``bytes_read`` counts the
+    column chunks' stored bytes of every row group it read."""
 
     def __init__(self, files: Sequence[str], stored: dict[str, str],
-                 storage_options: Optional[dict], convert: Callable[[str, Any, int], np.ndarray]):
+                 storage_options: Optional[dict], convert: Callable[[str, Any, int], np.ndarray],
+                 on_read: Optional[Callable[[int], None]] = None):
         self.files = list(files)
         self.stored = stored
         self.storage_options = storage_options
         self.convert = convert
+        self.on_read = on_read
+        self.bytes_read = 0
         self._open: dict[int, Any] = {}
+        #: file -> (rows, stored bytes of the columns read) of each row group, from its footer
+        self._groups: dict[int, tuple[list[int], list[int]]] = {}
         self._handles: list[Any] = []
 
     def _fragment(self, index: int) -> Any:
@@ -81,12 +65,29 @@ class ShardReader:
                 fragment = pds.ParquetFileFormat().make_fragment(
                     loc.path, filesystem=pafs.LocalFileSystem())
             else:
-                handle = loc.fs.open(loc.path, "rb")
+                # no read-ahead: a rank reads its own row groups, scattered through the file,
+                # and adlfs' default cache fetched 4 MB beyond each (B14 measured 1.5x to 9x
+                # the share); pyarrow itself coalesces neighbouring column chunks into one read
+                handle = loc.fs.open(loc.path, "rb", cache_type="none")
                 self._handles.append(handle)
                 fragment = pds.ParquetFileFormat().make_fragment(handle)
             fragment.ensure_complete_metadata()
             self._open[index] = fragment
+            self._groups[index] = self._group_sizes(fragment.metadata)
         return fragment
+
+    def _group_sizes(self, meta: Any) -> tuple[list[int], list[int]]:
+        """Rows and stored bytes of the columns read, per row group (``fragment.row_groups``
+        builds every group's statistics on each access: read once here)."""
+        wanted = set(self.stored.values())
+        rows, stored = [], []
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            rows.append(group.num_rows)
+            stored.append(sum(group.column(i).total_compressed_size
+                              for i in range(group.num_columns)
+                              if group.column(i).path_in_schema.split(".")[0] in wanted))
+        return rows, stored
 
     def read(self, piece: Piece) -> Arrays:
         """The piece's rows as numpy arrays, by column name."""
@@ -94,7 +95,8 @@ class ShardReader:
 
     def read_many(self, pieces: Sequence[Piece]) -> list[Arrays]:
         """Several pieces, with one scan per file for all of them (a scan per row group cost
-        twice pyarrow's own read of the same rows), in the order given."""
+        twice pyarrow's own read of the same rows), in the order given. A row group two pieces
+        share is read once."""
         by_file: dict[int, list[int]] = {}
         for i, piece in enumerate(pieces):
             by_file.setdefault(piece.file, []).append(i)
@@ -104,10 +106,15 @@ class ShardReader:
             fragment = self._fragment(file)
             groups = sorted({pieces[i].group for i in indices})
             table = fragment.subset(row_group_ids=groups).to_table(columns=columns)
+            rows, stored = self._groups[file]
             starts, offset = {}, 0
             for g in groups:
                 starts[g] = offset
-                offset += fragment.row_groups[g].num_rows
+                offset += rows[g]
+            read = sum(stored[g] for g in groups)
+            self.bytes_read += read
+            if self.on_read is not None:
+                self.on_read(read)
             for i in indices:
                 piece = pieces[i]
                 part = table.slice(starts[piece.group] + piece.lo, piece.rows)
@@ -124,161 +131,177 @@ class ShardReader:
         self._open.clear()
 
 
-def _concat(parts: list[Arrays]) -> Arrays:
-    if len(parts) == 1:
-        return parts[0]
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-
-
-def _take(data: Arrays, index: Any) -> Arrays:
-    return {k: v[index] for k, v in data.items()}
-
-
-class _Window:
-    """The rows of several pieces addressed as one range, without copying them together
-    (a window of ~64 MB copied into one array cost as much as reading it from Parquet)."""
+class WindowRows:
+    """A window's rows as its pieces were read (this window, or the rank's kept share),
+    addressed as one range without copying them together (a window of ~64 MB copied into one
+    array cost as much as reading it, and a kept share copied together held twice its size
+    while it was)."""
 
     def __init__(self, parts: list[Arrays]) -> None:
         self.parts = parts
         self.ends = np.cumsum([len(next(iter(p.values()))) for p in parts])
-        self.starts = np.concatenate([[0], self.ends[:-1]])
+        self.starts = np.concatenate([[0], self.ends[:-1]]).astype(np.int64)
 
-    def take(self, index: np.ndarray) -> Arrays:
-        """Rows at positions ``index``, in that order: one gather per piece for all of them
-        (a window's worth of batches at once costs a few calls per batch, not one per piece)."""
-        if len(self.parts) == 1:
-            return _take(self.parts[0], index)
-        which = np.searchsorted(self.ends, index, side="right")
-        order = np.argsort(which, kind="stable")
-        bounds = np.searchsorted(which[order], np.arange(len(self.parts) + 1))
-        out = {k: np.empty((len(index),) + v.shape[1:], v.dtype)
-               for k, v in self.parts[0].items()}
-        for p, part in enumerate(self.parts):
-            chosen = order[bounds[p]:bounds[p + 1]]
-            if len(chosen):
-                local = index[chosen] - self.starts[p]
-                for k, v in part.items():
-                    out[k][chosen] = v[local]
-        return out
+    def take(self, index: np.ndarray, out: Arrays, where: np.ndarray) -> None:
+        """Rows at window positions ``index`` into ``out[k][where]``: one gather per piece, each
+        reading its rows in memory order (a random order read a third slower)."""
+        order = np.argsort(index, kind="stable")
+        index, where = index[order], where[order]
+        bounds = [0, *np.searchsorted(index, self.starts[1:]).tolist(), len(index)]
+        for p, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if hi > lo:
+                local = index[lo:hi] - self.starts[p]
+                for k, v in self.parts[p].items():
+                    out[k][where[lo:hi]] = v[local]
 
-    def slice(self, lo: int, hi: int) -> Arrays:
-        """Rows ``[lo, hi)``: views when they lie in one piece."""
-        i = int(np.searchsorted(self.ends, lo, side="right"))
-        first = int(self.starts[i])
-        if hi <= self.ends[i]:
-            return {k: v[lo - first:hi - first] for k, v in self.parts[i].items()}
-        return self.take(np.arange(lo, hi))
+
+#: Batches gathered in one go (a few numpy calls per window for all of them).
+GATHER_BATCHES = 16
+
+#: Opens windows: ``open_windows(ws)`` -> one view per window (``take``), read together.
+WindowOpener = Callable[[Sequence[Window]], Sequence[Any]]
 
 
 @dataclass(frozen=True)
-class Window:
-    """Consecutive blocks of an epoch's order: rows ``[start, start + rows)`` of ``S``."""
+class Chunk:
+    """:data:`GATHER_BATCHES` steps (or fewer) of one rank: its positions' partitions and
+    rows there, and the windows that must be opened first."""
 
-    number: int
-    start: int
-    blocks: tuple[int, ...]
-    rows: int
-
-
-def plan_epoch(blocks: Sequence[Piece], window_rows: int, *, shuffle: bool, seed: int,
-               epoch: int) -> list[Window]:
-    """An epoch's windows: the blocks permuted (``shuffle``) or in storage order, grouped into
-    windows of at least ``window_rows`` rows (the last may be smaller)."""
-    order = np.random.default_rng([seed, epoch]).permutation(len(blocks)) if shuffle \
-        else np.arange(len(blocks))
-    windows: list[Window] = []
-    current: list[int] = []
-    rows = start = 0
-    for k in order.tolist():
-        current.append(k)
-        rows += blocks[k].rows
-        if rows >= window_rows:
-            windows.append(Window(len(windows), start, tuple(current), rows))
-            start, current, rows = start + rows, [], 0
-    if current:
-        windows.append(Window(len(windows), start, tuple(current), rows))
-    return windows
+    steps: int
+    part: np.ndarray
+    row: np.ndarray
+    due: tuple[Window, ...]
 
 
-def window_permutation(window: Window, *, seed: int, epoch: int) -> np.ndarray:
-    """The order of a shuffled window's rows (its own seed: a rank skips windows it needs
-    nothing from without drawing their permutations)."""
-    return np.random.default_rng([seed, epoch, window.number + 1]).permutation(window.rows)
+def chunks(plans: Mapping[int, Sequence[Window]], *, partitions: int, batch_size: int,
+           size: int, rank: int, start: int, first_step: int, steps: int) -> Iterator[Chunk]:
+    """Rank ``rank``'s steps ``[first_step, steps)`` of an epoch begun (or resumed) at position
+    ``start``, a chunk at a time (:func:`~sparkhvd.data.order.rank_positions`), each with the
+    windows its positions reach first. Windows before the (resumed) start are never due."""
+    upcoming = {c: 0 for c in plans}
+    for chunk_start in range(first_step, steps, GATHER_BATCHES):
+        count = min(GATHER_BATCHES, steps - chunk_start)
+        pos = rank_positions(start, chunk_start, count, batch_size=batch_size, size=size,
+                             rank=rank)
+        part, row = pos % partitions, pos // partitions
+        due: list[Window] = []
+        for c in np.unique(part).tolist():
+            if c not in plans:
+                raise AssertionError(f"position in partition {c}, which rank {rank} of {size} "
+                                     "does not read")
+            rows_c = row[part == c]
+            lowest, highest = int(rows_c.min()), int(rows_c.max())
+            windows = plans[c]
+            while upcoming[c] < len(windows) and windows[upcoming[c]].end <= lowest:
+                upcoming[c] += 1
+            while upcoming[c] < len(windows) and windows[upcoming[c]].start <= highest:
+                due.append(windows[upcoming[c]])
+                upcoming[c] += 1
+        yield Chunk(count, part, row, tuple(due))
 
 
-class InMemoryWindow:
-    """The whole dataset in one set of arrays (blocks in storage order): a window of it
-    addressed through its blocks' storage offsets."""
+class ReadAhead:
+    """Opens groups of windows in order on a helper thread, one group ahead of the one in use:
+    the next windows are read while the rank gathers (and trains on) the current ones.
+    pyarrow reads without the GIL; at most one group is read or waiting beyond those in use."""
 
-    def __init__(self, data: Arrays, blocks: Sequence[Piece], window: Window) -> None:
-        self.data = data
-        starts = np.concatenate([[0], np.cumsum([b.rows for b in blocks])[:-1]])
-        first = window.blocks[0]
-        ordered = window.blocks == tuple(range(first, first + len(window.blocks)))
-        self.storage = None if ordered else np.concatenate(
-            [np.arange(starts[k], starts[k] + blocks[k].rows) for k in window.blocks])
-        self.offset = int(starts[first]) if ordered else 0
+    def __init__(self, groups: Sequence[Sequence[Window]], open_windows: WindowOpener) -> None:
+        self._groups = list(groups)
+        self._open = open_windows
+        self._ready: queue.Queue = queue.Queue()
+        self._turn = threading.Semaphore(1)  # read the next group once this one is taken
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="sparkhvd-data-read-ahead")
+        self._thread.start()
 
-    def take(self, index: np.ndarray) -> Arrays:
-        where = self.storage[index] if self.storage is not None else index + self.offset
-        return _take(self.data, where)
+    def _run(self) -> None:
+        for group in self._groups:
+            while not self._turn.acquire(timeout=0.5):
+                if self._stop.is_set():
+                    return
+            if self._stop.is_set():
+                return
+            try:
+                self._ready.put(self._open(group))
+            except BaseException as exc:  # noqa: BLE001 - raised in the reading thread
+                self._ready.put(exc)
+                return
 
-    def slice(self, lo: int, hi: int) -> Arrays:
-        if self.storage is None:
-            return {k: v[lo + self.offset:hi + self.offset] for k, v in self.data.items()}
-        return self.take(np.arange(lo, hi))
+    def next(self) -> Sequence[Any]:
+        """The next group's views (an error of reading them is raised here)."""
+        item = self._ready.get()
+        self._turn.release()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop reading ahead; returns once the helper thread no longer uses the reader."""
+        self._stop.set()
+        self._turn.release()
+        self._thread.join()
 
 
-#: Batches gathered from a window in one go (a few numpy calls per piece for all of them).
-GATHER_BATCHES = 16
+def rank_batches(plans: Mapping[int, Sequence[Window]], open_windows: WindowOpener, *,
+                 partitions: int, batch_size: int, size: int, rank: int, start: int,
+                 first_step: int, steps: int, shuffle: bool, seed: int, epoch: int,
+                 read_ahead: bool = False) -> Generator[Arrays, None, None]:
+    """Rank ``rank``'s batches at steps ``[first_step, steps)`` of an epoch begun (or resumed)
+    at position ``start``, each batch's rows in position order.
 
-
-def rank_batches(read_blocks: Callable[[Sequence[int]], list[Arrays]],
-                 windows: Sequence[Window], *,
-                 batch_size: int, size: int, rank: int, start: int, steps: int,
-                 shuffle: bool, seed: int, epoch: int,
-                 in_memory: Optional[Callable[[Window], Any]] = None) -> Iterator[Arrays]:
-    """Rank ``rank``'s ``steps`` batches of an epoch from position ``start``: at step ``t`` the
-    rows ``[start + (t*size + rank)*b, +b)`` of ``S`` (:mod:`sparkhvd.data.sharding`).
-
-    ``read_blocks(ks)`` reads blocks ``ks``; ``in_memory(window)``, when the data is held in
-    memory, addresses a window without reading. A batch that spans two windows is gathered
-    from both; a window none of this rank's batches touches is not read.
+    ``plans``: the windows of each partition this rank reads (its epoch sequence). A window
+    is opened when a position first reaches it (windows of several partitions that come due
+    together are read together; ``read_ahead``: on a helper thread, one group early) and
+    dropped once the positions have passed its end.
     """
+    def walk() -> Iterator[Chunk]:
+        return chunks(plans, partitions=partitions, batch_size=batch_size, size=size,
+                      rank=rank, start=start, first_step=first_step, steps=steps)
+
+    ahead = ReadAhead([c.due for c in walk() if c.due], open_windows) if read_ahead else None
+    live: dict[int, list[tuple[Window, Any, Optional[np.ndarray]]]] = {c: [] for c in plans}
     b = batch_size
-    t = 0
-    pending: list[Arrays] = []
-    for w in windows:
-        if t >= steps:
-            return
-        end = w.start + w.rows
-        if end <= start + (t * size + rank) * b:
-            continue  # before this rank's next batch: not read
-        view = in_memory(w) if in_memory is not None else _Window(read_blocks(w.blocks))
-        perm = window_permutation(w, seed=seed, epoch=epoch) if shuffle else None
-        segments = []  # (rows of S in this window, whether the batch ends here)
-        u = t
-        while u < steps:
-            lo = start + (u * size + rank) * b
-            a, z = max(lo, w.start), min(lo + b, end)
-            if a >= end:
-                break
-            segments.append((a - w.start, z - w.start, lo + b <= end))
-            if lo + b > end:
-                break
-            u += 1
-        for first in range(0, len(segments), GATHER_BATCHES):
-            chunk = segments[first:first + GATHER_BATCHES]
-            if perm is not None:  # each batch's rows in storage order: faster gathers
-                rows = view.take(np.concatenate([np.sort(perm[a:z]) for a, z, _ in chunk]))
-                offsets = np.cumsum([0] + [z - a for a, z, _ in chunk])
-                parts = [{k: v[o:e] for k, v in rows.items()}
-                         for o, e in zip(offsets[:-1], offsets[1:])]
-            else:
-                parts = [view.slice(a, z) for a, z, _ in chunk]
-            for part, (_, _, ends_here) in zip(parts, chunk):
-                pending.append(part)
-                if ends_here:
-                    yield _concat(pending)
-                    pending = []
-                    t += 1
+    try:
+        for chunk in walk():
+            if chunk.due:
+                views = ahead.next() if ahead is not None else open_windows(chunk.due)
+                for window, view in zip(chunk.due, views):
+                    perm = window_permutation(window, seed=seed, epoch=epoch) if shuffle \
+                        else None
+                    live[window.partition].append((window, view, perm))
+            out = _gather(chunk, live)
+            for t in range(chunk.steps):
+                yield {k: v[t * b:(t + 1) * b] for k, v in out.items()}
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+def _gather(chunk: Chunk, live: dict[int, list[tuple[Window, Any, Optional[np.ndarray]]]]
+            ) -> Arrays:
+    """The chunk's rows, in position order, from the open windows (dropping those passed)."""
+    out: Optional[Arrays] = None
+    for c in np.unique(chunk.part).tolist():
+        mask = chunk.part == c
+        where_c = np.flatnonzero(mask)
+        rows_c = chunk.row[mask]
+        lowest = int(rows_c.min())
+        live[c] = [entry for entry in live[c] if entry[0].end > lowest]
+        for window, view, perm in live[c]:
+            inside = (rows_c >= window.start) & (rows_c < window.end)
+            if not inside.any():
+                continue
+            local = rows_c[inside] - window.start
+            if perm is not None:
+                local = perm[local]
+            if out is None:
+                out = _empty_like(view, len(chunk.part))
+            view.take(local, out, where_c[inside])
+    assert out is not None
+    return out
+
+
+def _empty_like(view: WindowRows, n: int) -> Arrays:
+    sample = view.parts[0]
+    return {k: np.empty((n,) + v.shape[1:], v.dtype) for k, v in sample.items()}

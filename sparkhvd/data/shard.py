@@ -13,23 +13,24 @@ the checkpoint helpers save and restore it with the model.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
-import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Generator, Iterator, Optional
 
 import numpy as np
 
 from sparkhvd.common.identity import current_rank
-from sparkhvd.data.reader import (
-    Arrays,
-    InMemoryWindow,
-    ShardReader,
+from sparkhvd.data.order import (
+    Piece,
     blocks_of,
-    plan_epoch,
-    rank_batches,
+    layout,
+    owned_partitions,
+    partition_window_rows,
+    plan_partition,
 )
+from sparkhvd.data.reader import Arrays, ShardReader, WindowRows, rank_batches
 from sparkhvd.data.sharding import Position, ShardSource, steps_from
 
 __side__ = "rank"
@@ -38,23 +39,31 @@ log = logging.getLogger(__name__)
 
 
 class DatasetShard:
-    """This rank's view of a materialised DataFrame (see the module docstring).
+    """This rank's view of a ``DataFrameDataset`` (see the module docstring).
 
-    A dataset up to ``memory_cache`` bytes is read once and kept (each rank holds all of it:
-    a rank's rows change every epoch); a larger one is streamed a window at a time.
+    A rank reads only the partitions its positions fall in. When those rows fit
+    ``memory_cache`` bytes it reads them once and keeps them; otherwise it streams them a
+    window at a time, every epoch.
     """
 
     def __init__(self, source: ShardSource) -> None:
         self.source = source
-        #: Bytes up to which the dataset is kept in memory (from the dataset; may be changed).
+        #: Bytes a rank may keep in memory (from the dataset; may be changed): its share is
+        #: kept when it fits, and a dataset that fits is shuffled one window per partition.
         self.memory_cache = source.memory_cache
         self._blocks = blocks_of(source.row_groups)
-        self._memory: Optional[Arrays] = None
+        self._layouts: dict[tuple, list[tuple[Piece, ...]]] = {}
+        #: The rows this rank keeps: (layout key, partitions) -> partition -> its pieces' rows.
+        self._kept: Optional[tuple[tuple, dict[int, list[Arrays]]]] = None
         self._resume: Optional[Position] = None
         self._restored_epoch = 0
         #: Where the ranks are after the last batch this rank handed out (None before any):
         #: what :meth:`state_dict` returns.
         self.position: Optional[Position] = None
+        #: Stored bytes of the row groups this shard has read so far (what crossed from the
+        #: files or the blob store, before decoding): about ``1 / size`` of the data an epoch,
+        #: once in all when the rank keeps its share in memory.
+        self.bytes_read = 0
 
     @property
     def features(self) -> list[str]:
@@ -92,10 +101,16 @@ class DatasetShard:
             return steps_from(self.num_rows, self._resume.samples, batch_size, n_size)
         return self.source.steps_per_epoch(batch_size, n_size)
 
-    def rank_bytes(self) -> int:
-        """About how many bytes of rows a rank holds while reading (the whole dataset when it
-        is kept in memory, else one shuffle window)."""
-        return self.source.rank_bytes(self.memory_cache)
+    @property
+    def partitions(self) -> int:
+        """``P``: the partitions the order is cut into (fixed with the dataset)."""
+        return self.source.partitions
+
+    def rank_bytes(self, size: Optional[int] = None) -> int:
+        """About how many bytes of rows a rank holds while reading (its share when kept in
+        memory, else a shuffle window of each partition it reads)."""
+        n_size = current_rank().size if size is None else size
+        return self.source.rank_bytes(n_size, self.memory_cache)
 
     # -- position ------------------------------------------------------------------------------
     def state_dict(self) -> Optional[dict]:
@@ -115,6 +130,12 @@ class DatasetShard:
                 f"The saved data position is for {position.num_rows} rows, but this dataset has "
                 f"{self.num_rows}: it is not the data the checkpoint trained on. Resume with "
                 "the same DataFrame, or start the data over (resume=False).")
+        if position.partitions and position.partitions != self.partitions and position.samples:
+            raise ValueError(
+                f"The saved data position is in an order of {position.partitions} partitions, "
+                f"but this dataset has {self.partitions}: the rest of that epoch would be "
+                "another sequence, training some rows twice and others not at all. Create the "
+                f"DataFrameDataset with partitions={position.partitions} to resume it.")
         self._resume = position
         self._restored_epoch = position.epoch
         self.position = position
@@ -132,7 +153,8 @@ class DatasetShard:
             return 0
         changed = [f"{name} {was!r} -> {now!r}" for name, was, now in (
             ("shuffle", resume.shuffle, shuffle), ("seed", resume.seed, seed),
-            ("shuffle window", resume.window_rows, window)) if was != now]
+            ("shuffle window", resume.window_rows, window),
+            ("partitions", resume.partitions or "none recorded", self.partitions)) if was != now]
         if changed and resume.samples:
             log.warning("The saved data position was taken with another order (%s): epoch %d "
                         "continues at row %d of a different order, so some rows of it may be "
@@ -153,50 +175,80 @@ class DatasetShard:
             values = flat.reshape(n, -1) if n else flat.reshape(0, 0)
         else:
             values = column.to_numpy(zero_copy_only=False)
+        cast = self.source.cast.get(name)
+        if cast is not None and values.dtype != cast:
+            values = values.astype(cast)
         if name in self.shapes:
             values = values.reshape((n,) + self.shapes[name])
         return values
 
     def _reader(self) -> ShardReader:
         return ShardReader(self.source.files, dict(self.source.stored), self.storage_options,
-                           self._to_numpy)
+                           self._to_numpy, on_read=self._count)
 
-    def streams(self) -> bool:
-        """Whether the dataset is streamed a window at a time (larger than ``memory_cache``)."""
-        return not self.source.in_memory(self.memory_cache)
+    def _count(self, stored_bytes: int) -> None:
+        self.bytes_read += stored_bytes
 
-    def load_all(self, reader: Optional[ShardReader] = None) -> Arrays:
-        """Every row as numpy arrays, read once and kept (the in-memory mode). The arrays are
-        this shard's own (writable), so batches of them become tensors without a copy."""
-        if self._memory is not None:
-            return self._memory
-        own = reader is None
-        reader = reader or self._reader()
-        try:
-            parts = reader.read_many(self._blocks)
-        finally:
-            if own:
-                reader.close()
-        self._memory = {c: np.concatenate([p[c] for p in parts]) for c in self.columns}
-        return self._memory
+    def streams(self, size: Optional[int] = None) -> bool:
+        """Whether this rank streams its rows every epoch (its share is larger than
+        ``memory_cache``) rather than reading them once and keeping them."""
+        n_size = current_rank().size if size is None else size
+        return not self.source.keeps(n_size, self.memory_cache)
 
     def _shape(self, data: dict[str, np.ndarray]) -> Any:
         columns = {c: data[c] for c in self.features}
         x = columns[self.features[0]] if len(self.features) == 1 else columns
         return (x, data[self.label]) if self.label else x
 
+    def _layout(self, shuffle: bool, seed: int) -> tuple[tuple, list[tuple[Piece, ...]]]:
+        key = (shuffle, seed if shuffle else 0)
+        parts = self._layouts.get(key)
+        if parts is None:
+            parts = self._layouts[key] = layout(self._blocks, self.partitions, shuffle=shuffle,
+                                                seed=seed)
+        return key, parts
+
+    def _keep(self, key: tuple, parts: list[tuple[Piece, ...]], owned: list[int],
+              reader: ShardReader) -> dict[int, list[Arrays]]:
+        """The rows of partitions ``owned``, read once (in one scan per file) and kept, piece
+        by piece as they were read (not copied together)."""
+        want = (key, tuple(owned))
+        if self._kept is None or self._kept[0] != want:
+            self._kept = None  # the old rows go before the new ones are read
+            pieces = [p for c in owned for p in parts[c]]
+            read = iter(reader.read_many(pieces)) if pieces else iter(())
+            kept = {c: [next(read) for _ in parts[c]] for c in owned if parts[c]}
+            self._kept = (want, kept)
+        return self._kept[1]
+
     def _epoch(self, batch_size: int, epoch: int, *, shuffle: bool, seed: int, rank: int,
-               size: int, start: int, window: int, reader: ShardReader) -> Iterator[Arrays]:
+               size: int, start: int, window: int, reader: ShardReader,
+               first_step: int = 0, stop_step: Optional[int] = None
+               ) -> Generator[Arrays, None, None]:
         steps = steps_from(self.num_rows, start, batch_size, size)
-        windows = plan_epoch(self._blocks, window, shuffle=shuffle, seed=seed, epoch=epoch)
-        in_memory = None
-        if not self.streams():
-            data = self.load_all(reader)
-            in_memory = lambda w: InMemoryWindow(data, self._blocks, w)  # noqa: E731
-        return rank_batches(lambda ks: reader.read_many([self._blocks[k] for k in ks]), windows,
+        if stop_step is not None:
+            steps = min(steps, stop_step)
+        key, parts = self._layout(shuffle, seed)
+        owned = [c for c in owned_partitions(self.partitions, size, rank) if parts[c]]
+        per_partition = partition_window_rows(window, self.partitions)
+        plans = {c: plan_partition(parts[c], per_partition, partition=c, shuffle=shuffle,
+                                   seed=seed, epoch=epoch) for c in owned}
+        if self.streams(size):
+            self._kept = None
+
+            def open_windows(windows: Any) -> list[Any]:
+                pieces = [parts[w.partition][k] for w in windows for k in w.pieces]
+                read = iter(reader.read_many(pieces))
+                return [WindowRows([next(read) for _ in w.pieces]) for w in windows]
+        else:
+            kept = self._keep(key, parts, owned, reader)
+
+            def open_windows(windows: Any) -> list[Any]:
+                return [WindowRows([kept[w.partition][k] for k in w.pieces]) for w in windows]
+        return rank_batches(plans, open_windows, partitions=self.partitions,
                             batch_size=batch_size, size=size, rank=rank, start=start,
-                            steps=steps, shuffle=shuffle, seed=seed, epoch=epoch,
-                            in_memory=in_memory)
+                            first_step=first_step, steps=steps, shuffle=shuffle, seed=seed,
+                            epoch=epoch, read_ahead=self.streams(size))
 
     def batches(self, batch_size: int, epoch: int = 0, *, shuffle: bool = False, seed: int = 0,
                 rank: Optional[int] = None, size: Optional[int] = None,
@@ -204,19 +256,27 @@ class DatasetShard:
                 reader: Optional[ShardReader] = None) -> Iterator[Any]:
         """This rank's full batches of ``epoch``: ``(x, y)`` (or ``x`` without a label).
 
-        The ranks' batches, step by step and rank by rank, are the epoch's one global order
-        (:mod:`sparkhvd.data.sharding`), whatever the number of ranks. In an epoch a restored
-        position continues (:meth:`load_state_dict`), it starts there.
-
-        Unshuffled batches may be views of the data pyarrow read (no copy), so they may be
-        read-only: copy a batch before changing it in place.
+        At each step the ranks' batches together are the next ``size * batch_size`` rows of
+        the epoch's one global order (:mod:`sparkhvd.data.sharding`), whatever the number of
+        ranks; this rank's are those at the positions ``i % size == rank``, in position order.
+        In an epoch a restored position continues (:meth:`load_state_dict`), it starts there.
 
         Args:
             shuffle: a new global order every epoch, seeded by ``seed`` and the epoch.
             seed: a non-negative int, the same on every rank.
-            shuffle_buffer: rows per shuffle window when streaming (default: ~64 MB of rows);
-                the same on every rank and in every run that resumes this one.
+            shuffle_buffer: rows of the order per shuffle window when streaming (spread over
+                the partitions; default about 128 MB of rows); the same on every rank and in
+                every run that resumes this one.
         """
+        yield from self._batches(batch_size, epoch, shuffle=shuffle, seed=seed, rank=rank,
+                                 size=size, shuffle_buffer=shuffle_buffer, reader=reader)
+
+    def _batches(self, batch_size: int, epoch: int, *, shuffle: bool, seed: int,
+                 rank: Optional[int], size: Optional[int], shuffle_buffer: Optional[int],
+                 reader: Optional[ShardReader], steps: Optional[tuple[int, int]] = None
+                 ) -> Iterator[Any]:
+        """:meth:`batches`; ``steps=(first, stop)`` hands out only those steps of the epoch
+        (a ``DataLoader`` worker's part)."""
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be a non-negative int; got {seed!r}")
         self.source.steps_per_epoch(batch_size, size)  # checks batch_size and the data size
@@ -226,17 +286,20 @@ class DatasetShard:
         window = self.source.window_rows(shuffle_buffer, self.memory_cache)
         start = self._start(epoch, shuffle, seed, window)
         done_before = start // (n_size * batch_size)  # steps of this epoch at this size
+        first, stop = steps if steps is not None else (0, None)
         own = reader is None
         reader = reader or self._reader()
+        batches = self._epoch(batch_size, epoch, shuffle=shuffle, seed=int(seed), rank=r,
+                              size=n_size, start=start, window=window, reader=reader,
+                              first_step=first, stop_step=stop)
         try:
-            for step, data in enumerate(self._epoch(
-                    batch_size, epoch, shuffle=shuffle, seed=int(seed), rank=r, size=n_size,
-                    start=start, window=window, reader=reader), start=1):
+            for step, data in enumerate(batches, start=first + 1):
                 self.position = Position(epoch, start + step * n_size * batch_size, int(seed),
                                          shuffle, window, self.num_rows, batch_size, n_size,
-                                         done_before + step)
+                                         done_before + step, self.partitions)
                 yield self._shape(data)
         finally:
+            batches.close()  # its read-ahead thread stops before the files close
             if own:
                 reader.close()
 
@@ -245,30 +308,45 @@ class DatasetShard:
                       device: Any = None) -> Iterator[Any]:
         """One epoch of this rank's full batches as torch tensors: ``(x, y)``, or ``x`` (a dict
         of tensors for several feature columns) -- :meth:`batches`, converted without a copy:
-        a tensor shares memory with the rows read (the in-memory dataset, or the window), so
-        change a batch only out of place (``x = x / 255``, not ``x.div_(255)``).
-        ``device``: move each batch there (e.g. ``"cuda"``)."""
-        import torch
+        a tensor shares memory with the rows gathered for it, so change a batch only out of
+        place (``x = x / 255``, not ``x.div_(255)``).
 
-        def tensor(array: np.ndarray) -> Any:
-            if array.flags.writeable:
-                value = torch.from_numpy(array)
-            else:  # a view of a buffer pyarrow read for this batch only: shared, not copied
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message="The given NumPy array is not "
-                                            "writable", category=UserWarning)
-                    value = torch.from_numpy(array)
-            return value.to(device) if device is not None else value
+        ``device``: hand out batches already there. On a CUDA device each batch is gathered
+        into pinned memory and copied on a side stream one batch ahead of the one training
+        uses (:mod:`sparkhvd.data.device`); on any other device, moved with ``.to()``."""
+        batches = self._torch(self.batches(batch_size, epoch, shuffle=shuffle, seed=seed,
+                                           shuffle_buffer=shuffle_buffer))
+        if device is None:
+            yield from batches
+            return
+        from sparkhvd.data.device import to_device
+
+        # the copy runs a batch ahead: the position is the one after the batch handed out
+        # (a checkpoint taken after it must not skip the batch still being copied)
+        positions: collections.deque = collections.deque()
+
+        def noted() -> Iterator[Any]:
+            for batch in batches:
+                positions.append(self.position)
+                yield batch
+
+        for batch in to_device(noted(), device):
+            self.position = positions.popleft()
+            yield batch
+
+    @staticmethod
+    def _torch(batches: Iterator[Any]) -> Iterator[Any]:
+        """Batches of numpy arrays as torch tensors sharing their memory."""
+        import torch
 
         def convert(value: Any) -> Any:
             if isinstance(value, dict):
-                return {k: tensor(v) for k, v in value.items()}
+                return {k: convert(v) for k, v in value.items()}
             if isinstance(value, tuple):
                 return tuple(convert(v) for v in value)
-            return tensor(value)
+            return torch.from_numpy(value)
 
-        for batch in self.batches(batch_size, epoch, shuffle=shuffle, seed=seed,
-                                  shuffle_buffer=shuffle_buffer):
+        for batch in batches:
             yield convert(batch)
 
     def torch_dataset(self, batch_size: int, *, shuffle: bool = False, seed: int = 0,
@@ -277,10 +355,12 @@ class DatasetShard:
 
         Each iteration is one epoch (:meth:`torch_batches`); call ``set_epoch(e)`` before each,
         as with ``DistributedSampler``, for a new shuffle. Use it with
-        ``DataLoader(ds, batch_size=None)`` (the batches are already made); with
-        ``num_workers=N`` the workers take every N-th batch, so each row is still seen once --
-        but the position then lives in the workers: save it (:meth:`state_dict`) only from a
-        loader without workers.
+        ``DataLoader(ds, batch_size=None)`` (the batches are already made). With
+        ``num_workers=N`` each worker hands out one N-th of the epoch's steps, a consecutive
+        run of them, and reads only the rows of those steps: every row is still seen once
+        and each rank's k-th batch is still the same step on every rank, but the steps come
+        in the workers' turns, not in order -- and the position lives in the workers: save it
+        (:meth:`state_dict`) only from a loader without workers.
         """
         import torch
 
@@ -299,12 +379,17 @@ class DatasetShard:
 
             def __iter__(self) -> Iterator[Any]:
                 info = torch.utils.data.get_worker_info()
-                workers, me = (info.num_workers, info.id) if info is not None else (1, 0)
-                for step, batch in enumerate(shard.torch_batches(
-                        batch_size, self.epoch, shuffle=shuffle, seed=seed,
-                        shuffle_buffer=shuffle_buffer)):
-                    if step % workers == me:
-                        yield batch
+                if info is None:
+                    yield from shard.torch_batches(batch_size, self.epoch, shuffle=shuffle,
+                                                   seed=seed, shuffle_buffer=shuffle_buffer)
+                    return
+                steps = len(self)
+                bounds = np.linspace(0, steps, info.num_workers + 1).astype(int)
+                part = (int(bounds[info.id]), int(bounds[info.id + 1]))
+                if part[0] < part[1]:
+                    yield from shard._torch(shard._batches(
+                        batch_size, self.epoch, shuffle=shuffle, seed=seed, rank=None,
+                        size=None, shuffle_buffer=shuffle_buffer, reader=None, steps=part))
 
         return ShardBatches()
 
@@ -331,7 +416,11 @@ class DatasetShard:
         reader = self._reader()
         try:
             self.source.steps_per_epoch(batch_size)
-            first = self._shape({c: v[:1] for c, v in reader.read(self._blocks[0]).items()})
+            me = current_rank()  # the signature from a row this rank reads anyway
+            parts = self._layout(shuffle, seed)[1]
+            mine = next(p for c in owned_partitions(self.partitions, me.size, me.rank)
+                        for p in parts[c])
+            first = self._shape({c: v[:1] for c, v in reader.read(mine).items()})
 
             def spec(value: Any) -> Any:
                 if isinstance(value, dict):

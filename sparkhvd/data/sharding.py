@@ -1,33 +1,42 @@
 """What a rank needs to read its part of a ``DataFrameDataset``, and the order policy.
 
-The driver half (:mod:`sparkhvd.data.dataset`) materialises the DataFrame and hands the
-ranks a :class:`ShardSource` -- plain data, no Spark, no credentials beyond the read-only ones
-minted for the ranks; the rank half (:mod:`sparkhvd.data.shard`) reads it. The policy both
-sides must agree on lives here, once.
+The driver half (:mod:`sparkhvd.data.dataset`) materialises the DataFrame (or finds it can be
+read in place) and hands the ranks a :class:`ShardSource` -- plain data, no Spark, no
+credentials beyond the read-only ones minted for the ranks; the rank half
+(:mod:`sparkhvd.data.shard`) reads it. The policy both sides must agree on lives here and in
+:mod:`sparkhvd.data.order`, once.
 
-**One global order per epoch, whatever the number of ranks** (as Mosaic Streaming's "elastic
-determinism"). For each ``(seed, epoch)`` the ``N`` materialised rows form one sequence ``S``:
+**One global order per epoch, whatever the number of ranks, and each rank reads only its
+share** (Mosaic Streaming's canonical nodes). The ``N`` rows are cut once into ``P``
+*partitions* (``partitions=``, default 24, fixed with the dataset): the Parquet row groups
+(*blocks*), in an order drawn from the seed when shuffled, laid end to end and cut into ``P``
+spans of equal size. For each ``(seed, epoch)`` the rows form one sequence ``S``:
 
-* ``shuffle=True``: the *blocks* -- the Parquet row groups, fixed when the data is materialised
-  -- are permuted (seeded by ``seed`` and ``epoch``); consecutive permuted blocks form
-  *windows* of at least ``window_rows`` rows; each window's rows are permuted (seeded by seed,
-  epoch and the window's number). A dataset that fits ``memory_cache`` is one window: a full
-  permutation.
-* ``shuffle=False``: the rows in the files' order.
+* a round robin over the partitions: position ``i`` is row ``i // P`` of partition ``i % P``'s
+  own sequence;
+* ``shuffle=True``: a partition's sequence is its blocks permuted (by seed, epoch and
+  partition), grouped into *windows* of at least ``window_rows / P`` rows, each window's rows
+  permuted. A dataset that fits ``memory_cache`` has one window per partition: each partition
+  fully permuted every epoch.
+* ``shuffle=False``: a partition's rows in the files' order (partition 0 holds the first
+  ``N / P`` rows), so ``S`` takes one row of each ``P``-th of the data in turn.
 
-``S`` is cut into *micro-batches* of ``batch_size`` rows (micro-batch ``g`` is
-``S[g*b:(g+1)*b]``, its rows in storage order). At step ``t`` of an epoch, rank ``r`` of
-``size`` takes micro-batch ``t*size + r``: the ranks' batches, taken step by step and rank by
-rank, are ``S`` itself, for any ``size``. Nothing in ``S`` depends on ``size`` or the rank.
+At each step the ranks take the next ``size * b`` positions of ``S``; rank ``r`` takes the
+``b`` positions ``i`` with ``i % size == r``. Nothing in ``S`` depends on ``size`` or the rank,
+and rank ``r``'s positions all lie in the partitions ``c % g == r % g``, ``g = gcd(size, P)``:
+it reads ``1 / g`` of the data -- its share when ``size`` divides ``P`` (1, 2, 3, 4, 6, 8, 12
+and 24 ranks with the default) -- and keeps only that in memory.
 
 * Each epoch every rank runs ``steps = (N - start) // (size * b)`` batches, the same on all
   ranks (unequal step counts would hang allreduce); ``start`` is 0, or the position an epoch
   resumes from. Fewer than ``size * b`` rows are left out at the end.
 * A **position** (:class:`Position`) is ``(epoch, samples)``: how many rows of ``S`` the ranks
-  together consumed. A run resumed with any number of ranks continues ``S`` from there.
+  together consumed. A run resumed with any number of ranks continues ``S`` from there; a
+  position of another ``P`` is refused (it is another sequence).
 
-petastorm's reader, and this module until it moved to a global order, gave each rank one fixed
-block of rows for the whole run: on sorted data every rank trained on a biased slice.
+Before: every rank read every row group of every window and kept ``1 / size`` of the rows
+(``size`` times the reads of the data per epoch), and a dataset kept in memory was kept whole
+by every rank.
 """
 from __future__ import annotations
 
@@ -35,15 +44,23 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
 from sparkhvd.common.identity import current_rank
+from sparkhvd.data.order import (
+    DEFAULT_PARTITIONS,
+    free_sizes,
+    partition_sizes,
+    reading_group,
+)
 
 __side__ = "common"
 
 
-#: A dataset up to this size (bytes in memory) is read once by each rank and kept: later
-#: epochs are full permutations from memory. Larger datasets are streamed every epoch.
+#: A dataset up to this size (bytes in memory) is shuffled as one window per partition (each
+#: partition fully permuted every epoch), and a rank keeps its share in memory when the share
+#: is up to this size. Larger datasets are shuffled in windows and streamed every epoch.
 MEMORY_CACHE_BYTES = 512 << 20
-#: Default shuffle window when streaming: about this many bytes of rows -- 32 row groups of
-#: :data:`~sparkhvd.data.materialize.ROW_GROUP_BYTES`, enough blocks for sorted data to mix.
+#: Default shuffle window when streaming: about this many bytes of rows of ``S``, spread over
+#: the partitions -- 128 row groups of :data:`~sparkhvd.data.materialize.ROW_GROUP_BYTES`,
+#: enough blocks for sorted data to mix.
 SHUFFLE_WINDOW_BYTES = 128 << 20
 
 
@@ -65,6 +82,8 @@ class Position:
     #: Batches each rank has run in this epoch (with this world size, since the epoch's start
     #: or the position it resumed from).
     step: int = 0
+    #: The dataset's partition count ``P`` (0: a position saved before partitions existed).
+    partitions: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,7 +101,7 @@ def steps_from(num_rows: int, start: int, batch_size: int, size: int) -> int:
 
 @dataclass(frozen=True)
 class ShardSource:
-    """The materialised Parquet as the ranks see it."""
+    """The Parquet files as the ranks see them (materialised, or the DataFrame's own)."""
 
     files: tuple[str, ...]
     row_counts: tuple[int, ...]
@@ -96,6 +115,11 @@ class ShardSource:
     memory_cache: int = MEMORY_CACHE_BYTES
     #: Read-only, time-limited options minted for the ranks (never the driver's credentials).
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    #: ``P``: the partitions the order is cut into (:mod:`sparkhvd.data.order`).
+    partitions: int = DEFAULT_PARTITIONS
+    #: column -> numpy dtype to convert to when read (files read in place, whose floats are
+    #: not yet the dataset's ``dtype``); empty for materialised files.
+    cast: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -111,19 +135,53 @@ class ShardSource:
         return self.num_rows * self.row_bytes
 
     def in_memory(self, memory_cache: Optional[int] = None) -> bool:
-        """Whether each rank keeps the whole dataset in memory (it fits ``memory_cache``)."""
+        """Whether the whole dataset fits ``memory_cache``: then each partition is shuffled as
+        one window (the order does not depend on the number of ranks, so neither does this)."""
         budget = self.memory_cache if memory_cache is None else memory_cache
         return self.data_bytes <= budget
 
     def window_rows(self, shuffle_window: Optional[int] = None,
                     memory_cache: Optional[int] = None) -> int:
-        """Rows per shuffle window: every row when the data is kept in memory, else
-        ``shuffle_window`` rows (default about :data:`SHUFFLE_WINDOW_BYTES` of rows)."""
+        """Rows of ``S`` per shuffle window (spread over the partitions): every row when the
+        dataset fits ``memory_cache``, else ``shuffle_window`` rows (default about
+        :data:`SHUFFLE_WINDOW_BYTES` of rows)."""
         if self.in_memory(memory_cache):
             return max(1, self.num_rows)
         if shuffle_window is not None:
             return max(1, int(shuffle_window))
         return max(1, SHUFFLE_WINDOW_BYTES // max(1, self.row_bytes))
+
+    def read_share(self, size: int) -> float:
+        """The fraction of the data each of ``size`` ranks reads per epoch: ``1 / gcd(size,
+        P)`` (``1 / size`` when ``size`` divides ``P``)."""
+        return 1.0 / reading_group(self.partitions, size)
+
+    def rank_rows(self, size: int) -> int:
+        """Rows of the partitions one of ``size`` ranks reads (the largest such set)."""
+        sizes = partition_sizes(self.num_rows, self.partitions)
+        g = reading_group(self.partitions, size)
+        return max(sum(sizes[c] for c in range(r, self.partitions, g)) for r in range(g))
+
+    def keeps(self, size: int, memory_cache: Optional[int] = None) -> bool:
+        """Whether each of ``size`` ranks keeps the rows it reads in memory (read once): its
+        share fits ``memory_cache``."""
+        budget = self.memory_cache if memory_cache is None else memory_cache
+        return self.rank_rows(size) * self.row_bytes <= budget
+
+    def size_note(self, size: int) -> Optional[str]:
+        """What a run of ``size`` ranks should be told about its reads (None: each rank reads
+        only its share)."""
+        g = reading_group(self.partitions, size)
+        if g == size:
+            return None
+        free = [str(n) for n in free_sizes(self.partitions)]
+        listed = ", ".join(free[:-1]) + f" or {free[-1]}" if len(free) > 1 else free[0]
+        reads = "all" if g == 1 else f"1/{g}"
+        return (f"np={size} does not divide the dataset's {self.partitions} partitions: each "
+                f"rank reads {reads} of the data per epoch, {size // g}x its 1/{size} share "
+                f"(np = {listed} reads only its share). Pass partitions="
+                f"{size * self.partitions // g} (a multiple of {size}) to DataFrameDataset to "
+                f"read 1/{size}.")
 
     def steps_per_epoch(self, batch_size: int, size: Optional[int] = None,
                         start: int = 0) -> int:
@@ -140,9 +198,13 @@ class ShardSource:
                 "or use more data.")
         return steps
 
-    def rank_bytes(self, memory_cache: Optional[int] = None,
+    def rank_bytes(self, size: int = 1, memory_cache: Optional[int] = None,
                    shuffle_window: Optional[int] = None) -> int:
-        """About how many bytes of rows a rank holds while reading: the whole dataset when it
-        is kept in memory, else one window (plus one row group and a batch, not counted)."""
-        return min(self.num_rows, self.window_rows(shuffle_window, memory_cache)) \
-            * self.row_bytes
+        """About how many bytes of rows one of ``size`` ranks holds while reading: its share
+        when it keeps it in memory, else a window of each partition it reads (plus a row
+        group and the batches being gathered, not counted)."""
+        if self.keeps(size, memory_cache):
+            return self.rank_rows(size) * self.row_bytes
+        window = self.window_rows(shuffle_window, memory_cache)
+        rows = min(self.rank_rows(size), window // reading_group(self.partitions, size))
+        return rows * self.row_bytes

@@ -141,15 +141,25 @@ def test_each_row_once_per_epoch_equal_steps_and_shuffled(spark, tmp_path, monke
         assert sum(len(r) for r in rows) == len(union), "no row twice within an epoch"
         assert n - len(union) < size * batch, "fewer than size*batch rows left out"
         assert union <= set(range(n))
-    def in_turn(lists):  # the ranks' batches, step by step and rank by rank
-        return [i for step in zip(*(np.array_split(ids, len(ids) // batch) for ids in lists))
-                for b in step for i in b.tolist()]
+    def in_turn(lists):  # the step's positions: rank r's batch holds those i % size == r
+        steps = zip(*(np.array_split(ids, len(ids) // batch) for ids in lists))
+        return [int(i) for step in steps for i in np.stack(step, axis=1).ravel()]
 
     plain = in_turn([r[3] for r in per_rank])
-    assert plain == stored[:len(plain)], "unshuffled: the files' order, batches in turn"
+    assert plain == round_robin(stored, 24)[:len(plain)], \
+        "unshuffled: one row of each 24th of the files' order in turn"
     first, second = (in_turn([r[0][e] for r in per_rank]) for e in range(2))
     assert first != second, "a different order every epoch"
     assert first != plain, "shuffled, not in file order"
+
+
+def round_robin(rows, partitions):
+    """The unshuffled order: ``rows`` cut into ``partitions`` consecutive parts, one row of
+    each in turn."""
+    n = len(rows)
+    sizes = [n // partitions + (c < n % partitions) for c in range(partitions)]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return [rows[int(starts[i % partitions] + i // partitions)] for i in range(n)]
 
 
 def test_streamed_epoch_without_drops_sees_every_row_once(spark, monkeypatch):
@@ -170,8 +180,8 @@ def test_streamed_epoch_without_drops_sees_every_row_once(spark, monkeypatch):
         assert epochs[0] != epochs[1] != epochs[2]
         plain = [int(i) for x, _ in DatasetShard(dataset.source).batches(32, 0, rank=1, size=2)
                  for i in x]
-        assert plain == [i for s in range(15) for i in range(64 * s + 32, 64 * s + 64)], \
-            "unshuffled: the files' order, rank 1 takes every second batch"
+        assert plain == round_robin(list(range(960)), 24)[1::2], \
+            "unshuffled: 24 parts in turn, rank 1 takes every second position"
 
 
 def test_datasets_travel_inside_containers_but_not_in_closures(spark, tmp_path, backend):
@@ -332,7 +342,8 @@ def test_dotted_names_and_decimal_labels(spark, tmp_path, backend):
         first_batch, ds=ds)
     ds.close()
     assert (x_dtype, y_dtype) == ("float32", "float32")
-    assert x == [float(i) for i in range(8)] and y == [float(i % 2) for i in range(8)]
+    want = round_robin(list(range(40)), 24)[0:16:2]  # rank 0 of 2: the even positions
+    assert x == [float(i) for i in want] and y == [float(i % 2) for i in want]
 
 
 def test_driver_local_cache_refused_on_a_cluster(spark):
@@ -391,36 +402,6 @@ def test_remote_cache_on_azurite(spark, azurite, tmp_path, backend):
     cache = ds.cache_dir
     ds.close()
     assert not storage.exists(cache, azurite.options())
-
-
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_windows_span_pieces_of_any_size(shuffle):
-    """Batches gathered across blocks and windows of any size hold whole rows, each once."""
-    from sparkhvd.data.reader import Piece, plan_epoch, rank_batches
-
-    sizes = [5, 1, 13, 7, 2, 40, 3]
-    blocks, offset = [], 0
-    for g, n in enumerate(sizes):
-        blocks.append(Piece(0, g, offset, offset + n))
-        offset += n
-    rows = np.arange(offset)
-
-    def read(ks):
-        return [{"x": np.stack([ids, -ids], axis=1), "y": ids}
-                for ids in (rows[blocks[k].lo:blocks[k].hi] for k in ks)]
-
-    windows = plan_epoch(blocks, 9, shuffle=shuffle, seed=7, epoch=0)
-    batches = list(rank_batches(read, windows, batch_size=4, size=1, rank=0, start=0,
-                                steps=offset // 4, shuffle=shuffle, seed=7, epoch=0))
-    assert len(batches) == offset // 4 and all(len(b["y"]) == 4 for b in batches)
-    seen = np.concatenate([b["y"] for b in batches])
-    for b in batches:
-        assert (b["x"][:, 0] == b["y"]).all() and (b["x"][:, 1] == -b["y"]).all()
-    assert len(set(seen.tolist())) == len(seen), "no row twice"
-    if shuffle:
-        assert seen.tolist() != sorted(seen.tolist())
-    else:
-        assert seen.tolist() == list(range(len(seen))), "in order: the blocks' rows as they are"
 
 
 def _ids(ds):
@@ -547,3 +528,79 @@ def test_metrics_without_matplotlib_write_the_csv_and_warn_nothing(tmp_path, cap
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
     assert open(runner.last_run_dir.file("metrics.csv")).read().splitlines()[0] == "epoch,loss"
     assert not os.path.exists(runner.last_run_dir.file("curves.png"))
+
+
+def _parquet_table(spark, path, rows=3000, block_size=32 << 10):
+    spark.range(rows, numPartitions=3).selectExpr(
+        "id", "CAST(id AS DOUBLE) AS x", "array(CAST(id AS DOUBLE), CAST(-id AS DOUBLE)) AS v",
+        "id % 7 AS y").write.option("parquet.block.size", block_size).parquet(str(path))
+    return spark.read.parquet(str(path))
+
+
+def test_a_plain_parquet_scan_is_read_in_place(spark, tmp_path, caplog, backend):
+    """spark.read.parquet(...) with a column selection: no materialisation, the files' own
+    row groups as the blocks, the checks in one Spark job; every row once across the ranks,
+    floats converted to the dataset's dtype as they are read."""
+    df = _parquet_table(spark, tmp_path / "table")
+    with caplog.at_level("INFO", logger="sparkhvd.data"):
+        ds = DataFrameDataset(df.select("id", "x", "v", "y"), ["x", "v"], "y").materialize()
+    assert ds.read_in_place and ds.cache_dir is None
+    assert "in place from 3 Parquet file(s)" in caplog.text
+    assert all(f.startswith("file:") and "table" in f for f in ds.files)
+    assert sum(len(g) for g in ds.source.row_groups) > 3, "the table's own row groups"
+
+    def read(ds):
+        rows = [(float(a), [float(b) for b in v], str(a.dtype), str(v.dtype))
+                for x, _ in ds.batches(50, 0, shuffle=True, seed=1)
+                for a, v in zip(x["x"], x["v"])]
+        return rows, ds.bytes_read
+
+    results = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "run"),
+                            backend=backend).run_all(read, ds=ds)
+    rows = [r for rank_rows, _ in results for r in rank_rows]
+    assert sorted(int(x) for x, *_ in rows) == list(range(3000))
+    assert all(v == [x, -x] and dx == dv == "float32" for x, v, dx, dv in rows)
+    ds.close()
+    assert os.path.exists(tmp_path / "table"), "the user's files are never deleted"
+
+
+def test_other_dataframes_are_materialised_and_say_why(spark, tmp_path, caplog):
+    df = _parquet_table(spark, tmp_path / "table")
+    with caplog.at_level("INFO", logger="sparkhvd.data"):
+        with DataFrameDataset(df.filter("id > 5"), "x", "y").materialize() as filtered:
+            assert filtered.read_in_place is False and filtered.cache_dir
+    assert "materialising (not read in place: its plan is more than a file scan (Project" in \
+        caplog.text
+    with pytest.raises(ValueError, match="in_place=True, but.*computes or renames columns"):
+        DataFrameDataset(df.selectExpr("x * 2 AS x", "y"), "x", "y", in_place=True).materialize()
+    spark.range(60_000, numPartitions=2).selectExpr(  # 2 files, one 15 MB row group each
+        "transform(sequence(1, 64), i -> CAST(id + i AS DOUBLE)) AS v", "id % 7 AS y") \
+        .write.parquet(str(tmp_path / "big"))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="sparkhvd.data"):
+        with DataFrameDataset(spark.read.parquet(str(tmp_path / "big")), "v", "y",
+                              memory_cache=0).materialize() as one_group:
+            assert not one_group.read_in_place
+    assert "row groups hold up to" in caplog.text and "parquet.block.size" in caplog.text
+    with DataFrameDataset(df, "x", "y", in_place=False).materialize() as written:
+        assert written.cache_dir and not written.read_in_place
+    nulls = spark.createDataFrame([(1.0, 0), (None, 1)], "x double, y long")
+    nulls.write.parquet(str(tmp_path / "nulls"))
+    with pytest.raises(ValueError, match="Null values in used column"):
+        DataFrameDataset(spark.read.parquet(str(tmp_path / "nulls")), "x", "y").materialize()
+
+
+def test_a_run_whose_np_reads_more_than_its_share_is_told_once(spark, tmp_path, caplog,
+                                                               backend):
+    df = spark.range(120).selectExpr("CAST(id AS DOUBLE) AS x", "id % 2 AS y")
+    with DataFrameDataset(df, "x", "y", partitions=4) as ds:
+        with caplog.at_level("WARNING", logger="sparkhvd"):
+            reads = HorovodRunner(np=-3, output_dir=str(tmp_path), backend=backend).run_all(
+                lambda ds: sorted(int(v) for x, _ in ds.batches(8, 0) for v in x), ds=ds)
+    said = [r.getMessage() for r in caplog.records if "does not divide" in r.getMessage()]
+    assert said == ["np=3 does not divide the dataset's 4 partitions: each rank reads all of "
+                    "the data per epoch, 3x its 1/3 share (np = 1, 2 or 4 reads only its "
+                    "share). Pass partitions=12 (a multiple of 3) to DataFrameDataset to read "
+                    "1/3."]
+    every = sorted(v for rank in reads for v in rank)
+    assert len(every) == len(set(every)) == 120 // 24 * 24

@@ -43,7 +43,9 @@ def _ids(tmp_path, n=1000, group_rows=17, memory_cache=1 << 30):
 
 
 def _interleaved(source, size, batch, epoch, *, start_state=None, **kw):
-    """The ranks' batches step by step, rank by rank (each rank its own DatasetShard)."""
+    """The sequence the ranks read, step by step: at each step the ranks' batches together are
+    the step's ``size * batch`` positions, rank ``r`` holding those ``i % size == r`` in order
+    (each rank its own DatasetShard)."""
     per_rank = []
     for rank in range(size):
         shard = DatasetShard(source)
@@ -52,7 +54,22 @@ def _interleaved(source, size, batch, epoch, *, start_state=None, **kw):
         per_rank.append([[int(i) for i in x] for x, _ in
                          shard.batches(batch, epoch, rank=rank, size=size, **kw)])
     assert len({len(r) for r in per_rank}) == 1, "equal steps on every rank"
-    return [i for step in zip(*per_rank) for b in step for i in b]
+    start = start_state["samples"] if start_state else 0
+    order = []
+    for step in zip(*per_rank):
+        positions = [0] * (size * batch)
+        for rank, rows in enumerate(step):
+            positions[(rank - start) % size::size] = rows
+        order += positions
+    return order
+
+
+def _round_robin(n, partitions):
+    """The unshuffled sequence: the rows cut into ``partitions`` consecutive parts in the
+    files' order, one row of each part in turn."""
+    sizes = [n // partitions + (c < n % partitions) for c in range(partitions)]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return [int(starts[i % partitions] + i // partitions) for i in range(n)]
 
 
 MODES = {"in memory": {}, "streamed": {"memory_cache": 0}}
@@ -74,7 +91,8 @@ def test_one_global_order_whatever_the_number_of_ranks(tmp_path, mode, shuffle):
         if shuffle:
             assert orders[1] != sorted(orders[1])
         else:
-            assert orders[1] == list(range(len(orders[1]))), "unshuffled: the files' order"
+            assert orders[1] == _round_robin(1000, 24)[:len(orders[1])], \
+                "unshuffled: one row of each 24th of the files' order in turn"
     if shuffle:
         assert _interleaved(source, 2, 16, 0, shuffle=True, seed=5, **window) != \
             _interleaved(source, 2, 16, 1, shuffle=True, seed=5, **window), "new order per epoch"
@@ -139,12 +157,13 @@ def _train(source, held, window, epochs=4, size=2, batch=32):
     gradients over their batches (one global batch)."""
     shards = [DatasetShard(source) for _ in range(size)]
     w, b = np.zeros((64, 10)), np.zeros(10)
-    labels_per_batch = []
+    labels_per_batch, labels_per_step = [], []
     for epoch in range(epochs):
         streams = [s.batches(batch, epoch, rank=r, size=size, shuffle=True, seed=1,
                              shuffle_buffer=window) for r, s in enumerate(shards)]
         for step in zip(*streams):
             gw, gb = np.zeros_like(w), np.zeros_like(b)
+            labels_per_step.append(len({int(v) for _, y in step for v in y}))
             for x, y in step:
                 labels_per_batch.append(len(set(y.tolist())))
                 logits = x @ w + b
@@ -156,13 +175,16 @@ def _train(source, held, window, epochs=4, size=2, batch=32):
             w -= 0.5 * gw
             b -= 0.5 * gb
     x, y = held
-    return float(((x @ w + b).argmax(1) == y).mean()), float(np.mean(labels_per_batch))
+    return (float(((x @ w + b).argmax(1) == y).mean()), float(np.mean(labels_per_step)),
+            float(np.mean(labels_per_batch)))
 
 
+@pytest.mark.parametrize("size", [1, 2, 4])
 @pytest.mark.parametrize("mode", ["in memory", "streamed"])
-def test_sorted_data_trains_like_shuffled_data(tmp_path, mode):
+def test_sorted_data_trains_like_shuffled_data(tmp_path, mode, size):
     """Rows ordered by label train to the held-out accuracy of the same rows in random order,
-    and batches hold as many distinct labels (the streamed window is ~1/10 of the data)."""
+    and batches hold as many distinct labels (the streamed window is ~1/10 of the data), at
+    np 1, 2 and 4 -- where each rank reads only its partitions."""
     memory_cache = 0 if mode == "streamed" else 1 << 30
     results = {}
     for sort in (False, True):
@@ -170,11 +192,14 @@ def test_sorted_data_trains_like_shuffled_data(tmp_path, mode):
         folder.mkdir()
         source, held = _digits(folder, sort, memory_cache)
         assert 600 // 16 >= 32, "the docs' rule: at least 32 blocks per window"
-        results[sort] = _train(source, held, window=600)
-    (random_acc, random_labels), (sorted_acc, sorted_labels) = results[False], results[True]
+        results[sort] = _train(source, held, window=600, size=size)
+    (random_acc, random_labels, random_micro), (sorted_acc, sorted_labels, sorted_micro) = \
+        results[False], results[True]
     assert random_acc > 0.9
     assert abs(sorted_acc - random_acc) <= 0.02, results
-    assert abs(sorted_labels - random_labels) <= 0.1 * random_labels, results
+    assert abs(sorted_labels - random_labels) <= 0.1 * random_labels, "per global batch"
+    # a rank's own batch mixes fewer blocks: its partitions' share of each window
+    assert sorted_micro >= 0.7 * random_micro, results
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -214,3 +239,159 @@ def test_a_position_of_another_order_warns_only_mid_epoch(tmp_path, caplog):
                                "window_rows": 1000, "num_rows": 1000})
         next(shard.batches(8, 1, shuffle=True, seed=3))
     assert "seed 2 -> 3" in caplog.text and "continues at row 64" in caplog.text
+
+
+def _read_groups(monkeypatch):
+    """Record the (file, row group) pairs each ShardReader scan reads."""
+    from sparkhvd.data import reader
+
+    seen: list = []
+    original = reader.ShardReader.read_many
+
+    def read_many(self, pieces):
+        seen.append({(p.file, p.group) for p in pieces})
+        return original(self, pieces)
+
+    monkeypatch.setattr(reader.ShardReader, "read_many", read_many)
+    return seen
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_rank_reads_its_share(tmp_path, monkeypatch, mode):
+    """2,400 rows in 343 row groups of 7 rows, 24 partitions: with np ranks each rank reads
+    1/gcd(np, 24) of the row groups in an epoch (its share when np divides 24), plus the few a
+    partition boundary splits; all ranks together read the data about once."""
+    source = _ids(tmp_path, n=2400, group_rows=7, **MODES[mode])
+    groups = sum(len(g) for g in source.row_groups)
+    window = {"shuffle_buffer": 300} if mode == "streamed" else {}
+    seen = _read_groups(monkeypatch)
+    for size in (1, 2, 3, 4, 5, 6, 8, 16):
+        g = np.gcd(size, 24)
+        reads = []
+        for rank in range(size):
+            seen.clear()
+            shard = DatasetShard(source)
+            rows = [int(i) for x, _ in shard.batches(8, 0, rank=rank, size=size, shuffle=True,
+                                                     seed=4, **window) for i in x]
+            assert len(rows) == 2400 // (8 * size) * 8
+            read = [pair for scan in seen for pair in scan]
+            assert len(set(read)) == len(read) or mode == "streamed", "kept: each group once"
+            reads.append(len(read))
+            assert shard.bytes_read > 0
+        # each rank: its partitions' groups (+1 for each boundary a partition shares)
+        assert max(reads) <= groups / g + 2 * 24 / g + 1, (size, reads)
+        if g == size:
+            assert sum(reads) <= groups + 2 * 24, (size, sum(reads), groups)
+
+
+def test_a_kept_share_is_read_once_and_is_only_the_share(tmp_path, monkeypatch):
+    source = _ids(tmp_path, n=2400, group_rows=7)
+    seen = _read_groups(monkeypatch)
+    shard = DatasetShard(source)
+    assert not shard.streams(size=4) and shard.rank_bytes(size=4) == 600 * source.row_bytes
+    for epoch in range(3):
+        list(shard.batches(8, epoch, rank=1, size=4, shuffle=True, seed=4))
+    assert len(seen) == 1, "read once, kept for later epochs"
+    kept = sum(len(piece["id"]) for pieces in shard._kept[1].values() for piece in pieces)
+    assert kept == 600, "the rank keeps its 1/4, not the dataset"
+    tight = DatasetShard(source)
+    tight.memory_cache = 599 * source.row_bytes
+    assert tight.streams(size=4), "a share over memory_cache streams"
+
+
+def test_a_resize_chain_trains_every_row_once(tmp_path):
+    """np 2 -> 3 -> 1 within one epoch, each stopped after a step count that is no multiple
+    of anything in sight: every row of the epoch once across the three runs."""
+    source = _ids(tmp_path, n=1000, group_rows=17, memory_cache=0)
+    kw = {"shuffle": True, "seed": 6, "shuffle_buffer": 130}
+    trained: list[int] = []
+    state = None
+    for size, stop in ((2, 5), (3, 7), (1, None)):
+        shards = [DatasetShard(source) for _ in range(size)]
+        for rank, shard in enumerate(shards):
+            if state is not None:
+                shard.load_state_dict(state)
+            for step, (x, _) in enumerate(shard.batches(11, 0, rank=rank, size=size, **kw), 1):
+                trained += [int(i) for i in x]
+                if step == stop:
+                    break
+        states = [s.state_dict() for s in shards]
+        assert all(s == states[0] for s in states), "every rank at the same position"
+        state = states[0]
+    assert len(trained) == len(set(trained)), "no row twice"
+    assert 1000 - len(trained) < 11, "only the last partial batch left out"
+    assert state["partitions"] == 24
+
+
+def test_a_position_of_another_partition_count_is_refused(tmp_path):
+    from dataclasses import replace
+
+    source = _ids(tmp_path)
+    shard = DatasetShard(source)
+    list(zip(range(3), shard.batches(8, 0, shuffle=True, seed=1)))
+    state = shard.state_dict()
+    other = DatasetShard(replace(source, partitions=48))
+    with pytest.raises(ValueError, match="order of 24 partitions.*has 48.*partitions=24"):
+        other.load_state_dict(state)
+    other.load_state_dict({**state, "samples": 0})  # an epoch's start is the same anywhere
+
+
+def test_the_size_note_names_the_cost_and_the_fix(tmp_path):
+    source = _ids(tmp_path)
+    assert [source.size_note(n) for n in (1, 2, 3, 4, 6, 8, 12, 24)] == [None] * 8
+    note = source.size_note(16)
+    assert "np=16 does not divide the dataset's 24 partitions" in note
+    assert "1/8 of the data per epoch, 2x its 1/16 share" in note
+    assert "partitions=48" in note
+    assert source.read_share(5) == 1.0 and source.read_share(16) == 1 / 8
+
+
+def test_dataloader_workers_each_read_their_own_steps(tmp_path, monkeypatch):
+    """torch_dataset with workers: each worker hands out a consecutive run of the epoch's
+    steps and reads only what they need; together every step once."""
+    torch = pytest.importorskip("torch")
+    source = _ids(tmp_path, n=2400, group_rows=7, memory_cache=0)
+    seen = _read_groups(monkeypatch)
+    kw = {"shuffle": True, "seed": 2, "shuffle_buffer": 240}
+    want = [[int(i) for i in x] for x, _ in DatasetShard(source).batches(16, 0, **kw)]
+    alone = sum(len(scan) for scan in seen)
+    got, reads = [], []
+    for worker in range(3):
+        seen.clear()
+        info = type("Info", (), {"num_workers": 3, "id": worker})()
+        monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda info=info: info)
+        data = DatasetShard(source).torch_dataset(16, **kw)
+        got.append([x.tolist() for x, _ in data])
+        reads.append(sum(len(scan) for scan in seen))
+    assert [b for part in got for b in part] == want, "the steps in runs, each once"
+    assert max(reads) < alone / 2, (reads, alone)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_windows_and_partitions_split_pieces_of_any_size(tmp_path, shuffle):
+    """Row groups of any size, cut by partition boundaries and grouped into windows: batches
+    hold whole rows (their columns still together), each row once."""
+    from dataclasses import replace
+
+    sizes = [5, 1, 13, 7, 2, 40, 3, 9, 11]
+    ids = np.arange(sum(sizes))
+    path = str(tmp_path / "part-00000.parquet")
+    table = pa.table({"c0": pa.array(list(np.stack([ids, -ids], axis=1))), "c1": pa.array(ids)})
+    with pq.ParquetWriter(path, table.schema) as writer:
+        offset = 0
+        for n in sizes:
+            writer.write_table(table.slice(offset, n), row_group_size=n)
+            offset += n
+    source = ShardSource(files=(path,), row_counts=(len(ids),), row_groups=(tuple(sizes),),
+                         stored={"x": "c0", "y": "c1"}, row_bytes=24, features=("x",),
+                         label="y", memory_cache=0, partitions=5)
+    for size in (1, 2, 5):
+        for kept in (False, True):
+            seen = []
+            for rank in range(size):
+                shard = DatasetShard(replace(source, memory_cache=1 << 30) if kept else source)
+                for x, y in shard.batches(3, 0, rank=rank, size=size, shuffle=shuffle, seed=7,
+                                          shuffle_buffer=9):
+                    assert (x[:, 0] == y).all() and (x[:, 1] == -y).all()
+                    seen += y.tolist()
+            assert len(seen) == len(set(seen)) == len(ids) // (3 * size) * 3 * size

@@ -1,0 +1,369 @@
+"""B14: what each rank reads of a DataFrameDataset per epoch, for np = 1, 2, 3, 4, 6, 8.
+
+Goal (issue 48): bytes read per rank per epoch <= 1.1 x its share (N / np) when np divides the
+dataset's partitions, and all ranks together <= 1.1 x N.
+
+- **Local** (one local[8] session, the cache on this machine's disk): each rank's
+  ``/proc/self/io`` ``rchar`` across one shuffled epoch of each reader (``batches``,
+  ``torch_batches``, ``torch_dataset`` through a DataLoader, ``tf_dataset``), streamed and with
+  the share kept in memory; the same ranks' peak RSS over their kept share.
+- **abfss:// on the test cluster** (4 hosts as network namespaces, 2 cores each, the cache on
+  Azurite): the bytes each host's network interface received during the epoch
+  (``/proc/self/net/dev`` inside the host's namespace, divided by the ranks on it) and the bytes
+  adlfs fetched in the rank (``AzureBlobFile._fetch_range``).
+- **Label diversity on sorted data** (in-process): distinct labels per global batch and per
+  rank's batch against a full permutation of the same rows.
+
+N is the materialised files' size (the used columns as stored).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from typing import Any, Optional
+
+#: One rank's epochs: (reader, kept in memory?)
+READS = [("torch_batches", True), ("torch_batches", False), ("batches", False),
+         ("torch_dataset", False), ("tf_dataset", False)]
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+def _received(interface: str = "eth0") -> Optional[int]:
+    """Bytes this network namespace's ``interface`` received (None where it has none)."""
+    with open("/proc/self/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == interface:
+                return int(rest.split()[0])
+    return None
+
+
+def _fetch_counter() -> list[int]:
+    """Counts the bytes adlfs fetches in this process (a one-element list)."""
+    fetched = [0]
+    try:
+        from adlfs.spec import AzureBlobFile
+    except ImportError:
+        return fetched
+    original = AzureBlobFile._fetch_range
+    if getattr(original, "_b14", False):
+        return original._b14  # type: ignore[no-any-return]
+
+    def counted(self: Any, start: int, end: int, **kw: Any) -> Any:
+        data = original(self, start, end, **kw)
+        fetched[0] += len(data)
+        return data
+
+    counted._b14 = fetched  # type: ignore[attr-defined]
+    AzureBlobFile._fetch_range = counted
+    return fetched
+
+
+def rank_reads(ds: Any, batch: int, reads: Optional[list] = None) -> list[dict]:
+    """In a rank: one shuffled epoch per ``(reader, kept)``, each from a fresh shard, with the
+    bytes it took from the disk (``rchar``), the network (this host's interface) and adlfs."""
+    import importlib.util
+    import resource
+    import time
+
+    import psutil
+
+    from sparkhvd.common.identity import current_rank
+    from sparkhvd.data.shard import DatasetShard
+
+    if importlib.util.find_spec("torch"):
+        import torch  # noqa: F401 - imported before anything is measured
+    has_tf = importlib.util.find_spec("tensorflow") is not None
+    if has_tf:
+        import tensorflow  # noqa: F401
+    fetched = _fetch_counter()
+    me = current_rank()
+    out = []
+    for reader, kept in reads or READS:
+        if reader == "tf_dataset" and not has_tf or \
+                reader.startswith("torch") and not importlib.util.find_spec("torch"):
+            continue
+        shard = DatasetShard(ds.source)
+        shard.memory_cache = 1 << 40 if kept else 0
+        rss0 = psutil.Process().memory_info().rss
+        disk, net, adl, t0 = _rchar(), _received(), fetched[0], time.perf_counter()
+        rows = 0
+        if reader == "batches":
+            for _, y in shard.batches(batch, 0, shuffle=True, seed=1):
+                rows += len(y)
+        elif reader == "torch_batches":
+            for _, y in shard.torch_batches(batch, 0, shuffle=True, seed=1):
+                rows += len(y)
+        elif reader == "torch_dataset":
+            import torch
+
+            data = shard.torch_dataset(batch, shuffle=True, seed=1)
+            for _, y in torch.utils.data.DataLoader(data, batch_size=None):
+                rows += len(y)
+        else:
+            with shard.tf_dataset(batch, epochs=1, shuffle=True, seed=1) as tfds:
+                for _, y in tfds:
+                    rows += int(y.shape[0])
+        net_after = _received()
+        out.append({"reader": reader, "kept": kept, "rank": me.rank, "size": me.size,
+                    "host": os.uname().nodename, "rows": rows,
+                    "seconds": time.perf_counter() - t0, "disk": _rchar() - disk,
+                    "net": None if net is None or net_after is None else net_after - net,
+                    "adlfs": fetched[0] - adl, "stored": shard.bytes_read,
+                    "peak_rss_over_start": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                            * 1024 - rss0) if kept else None})
+    return out
+
+
+def _files_bytes(ds: Any) -> int:
+    from sparkhvd import storage
+
+    total = 0
+    for url in ds.files:
+        loc = storage.resolve(url, ds.storage_options)
+        total += loc.fs.size(loc.path)
+    return total
+
+
+def _rows(where: str, nps: list[int], per_np: dict[int, list[list[dict]]], total: int,
+          measure: str) -> list[dict]:
+    """B14 rows: per np and reader, the largest rank's bytes over its share, and all ranks'
+    bytes over the files."""
+    import statistics
+
+    rows = []
+    for np_ in nps:
+        runs = per_np[np_]
+        by_read: dict[tuple, list[tuple[float, float]]] = {}
+        for run in runs:
+            flat = [r for rank in run for r in rank]
+            for reader, kept in {(r["reader"], r["kept"]) for r in flat}:
+                mine = [r for r in flat if r["reader"] == reader and r["kept"] == kept]
+                values = []
+                for r in mine:
+                    value = r[measure]
+                    if measure == "net" and value is not None:  # each rank saw its host's
+                        host = [o["net"] for o in mine if o["host"] == r["host"]]
+                        value = max(host) / len(host)
+                    values.append(value)
+                if any(v is None for v in values):
+                    continue
+                by_read.setdefault((reader, kept), []).append(
+                    (max(values) / (total / np_), sum(values) / total))
+        for (reader, kept), pairs in sorted(by_read.items()):
+            how = "kept in memory" if kept else "streamed"
+            for label, index in (("per rank / share", 0), ("all ranks / N", 1)):
+                values = [p[index] for p in pairs]
+                rows.append({"case": "B14", "variant": f"{where}, np={np_}, {reader} ({how}): "
+                             f"{label}", "unit": "ratio", "np": np_, "reader": reader,
+                             "kept": kept, "measure": measure, "median": statistics.median(values),
+                             "min": min(values), "max": max(values), "runs": values})
+    return rows
+
+
+def local_reads(repeat: int, tiny: bool, spark_session: Any, frame: Any) -> list[dict]:
+    from sparkhvd import DataFrameDataset, HorovodRunner
+
+    rows_n, width = (4_000, 32) if tiny else (200_000, 256)
+    nps = [2] if tiny else [1, 2, 3, 4, 6, 8]
+    spark = spark_session(max(nps))
+    ds = DataFrameDataset(frame(spark, rows_n, width), "x", "y").materialize()
+    out = tempfile.mkdtemp(prefix="bench-b14-")
+    try:
+        total = _files_bytes(ds)
+        per_np = {np_: [HorovodRunner(np=np_, spark=spark, output_dir=out, backend="torch"
+                                      if _has("torch") else "tf").run_all(
+            rank_reads, ds=ds, batch=64) for _ in range(max(1, min(repeat, 2)))] for np_ in nps}
+    finally:
+        ds.close()
+    rows = _rows("local disk", nps, per_np, total, "disk")
+    share = rows_n * (width * 4 + 8)  # the rows in memory
+    for np_ in nps:
+        peaks = [r["peak_rss_over_start"] / (share / np_) for run in per_np[np_]
+                 for rank in run for r in rank if r["kept"]]
+        if peaks:
+            rows.append({"case": "B14", "variant": f"local disk, np={np_}: peak RSS growth "
+                         f"while reading / the rank's share in memory ({share / np_ / 2**20:.0f} "
+                         "MB), kept in memory", "unit": "ratio", "np": np_, **_stats(peaks)})
+    return rows
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def cluster_reads(repeat: int, tiny: bool, frame: Any) -> list[dict]:
+    """B14 on the test cluster: 4 hosts (network namespaces) x 2 cores, cache on Azurite."""
+    variant = "abfss:// (Azurite) on 4 hosts"
+    if tiny:
+        return [{"case": "B14", "variant": variant, "unit": "ratio", "skipped": "not in --tiny"}]
+    from pyspark.sql import SparkSession
+
+    from conftest import Azurite
+    from netns_cluster import NetnsCluster
+    from sparkhvd import DataFrameDataset, HorovodRunner
+
+    cluster = NetnsCluster(tempfile.mkdtemp(prefix="bench-b14-hosts-"), hosts=4, cores=2)
+    try:
+        cluster.up()
+    except RuntimeError as exc:
+        cluster.down()
+        return [{"case": "B14", "variant": variant, "unit": "ratio", "skipped": str(exc)[:200]}]
+    azurite = None
+    try:
+        azurite = Azurite.start(tempfile.mkdtemp(prefix="bench-b14-azurite-"),
+                                host=cluster.driver_ip)
+        azurite.make_container("cache")
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            active.stop()
+        spark = (SparkSession.builder.master(cluster.master_url).appName("bench-b14")
+                 .config("spark.driver.host", cluster.driver_ip)
+                 .config("spark.driver.bindAddress", cluster.driver_ip)
+                 .config("spark.executor.cores", "2").config("spark.cores.max", "8")
+                 .config("spark.executor.memory", "1g")
+                 .config("spark.pyspark.python", sys.executable).getOrCreate())
+        spark.sparkContext.setLogLevel("ERROR")
+        from sparkhvd.driver.slots import check_slots
+
+        check_slots(spark.sparkContext, 8, wait_s=120)
+        ds = DataFrameDataset(frame(spark, 200_000, 256), "x", "y",
+                              cache_url=azurite.url("cache", "b14"),
+                              storage_options=azurite.options()).materialize()
+        out = tempfile.mkdtemp(prefix="bench-b14-")
+        nps = [1, 2, 3, 4, 6, 8]
+        try:
+            total = _files_bytes(ds)
+            per_np = {np_: [HorovodRunner(np=np_, spark=spark, output_dir=out,
+                                          backend="torch" if _has("torch") else "tf")
+                            .run_all(rank_reads, ds=ds, batch=64,
+                                     reads=[("torch_batches", False)])
+                            for _ in range(max(1, min(repeat, 2)))] for np_ in nps}
+        finally:
+            ds.close()
+        spark.stop()
+        return _rows(variant + ", host's network", nps, per_np, total, "net") + \
+            _rows(variant + ", adlfs fetches", nps, per_np, total, "adlfs")
+    finally:
+        if azurite is not None:
+            azurite.stop()
+        cluster.down()
+
+
+def label_diversity(tiny: bool) -> list[dict]:
+    """Sorted labels (the digits, each label's rows together): distinct labels per global
+    batch and per rank's batch of 32, streamed in windows of ~1/10 of the data, at np 1, 2,
+    4, 8 -- against the same rows fully permuted."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from sklearn.datasets import load_digits
+
+    from sparkhvd.data.shard import DatasetShard
+    from sparkhvd.data.sharding import ShardSource
+
+    _, y = load_digits(return_X_y=True)
+    y = np.sort(np.tile(y, 1 if tiny else 8))
+    folder = tempfile.mkdtemp(prefix="bench-b14-labels-")
+    path = os.path.join(folder, "part-00000.parquet")
+    pq.write_table(pa.table({"c0": pa.array(np.arange(len(y))), "c1": pa.array(y)}), path,
+                   row_group_size=16)
+    meta = pq.ParquetFile(path).metadata
+    source = ShardSource(files=(path,), row_counts=(len(y),),
+                         row_groups=(tuple(meta.row_group(g).num_rows
+                                           for g in range(meta.num_row_groups)),),
+                         stored={"id": "c0", "y": "c1"}, row_bytes=16, features=("id",),
+                         label="y", memory_cache=0)
+    batch, window = 32, len(y) // 10
+    rng = np.random.default_rng(0)
+    rows = []
+    for size in (1, 2, 4, 8):
+        per_step, per_rank = [], []
+        streams = [DatasetShard(source).batches(batch, 0, rank=r, size=size, shuffle=True,
+                                                seed=1, shuffle_buffer=window)
+                   for r in range(size)]
+        for step in zip(*streams):
+            per_step.append(len({int(v) for _, labels in step for v in labels}))
+            per_rank += [len(set(labels.tolist())) for _, labels in step]
+        full = rng.permutation(y)[:len(per_step) * size * batch]
+        steps = full.reshape(len(per_step), size, batch)
+        rows.append({"case": "B14", "variant": f"sorted labels, np={size}: distinct labels per "
+                     f"global batch of {size}x{batch} (full permutation: "
+                     f"{np.mean([len(set(s.ravel())) for s in steps]):.2f})", "unit": "labels",
+                     "np": size, **_stats([float(np.mean(per_step))])})
+        rows.append({"case": "B14", "variant": f"sorted labels, np={size}: distinct labels per "
+                     f"rank's batch of {batch} (full permutation: "
+                     f"{np.mean([len(set(b)) for s in steps for b in s]):.2f})",
+                     "unit": "labels", "np": size, **_stats([float(np.mean(per_rank))])})
+    return rows
+
+
+def _stats(values: list[float]) -> dict:
+    import statistics
+
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "runs": [round(v, 4) for v in values]}
+
+
+def ready_times(repeat: int, tiny: bool, spark_session: Any, frame: Any) -> list[dict]:
+    """Seconds until a DataFrameDataset is ready on a ~1 GB Parquet table written with 4 MB
+    row groups: read in place vs materialised (``in_place=False``) vs petastorm's
+    ``make_spark_converter``, taking turns."""
+    import shutil
+    import time
+
+    from sparkhvd import DataFrameDataset
+
+    rows_n = 4_000 if tiny else 330_000  # x 784 float32: about 1 GB
+    spark = spark_session(2)
+    folder = tempfile.mkdtemp(prefix="bench-b14-table-")
+    frame(spark, rows_n, 784).write.mode("overwrite").option("parquet.block.size", 4 << 20) \
+        .parquet(folder)
+    table = spark.read.parquet(folder)
+    size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+    petastorm_cache = tempfile.mkdtemp(prefix="bench-b14-petastorm-")
+    spark.conf.set("petastorm.spark.converter.parentCacheDirUrl", "file://" + petastorm_cache)
+    times: dict[str, list[float]] = {}
+
+    def timed(name: str, make: Any, close: Any) -> None:
+        t0 = time.perf_counter()
+        made = make()
+        times.setdefault(name, []).append(time.perf_counter() - t0)
+        close(made)
+
+    variants = [("read in place", lambda: DataFrameDataset(table, "x", "y").materialize(),
+                 lambda ds: (ds.read_in_place or _fail("not read in place"), ds.close())),
+                ("materialised (in_place=False)",
+                 lambda: DataFrameDataset(table, "x", "y", in_place=False).materialize(),
+                 lambda ds: ds.close())]
+    if _has("petastorm"):
+        from petastorm.spark import make_spark_converter
+
+        variants.append(("petastorm make_spark_converter", lambda: make_spark_converter(table),
+                         lambda converter: converter.delete()))
+    try:
+        for _ in range(max(1, min(repeat, 2))):
+            for name, make, close in variants:
+                timed(name, make, close)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(petastorm_cache, ignore_errors=True)
+    return [{"case": "B14", "variant": f"ready on a {size / 2**30:.2f} GB Parquet table "
+             f"({rows_n:,} rows x 784 float32, 4 MB row groups): {name}", "unit": "s",
+             **_stats(values)} for name, values in times.items()]
+
+
+def _fail(why: str) -> None:
+    raise AssertionError(why)
+
+
+def case_b14(repeat: int, tiny: bool, spark_session: Any, frame: Any) -> list[dict]:
+    return (local_reads(repeat, tiny, spark_session, frame) + label_diversity(tiny) +
+            ready_times(repeat, tiny, spark_session, frame) + cluster_reads(repeat, tiny, frame))

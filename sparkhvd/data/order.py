@@ -1,0 +1,178 @@
+"""The global order of a ``DataFrameDataset`` epoch: which row sits at each position, and which
+positions each rank takes. Pure functions of plain numbers, the same on the driver and every
+rank; the why is in :mod:`sparkhvd.data.sharding`.
+
+Three layers, from the files up:
+
+1. **Blocks** (:func:`blocks_of`): the Parquet row groups, in storage order. A block is the unit
+   that is read and that the shuffle moves around.
+2. **Partitions** (:func:`layout`): the blocks -- in an order drawn once from the seed when
+   shuffled, in storage order otherwise -- laid end to end and cut into ``P`` spans of
+   ``N // P`` or ``N // P + 1`` rows (a block on a boundary is split into two *pieces*). ``P``
+   is fixed with the dataset, not by the number of ranks.
+3. **Each partition's epoch sequence** (:func:`plan_partition`): its pieces permuted by
+   ``(seed, epoch, partition)``, grouped into windows of at least ``window_rows / P`` rows, each
+   window's rows permuted (:func:`window_permutation`); unshuffled, the pieces' rows in layout
+   order.
+
+The epoch's sequence ``S`` is a round robin over the partitions: position ``i`` is row
+``i // P`` of partition ``i % P``'s sequence. At each step the ranks take the next ``size * b``
+positions; rank ``r`` the ``b`` of them with ``i % size == r`` (:func:`rank_positions`) -- all
+in partitions ``c`` with ``c % g == r % g``, ``g = gcd(size, P)`` (:func:`owned_partitions`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__side__ = "common"  # numpy inside the functions: nothing third-party at import time
+
+#: Default number of partitions: highly composite, so that 1, 2, 3, 4, 6, 8, 12 and 24 ranks
+#: each read only their share.
+DEFAULT_PARTITIONS = 24
+#: Seed tags: the layout, a partition's pieces and a window's rows draw from separate streams.
+_LAYOUT, _PIECES, _ROWS = 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[lo, hi)`` of row group ``group`` of file ``file`` (indices into the manifest)."""
+
+    file: int
+    group: int
+    lo: int
+    hi: int
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo
+
+
+def blocks_of(row_groups: Sequence[Sequence[int]]) -> list[Piece]:
+    """Every row group of the files as one block, in storage order."""
+    return [Piece(f, g, 0, count) for f, groups in enumerate(row_groups)
+            for g, count in enumerate(groups) if count]
+
+
+def partition_sizes(num_rows: int, partitions: int) -> list[int]:
+    """Rows of each partition: ``N // P``, one more for the first ``N % P`` (so that position
+    ``i < N`` is row ``i // P`` of partition ``i % P``)."""
+    base, extra = divmod(num_rows, partitions)
+    return [base + (1 if c < extra else 0) for c in range(partitions)]
+
+
+def layout(blocks: Sequence[Piece], partitions: int, *, shuffle: bool,
+           seed: int) -> list[tuple[Piece, ...]]:
+    """Each partition's pieces: the blocks (permuted by ``seed`` when ``shuffle``) laid end to
+    end and cut at the partition sizes. Fixed for a dataset, seed and ``P``: the same every
+    epoch and for any number of ranks."""
+    import numpy as np
+
+    order = np.random.default_rng([seed, _LAYOUT]).permutation(len(blocks)) if shuffle \
+        else np.arange(len(blocks))
+    parts: list[tuple[Piece, ...]] = []
+    current: list[Piece] = []
+    sizes = iter(partition_sizes(sum(b.rows for b in blocks), partitions))
+    need = next(sizes)
+    for k in order.tolist():
+        block = blocks[k]
+        lo = block.lo
+        while lo < block.hi:
+            while need == 0:  # a full (or empty) partition: close it
+                parts.append(tuple(current))
+                current, need = [], next(sizes)
+            take = min(need, block.hi - lo)
+            current.append(Piece(block.file, block.group, lo, lo + take))
+            lo += take
+            need -= take
+    parts.append(tuple(current))
+    parts += [()] * (partitions - len(parts))  # more partitions than rows
+    return parts
+
+
+@dataclass(frozen=True)
+class Window:
+    """Consecutive rows ``[start, start + rows)`` of partition ``partition``'s epoch sequence:
+    its pieces ``pieces`` (indices into the partition's pieces), read and permuted together."""
+
+    partition: int
+    number: int
+    start: int
+    pieces: tuple[int, ...]
+    rows: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows
+
+
+def partition_window_rows(window_rows: int, partitions: int) -> int:
+    """A partition's share of a window of ``window_rows`` positions of ``S``."""
+    return max(1, -(-window_rows // partitions))
+
+
+def plan_partition(pieces: Sequence[Piece], window_rows: int, *, partition: int, shuffle: bool,
+                   seed: int, epoch: int) -> list[Window]:
+    """Partition ``partition``'s windows in ``epoch``: its pieces permuted (``shuffle``) or in
+    layout order, grouped into windows of at least ``window_rows`` rows (the last may be
+    smaller)."""
+    import numpy as np
+
+    order = np.random.default_rng([seed, epoch, partition, _PIECES]).permutation(len(pieces)) \
+        if shuffle else np.arange(len(pieces))
+    windows: list[Window] = []
+    current: list[int] = []
+    rows = start = 0
+    for k in order.tolist():
+        current.append(k)
+        rows += pieces[k].rows
+        if rows >= window_rows:
+            windows.append(Window(partition, len(windows), start, tuple(current), rows))
+            start, current, rows = start + rows, [], 0
+    if current:
+        windows.append(Window(partition, len(windows), start, tuple(current), rows))
+    return windows
+
+
+def window_permutation(window: Window, *, seed: int, epoch: int) -> np.ndarray:
+    """The order of a shuffled window's rows (its own seed: a window nobody needs is never
+    drawn)."""
+    import numpy as np
+
+    return np.random.default_rng([seed, epoch, window.partition, _ROWS, window.number]) \
+        .permutation(window.rows)
+
+
+def rank_positions(start: int, first_step: int, steps: int, *, batch_size: int, size: int,
+                   rank: int) -> np.ndarray:
+    """Positions of ``S`` rank ``rank`` of ``size`` takes at steps ``[first_step,
+    first_step + steps)`` of an epoch that began (or resumed) at position ``start``, batch by
+    batch: at each step the ``batch_size`` positions ``i % size == rank`` of the step's
+    ``size * batch_size``."""
+    import numpy as np
+
+    offset = (rank - start) % size
+    return start + offset + size * np.arange(first_step * batch_size,
+                                             (first_step + steps) * batch_size, dtype=np.int64)
+
+
+def reading_group(partitions: int, size: int) -> int:
+    """``gcd(size, P)``: each rank reads ``1 / g`` of the data (its share when ``size``
+    divides ``P``)."""
+    return math.gcd(size, partitions)
+
+
+def owned_partitions(partitions: int, size: int, rank: int) -> list[int]:
+    """The partitions rank ``rank`` of ``size`` reads rows from."""
+    g = reading_group(partitions, size)
+    return list(range(rank % g, partitions, g))
+
+
+def free_sizes(partitions: int, up_to: Optional[int] = None) -> list[int]:
+    """Numbers of ranks that read only their share: the divisors of ``P``."""
+    top = partitions if up_to is None else min(partitions, up_to)
+    return [n for n in range(1, top + 1) if partitions % n == 0]
