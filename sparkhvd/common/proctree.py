@@ -1,7 +1,10 @@
 """Process-tree control, written once: child subreaper, death with the parent, stopping trees.
 
 Linux ``prctl`` calls are best effort (elsewhere the launchers' process-group kills remain).
-psutil is imported inside the functions, so that importing this module costs nothing.
+psutil is imported inside the functions, so that importing this module costs nothing -- except
+where a signal handler will stop the tree: :func:`preload` imports it first, since a handler
+that imports could run while the same import is half done on the interrupted thread (and find
+a partial module).
 """
 from __future__ import annotations
 
@@ -32,6 +35,11 @@ def become_subreaper() -> None:
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """This process gets ``sig`` when the process that started it dies."""
     _prctl(_PR_SET_PDEATHSIG, int(sig))
+
+
+def preload() -> None:
+    """Import what stopping a tree needs, now, before any signal handler may need it."""
+    import psutil  # noqa: F401
 
 
 def descendants() -> list[Any]:
@@ -86,13 +94,15 @@ def end_tree_on_term() -> None:
     For ranks that no supervisor of ours watches (horovod's launcher starts them itself): a
     stopped rank must not leave the processes it started behind.
     """
+    preload()
     signal.signal(signal.SIGTERM, lambda signum, _frame: end_tree_and_die((signum,), signum))
 
 
 def end_tree_and_die(ignored: tuple[int, ...], signum: int) -> None:
     """A signal handler's work: ignore ``ignored`` (repeats while the tree ends: a second run
     of the handler would leave before the first had killed everything), SIGKILL every
-    descendant, then die of ``signum`` as its default action would."""
+    descendant, then die of ``signum`` as its default action would. Call :func:`preload`
+    before installing it."""
     for sig in ignored:
         signal.signal(sig, signal.SIG_IGN)
     kill_descendants()

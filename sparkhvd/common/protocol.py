@@ -280,6 +280,12 @@ class TimeSplit:
     where: dict[str, str] = field(default_factory=dict)
     #: MLflow's system-metric names (``cpu_utilization_percentage``, ...) -> value
     system: dict[str, float] = field(default_factory=dict)
+    #: how the wait in collectives was measured beyond the stack samples (``ddp``: DDP's
+    #: timed comm hook, :mod:`sparkhvd.timing.collectives`), and over how many steps
+    waits: list[str] = field(default_factory=list)
+    steps: int = 0
+    #: waits this rank knows it cannot measure (a model with its own comm hook, ...)
+    unmeasured: list[str] = field(default_factory=list)
 
 
 @dataclass

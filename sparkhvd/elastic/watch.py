@@ -13,6 +13,8 @@ the launcher: the Spark task signals its rank, see :mod:`sparkhvd.elastic.notice
 Only ranks whose checkpoint helper listens are asked (a notice would otherwise kill them, and
 a grow would cost the work since their last checkpoint); the attempt's :class:`StopRequest`
 says why the run relaunched. Classic sessions only: a Spark Connect client sees no executors.
+A ``local[N]`` master (a notebook on one large machine) grows too -- other jobs of the session
+take and give back its slots -- and has no executors to decommission.
 """
 from __future__ import annotations
 
@@ -65,8 +67,9 @@ class AttemptWatch:
         #: the size a first look found room for, confirmed by the next look
         self._grow_seen: Optional[int] = None
         self._warned = False
-        self.active = view is not None and not view.connect and \
-            not str(view.master).startswith("local")
+        self.active = view is not None and not view.connect
+        #: a local master's only executor is the driver: nothing to decommission
+        self.decommissions = self.active and not str(view.master).startswith("local")
 
     def reach(self, notify: Callable[[str], None]) -> None:
         """How the launcher gives the ranks a notice (its control channel, its processes)."""
@@ -76,7 +79,7 @@ class AttemptWatch:
         if self.request is not None or self._notify is None or not self.active:
             return
         now = self.clock()
-        if now >= self._next_decommission:
+        if self.decommissions and now >= self._next_decommission:
             self._next_decommission = now + DECOMMISSION_POLL_S
             self._look_for_decommission()
         if self.request is None and self.policy.elastic and self.size < self.policy.max_np \

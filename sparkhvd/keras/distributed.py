@@ -308,7 +308,7 @@ class KerasDistributed:
         if step and self.data is None:
             log.warning("sparkhvd: the checkpoint was taken after step %d of epoch %d; without "
                         "KerasDistributed(data=...) the run resumes at the start of that epoch "
-                        "(those steps are trained again)", step, self.initial_epoch + 1)
+                        "(those steps are trained again)", step, self.initial_epoch)
         self.start = (self.initial_epoch, samples if self.data is not None else 0)
         return self.initial_epoch
 

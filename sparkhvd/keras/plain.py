@@ -2,7 +2,7 @@
 
 :func:`install` runs in every tf rank before the user's function, and costs nothing: it imports
 no TensorFlow or Keras. When the function imports Keras itself, Keras's ``Model`` gets two
-guards on its way in (a post-import hook, :class:`_AfterImport`):
+guards on its way in (a post-import hook, :mod:`sparkhvd.common.after_import`):
 
 - **Keras 3's multi-worker fix** (:func:`sparkhvd.common.patches.patch_keras_multiworker`) is
   applied before the first ``fit``/``evaluate``/``predict``. Without it TF's own "Multi-worker
@@ -20,10 +20,7 @@ Custom training loops (no ``fit``) are not checked: they build their strategy ex
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
-import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from sparkhvd.common.identity import current_rank
 
@@ -94,45 +91,17 @@ def _guard(cls: Any) -> None:
     cls._sparkhvd_guarded = True
 
 
-class _Loader(importlib.abc.Loader):
-    """The real loader of a Keras model module, then :func:`_guard` on its class."""
-
-    def __init__(self, loader: Any, name: str) -> None:
-        self._loader, self._name = loader, name
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        _guard(getattr(module, MODEL_CLASSES[self._name]))
-
-    def __getattr__(self, attr: str) -> Any:  # get_source, get_filename, ... for tracebacks
-        return getattr(self._loader, attr)
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: hands the Keras model modules' real specs a :class:`_Loader`."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Optional[Any]:
-        if name not in MODEL_CLASSES:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _Loader(spec.loader, name)
-        return spec
-
-
 def install() -> None:
     """Guard Keras's model class in this tf rank (now if Keras is already imported, else when
     it is)."""
+    from sparkhvd.common.after_import import when_imported
+
     for name, cls_name in MODEL_CLASSES.items():
-        module = sys.modules.get(name)
-        if module is not None:
-            _guard(getattr(module, cls_name))
-    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+        when_imported(name, functools.partial(_guard_in, cls_name))
+
+
+def _guard_in(cls_name: str, module: Any) -> None:
+    _guard(getattr(module, cls_name))
 
 
 def in_strategy(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -127,7 +127,7 @@ def _prepare_process(options: protocol.RankOptions, *, supervised: bool) -> None
     if options.time_split:  # where the rank's time goes, sampled (sparkhvd.timing)
         from sparkhvd.timing.sampler import start
 
-        start()
+        start(os.environ.get(protocol.BACKEND_ENV))
     if options.elastic:
         from sparkhvd.common.patches import follow_elastic_resets
 

@@ -8,7 +8,9 @@ and stores its kept return value as ``WORK_DIR/rank-N.pkl``; the parent stays a 
 - ends every such descendant as soon as the rank ends, however it ends (return, exception,
   ``os._exit``, a signal), so no helper outlives the run or holds its output pipes open;
 - on SIGTERM (the launcher aborting, or -- through ``PR_SET_PDEATHSIG`` -- the process that
-  started it dying) kills the rank and everything below it, then leaves;
+  started it dying) kills the rank and everything below it, then leaves; once the rank has
+  ended, a SIGTERM changes nothing (the tree is being ended already) and is ignored, so the
+  handler never runs inside that clean-up;
 - exits with the rank's status (re-raising a fatal signal, so the launcher sees ``-9``).
 
 Kept apart from :mod:`sparkhvd.rank.bootstrap` so that ``-m`` does not re-execute a module the
@@ -27,6 +29,7 @@ from sparkhvd.common.proctree import (
     die_with_parent,
     end_tree_and_die,
     kill_descendants,
+    preload,
 )
 from sparkhvd.common.protocol import PARENT_PID_ENV, exit_status
 
@@ -105,6 +108,7 @@ def supervise(argv: list[str]) -> None:
     def on_term(signum, _frame):  # a dying parent may signal more than once: ignore repeats
         end_tree_and_die((signal.SIGTERM, signal.SIGHUP), signum)
 
+    preload()  # the handler imports nothing
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -117,6 +121,8 @@ def supervise(argv: list[str]) -> None:
         if done == pid:
             status = st
             break
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # the rank ended: its tree ends right here
+        signal.signal(sig, signal.SIG_IGN)
     kill_descendants()
     code = os.waitstatus_to_exitcode(status)
     sys.stdout.flush()

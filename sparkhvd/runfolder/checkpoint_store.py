@@ -366,7 +366,9 @@ def announce_resume(store: CheckpointStore, file: Optional[str] = None, epoch: i
     where = store.describe(file)
     for problem in problems:
         print(f"resume: WARNING: {problem}", flush=True)
-    at = f"epoch {epoch + 1}" + (f", after its step {step}" if step else "")
+    # one numbering: the training loop's epoch index, as the checkpoint files name it
+    # (epoch-0001-step-0000040 is step 40 of the loop's epoch 1; epoch-0002 continues at 2)
+    at = f"epoch {epoch}" + (f" after its step {step}" if step else "")
     print(f"resume: restored {where}; continuing at {at}", flush=True)
     emit(protocol.Resumed(rank=0, source=where, epoch=epoch, skipped=list(problems), step=step))
 

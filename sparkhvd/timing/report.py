@@ -276,7 +276,18 @@ def _split_over_time(reports: list[dict], t0: float) -> str:
         if any(y > 0 for pts in series.values() for _, y in pts):
             charts.append(line_chart(f"% of time {LABELS[bucket]}", series,
                                      "seconds since the first report"))
-    return '<div class="charts">' + "".join(charts) + "</div>" if charts else ""
+    per_step: dict[str, list[tuple[float, float]]] = {}
+    for r in reports:  # where the wait was measured per step (DDP's comm hook)
+        if r.get("steps"):
+            per_step.setdefault(f"rank {r['rank']}", []).append(
+                (r["end"] - t0, 1000 * r.get("seconds", {}).get("collective", 0.0) / r["steps"]))
+    if per_step:
+        charts.append(line_chart("ms waiting in collectives per step", per_step,
+                                 "seconds since the first report"))
+    unmeasured = sorted({u for r in reports for u in r.get("unmeasured") or []})
+    note = "".join(f'<p class="muted">Not measured: {_esc(u)} (that wait counts as '
+                   "computing).</p>" for u in unmeasured)
+    return ('<div class="charts">' + "".join(charts) + "</div>" if charts else "") + note
 
 
 def _curves(metrics: list[dict[str, float]]) -> tuple[str, str]:

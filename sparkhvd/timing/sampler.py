@@ -19,8 +19,10 @@ import time
 from typing import Any, Optional
 
 from sparkhvd.common import protocol
+from sparkhvd.common.identity import current_rank
 from sparkhvd.rank.events import emit, events
 from sparkhvd.timing.buckets import classify, dominant
+from sparkhvd.timing.collectives import CLOCK, DDP_PLACE, TF_GRAPH, install_ddp_timing
 
 __side__ = "rank"
 
@@ -81,8 +83,14 @@ class Sampler:
         with self.lock:
             seconds, where, start = dict(self.seconds), self.where, self.start
             self._reset(now)
+        waited, steps, how = CLOCK.take()
         if not seconds:
             return None
+        moved = min(waited, seconds.get("compute", 0.0))
+        if moved > 0:  # sampled inside backward(): it was waiting, not computing
+            seconds["compute"] -= moved
+            seconds["collective"] = seconds.get("collective", 0.0) + moved
+            where.setdefault("collective", collections.defaultdict(float))[DDP_PLACE] += moved
         system: dict[str, float] = {}
         with contextlib.suppress(Exception):
             system = self.system.read() if self.system is not None else {}
@@ -90,7 +98,7 @@ class Sampler:
             rank=events.rank, host=self.host, start=round(start, 3), end=round(now, 3),
             seconds={k: round(v, 3) for k, v in seconds.items()},
             where={b: dominant(where, b) for b in where if where[b]},
-            system=system)
+            system=system, waits=sorted(how), steps=steps, unmeasured=sorted(CLOCK.unmeasured))
 
     def _loop(self) -> None:
         last = last_report = time.monotonic()
@@ -120,11 +128,14 @@ class Sampler:
 _sampler: dict[str, Sampler] = {}
 
 
-def start() -> None:
+def start(backend: Optional[str] = None) -> None:
     """Start sampling this rank (once per process)."""
     if "rank" not in _sampler:
         sampler = _sampler["rank"] = Sampler()
         sampler.thread.start()
+        install_ddp_timing()  # DDP's wait inside backward(), measured where it happens
+        if backend == "tf" and current_rank().size > 1:
+            CLOCK.note_unmeasured(TF_GRAPH, warn=False)
 
 
 def finish() -> None:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.timing.buckets import BUCKETS, dominant, share
-from sparkhvd.timing.stragglers import WINDOW_S, Finding, RankWindow, find
+from sparkhvd.timing.stragglers import MIN_SAMPLED_S, WINDOW_S, Finding, RankWindow, find, gone
 
 __side__ = "driver"
 
@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 
 #: The file in the run folder, one JSON object per report.
 TIMING_FILE = "timing.jsonl"
+
+
+def _add(window: RankWindow, msg: protocol.TimeSplit) -> None:
+    window.add(msg.seconds, msg.where, msg.waits, msg.unmeasured, msg.steps)
 
 
 def _window_of(windows: dict[int, RankWindow], msg: protocol.TimeSplit) -> RankWindow:
@@ -55,6 +59,8 @@ class TimeSplits:
         self.attempt, self.size = 0, 0
         self.findings: list[Finding] = []
         self._said: set[tuple] = set()
+        #: the stragglers the window shows now (said when they appear and when they go)
+        self._stragglers: dict[tuple, Finding] = {}
         #: rank -> its time over the whole run (ranks renumber after a resize)
         self.totals: dict[int, RankWindow] = {}
         self.reports = 0
@@ -66,6 +72,7 @@ class TimeSplits:
         """A new attempt with ``size`` ranks: comparisons start over."""
         with self._lock:
             self.attempt, self.size, self._recent = attempt, size, []
+            self._stragglers = {}
 
     def add(self, msg: protocol.TimeSplit) -> None:
         """One rank's report: written, counted, compared."""
@@ -73,13 +80,23 @@ class TimeSplits:
         with self._lock:
             self._write(msg)
             self.reports += 1
-            _window_of(self.totals, msg).add(msg.seconds, msg.where)
+            _add(_window_of(self.totals, msg), msg)
             self._recent = [m for m in self._recent if m.end >= msg.end - WINDOW_S] + [msg]
-            for finding in find(self._windows(), self.size):
-                if finding.key not in self._said:
+            windows = self._windows()
+            found = find(windows, self.size)
+            for finding in found:
+                if finding.kind == "straggler":
+                    if finding.key not in self._stragglers:
+                        self._stragglers[finding.key] = finding
+                        new.append(finding)
+                elif finding.key not in self._said:
                     self._said.add(finding.key)
-                    self.findings.append(finding)
                     new.append(finding)
+            if len(windows) >= self.size and all(w.total >= MIN_SAMPLED_S for w in windows):
+                now = {f.key for f in found if f.kind == "straggler"}
+                for key in [k for k in self._stragglers if k not in now]:
+                    new.append(gone(self._stragglers.pop(key), windows))
+            self.findings += new
             every = [f.as_dict() for f in self.findings]
         if self.tracker is not None and msg.system:
             self.tracker.system_metrics(msg.rank, msg.system, self.reports)
@@ -92,7 +109,7 @@ class TimeSplits:
     def _windows(self) -> list[RankWindow]:
         windows: dict[int, RankWindow] = {}
         for m in self._recent:
-            _window_of(windows, m).add(m.seconds, m.where)
+            _add(_window_of(windows, m), m)
         return [windows[rank] for rank in sorted(windows)]
 
     def _write(self, msg: protocol.TimeSplit) -> None:
@@ -115,7 +132,9 @@ class TimeSplits:
                 ranks[str(rank)] = {
                     "host": total.host, "seconds": seconds,
                     "share": {b: round(v, 4) for b, v in share(seconds).items()},
-                    "where": {b: dominant(total.where, b) for b in total.where}}
+                    "where": {b: dominant(total.where, b) for b in total.where},
+                    "waits_measured": sorted(total.waits), "steps_measured": total.steps,
+                    "unmeasured": sorted(total.unmeasured)}
             return {"file": TIMING_FILE, "ranks": ranks,
                     "findings": [f.as_dict() for f in self.findings]}
 

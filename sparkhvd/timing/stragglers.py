@@ -4,20 +4,26 @@ its communication: the driver compares the ranks' time splits as the run goes.
 Over the last :data:`WINDOW_S` of reports, once every rank of the attempt has at least
 :data:`MIN_SAMPLED_S` sampled:
 
-- a *straggler* is a rank whose share of data loading, computing or checkpoint I/O exceeds the
-  median of the others' by :data:`GAP` or more (the others then wait for it, in a collective or
-  -- with DDP -- inside ``backward()``);
+- a *straggler* is **the rank the others wait for**: the others measurably wait in collectives
+  (their median share :data:`WAITED` or more -- sampled in Python frames, or measured inside
+  DDP's ``backward()``, :mod:`sparkhvd.timing.collectives`), it waits less than they do, and
+  its own share of data loading, computing or checkpoint I/O exceeds the others' median by
+  :data:`GAP` or more: that bucket is its cause. A rank whose extra time is waiting is never
+  named, nor is anyone in a run whose ranks do not wait for each other. Where a rank's wait
+  cannot be measured (a DDP model with its own comm hook; ``tf.distribute``, whose collectives
+  run inside the graph) it hides in computing, so computing alone never names a rank then;
 - the run is *input-bound* when every rank spends :data:`BOUND` or more of its time loading
   data, *communication-bound* when every rank waits that much in collectives and none is a
   straggler.
 
-The ``other`` bucket (a rank's start, its imports) never makes a straggler: ranks start at
+A straggler that is no longer one over the window is said once too (``straggler-gone``). The
+``other`` bucket (a rank's start, its imports) never makes a straggler: ranks start at
 different speeds, and nothing in the training loop changes that.
 """
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional
 
 from sparkhvd.timing.buckets import LABELS, dominant, share
@@ -34,6 +40,8 @@ GAP = 0.20
 BOUND = 0.5
 #: The buckets a straggler is named for.
 STRAGGLER_BUCKETS = ("data", "compute", "checkpoint")
+#: The others' median share of waiting in collectives for them to be said to wait for a rank.
+WAITED = 0.10
 
 
 @dataclass
@@ -45,13 +53,22 @@ class RankWindow:
     host: str
     seconds: dict[str, float]
     where: dict[str, dict[str, float]]
+    #: how its waits were measured beyond the samples (``ddp``), and what it could not measure
+    waits: set = field(default_factory=set)
+    unmeasured: set = field(default_factory=set)
+    #: steps the measured waits span
+    steps: int = 0
 
     @property
     def total(self) -> float:
         return sum(self.seconds.values())
 
-    def add(self, seconds: dict[str, float], where: dict[str, str]) -> None:
+    def add(self, seconds: dict[str, float], where: dict[str, str], waits: Iterable[str] = (),
+            unmeasured: Iterable[str] = (), steps: int = 0) -> None:
         """One report's seconds per bucket, and where each bucket's time went."""
+        self.waits |= set(waits)
+        self.unmeasured |= set(unmeasured)
+        self.steps += steps
         for bucket, s in seconds.items():
             self.seconds[bucket] = self.seconds.get(bucket, 0.0) + s
             place = where.get(bucket)
@@ -62,8 +79,8 @@ class RankWindow:
 
 @dataclass
 class Finding:
-    """Something the comparison found, said once: ``kind`` is ``straggler``, ``input-bound``
-    or ``communication-bound``."""
+    """Something the comparison found, said once: ``kind`` is ``straggler``,
+    ``straggler-gone``, ``input-bound`` or ``communication-bound``."""
 
     kind: str
     text: str
@@ -128,8 +145,15 @@ def _straggler(ranks: list[RankWindow], shares: dict[int, dict[str, float]]) -> 
         Optional[Finding]:
     best: Optional[tuple[float, RankWindow, str, float]] = None
     for r in ranks:
+        rest = [o for o in ranks if o is not r]
+        waited = statistics.median(shares[o.rank]["collective"] for o in rest)
+        if waited < WAITED or shares[r.rank]["collective"] >= waited:
+            continue  # nobody measurably waits for r, or r waits as much itself
+        hidden = any(o.unmeasured for o in ranks)  # some wait may hide in computing
         for bucket in STRAGGLER_BUCKETS:
-            others = statistics.median(shares[o.rank][bucket] for o in ranks if o is not r)
+            if bucket == "compute" and hidden:
+                continue
+            others = statistics.median(shares[o.rank][bucket] for o in rest)
             gap = shares[r.rank][bucket] - others
             if gap >= GAP and (best is None or gap > best[0]):
                 best = (gap, r, bucket, others)
@@ -150,3 +174,17 @@ def _straggler(ranks: list[RankWindow], shares: dict[int, dict[str, float]]) -> 
         text += f"; {rank_list(o.rank for o in rest)} {verb} in {what} {_pct(waiting)} of the time"
     return Finding(kind="straggler", text=text, rank=slow.rank, host=slow.host or None,
                    bucket=bucket, share=round(mine, 3), others=round(others, 3))
+
+
+def gone(was: Finding, ranks: list[RankWindow]) -> Finding:
+    """A straggler the window no longer shows: said once, with where its bucket stands now."""
+    me = next((r for r in ranks if r.rank == was.rank), None)
+    rest = [r for r in ranks if r.rank != was.rank]
+    bucket = was.bucket or "compute"
+    mine = share(me.seconds)[bucket] if me is not None else 0.0
+    others = statistics.median(share(r.seconds)[bucket] for r in rest) if rest else 0.0
+    host = f" (host {was.host})" if was.host else ""
+    return Finding(kind="straggler-gone", rank=was.rank, host=was.host, bucket=bucket,
+                   share=round(mine, 3), others=round(others, 3), text=(
+                       f"rank {was.rank}{host} is no longer the straggler: {_pct(mine)} of its "
+                       f"time in {LABELS[bucket]} vs {_pct(others)} on the others"))

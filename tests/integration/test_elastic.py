@@ -208,6 +208,47 @@ def test_a_decommissioned_worker_shrinks_the_run_and_a_new_one_grows_it_back(tmp
         cluster.stop()
 
 
+def test_a_run_on_a_local_master_grows_back_when_another_job_gives_its_slot_back(spark,
+                                                                                 tmp_path):
+    """A notebook on one large machine: local[2], np=2, min_np=1. Another job takes a slot as
+    rank 1 dies: the run goes on with 1 rank; when the job ends, the run sees the free slot
+    (resize_check_s=3) and grows back to 2 at its next step -- every id of each epoch once."""
+    logs_dir = tmp_path / "logs"
+    logs_dir.mkdir()
+    sc = spark.sparkContext
+
+    def lose_rank_1_to_another_job():
+        def rank_1_pid():
+            rank1 = et.read_logs(logs_dir).get(0, {}).get(1)
+            return rank1["pid"] if rank1 and len(rank1["steps"]) >= 3 else None
+
+        _when(rank_1_pid, "rank 1 mid-epoch")
+        # another job waits for a slot (Spark's FIFO: the first slot freed is its own) ...
+        threading.Thread(target=lambda: _hold_one_slot(sc), daemon=True).start()
+        _when(lambda: sc.statusTracker().getJobIdsForGroup("elastic-test-blocker"),
+              "the other job to wait for a slot")
+        os.kill(rank_1_pid(), signal.SIGKILL)  # ... and gets rank 1's
+        _when(lambda: len(et.read_logs(logs_dir).get(1, {})) == 1, "the run at 1 rank")
+        _when(lambda: et.read_logs(logs_dir)[1][0]["steps"], "a step at 1 rank")
+        sc.cancelJobGroup("elastic-test-blocker")
+
+    thread = threading.Thread(target=lose_rank_1_to_another_job, daemon=True)
+    with DataFrameDataset(_frame(spark), ["x", "id"], "y") as ds:
+        runner = HorovodRunner(np=2, min_np=1, max_np=2, resize_check_s=3, spark=spark,
+                               backend="torch", output_dir=str(tmp_path / "r"))
+        thread.start()
+        runner.run(et.train_ids, data=ds, epochs=3, log_dir=str(logs_dir), every_steps=2,
+                   step_s=[0.1, 0.25, 0.05])
+    thread.join(5)
+    record = runner.last_run_dir.record
+    assert [a["size"] for a in record["attempts"]] == [2, 1, 2], record["attempts"]
+    grow = record["resizes"][-1]
+    assert (grow["from"], grow["to"]) == (1, 2) and "slot(s) free" in grow["why"], grow
+    logs = et.read_logs(logs_dir)
+    for epoch in range(3):
+        _once_each(logs, epoch, N, 2 * 4)
+
+
 @pytest.mark.parametrize("client", ["hf", "lightning"])
 def test_hf_and_lightning_resume_their_own_checkpoints_through_a_resize(
         spark, tmp_path, client, request, monkeypatch):

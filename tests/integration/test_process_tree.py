@@ -104,3 +104,53 @@ def test_local_ranks_die_with_their_driver(tmp_path):
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
+
+
+def test_a_supervisor_signalled_while_it_ends_the_tree_stays_quiet(tmp_path, capfd, backend):
+    """The rank leaves 150 children behind and exits; its supervisor, ending them, gets
+    SIGTERM after SIGTERM (a launcher aborting the run). No traceback (a handler that imported
+    psutil while the interrupted code was importing it found a partial module), no child
+    left."""
+    marker = tmp_path / "supervisor.txt"
+
+    def leaves_children(marker):
+        import os
+        import subprocess
+
+        pids = [subprocess.Popen(["sleep", "600"]).pid for _ in range(150)]
+        with open(marker + ".tmp", "w") as f:
+            f.write(" ".join(map(str, [os.getppid(), os.getpid(), *pids])))
+        os.rename(marker + ".tmp", marker)
+        os._exit(0)
+
+    stop = []
+
+    def pester():  # from the moment the rank is gone: the supervisor is ending its tree
+        while not marker.exists():
+            time.sleep(0.001)
+        supervisor, rank = (int(p) for p in marker.read_text().split()[:2])
+        while os.path.exists(f"/proc/{rank}") and not stop:
+            time.sleep(0.0005)
+        while not stop:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(supervisor, signal.SIGTERM)
+            time.sleep(0.001)
+
+    import contextlib
+    import threading
+
+    from sparkhvd import HorovodRunner
+
+    thread = threading.Thread(target=pester, daemon=True)
+    thread.start()
+    try:
+        with contextlib.suppress(TrainingError):
+            HorovodRunner(np=-1, backend=backend, output_dir=str(tmp_path / "runs")).run(
+                leaves_children, marker=str(marker))
+    finally:
+        stop.append(True)
+        thread.join(5)
+    out = capfd.readouterr()
+    supervisor, _, *pids = [int(p) for p in marker.read_text().split()]
+    assert still_alive(pids, grace=5.0) == []
+    assert "Traceback" not in out.err + out.out and "partially initialized" not in out.err

@@ -42,3 +42,19 @@ def test_prune_keeps_the_newest_checkpoints_by_epoch_then_step(tmp_path):
                                             "epoch-0002.json", "latest.json"]
     assert latest(store)["file"] == "e2s5.bin"
     assert prune(store, 0) == ["epoch-0002.json"], "the newest always stays"
+
+
+def test_the_resume_line_numbers_epochs_as_the_checkpoint_files_do(tmp_path, capsys,
+                                                                   monkeypatch):
+    """epoch-0001-step-0000040 is step 40 of the loop's epoch 1; epoch-0002 (written when
+    epoch 1 ended) continues at the loop's epoch 2: the line says the same numbers."""
+    from sparkhvd.rank import events
+    from sparkhvd.runfolder.checkpoint_store import UrlStore, announce_resume, checkpoint_name
+
+    monkeypatch.setattr(events, "emit", lambda msg: None)
+    store = UrlStore(str(tmp_path))
+    announce_resume(store, f"{checkpoint_name(1, 40)}.pt", 1, step=40)
+    announce_resume(store, f"{checkpoint_name(2, 0)}.pt", 2)
+    mid, end = capsys.readouterr().out.splitlines()
+    assert mid.endswith("epoch-0001-step-0000040.pt; continuing at epoch 1 after its step 40")
+    assert end.endswith("epoch-0002.pt; continuing at epoch 2")

@@ -135,3 +135,52 @@ def test_a_run_folder_makes_a_report(tmp_path):
     (tmp_path / "logs").mkdir()
     bad = CliRunner().invoke(main, ["report", str(tmp_path / "logs")])
     assert bad.exit_code != 0 and "no run.json" in bad.output
+
+
+def _waited(rank, waits=("ddp",), unmeasured=(), **seconds):
+    window = _window(rank, **seconds)
+    window.waits, window.unmeasured = set(waits), set(unmeasured)
+    return window
+
+
+def test_the_straggler_is_the_rank_the_others_wait_for():
+    """DDP: rank 1 loads slowly, rank 0 waits inside backward() (measured there). Rank 1 is
+    named for data; rank 0's extra time is waiting, never a straggler's. A rank that computes
+    more while the others wait is named for computing."""
+    data_slow = [_waited(0, compute=6, collective=14), _waited(1, data=13, compute=7)]
+    (finding,) = find(data_slow, 2)
+    assert (finding.rank, finding.bucket) == (1, "data")
+    compute_slow = [_waited(0, compute=11, collective=9), _waited(1, compute=20)]
+    (finding,) = find(compute_slow, 2)
+    assert (finding.rank, finding.bucket) == (1, "compute")
+
+
+def test_nobody_is_named_when_nobody_waits_or_the_wait_is_hidden():
+    """Ranks that never wait for each other (independent work) name nobody, however unequal;
+    where a rank's wait cannot be measured (its own comm hook, tf.distribute), computing
+    alone names nobody -- the old wrong answer named the waiting rank for computing."""
+    assert find([_waited(0, waits=(), compute=15, data=5),
+                 _waited(1, waits=(), compute=5, data=15)], 2) == []
+    hidden = [_waited(0, waits=(), unmeasured=("own comm hook",), compute=19, data=1),
+              _waited(1, waits=(), unmeasured=("own comm hook",), compute=5, data=15)]
+    assert find(hidden, 2) == [], "rank 0 waits inside computing: no verdict from it"
+    some_wait = [_waited(0, unmeasured=("own comm hook",), compute=10, collective=5, data=1),
+                 _waited(1, unmeasured=("own comm hook",), compute=20, collective=0, data=1)]
+    assert find(some_wait, 2) == [], "more computing never names a rank while waits hide"
+
+
+def test_a_straggler_that_goes_away_is_said_once(tmp_path):
+    said: list = []
+    splits = TimeSplits(str(tmp_path), say=said.append, findings=lambda found: None)
+    splits.begin(1, 2)
+    for i in range(6):  # 30 s: rank 1 loads slowly, rank 0 waits for it
+        splits.add(_split(0, 5.0 * i, compute=1, collective=4))
+        splits.add(_split(1, 5.0 * i, data=4, compute=1))
+    for i in range(6, 30):  # then 2 minutes balanced
+        splits.add(_split(0, 5.0 * i, compute=4, collective=1))
+        splits.add(_split(1, 5.0 * i, compute=4, collective=1))
+    splits.close()
+    assert [s.split(":")[0] for s in said] == ["rank 1 (host h1) is the straggler",
+                                              "rank 1 (host h1) is no longer the straggler"]
+    kinds = [f["kind"] for f in splits.summary()["findings"]]
+    assert kinds == ["straggler", "straggler-gone"]
