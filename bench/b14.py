@@ -176,9 +176,11 @@ def local_reads(repeat: int, tiny: bool, spark_session: Any, frame: Any) -> list
     out = tempfile.mkdtemp(prefix="bench-b14-")
     try:
         total = _files_bytes(ds)
+        reads = [("batches", False)] if tiny else None  # tiny: the code runs, nothing more
         per_np = {np_: [HorovodRunner(np=np_, spark=spark, output_dir=out, backend="torch"
                                       if _has("torch") else "tf").run_all(
-            rank_reads, ds=ds, batch=64) for _ in range(max(1, min(repeat, 2)))] for np_ in nps}
+            rank_reads, ds=ds, batch=64, reads=reads) for _ in range(max(1, min(repeat, 2)))]
+            for np_ in nps}
     finally:
         ds.close()
     rows = _rows("local disk", nps, per_np, total, "disk")

@@ -555,7 +555,7 @@ def test_a_plain_parquet_scan_is_read_in_place(spark, tmp_path, caplog, backend)
                 for a, v in zip(x["x"], x["v"])]
         return rows, ds.bytes_read
 
-    results = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "run"),
+    results = HorovodRunner(np=-2, output_dir=str(tmp_path / "run"),
                             backend=backend).run_all(read, ds=ds)
     rows = [r for rank_rows, _ in results for r in rank_rows]
     assert sorted(int(x) for x, *_ in rows) == list(range(3000))

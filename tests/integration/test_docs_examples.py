@@ -74,9 +74,13 @@ def test_the_example_runs_as_written(name, tmp_path, request):
     assert out.returncode == 0, f"{name} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     assert example.prints in out.stdout, out.stdout[-3000:]
     # a run that succeeds is quiet: no traceback from Spark's Python daemon, a rank or a
-    # library, no TensorFlow C++ start-up lines from Spark's workers
+    # library, no TensorFlow C++ start-up lines from Spark's workers. Spark's own
+    # TorchDistributor (the "before" of a migration example) runs torchrun, whose agents race
+    # to its exit barrier and sometimes log a traceback there: not sparkhvd's to silence
+    ours = "\n".join(line for line in out.stderr.splitlines()
+                     if "torch/distributed/elastic/agent/server/api.py" not in line)
     for noise in ("Traceback", "oneDNN custom operations"):
-        assert noise not in out.stderr, out.stderr[-5000:]
+        assert noise not in ours, out.stderr[-5000:]
     for pattern in example.leaves:
         assert list(tmp_path.glob(pattern)), f"{name} left no {pattern}"
 

@@ -200,7 +200,7 @@ def hf_train(slow_rank, max_steps):
     args = TrainingArguments(output_dir=os.path.join(os.getcwd(), "hf"), max_steps=max_steps,
                              per_device_train_batch_size=32, report_to=[], save_strategy="no",
                              logging_steps=50, bf16=False, dataloader_num_workers=0,
-                             disable_tqdm=True)
+                             disable_tqdm=True, use_cpu=True)
     Trainer(model=Net(), args=args, train_dataset=Rows()).train()
     return rank
 
@@ -208,7 +208,7 @@ def hf_train(slow_rank, max_steps):
 def test_hf_trainer_names_the_rank_slow_to_load(spark, tmp_path):
     """The same under HF's Trainer, which wraps the model in DDP itself."""
     runner = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path))
-    runner.run(hf_train, slow_rank=1, max_steps=230)
+    runner.run(hf_train, slow_rank=1, max_steps=180)
     straggler = _straggler(runner.last_run_dir.record)
     assert straggler is not None, _findings(runner.last_run_dir.record)
     assert (straggler["rank"], straggler["bucket"]) == (1, "data"), straggler
