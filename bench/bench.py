@@ -1585,22 +1585,34 @@ NOTES = """\
   reader, each from a fresh shard; the busiest rank). Local disk (`/proc/self/io` rchar, every
   reader: `batches`, `torch_batches`, `torch_dataset`, `tf_dataset`, streamed and kept):
   1.05x its share at np=1, 1.08 at 2, 1.09 at 3, 1.10 at 4, 1.11 at 6, 1.12 at 8; all ranks
-  together 1.05-1.15x N. Before (issue 41's global order): every rank read the whole table,
+  together 1.05-1.10x N. Before (issue 41's global order): every rank read the whole table,
   N per rank, np x N in all. `abfss://` on Azurite, 4 hosts (network namespaces) x 2 cores:
-  the bytes adlfs fetched per rank 1.05-1.12x the share and each host's network 1.03-1.11x;
-  the first run of this case, with adlfs' default read-ahead cache (4 MB blocks), fetched 1.5x
-  at np=1 up to 9x at np=8 -- the rank's row groups are scattered through each file, and each
+  the bytes adlfs fetched per rank 1.05-1.12x the share and each host's network 1.05-1.12x.
+  The first run of this case, with adlfs' default read-ahead cache (4 MB blocks), fetched 1.5x
+  at np=1 up to 9x at np=8 -- a rank's row groups are scattered through each file, and each
   1 MB read pulled 4 MB more -- so the ranks now open remote files with no cache (pyarrow
   coalesces neighbouring column chunks itself). With 1 MB row groups the local figures were
-  1.14-1.20: the excess is the row groups a partition boundary splits (read by both ranks:
-  24 x 512 KB now) plus the footers, so it falls as the data grows. Peak RSS growth while a
-  rank reads and keeps its share: 1.2x the share at np=1 (197 MB) to 2.0x at np=8 (25 MB: a
+  1.14-1.20. The excess is fixed in size -- the row groups a partition boundary splits, read
+  by both neighbours (24 x 512 KB), and the files' footers -- so it falls as the data grows;
+  at np 6 and 8 on this 237 MB table it is 1-2 points over the goal. Peak RSS growth while a
+  rank reads and keeps its share: 1.23x the share at np=1 (197 MB) to 2.06x at np=8 (25 MB: a
   fixed part -- the gather buffers, pyarrow's pool -- weighs more on a small share); before,
   each rank held the whole dataset. Label diversity on the digits sorted by label, a window of
   a tenth of the data: every global batch holds 9.97-10 of 10 labels (a full permutation: 10);
   a rank's own batch of 32 holds 9.4 at np=2, 8.8 at np=4, 7.1 at np=8 (full permutation
-  9.6-9.7): it draws from its partitions only.
-- **B2T since the global order (issue 41)** (the table above: 2026-11-25T13-31, rank 0 of 2,
+  9.6-9.7): it draws from its partitions only. Ready time on a 0.97 GB Parquet table written
+  with 4 MB row groups: read in place 3.3 s (the checks' one Spark job and the footers)
+  against 9.4 s materialised and 10.5 s for petastorm's converter.
+- **B2T since each rank reads its share (issue 48)** (rank 0 of 2, 400k rows x 784 float32,
+  streamed, 512 KB row groups). `torch_batches` 261k rows/s per rank = 1.23x its ceiling --
+  pyarrow reading the row groups rank 0 reads (its partitions'), one dataset scan per file
+  (goal 0.9x: met); the shuffled order 0.95x in order (goal: at most 10 % slower: met); 2.24x
+  petastorm's loader; `torch_dataset` through a DataLoader 1.12x `torch_batches`. Faster than
+  its own ceiling because the next windows are read on a helper thread while the current
+  ones are gathered. `materialize()` 35.3 s against petastorm's converter 25.5 s (1.39x; a
+  Parquet table read in place skips it, B14). Peak RSS per rank 588 MB at 100k rows (in
+  memory: the rank keeps its half) and 587 MB at 800k (streamed).
+- **B2T with the global order (issue 41)** (2026-11-25T13-31, rank 0 of 2,
   400k rows, streamed; the VM was about 2x slower than at the run quoted below -- the same
   pyarrow ceiling read 108k rows/s against 231k). `torch_batches` in order 117k rows/s per
   rank = 1.06x the ceiling per round (goal 0.9x: met; it was 0.70-0.75x): a window's row

@@ -39,6 +39,11 @@ def _as_list(value: Union[str, Sequence[str]], what: str) -> list[str]:
     return names
 
 
+def _widths(lengths: Mapping[str, tuple[int, int]]) -> dict[str, int]:
+    """Elements per row of each array column (checked equal on every row)."""
+    return {name: int(hi) for name, (_, hi) in lengths.items()}
+
+
 def _common_parent(urls: Sequence[str]) -> str:
     """The folder all ``urls`` lie under (for the log line)."""
     import posixpath
@@ -220,7 +225,8 @@ class DataFrameDataset:
             stored={c: c for c in self.columns},
             row_bytes=mat.row_bytes(self.columns, self.kinds, self._schema, profile["lengths"],
                                     self.dtype),
-            extra={"rank_options": found.rank_options, "cast": found.cast, "in_place": True})
+            extra={"rank_options": found.rank_options, "cast": found.cast, "in_place": True,
+                   "widths": _widths(profile["lengths"])})
         log.info("DataFrameDataset: reading %d rows of %s in place from %d Parquet file(s) "
                  "under %s (a plain file scan: nothing written)", manifest.num_rows,
                  self.columns, len(found.files),
@@ -258,7 +264,8 @@ class DataFrameDataset:
                                 row_groups=[g for _, _, g in written], stored=stored,
                                 row_bytes=row_bytes,
                                 extra={"rank_options": storage.delegate(
-                                    url, self.storage_options, write=False)})
+                                    url, self.storage_options, write=False),
+                                       "widths": _widths(found["lengths"])})
         mat.REGISTRY.add(key, manifest, selected, self.storage_options, self.keep_cache)
         log.info("DataFrameDataset: %d rows of %s in %d Parquet file(s) under %s",
                  manifest.num_rows, self.columns, len(manifest.files), storage.public_url(url))
@@ -323,7 +330,8 @@ class DataFrameDataset:
             features=tuple(self.features), label=self.label, shapes=dict(self.shapes),
             memory_cache=self.memory_cache,
             storage_options=dict(manifest.extra.get("rank_options", {})),
-            partitions=self.partitions, cast=dict(manifest.extra.get("cast", {})))
+            partitions=self.partitions, cast=dict(manifest.extra.get("cast", {})),
+            widths=dict(manifest.extra.get("widths", {})))
 
     def steps_per_epoch(self, batch_size: int, size: Optional[int] = None) -> int:
         """Full batches every rank runs per epoch (the same on all ranks)."""

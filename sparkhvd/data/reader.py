@@ -89,6 +89,10 @@ class ShardReader:
                               if group.column(i).path_in_schema.split(".")[0] in wanted))
         return rows, stored
 
+    def schema(self, file: int = 0) -> Any:
+        """File ``file``'s Arrow schema, from its footer (no row is read)."""
+        return self._fragment(file).physical_schema
+
     def read(self, piece: Piece) -> Arrays:
         """The piece's rows as numpy arrays, by column name."""
         return self.read_many([piece])[0]

@@ -416,18 +416,7 @@ class DatasetShard:
         reader = self._reader()
         try:
             self.source.steps_per_epoch(batch_size)
-            me = current_rank()  # the signature from a row this rank reads anyway
-            parts = self._layout(shuffle, seed)[1]
-            mine = next(p for c in owned_partitions(self.partitions, me.size, me.rank)
-                        for p in parts[c])
-            first = self._shape({c: v[:1] for c, v in reader.read(mine).items()})
-
-            def spec(value: Any) -> Any:
-                if isinstance(value, dict):
-                    return {k: spec(v) for k, v in value.items()}
-                return tf.TensorSpec((None,) + value.shape[1:], tf.as_dtype(value.dtype))
-
-            signature = tuple(spec(v) for v in first) if self.label else spec(first)
+            signature = self._signature(reader, tf)
 
             def generate() -> Iterator[Any]:
                 begin = self._restored_epoch  # every iterator (Keras may make several)
@@ -443,6 +432,35 @@ class DatasetShard:
             yield dataset.with_options(options).prefetch(prefetch)
         finally:
             reader.close()
+
+    def _signature(self, reader: ShardReader, tf: Any) -> Any:
+        """The batches' ``tf.TensorSpec``s: dtypes from the files' schema and shapes from the
+        dataset (no row is read for it); a batch of one row where a source lacks the widths
+        (a cache written by an older sparkhvd)."""
+        import pyarrow as pa
+
+        def spec_of(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: spec_of(v) for k, v in value.items()}
+            return tf.TensorSpec((None,) + value.shape[1:], tf.as_dtype(value.dtype))
+
+        array_columns = {c for c, stored in self.source.stored.items()
+                         if pa.types.is_list(reader.schema().field(stored).type)}
+        if array_columns - set(self.source.widths):
+            first = reader.read(self._blocks[0])
+            data = {c: v[:1] for c, v in first.items()}
+        else:
+            schema = reader.schema()
+            data = {}
+            for column, stored in self.source.stored.items():
+                kind = schema.field(stored).type
+                element = kind.value_type if pa.types.is_list(kind) else kind
+                dtype = np.dtype(self.source.cast.get(column) or element.to_pandas_dtype())
+                row = self.shapes.get(column) or ((self.source.widths[column],)
+                                                   if column in array_columns else ())
+                data[column] = np.zeros((1,) + tuple(row), dtype)
+        shaped = self._shape(data)
+        return tuple(spec_of(v) for v in shaped) if self.label else spec_of(shaped)
 
     def __repr__(self) -> str:
         return (f"DatasetShard(features={self.features}, label={self.label!r}, "

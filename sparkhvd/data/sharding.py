@@ -120,6 +120,9 @@ class ShardSource:
     #: column -> numpy dtype to convert to when read (files read in place, whose floats are
     #: not yet the dataset's ``dtype``); empty for materialised files.
     cast: Mapping[str, str] = field(default_factory=dict)
+    #: column -> elements per row of an array column (what a batch's shape needs before any
+    #: row is read; scalars are absent)
+    widths: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:

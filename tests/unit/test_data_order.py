@@ -33,7 +33,8 @@ def _source(tmp_path, columns: dict, group_rows: int, files: int = 3,
     row_bytes = sum(v[0].nbytes if v.ndim > 1 else v.itemsize for v in columns.values())
     return ShardSource(files=tuple(paths), row_counts=tuple(counts), row_groups=tuple(groups),
                        stored={c: f"c{i}" for i, c in enumerate(names)}, row_bytes=row_bytes,
-                       features=tuple(names[:-1]), label=names[-1], memory_cache=memory_cache)
+                       features=tuple(names[:-1]), label=names[-1], memory_cache=memory_cache,
+                       widths={c: v.shape[1] for c, v in columns.items() if v.ndim > 1})
 
 
 def _ids(tmp_path, n=1000, group_rows=17, memory_cache=1 << 30):
@@ -206,24 +207,28 @@ def test_sorted_data_trains_like_shuffled_data(tmp_path, mode, size):
 def test_every_reader_gives_the_same_order(tmp_path, mode):
     """torch_batches, torch_dataset and tf_dataset are batches() converted: the same rows, in
     the same order (each checked where its framework is installed)."""
-    source = _ids(tmp_path, **MODES[mode])
+    ids = np.arange(1000, dtype=np.int64)
+    source = _source(tmp_path, {"id": ids, "pair": np.stack([ids, -ids], axis=1).astype(
+        np.float32), "label": ids % 10}, 17, **MODES[mode])
     kw = {"shuffle": True, "seed": 9}
-    want = [[int(i) for i in x] for x, _ in DatasetShard(source).batches(16, 1, **kw)]
+    want = [[int(i) for i in x["id"]] for x, _ in DatasetShard(source).batches(16, 1, **kw)]
     found = {}
     if importlib.util.find_spec("torch"):
         import torch
 
-        found["torch_batches"] = [x.tolist() for x, _ in
+        found["torch_batches"] = [x["id"].tolist() for x, _ in
                                   DatasetShard(source).torch_batches(16, 1, **kw)]
         data = DatasetShard(source).torch_dataset(16, **kw)
         data.set_epoch(1)
-        found["torch_dataset"] = [x.tolist() for x, _ in
+        found["torch_dataset"] = [x["id"].tolist() for x, _ in
                                   torch.utils.data.DataLoader(data, batch_size=None)]
     if importlib.util.find_spec("tensorflow"):
         shard = DatasetShard(source)
         shard.load_state_dict({"epoch": 1, "samples": 0})  # start at epoch 1, as a resume does
         with shard.tf_dataset(16, epochs=2, **kw) as ds:
-            found["tf_dataset"] = [[int(i) for i in x.numpy()] for x, _ in ds]
+            assert shard.bytes_read == 0, "the signature comes from the footer, not a row"
+            found["tf_dataset"] = [[int(i) for i in x["id"].numpy()] for x, _ in ds]
+            assert ds.element_spec[0]["pair"].shape.as_list() == [None, 2]
     for reader, batches in found.items():
         assert batches == want, reader
 
