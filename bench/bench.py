@@ -28,7 +28,9 @@ Cases (each run ``--repeat`` times; median, min and max are reported):
 - B4 storage: a 200 MB model written and read back on Azurite through sparkhvd.storage vs the
   Azure blob SDK directly (at least 9 runs each: Azurite is noisy).
 - B5 GPU: ResNet-50 images/s through sparkhvd (backend='torch', one local rank per GPU, DDP
-  over nccl) vs the same loop in a plain process; the Keras form needs TensorFlow with a GPU.
+  over nccl) vs the same loop in a plain process; B5D the same loop fed from a
+  ``DataFrameDataset`` (int8 images, streamed and shuffled, ``torch_batches(device='cuda')``)
+  vs synthetic images on the GPU (goal 0.9x); the Keras form needs TensorFlow with a GPU.
   Recorded as skipped where there is none.
 - B6 streaming: one shuffled epoch on 2 ranks at 100k/400k/800k rows x 784 float32: peak RSS
   (``ru_maxrss``) and rows/s per rank; in memory vs streamed at 100k.
@@ -915,6 +917,80 @@ def _resnet50_images(steps: int, batch: int, distributed: bool) -> dict:
             "device": torch.cuda.get_device_name(local)}
 
 
+def _resnet50_from_dataset(ds, steps: int, batch: int) -> dict:
+    """B5D's rank: the B5 loop (DDP over nccl, bf16, channels-last) fed from a
+    ``DataFrameDataset`` -- int8 images, shuffled, streamed, handed out on the GPU by
+    ``torch_batches(..., device=...)`` (pinned memory, copied one batch ahead) and made floats
+    there; images/s after 10 warm-up steps."""
+    import os as _os
+    import time as _time
+
+    import torch
+    import torch.distributed as dist
+    import torchvision
+
+    local = int(_os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    torch.backends.cudnn.benchmark = True
+    dist.init_process_group("nccl")
+    model = torch.nn.parallel.DistributedDataParallel(
+        torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last),
+        device_ids=[local])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    ds.memory_cache = 0  # read from the files every epoch, as a dataset larger than memory
+
+    def batches():
+        epoch = 0
+        while True:
+            yield from ds.torch_batches(batch, epoch, shuffle=True, seed=1, device="cuda")
+            epoch += 1
+
+    warm = 10
+    for step, (x, y) in zip(range(warm + steps), batches()):
+        if step == warm:
+            torch.cuda.synchronize()
+            start = _time.perf_counter()
+        images = (x.view(-1, 3, 224, 224).float() / 128).contiguous(
+            memory_format=torch.channels_last)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(images), y.long() % 1000)
+        loss.backward()
+        opt.step()
+    torch.cuda.synchronize()
+    seconds = _time.perf_counter() - start
+    size = dist.get_world_size()
+    dist.destroy_process_group()
+    return {"samples_per_s": steps * batch * size / seconds}
+
+
+def _b5d(repeat: int, tiny: bool, gpus: int, name: str) -> list[dict]:
+    """B5D: ResNet-50 fed from a DataFrameDataset vs the same loop on synthetic on-device data,
+    both through sparkhvd at np=-GPUs, taking turns (goal: >= 0.9x)."""
+    from pyspark.sql import functions as F
+
+    from sparkhvd import DataFrameDataset, HorovodRunner
+
+    steps, batch = (5, 8) if tiny else (60, 128)
+    rows_n = 64 if tiny else 4096  # 4096 x 150,528 int8 = 617 MB
+    spark = _spark()
+    df = spark.range(rows_n, numPartitions=8).select(
+        F.array_repeat((F.col("id") % 100).cast("byte"), 3 * 224 * 224).alias("x"),
+        (F.col("id") % 1000).alias("y"))
+    out = tempfile.mkdtemp(prefix="bench-b5d-")
+    with DataFrameDataset(df, "x", "y").materialize() as ds:
+        results = _turns("B5", f"B5D: ResNet-50 bf16 batch {batch}/GPU, {gpus} GPU(s)", repeat, {
+            "synthetic images on the GPU": lambda: HorovodRunner(
+                np=-gpus, backend="torch", output_dir=out).run(
+                _resnet50_images, steps=steps, batch=batch, distributed=True),
+            "fed from a DataFrameDataset (torch_batches(device='cuda'), streamed, shuffled)":
+                lambda: HorovodRunner(np=-gpus, backend="torch", output_dir=out).run(
+                    _resnet50_from_dataset, ds=ds, steps=steps, batch=batch)})
+    for r in results:
+        r.update(unit="images/s", gpu=name)
+    return results
+
+
 def _plain_resnet50(steps: int, batch: int) -> dict:
     """B5's reference: the same loop in a fresh plain Python process (no sparkhvd)."""
     code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import bench; "
@@ -941,6 +1017,9 @@ def case_b5(repeat: int, tiny: bool) -> list[dict]:
         rows.append({"case": "B5", "variant": "ResNet-50 images/s (GPU, torch)",
                      "unit": "images/s", "skipped": "no GPU (or no torchvision) on this machine; "
                      "run `make bench CASE=B5` on a GPU host"})
+        rows.append({"case": "B5", "variant": "B5D: ResNet-50 fed from a DataFrameDataset vs "
+                     "synthetic data on the GPU", "unit": "images/s",
+                     "skipped": "no GPU (or no torchvision) on this machine"})
     else:
         from sparkhvd import HorovodRunner
 
@@ -954,7 +1033,7 @@ def case_b5(repeat: int, tiny: bool) -> list[dict]:
         name = torch.cuda.get_device_name(0)
         for r in results:
             r.update(unit="images/s", gpu=name)
-        rows += results
+        rows += results + _b5d(repeat, tiny, gpus, name)
     tf_gpus = []
     if importlib.util.find_spec("tensorflow") is not None and gpus:
         import tensorflow as tf
@@ -1775,6 +1854,14 @@ def goals(rows: list[dict]) -> list[str]:
         if ratio is not None:
             out.append(f"| B2T torch_batches ≥ {want} × {ref} (per-round ratio) | {ratio:.2f}× | "
                        f"{'yes' if ratio >= want else 'no'} |")
+    fed = [r for r in rows if r["case"] == "B5" and "fed from a DataFrameDataset" in r["variant"]
+           and "median" in r]
+    synthetic = [r for r in rows if r["case"] == "B5" and r["variant"].startswith("B5D") and
+                 "synthetic" in r["variant"] and "median" in r]
+    if fed and synthetic:
+        ratio = fed[0]["median"] / synthetic[0]["median"]
+        out.append(f"| B5D ResNet-50 fed from a DataFrameDataset ≥ 0.9 × synthetic data on the "
+                   f"GPU | {ratio:.2f}× | {'yes' if ratio >= 0.9 else 'no'} |")
     ratio = paired("B2T", "sparkhvd DatasetShard.torch_batches shuffled",
                    "sparkhvd DatasetShard.torch_batches")
     if ratio is not None:
