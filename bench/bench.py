@@ -1808,14 +1808,17 @@ NOTES = """\
   the newest checkpoint its controller registered -- it polls the workers every 2 s, so a
   report made just before the loss can be missed and the one before is used. Ray's cluster
   start (about 30 s, every task slot held while it is up) is not in its recovery figure.
-- **B13, the time split's cost** (torch profile, `local[2]`, B3's CNN at np=2, batch 64 per
-  rank, 150 steps; sampler off and on taking turns, 5 rounds after a warm-up). The sampler reads
-  and classifies the main thread's stack ten times a second, 25 us each (0.03 % of a core),
-  and sends a report every 5 s. The measured median ratio, 0.98, is within the noise of this
-  2-core machine (the rounds range from 0.93 to 1.05): both ranks hold both cores, so any extra
-  thread waking up shows here before it would on a real node.
-- **B2, non-shuffled batches** are slices (views) of the shard's arrays; shuffled batches
-  are one sorted gather each.
+- **B13, the time split's cost** (torch profile, `local[2]`, B3's CNN at np=2 under DDP,
+  batch 64 per rank, 150 steps; off and on taking turns, 5 rounds after a warm-up; "on" is the
+  sampler and, since issue 49, DDP's timing comm hook). Median ratio on / off 1.04 (rounds 0.91
+  to 1.11: the noise of this 2-core machine, where both ranks hold both cores, is larger than
+  the cost). The sampler reads and classifies the main thread's stack ten times a second, 28 us
+  each (0.03 % of a core); the hook adds 3.8 us to each bucket's all-reduce (DDP's default 25 MB
+  buckets: a few per step) and waits for nothing. Before the hook (issue 43) the ratio was
+  0.98 (0.93 to 1.05).
+- **B2, non-shuffled batches** (before issue 48) were slices (views) of the shard's arrays;
+  shuffled batches one sorted gather each. Since issue 48 every batch is gathered from the
+  rank's partitions, in memory order.
 - **B4.** `write_bytes` to Azure used to write a temporary blob and then move it into place
   (on blob storage a move is a server-side copy plus a delete: the bytes travelled twice).
   Azure already commits a Put Blob / Put Block List atomically — readers see the old blob or
