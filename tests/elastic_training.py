@@ -8,7 +8,7 @@ import os
 
 
 def train_ids(data, epochs, log_dir, step_s=0.0, every_steps=1000, notice_at=None,
-              sharded=False):
+              sharded=False, async_save=False):
     """``step_s``: seconds to sleep after each step, or one value per attempt (the last one for
     later attempts) -- a slow attempt leaves the test time to act in it.
     ``notice_at=(epoch, step, rank)``: that rank of the first attempt gets SIGTERM -- a
@@ -29,7 +29,8 @@ def train_ids(data, epochs, log_dir, step_s=0.0, every_steps=1000, notice_at=Non
     model = ctx.wrap(torch.nn.Linear(3, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     kind = st.ShardedCheckpoints if sharded else st.Checkpoints
-    ckpt = kind(model, opt, data=data, every_steps=every_steps, keep=3)
+    ckpt = kind(model, opt, data=data, every_steps=every_steps, keep=3,
+                **({"async_save": True} if async_save else {}))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if isinstance(step_s, (list, tuple)):
         step_s = step_s[min(attempt, len(step_s) - 1)]

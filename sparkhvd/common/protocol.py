@@ -231,11 +231,13 @@ class Listening:
 
 @dataclass
 class Preempted:
-    """A rank stopped on a notice after ``checkpoint`` (its name; empty when none was written)."""
+    """A rank stopped on a notice after ``checkpoint`` (its name; empty when none was written);
+    ``seconds`` from its own notice to its stop (None: the notice was another rank's)."""
 
     rank: int
     checkpoint: str = ""
     reason: str = ""
+    seconds: Optional[float] = None
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Whether a failed attempt is relaunched: decided here alone.
 
-Like Ray Train v2's ``FailurePolicy`` (``max_failures`` and ``max_preemption_failures``): the run
-hands the policy how an attempt ended, and the policy answers ``"retry"`` or ``"raise"``
+Modelled on Ray Train v2's ``FailurePolicy`` (``max_failures`` and ``max_preemption_failures``),
+as one class rather than an interface to plug in: the run hands the policy how an attempt
+ended, and the policy answers ``"retry"`` or ``"raise"``
 (``"done"`` for an attempt that succeeded). Two budgets, counted apart:
 
 - ``max_retries``: attempts that *lost* a rank, executor or host (:attr:`Verdict.retryable

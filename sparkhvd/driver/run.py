@@ -5,7 +5,8 @@ transition is made by :meth:`Run._enter` alone, which logs it and writes it to `
 (``state``, ``states``; ``resizes`` for a change of size) and MLflow::
 
     placing -> running -> finished
-                 |  \-> failed
+       |         |  \-> failed
+       \-> failed (no slots, a launch that cannot start)
                  |-> restarting -> placing -> running ...   (same size: a lost rank, a notice)
                  \-> resizing  -> placing -> running ...   (another size: elastic)
 
@@ -552,6 +553,9 @@ class Attempt:
             entry["preempted"] = {"checkpoint": next((m.checkpoint for m in stopped.values()
                                                       if m.checkpoint), None),
                                   "reasons": sorted({m.reason for m in stopped.values()}),
+                                  "notice_to_stop_s": max((m.seconds for m in stopped.values()
+                                                           if m.seconds is not None),
+                                                          default=None),
                                   "requested": self.watch.request.reason
                                   if self.watch is not None and self.watch.request else None}
         return entry

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from typing import NamedTuple, Optional
 
 from sparkhvd.common import protocol
@@ -38,6 +39,7 @@ class Preempted(BaseException):
 
 class _State:
     noticed: Optional[str] = None
+    noticed_at: Optional[float] = None  # time.monotonic() of the notice
     listening = False
     installed = False
 
@@ -67,6 +69,7 @@ def _on_notice(signum: int, _frame: object) -> None:
         return
     if _state.noticed is None:
         _state.noticed = signal.Signals(signum).name
+        _state.noticed_at = time.monotonic()
         print(f"sparkhvd: rank {current_rank().rank} got a notice ({_state.noticed}): "
               "checkpointing after this step, then stopping", file=sys.stderr, flush=True)
 
@@ -86,7 +89,13 @@ def noticed() -> Optional[str]:
 def stop(checkpoint: str) -> "Preempted":
     """Report the preemption to the driver; the exception to raise on every rank."""
     reason = _state.noticed or protocol.NOTICE_SPREAD
-    emit(protocol.Preempted(rank=current_rank().rank, checkpoint=checkpoint, reason=reason))
+    seconds = None if _state.noticed_at is None else \
+        round(time.monotonic() - _state.noticed_at, 3)
+    if seconds is not None:  # to set beside the cluster manager's grace period
+        print(f"sparkhvd: rank {current_rank().rank} stops {seconds:.2f} s after its notice "
+              f"({checkpoint or 'no checkpoint'})", file=sys.stderr, flush=True)
+    emit(protocol.Preempted(rank=current_rank().rank, checkpoint=checkpoint, reason=reason,
+                            seconds=seconds))
     return Preempted(checkpoint, reason)
 
 

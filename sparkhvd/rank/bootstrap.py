@@ -16,6 +16,7 @@ from typing import Any
 from sparkhvd.common import protocol
 from sparkhvd.common.environment import allowed, run_variable
 from sparkhvd.common.errors import PayloadError
+from sparkhvd.common.function_end import function_ended
 from sparkhvd.common.identity import current_rank
 from sparkhvd.common.netif import collective_iface_env
 from sparkhvd.common.proctree import become_subreaper, end_children, end_tree_on_term
@@ -92,6 +93,7 @@ def rank_main(payload: bytes, wire_options: dict, *, pickle_result: bool = False
 
         fn, kwargs = cloudpickle.loads(payload)  # made by sparkhvd.driver.payload.dumps
         result = fn(**{name: open_argument(value) for name, value in kwargs.items()})
+        function_ended()  # a checkpoint still being written is part of the function
         rank = events.rank
         keep = rank == 0 or options.return_all
         pickled = pickled_result(rank, result) if keep and (
@@ -153,8 +155,13 @@ def _place_rank() -> None:
 
 
 def _hand_over_files() -> None:
-    """After the user's code, whatever happened: the timeline and ``output_dir()`` files into
-    the run folder, the rank's children ended, its output flushed."""
+    """After the user's code, whatever happened: work it left in the background finished, the
+    timeline and ``output_dir()`` files into the run folder, the rank's children ended, its
+    output flushed."""
+    try:
+        function_ended()  # after an error: the checkpoint being written still lands
+    except Exception as exc:  # noqa: BLE001 - said, never hiding the function's outcome
+        print(f"sparkhvd: {exc}", file=sys.stderr, flush=True)
     with contextlib.suppress(Exception):
         from sparkhvd.timing.sampler import finish
 

@@ -1,7 +1,7 @@
 """Where rank 0's checkpoints live: a folder of files with ``latest.json`` written last.
 
 Shared by the Keras (:mod:`sparkhvd.keras.checkpoints`) and PyTorch
-(:mod:`sparkhvd.rank.torch`) helpers. A store is the run folder (``checkpoints/``, through
+(:mod:`sparkhvd.torch.training`) helpers. A store is the run folder (``checkpoints/``, through
 :mod:`sparkhvd.runfolder.rank_files`, so it works from any host without storage credentials), the
 checkpoints of the run being resumed (read-only, through the same service), or a URL the user
 gave. ``latest.json`` names the newest complete checkpoint, so a partial one is never read.

@@ -14,8 +14,8 @@ whose files land in the run folder, TorchScript model bytes.
         ...
         st.report(epoch, loss=float(loss))
 
-(implementation: :mod:`sparkhvd.torch.training` in the ranks, :mod:`sparkhvd.driver.
-torch_distributor` on the driver -- imported only when used, so a rank stays light)
+(implementation: :mod:`sparkhvd.torch.training` in the ranks, :mod:`sparkhvd.torch.
+distributor` on the driver -- imported only when used, so a rank stays light)
 """
 from typing import Any
 

@@ -22,6 +22,8 @@ Nothing here imports TensorFlow or horovod.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import io
 import os
 import time
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from sparkhvd.common import protocol
+from sparkhvd.common.function_end import at_function_end
 from sparkhvd.common.identity import current_rank
 from sparkhvd.elastic.notices import Preempted, WorldSizeChange, listen, noticed, stop
 from sparkhvd.elastic.notices import world_size_change as _world_size_change
@@ -49,6 +52,7 @@ from sparkhvd.runfolder.checkpoint_store import (
     resume_store,
     write_checkpoint,
 )
+from sparkhvd.torch.async_save import BackgroundSave, HostSnapshot
 
 __side__ = "rank"
 
@@ -198,12 +202,16 @@ class _CheckpointsBase:
         returns its name on every rank (None when none was due). The step number comes from
         ``data`` (its position) or is counted here. One small collective per call agrees on
         both."""
+        self._raise_failed_save()
         done = self._steps_done(epoch)
         by_steps = bool(self.every_steps and done % self.every_steps == 0)
         by_time = bool(self.every_seconds and
                        time.monotonic() - self._last_save >= self.every_seconds)
-        by_time, notice = self._agree(by_time, noticed() is not None)
+        by_time, notice, busy = self._agree(by_time, noticed() is not None, self._writing())
         if not (by_steps or by_time or notice):
+            return None
+        if busy and not notice:  # async_save: due while the last one is still being written
+            self._skip(self._name(epoch, done))
             return None
         return self._checkpoint(epoch, done, extra, notice) or self._name(epoch, done)
 
@@ -211,7 +219,8 @@ class _CheckpointsBase:
         """After epoch ``epoch`` (0-based), or after its step ``step`` (1-based: steps done):
         write the checkpoint (see the class). After a notice, every rank then raises
         :class:`~sparkhvd.elastic.notices.Preempted`."""
-        _, notice = self._agree(False, noticed() is not None)
+        self._raise_failed_save()
+        _, notice, _ = self._agree(False, noticed() is not None, False)
         return self._checkpoint(epoch, step, extra, notice)
 
     def _checkpoint(self, epoch: int, step: Optional[int], extra: dict,
@@ -220,26 +229,44 @@ class _CheckpointsBase:
         if notice:
             import torch.distributed as dist
 
+            self._finish_save()  # durable before the rank stops
             if dist.is_initialized():
                 dist.barrier()  # every rank's part is in before any rank leaves
             raise stop(name or self._name(epoch + 1 if not step else epoch, step or 0))
         return name
 
+    # -- background saves (async_save=True: Checkpoints; the others write synchronously) ---------
+    def _writing(self) -> bool:
+        """Whether a save of this rank's is still being written in the background."""
+        return False
+
+    def _skip(self, name: str) -> None:
+        """A save came due while one is in flight (see :mod:`sparkhvd.torch.async_save`)."""
+
+    def _finish_save(self) -> None:
+        """Wait until the save in flight is durable (raising its error)."""
+
+    def _raise_failed_save(self) -> None:
+        """The error of a background save that failed, raised in the training loop."""
+
     def _write(self, epoch: int, step: Optional[int], extra: dict) -> Optional[str]:
         raise NotImplementedError  # each kind writes its own
 
-    def _agree(self, by_time: bool, notice: bool) -> tuple[bool, bool]:
+    def _agree(self, by_time: bool, notice: bool, busy: bool) -> tuple[bool, bool, bool]:
         """Whether to checkpoint now, the same on every rank: rank 0's clock decides
-        ``by_time``, any rank's notice is everyone's -- one 2-element all_reduce (on a gloo
-        group beside an nccl one, so no GPU sync)."""
+        ``by_time`` and whether its last save is still being written (``busy``), any rank's
+        notice is everyone's -- one 3-element all_reduce (on a gloo group beside an nccl one,
+        so no GPU sync)."""
         import torch
         import torch.distributed as dist
 
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            return by_time, notice
-        flags = torch.tensor([int(by_time and self.rank == 0), int(notice)], dtype=torch.int32)
+            return by_time, notice, busy
+        mine = self.rank == 0
+        flags = torch.tensor([int(by_time and mine), int(notice), int(busy and mine)],
+                             dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=_flag_group())
-        return bool(flags[0]), bool(flags[1])
+        return bool(flags[0]), bool(flags[1]), bool(flags[2])
 
     def _name(self, epoch: int, step: int) -> str:
         """The name :meth:`save` gives a mid-epoch checkpoint of ``epoch`` after ``step``."""
@@ -304,6 +331,18 @@ class Checkpoints(_CheckpointsBase):
         keep: keep only the newest this many checkpoints (rank 0 deletes older ones after each
             save; the newest is never deleted). Through the run-folder service from a host
             that cannot see the run folder, nothing is deleted.
+        async_save: write in the background: a save holds training up only while rank 0
+            copies the state into host memory (buffers kept between saves: one more copy of
+            the model and optimizer state in host RAM; pinned, on a side stream, for GPU
+            tensors); serialising and writing go on while it trains. One save in flight: a save
+            ``step()``'s cadence makes due meanwhile is *skipped* (said once per save in
+            flight), an explicit ``save()`` waits for it, a notice waits and writes its own
+            to the end before the ranks stop. What is saved is the state at the step (data
+            position and extra state too); the checkpoint is complete only when its record and
+            ``latest.json`` are written, so a rank killed mid-write resumes from the one
+            before. A failed write is raised by the next ``step()``/``save()`` or when the
+            function ends, which waits for the save in flight. Off by default: it costs host
+            memory, and with synchronous saves a checkpoint exists when ``save()`` returns.
 
     ``save(epoch)`` after an epoch, ``save(epoch, step=k)`` after step ``k`` of it (a mid-epoch
     checkpoint: ``epoch-000N-step-000000K.pt``), or ``step(epoch)`` after every step and the
@@ -313,33 +352,72 @@ class Checkpoints(_CheckpointsBase):
     def __init__(self, model: Any, optimizer: Any = None, *, url: Optional[str] = None,
                  storage_options: Optional[dict] = None, resume: Any = None,
                  data: Any = None, every_steps: Optional[int] = None,
-                 every_seconds: Optional[float] = None, keep: Optional[int] = None) -> None:
+                 every_seconds: Optional[float] = None, keep: Optional[int] = None,
+                 async_save: bool = False) -> None:
         super().__init__(model, optimizer, url=url, storage_options=storage_options,
                          resume=resume, data=data, every_steps=every_steps,
                          every_seconds=every_seconds, keep=keep)
         if self.rank != 0:
             self.store = DISCARD  # one writer; every rank reads
+        self._background: Optional[BackgroundSave] = None
+        self._snapshot: Optional[HostSnapshot] = None
+        if async_save and self.rank == 0 and self.store is not None:
+            self._background, self._snapshot = BackgroundSave(), HostSnapshot()
+            at_function_end(self._finish_save)  # the rank is done when its last save is
+            atexit.register(self._finish_quietly)  # ... and so is a torchrun script
 
     def _name(self, epoch: int, step: int) -> str:
         return f"{checkpoint_name(epoch, step)}.pt"
 
     def _write(self, epoch: int, step: Optional[int], extra: dict) -> Optional[str]:
-        """Rank 0 writes the checkpoint; other ranks return."""
-        import torch
-
+        """Rank 0 writes the checkpoint (or starts writing it: ``async_save``); other ranks
+        return."""
         if self.rank != 0 or self.store is None:
             self._last_save = time.monotonic()
             return None
         done = epoch + 1 if not step else epoch
-        buffer = io.BytesIO()
-        torch.save({"model": unwrap(self.model).state_dict(),
-                    "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-                    "epoch": done, "step": step or 0, "extra": extra,
-                    "data": self._data_state(epoch, step)}, buffer)
         name = self._name(done, step or 0)
-        write_checkpoint(self.store, done, {name: buffer.getvalue()}, {"file": name}, step or 0)
-        self._saved()
+        state = {"model": unwrap(self.model).state_dict(),
+                 "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                 "epoch": done, "step": step or 0, "extra": extra,
+                 "data": self._data_state(epoch, step)}
+        if self._background is None or self._snapshot is None:
+            self._persist(state, name, done, step or 0)
+            return name
+        self._background.wait()  # one in flight: its buffers are the ones filled now
+        held = self._snapshot.take(state)  # the only part the step waits for
+        self._last_save = time.monotonic()
+        self._background.start(name, lambda: self._persist(held, name, done, step or 0))
         return name
+
+    def _persist(self, state: dict, name: str, done: int, step: int) -> None:
+        """Serialise ``state`` and write it, its record and ``latest.json``; prune."""
+        import torch
+
+        assert self.store is not None  # rank 0 with somewhere to write (see _write)
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        write_checkpoint(self.store, done, {name: buffer.getvalue()}, {"file": name}, step)
+        self._saved()
+
+    def _writing(self) -> bool:
+        return self._background is not None and self._background.busy
+
+    def _skip(self, name: str) -> None:
+        if self._background is not None:
+            self._background.skip(name)
+
+    def _finish_save(self) -> None:
+        if self._background is not None:
+            self._background.wait()
+
+    def _finish_quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            self._finish_save()
+
+    def _raise_failed_save(self) -> None:
+        if self._background is not None:
+            self._background.raise_error()
 
     def restore(self) -> int:
         """Load the newest usable checkpoint, if resuming; the epoch to start from (0
@@ -395,9 +473,26 @@ class ShardedCheckpoints(_CheckpointsBase):
         every_seconds: as for :class:`Checkpoints`; rank 0's clock decides (one small
             broadcast per :meth:`step`).
         keep: as for :class:`Checkpoints`.
+        async_save: refused for now (see below).
 
-    Call :meth:`save` and :meth:`restore` on every rank (they are collectives).
+    Call :meth:`save` and :meth:`restore` on every rank (they are collectives). They write
+    synchronously: ``async_save=True`` is refused (for now) with what to use instead.
     """
+
+    def __init__(self, model: Any, optimizer: Any = None, *, url: Optional[str] = None,
+                 storage_options: Optional[dict] = None, resume: Any = None,
+                 data: Any = None, every_steps: Optional[int] = None,
+                 every_seconds: Optional[float] = None, keep: Optional[int] = None,
+                 async_save: bool = False) -> None:
+        if async_save:
+            raise ValueError(
+                "ShardedCheckpoints(async_save=True): sharded checkpoints are written "
+                "synchronously for now (every rank's shards, then the commit). Fix: leave "
+                "async_save out; for a replicated (DDP) model, st.Checkpoints(..., "
+                "async_save=True) saves in the background.")
+        super().__init__(model, optimizer, url=url, storage_options=storage_options,
+                         resume=resume, data=data, every_steps=every_steps,
+                         every_seconds=every_seconds, keep=keep)
 
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -40,11 +40,11 @@ def _when(condition, what, timeout=240):
     assert conftest.wait_for(condition, timeout, 0.1), f"timed out waiting for {what}"
 
 
-def _signal_rank_1(logs_dir, step, signum):
-    """A thread (not started) that sends ``signum`` to the first attempt's rank 1 once it has
-    logged ``step`` of epoch 1."""
+def _signal_rank_1(logs_dir, step, signum, rank=1):
+    """A thread (not started) that sends ``signum`` to the first attempt's rank 1 (or
+    ``rank``) once it has logged ``step`` of epoch 1."""
     def rank_1_there():
-        rank1 = et.read_logs(logs_dir).get(0, {}).get(1)
+        rank1 = et.read_logs(logs_dir).get(0, {}).get(rank)
         return rank1 if rank1 and any(e == 1 and s >= step for e, s, _ in rank1["steps"]) \
             else None
 
@@ -55,10 +55,13 @@ def _signal_rank_1(logs_dir, step, signum):
     return threading.Thread(target=send, daemon=True)
 
 
-def test_sigterm_to_a_rank_costs_at_most_one_step(spark, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_sigterm_to_a_rank_costs_at_most_one_step(spark, tmp_path, async_save):
     """A node's notice: SIGTERM to rank 1's process mid-epoch. Every rank finishes its step,
     the step checkpoint is written, the ranks exit as preempted and the run relaunches from it
-    (its own budget, not max_retries): no step is trained twice, no id lost."""
+    (its own budget, not max_retries): no step is trained twice, no id lost. With async_save
+    and a save every step, the notice's own save is written to the end before the ranks stop
+    (the one in flight first)."""
     logs_dir = tmp_path / "logs"
     logs_dir.mkdir()
 
@@ -66,12 +69,14 @@ def test_sigterm_to_a_rank_costs_at_most_one_step(spark, tmp_path):
     with DataFrameDataset(_frame(spark), ["x", "id"], "y") as ds:
         runner = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path / "r"))
         thread.start()
-        result = runner.run(et.train_ids, data=ds, epochs=2, log_dir=str(logs_dir), step_s=0.1)
+        result = runner.run(et.train_ids, data=ds, epochs=2, log_dir=str(logs_dir), step_s=0.1,
+                            async_save=async_save, every_steps=1 if async_save else 1000)
     thread.join(5)
     assert result == {"world": 2, "change": (2, 2)}
     record = runner.last_run_dir.record
     first, second = record["attempts"]
     assert first["status"] == "preempted" and second["status"] == "succeeded"
+    assert first["preempted"]["notice_to_stop_s"] >= 0, first["preempted"]
     checkpoint = first["preempted"]["checkpoint"]
     assert checkpoint.startswith("epoch-0001-step-"), checkpoint
     step = int(checkpoint[len("epoch-0001-step-"):-len(".pt")])
@@ -107,6 +112,30 @@ def test_an_elastic_run_on_spark_connect(connect, tmp_path):
     record = runner.last_run_dir.record
     assert record["session"] == "connect" and record["min_np"] == 1 and record["max_np"] == 2
     first, second = record["attempts"]
+    assert first["status"] == "failed" and "killed by signal 9" in first["retryable"]
+    restored = second["restored"].rsplit("/", 1)[-1]
+    logs = _cut_at(et.read_logs(logs_dir), 0, restored)
+    for epoch in (0, 1):
+        _once_each(logs, epoch, N, 2 * 4)
+
+
+def test_the_writing_rank_killed_with_async_saves_resumes_from_a_complete_checkpoint(
+        spark, tmp_path):
+    """Rank 0 -- the one writing -- SIGKILLed mid-epoch while it saves every step in the
+    background: the relaunch restores the newest *complete* checkpoint (a save cut mid-write
+    is never read), and every id of each epoch is trained once counting from it."""
+    logs_dir = tmp_path / "logs"
+    logs_dir.mkdir()
+
+    thread = _signal_rank_1(logs_dir, 5, signal.SIGKILL, rank=0)
+    with DataFrameDataset(_frame(spark), ["x", "id"], "y") as ds:
+        runner = HorovodRunner(np=2, spark=spark, backend="torch", max_retries=1,
+                               output_dir=str(tmp_path / "r"))
+        thread.start()
+        runner.run(et.train_ids, data=ds, epochs=2, log_dir=str(logs_dir), step_s=0.1,
+                   every_steps=1, async_save=True)
+    thread.join(5)
+    first, second = runner.last_run_dir.record["attempts"]
     assert first["status"] == "failed" and "killed by signal 9" in first["retryable"]
     restored = second["restored"].rsplit("/", 1)[-1]
     logs = _cut_at(et.read_logs(logs_dir), 0, restored)

@@ -81,3 +81,47 @@ def test_the_readme_is_a_front_door():
     assert len(lines) <= 150, f"README.md has {len(lines)} lines: move detail into docs/"
     assert lines[2] == "```bash" and lines[3].startswith("make demo") and \
         lines[4].startswith("make test"), lines[:6]
+
+
+_REFERENCE = re.compile(r":(?:mod|class|func|meth|data|attr|exc):`([^`]+)`")
+
+
+def _resolves(ref: str) -> bool:
+    """Whether ``sparkhvd.a.b.Name.attr`` names something that exists (True when a module on the
+    way needs a library this profile lacks: another profile checks it)."""
+    import importlib
+
+    parts = ref.split(".")
+    try:
+        for cut in range(len(parts), 0, -1):
+            try:
+                found: object = importlib.import_module(".".join(parts[:cut]))
+            except ModuleNotFoundError as exc:
+                if exc.name and exc.name.startswith("sparkhvd"):
+                    continue
+                raise
+            for name in parts[cut:]:
+                if hasattr(found, name):
+                    found = getattr(found, name)
+                else:  # a dataclass field or an annotated attribute, which has no class value
+                    return name in getattr(found, "__annotations__", {})
+            return True
+    except ModuleNotFoundError as exc:  # a library this profile lacks: another profile checks
+        if exc.name and exc.name.startswith("sparkhvd"):
+            raise
+        return True
+    return False
+
+
+def test_every_sparkhvd_reference_in_docstrings_and_docs_resolves():
+    files = sorted((ROOT / "sparkhvd").rglob("*.py")) + list(PAGES)
+    stale = []
+    for path in files:
+        text = path.read_text()
+        for match in _REFERENCE.finditer(text):
+            ref = re.sub(r"\s+", "", match.group(1))
+            ref = (ref[ref.index("<") + 1:ref.rindex(">")] if "<" in ref else ref).lstrip("~")
+            if ref.startswith("sparkhvd") and not _resolves(ref):
+                stale.append(f"{path.relative_to(ROOT)}:{text[:match.start()].count(chr(10)) + 1}"
+                             f": {ref}")
+    assert not stale, "references to names that no longer exist:\n" + "\n".join(stale)

@@ -39,7 +39,8 @@ __side__ = "driver"
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a run's ranks go, decided once per run by the runner."""
+    """Where an attempt's ranks go, decided for each attempt when it is placed
+    (``Run._place``: an elastic run's size, and so its slots, may change between attempts)."""
 
     #: ``barrier``, ``horovod`` or ``local``.
     launcher: str

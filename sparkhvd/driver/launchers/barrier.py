@@ -22,7 +22,8 @@ A failed rank, a vanished one (its connection drops without an exit status: exec
 silent one (no heartbeat for ``heartbeat_timeout``: host off the network) makes the driver abort
 the others over their connections and cancel the job group. A failing rank does not fail its
 Spark task, so Spark never retries a training run by itself. Barrier stages cannot run with
-dynamic allocation; the runner uses ``horovod.spark.run`` there.
+dynamic allocation: there a horovod run goes through ``horovod.spark.run``, and the other
+backends are refused with the fix (the rules in :mod:`sparkhvd.driver.launchers`).
 """
 from __future__ import annotations
 

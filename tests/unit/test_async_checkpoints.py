@@ -1,0 +1,228 @@
+"""``st.Checkpoints(async_save=True)``: the step waits only for the host copy; the write goes on
+in the background under the documented rules (sparkhvd.torch.async_save). One process, a real
+checkpoint folder; a gate on the store holds a write in flight where a rule needs one."""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import sparkhvd.torch as st  # noqa: E402
+from sparkhvd.common.function_end import function_ended  # noqa: E402
+from sparkhvd.runfolder.checkpoint_store import UrlStore  # noqa: E402
+from sparkhvd.torch.async_save import HostSnapshot, StagingCopies  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class GatedStore(UrlStore):
+    """A real folder whose writes wait for :attr:`gate` (a save held in flight) or fail."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.writing = threading.Event()
+        self.fail: OSError | None = None
+
+    def write(self, name: str, data: bytes) -> None:
+        self.writing.set()
+        self.gate.wait(60)
+        if self.fail is not None:
+            raise self.fail
+        super().write(name, data)
+
+
+def _model_and_opt():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Linear(8, 1))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _train_step(model, opt) -> None:
+    opt.zero_grad()
+    model(torch.randn(16, 4)).sum().backward()
+    opt.step()
+
+
+def _checkpoints(tmp_path, model, opt, **kw):
+    ckpt = st.Checkpoints(model, opt, url=str(tmp_path / "ckpt"), resume=False,
+                          async_save=True, **kw)
+    store = GatedStore(str(tmp_path / "ckpt"))
+    ckpt.store = store
+    return ckpt, store
+
+
+def _latest(tmp_path) -> dict:
+    return json.loads((tmp_path / "ckpt" / "latest.json").read_text())
+
+
+def test_the_checkpoint_is_the_state_at_the_step_not_at_the_end_of_the_write(tmp_path):
+    model, opt = _model_and_opt()
+    ckpt, store = _checkpoints(tmp_path, model, opt, every_steps=1)
+    _train_step(model, opt)
+    at_step = {k: v.clone() for k, v in model.state_dict().items()}
+    store.gate.clear()
+    name = ckpt.step(0, note=[1])
+    assert name == "epoch-0000-step-0000001.pt"
+    store.writing.wait(10)
+    for _ in range(3):  # training goes on while the write is held
+        _train_step(model, opt)
+    assert not (tmp_path / "ckpt" / "latest.json").exists()  # nothing half-written is named
+    store.gate.set()
+    function_ended()  # the function's end waits for the save in flight
+    assert _latest(tmp_path)["file"] == name
+    saved = torch.load(tmp_path / "ckpt" / name, weights_only=False)
+    for key, value in at_step.items():
+        assert torch.equal(saved["model"][key], value), key
+    assert saved["extra"] == {"note": [1]} and saved["step"] == 1
+    assert saved["optimizer"]["state"][0]["step"] == 1  # Adam's state at the step, too
+
+
+def test_a_save_due_while_one_is_in_flight_is_skipped_and_said_once(tmp_path, capsys):
+    model, opt = _model_and_opt()
+    ckpt, store = _checkpoints(tmp_path, model, opt, every_steps=1)
+    store.gate.clear()
+    _train_step(model, opt)
+    first = ckpt.step(0)
+    store.writing.wait(10)
+    skipped = []
+    for _ in range(3):
+        _train_step(model, opt)
+        skipped.append(ckpt.step(0))
+    assert skipped == [None, None, None]
+    said = [line for line in capsys.readouterr().out.splitlines() if "skipped" in line]
+    assert len(said) == 1 and first in said[0] and "step-0000002" in said[0], said
+    store.gate.set()
+    ckpt._finish_save()
+    _train_step(model, opt)
+    assert ckpt.step(0) == "epoch-0000-step-0000005.pt"  # idle again: the next one is taken
+    function_ended()
+    assert _latest(tmp_path)["step"] == 5
+
+
+def test_an_explicit_save_waits_for_the_one_in_flight_then_starts_its_own(tmp_path):
+    model, opt = _model_and_opt()
+    ckpt, store = _checkpoints(tmp_path, model, opt)
+    store.gate.clear()
+    ckpt.save(0)
+    store.writing.wait(10)
+    done = threading.Event()
+
+    def second() -> None:
+        ckpt.save(1)
+        done.set()
+
+    thread = threading.Thread(target=second, daemon=True)
+    thread.start()
+    assert not done.wait(0.5)  # held: the first is still being written
+    store.gate.set()
+    assert done.wait(30)
+    function_ended()
+    assert _latest(tmp_path)["epoch"] == 2
+    assert (tmp_path / "ckpt" / "epoch-0001.pt").exists()
+
+
+def test_a_failed_background_write_is_raised_by_the_next_call_naming_the_last_good_one(
+        tmp_path):
+    model, opt = _model_and_opt()
+    ckpt, store = _checkpoints(tmp_path, model, opt)
+    ckpt.save(0)
+    ckpt._finish_save()
+    store.fail = OSError(28, "No space left on device")
+    ckpt.save(1)
+    ckpt._background._thread.join(30)
+    with pytest.raises(OSError, match="epoch-0001.pt") as info:
+        ckpt.step(2)
+    assert "No space left" in str(info.value)
+    assert _latest(tmp_path)["epoch"] == 1  # the previous checkpoint is still the newest
+
+
+def test_the_end_of_the_function_raises_a_failed_last_save(tmp_path):
+    model, opt = _model_and_opt()
+    ckpt, store = _checkpoints(tmp_path, model, opt)
+    store.fail = OSError(5, "the store refused the write")
+    ckpt.save(0)
+    with pytest.raises(OSError, match="refused"):
+        function_ended()
+
+
+def test_resume_from_an_async_checkpoint_is_exact(tmp_path):
+    model, opt = _model_and_opt()
+    ckpt, _ = _checkpoints(tmp_path, model, opt, every_steps=2)
+    for _ in range(4):
+        _train_step(model, opt)
+        ckpt.step(0, seen=7)
+        ckpt._finish_save()
+    function_ended()
+    again, opt2 = _model_and_opt()
+    back = st.Checkpoints(again, opt2, url=str(tmp_path / "ckpt"), resume=str(tmp_path / "ckpt"))
+    assert back.restore() == 0 and back.restored == {"seen": 7, "epoch": 0, "step": 4}
+    for key, value in model.state_dict().items():
+        assert torch.equal(again.state_dict()[key], value), key
+    assert opt2.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+
+
+def test_host_buffers_are_reused_between_saves_and_replaced_when_a_shape_changes():
+    snapshot = HostSnapshot()
+    state = {"w": torch.ones(3), "groups": [{"lr": 0.1, "params": [0]}]}
+    first = snapshot.take(state)
+    state["w"].add_(1)
+    state["groups"][0]["lr"] = 0.2
+    assert torch.equal(first["w"], torch.ones(3)) and first["groups"][0]["lr"] == 0.1
+    second = snapshot.take(state)
+    assert second["w"] is first["w"] and torch.equal(second["w"], torch.full((3,), 2.0))
+    state["w"] = torch.zeros(5)
+    third = snapshot.take(state)
+    assert third["w"] is not first["w"] and third["w"].shape == (5,)
+    assert snapshot.nbytes == 5 * 4
+
+
+def test_a_state_dicts_kind_and_versions_are_kept():
+    model, _ = _model_and_opt()
+    state = model.state_dict()
+    copied = HostSnapshot().take(state)
+    assert isinstance(copied, collections.OrderedDict)
+    assert copied._metadata == state._metadata  # load_state_dict reads the module versions
+
+
+class FakeGpuCopies(StagingCopies):
+    """Every tensor is "on the GPU": records the pinned buffers and the one batched copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pinned, self.batches = 0, []
+
+    @staticmethod
+    def on_gpu(tensor) -> bool:
+        return True
+
+    def buffer_like(self, tensor):
+        self.pinned += 1
+        return torch.empty(tensor.shape, dtype=tensor.dtype)
+
+    def copy_from_gpu(self, pairs) -> None:
+        self.batches.append(len(pairs))
+        for buffer, tensor in pairs:
+            buffer.copy_(tensor)
+
+
+def test_gpu_tensors_go_into_pinned_buffers_in_one_side_stream_copy_per_save():
+    copies = FakeGpuCopies()
+    snapshot = HostSnapshot(copies)
+    state = {"a": torch.ones(2), "b": {"c": torch.zeros(3)}, "n": 4}
+    snapshot.take(state)
+    snapshot.take(state)
+    assert copies.pinned == 2  # pinned once, reused
+    assert copies.batches == [2, 2]  # one wait for the side stream per save
+
+
+def test_sharded_checkpoints_do_not_take_async_save():
+    model, opt = _model_and_opt()
+    with pytest.raises(ValueError, match="st.Checkpoints"):
+        st.ShardedCheckpoints(model, opt, async_save=True)
