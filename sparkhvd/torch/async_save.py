@@ -87,15 +87,23 @@ class HostSnapshot:
     def __init__(self, copies: Optional[StagingCopies] = None) -> None:
         self.copies = copies or StagingCopies()
         self._buffers: dict[tuple, Any] = {}
-        #: bytes held in host buffers (one copy of the saved state)
-        self.nbytes = 0
+        self._taken: set[tuple] = set()  # the paths of the take in progress
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in host buffers (one copy of the saved state)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def take(self, state: Any) -> Any:
-        """A copy of ``state`` in host memory, valid until the next :meth:`take`."""
+        """A copy of ``state`` in host memory, valid until the next :meth:`take`. Buffers of
+        paths the state no longer has are let go."""
         on_gpu: list[tuple[Any, Any]] = []
         copied = self._copy(state, (), on_gpu)
         if on_gpu:
             self.copies.copy_from_gpu(on_gpu)
+        for gone in set(self._buffers) - self._taken:
+            del self._buffers[gone]
+        self._taken = set()
         return copied
 
     def _copy(self, value: Any, path: tuple, on_gpu: list) -> Any:
@@ -118,12 +126,10 @@ class HostSnapshot:
 
     def _tensor(self, tensor: Any, path: tuple, on_gpu: list) -> Any:
         tensor = tensor.detach()
+        self._taken.add(path)
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            if buffer is not None:
-                self.nbytes -= buffer.numel() * buffer.element_size()
             buffer = self._buffers[path] = self.copies.buffer_like(tensor)
-            self.nbytes += buffer.numel() * buffer.element_size()
         if self.copies.on_gpu(tensor):
             on_gpu.append((buffer, tensor))
         else:
@@ -144,9 +150,12 @@ def _yield_cpu() -> None:
 
 
 class BackgroundSave:
-    """At most one save running on a background thread; its error kept for the caller."""
+    """At most one save running on a background thread; its error kept for the caller; the
+    host buffers its saves are copied into."""
 
     def __init__(self) -> None:
+        #: the state of the save in flight, in host memory (refilled by the next save only)
+        self.snapshot = HostSnapshot()
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         #: the save in flight (or the last one): its name

@@ -52,7 +52,7 @@ from sparkhvd.runfolder.checkpoint_store import (
     resume_store,
     write_checkpoint,
 )
-from sparkhvd.torch.async_save import BackgroundSave, HostSnapshot
+from sparkhvd.torch.async_save import BackgroundSave
 
 __side__ = "rank"
 
@@ -192,6 +192,7 @@ class _CheckpointsBase:
         self.restored: dict = {}
         self._last_save = time.monotonic()
         self._counted = (-1, 0)  # (epoch, steps) when there is no data to count them
+        self._background: Optional[BackgroundSave] = None  # set by Checkpoints(async_save=True)
 
     def step(self, epoch: int, **extra: Any) -> Optional[str]:
         """Call after each optimizer step (on every rank): writes a mid-epoch checkpoint when
@@ -235,19 +236,29 @@ class _CheckpointsBase:
             raise stop(name or self._name(epoch + 1 if not step else epoch, step or 0))
         return name
 
-    # -- background saves (async_save=True: Checkpoints; the others write synchronously) ---------
+    # -- background saves (rank 0 of Checkpoints(async_save=True); None: synchronous) ----------
     def _writing(self) -> bool:
         """Whether a save of this rank's is still being written in the background."""
-        return False
+        return self._background is not None and self._background.busy
 
     def _skip(self, name: str) -> None:
         """A save came due while one is in flight (see :mod:`sparkhvd.torch.async_save`)."""
+        if self._background is not None:
+            self._background.skip(name)
 
     def _finish_save(self) -> None:
         """Wait until the save in flight is durable (raising its error)."""
+        if self._background is not None:
+            self._background.wait()
+
+    def _finish_quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            self._finish_save()
 
     def _raise_failed_save(self) -> None:
         """The error of a background save that failed, raised in the training loop."""
+        if self._background is not None:
+            self._background.raise_error()
 
     def _write(self, epoch: int, step: Optional[int], extra: dict) -> Optional[str]:
         raise NotImplementedError  # each kind writes its own
@@ -359,10 +370,8 @@ class Checkpoints(_CheckpointsBase):
                          every_seconds=every_seconds, keep=keep)
         if self.rank != 0:
             self.store = DISCARD  # one writer; every rank reads
-        self._background: Optional[BackgroundSave] = None
-        self._snapshot: Optional[HostSnapshot] = None
         if async_save and self.rank == 0 and self.store is not None:
-            self._background, self._snapshot = BackgroundSave(), HostSnapshot()
+            self._background = BackgroundSave()
             at_function_end(self._finish_save)  # the rank is done when its last save is
             atexit.register(self._finish_quietly)  # ... and so is a torchrun script
 
@@ -381,11 +390,11 @@ class Checkpoints(_CheckpointsBase):
                  "optimizer": self.optimizer.state_dict() if self.optimizer else None,
                  "epoch": done, "step": step or 0, "extra": extra,
                  "data": self._data_state(epoch, step)}
-        if self._background is None or self._snapshot is None:
+        if self._background is None:
             self._persist(state, name, done, step or 0)
             return name
         self._background.wait()  # one in flight: its buffers are the ones filled now
-        held = self._snapshot.take(state)  # the only part the step waits for
+        held = self._background.snapshot.take(state)  # the only part the step waits for
         self._last_save = time.monotonic()
         self._background.start(name, lambda: self._persist(held, name, done, step or 0))
         return name
@@ -399,25 +408,6 @@ class Checkpoints(_CheckpointsBase):
         torch.save(state, buffer)
         write_checkpoint(self.store, done, {name: buffer.getvalue()}, {"file": name}, step)
         self._saved()
-
-    def _writing(self) -> bool:
-        return self._background is not None and self._background.busy
-
-    def _skip(self, name: str) -> None:
-        if self._background is not None:
-            self._background.skip(name)
-
-    def _finish_save(self) -> None:
-        if self._background is not None:
-            self._background.wait()
-
-    def _finish_quietly(self) -> None:
-        with contextlib.suppress(Exception):
-            self._finish_save()
-
-    def _raise_failed_save(self) -> None:
-        if self._background is not None:
-            self._background.raise_error()
 
     def restore(self) -> int:
         """Load the newest usable checkpoint, if resuming; the epoch to start from (0
