@@ -33,7 +33,8 @@ TORCH_TESTS := tests/unit/test_rank_placement.py tests/integration/test_torch.py
 	tests/integration/test_checkpoint_faults.py tests/integration/test_docs_examples.py \
 	tests/integration/test_failures.py tests/cluster/test_multihost_torch.py tests/unit/test_data_order.py \
 	tests/integration/test_elastic.py tests/integration/test_time_split.py tests/unit/test_timing.py \
-	tests/unit/test_collective_waits.py tests/unit/test_device_batches.py tests/unit/test_async_checkpoints.py
+	tests/unit/test_collective_waits.py tests/unit/test_device_batches.py tests/unit/test_async_checkpoints.py \
+	tests/unit/test_host_copy.py
 TEST_ARGS := -m "torch_backend or not (spark or ranks or azurite or cluster or netns or notebook or connect or horovod)" $(TORCH_TESTS)
 else
 PY := .venv/bin/python

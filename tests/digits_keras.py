@@ -22,17 +22,21 @@ def weights_hash(model):
 
 
 def train(x_train, y_train, x_val, y_val, epochs, batch_size=32, warmup_epochs=0, resume=None,
-          lr=0.002, shuffle=True, weights=False, tensorboard=False, model_bytes=False):
+          lr=0.002, shuffle=True, weights=False, tensorboard=False, model_bytes=False,
+          async_save=False):
     """Returns a dict per rank: weights hash, averaged metrics, warm-up record, start state.
 
     ``shuffle=False``: every epoch sees the same batches in the same order, so a resumed run can
     be compared with an uninterrupted one; ``weights=True`` also returns the final weights.
+    ``async_save``: checkpoints every 2 steps too, written in the background.
     """
     import tensorflow as tf
 
     from sparkhvd.keras import KerasDistributed
 
     kw = {} if resume is None else {"resume": resume}
+    if async_save:
+        kw.update(async_save=True, every_steps=2)
     kd = KerasDistributed(epochs=epochs, batch_size=batch_size, warmup_epochs=warmup_epochs,
                           tensorboard=tensorboard, **kw)
     tf.keras.utils.set_random_seed(1234 + kd.rank)  # different init per rank: broadcast must fix

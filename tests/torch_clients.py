@@ -139,9 +139,10 @@ def accelerate_loop() -> dict:
             "weights": _weights(accelerator.unwrap_model(model))}
 
 
-def fsdp2(epochs: int = 4) -> dict:
+def fsdp2(epochs: int = 4, async_save: bool = False) -> dict:
     """FSDP2 (``fully_shard``) with Adam, sharded checkpoints in the run folder
-    (:class:`sparkhvd.torch.ShardedCheckpoints`) and exact resume."""
+    (:class:`sparkhvd.torch.ShardedCheckpoints`, written in the background with
+    ``async_save``) and exact resume."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -157,7 +158,7 @@ def fsdp2(epochs: int = 4) -> dict:
             fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    checkpoints = st.ShardedCheckpoints(model, optimizer)
+    checkpoints = st.ShardedCheckpoints(model, optimizer, async_save=async_save)
     start = checkpoints.restore()
     for epoch in range(start, epochs):
         data = torch.Generator().manual_seed(1000 * epoch + rank)

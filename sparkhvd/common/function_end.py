@@ -4,7 +4,9 @@ A helper that goes on working in the background after a call returns -- a checkp
 being written -- registers here; the rank's bootstrap runs the callbacks right after the user's
 function returns (an error in one is the rank's error, as if the function had raised it) and
 again, quietly, however the function ended. Outside a sparkhvd rank (a torchrun script) the
-helper also registers with :mod:`atexit`.
+helper also registers with :mod:`atexit`. Work for a function that *returned* -- the run is
+done, so a rank's host copy of its checkpoints can go -- registers with :func:`at_function_return`
+and runs only then, after the rest.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Callable
 __side__ = "common"
 
 _CALLBACKS: list[Callable[[], None]] = []
+_ON_RETURN: list[Callable[[], None]] = []
 
 
 def at_function_end(callback: Callable[[], None]) -> None:
@@ -21,15 +24,28 @@ def at_function_end(callback: Callable[[], None]) -> None:
         _CALLBACKS.append(callback)
 
 
-def function_ended() -> None:
-    """Run the callbacks registered so far, in order, and forget them; the first error is
+def at_function_return(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the rank's training function *returns* (not when it raised)."""
+    if callback not in _ON_RETURN:
+        _ON_RETURN.append(callback)
+
+
+def function_ended(returned: bool = True) -> None:
+    """Run the callbacks registered so far, in order -- those for a return only when the
+    function ``returned`` and the others raised nothing -- and forget them; the first error is
     raised after all of them ran."""
     callbacks, _CALLBACKS[:] = list(_CALLBACKS), []
+    on_return, _ON_RETURN[:] = list(_ON_RETURN), []
     first: BaseException | None = None
     for callback in callbacks:
         try:
             callback()
         except BaseException as exc:  # noqa: BLE001 - every callback runs; the first is raised
+            first = first or exc
+    for callback in on_return if returned and first is None else ():
+        try:
+            callback()
+        except BaseException as exc:  # noqa: BLE001 - as above
             first = first or exc
     if first is not None:
         raise first

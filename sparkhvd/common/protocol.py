@@ -83,6 +83,8 @@ class TaskSpec:
 
 
 # -- environment a launcher sets for each rank ----------------------------------------------
+#: The run's id (its run folder's name): the same for every attempt of the run.
+RUN_ID_ENV = "SPARKHVD_RUN_ID"
 #: Local path of the run folder when the rank shares the driver's disk.
 RUN_URL_ENV = "SPARKHVD_RUN_URL"
 #: ``host:port`` of the driver's run-folder service (ranks on other hosts).
@@ -210,6 +212,9 @@ class Resumed:
     skipped: list[str] = field(default_factory=list)
     #: steps of epoch ``epoch`` the checkpoint had done (0: it was taken at an epoch's end)
     step: int = 0
+    #: which copy rank 0 read: ``"folder"`` (the checkpoint folder), ``"host"`` (the copy kept
+    #: on its own host) or ``"peer"`` (another rank's host copy, sent over the process group)
+    copy: str = "folder"
 
 
 @dataclass

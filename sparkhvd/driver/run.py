@@ -591,7 +591,7 @@ class Attempt:
         options = dict(config.storage_options)
         files = RunFileService(self.placement.driver_host, run_dir.path,
                                (self.resume, options) if self.resume else None).start()
-        env = dict(files.env())
+        env = {**files.env(), protocol.RUN_ID_ENV: run_dir.run_id}
         if self.placement.executors_here:
             env[protocol.RUN_URL_ENV] = run_dir.path
         if self.resume:

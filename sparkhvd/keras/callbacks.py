@@ -7,6 +7,8 @@ unit-tested with a fake.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import time
 from typing import Any, Callable, Optional, Union
@@ -14,8 +16,10 @@ from typing import Any, Callable, Optional, Union
 import tensorflow as tf
 
 from sparkhvd.common import protocol
+from sparkhvd.common.function_end import at_function_end
 from sparkhvd.keras import checkpoints
 from sparkhvd.rank.events import emit
+from sparkhvd.runfolder.background_save import BackgroundSave
 
 __side__ = "rank"
 
@@ -236,7 +240,8 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
         every_seconds: ... and/or when this many seconds passed since the last save (rank 0's
             clock decides).
         agree: ``(by_time, noticed) -> (by_time, noticed)`` the same on every rank (a small
-            collective after each step); None: this rank alone decides.
+            collective after each step; with ``async_save``, ``(by_time, noticed, busy)`` in
+            and out); None: this rank alone decides.
         data: the ``DatasetShard`` whose ``tf_dataset`` feeds ``fit``: its position goes into
             each checkpoint, counted from the steps trained (a prefetching pipeline runs ahead).
         start: ``(epoch, samples)`` of the data where this fit starts (a restored
@@ -247,15 +252,22 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
             the steps that may checkpoint. The ranks agree on it in one small collective per
             step, so it is on only with ``every_steps``/``every_seconds`` or an elastic run;
             otherwise a notice is taken at the epoch's end.
+        async_save: the step waits only while the model and optimizer are serialised into
+            memory; the writing rank writes the files, the record and ``latest.json`` on a
+            background thread. One save in flight: a step save due meanwhile is skipped (said
+            once; ``agree`` then takes and returns a third flag, the writer's ``busy``), an
+            epoch's save waits for it, a notice writes its own to the end. A failed write is
+            raised at the next step or when the function ends (which waits for the last one).
     """
 
     def __init__(self, url: Union[str, checkpoints.CheckpointStore], every: int = 1,
                  storage_options: Optional[dict] = None, keep: Optional[int] = None,
                  state: Optional[Callable[[], dict]] = None, write: bool = True,
                  every_steps: Optional[int] = None, every_seconds: Optional[float] = None,
-                 agree: Optional[Callable[[bool, bool], tuple[bool, bool]]] = None,
+                 agree: Optional[Callable[..., tuple]] = None,
                  data: Any = None, start: tuple[int, int] = (0, 0),
-                 collective: bool = False, every_step_notices: bool = False) -> None:
+                 collective: bool = False, every_step_notices: bool = False,
+                 async_save: bool = False) -> None:
         super().__init__()
         self.store = url if isinstance(url, checkpoints.CheckpointStore) else \
             checkpoints.UrlStore(url, storage_options)
@@ -273,6 +285,12 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
         self._in_epoch = 0  # steps of the current Keras epoch
         self._last_save = time.monotonic()
         self._stop_at_epoch_end = False  # a notice at an epoch's last step
+        self.async_save = async_save
+        self._background: Optional[BackgroundSave] = None
+        if async_save and write:
+            self._background = BackgroundSave()
+            at_function_end(self.finish_save)  # the rank is done when its last save is
+            atexit.register(self._finish_quietly)
 
     def position(self) -> tuple[int, int, int]:
         """``(epoch, samples, step)`` of the data now: epochs done, then rows of the next one
@@ -298,6 +316,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         from sparkhvd.elastic.notices import noticed, stop
 
+        self._raise_failed_save()
         self._trained += 1
         self._in_epoch += 1
         epoch, _, step = self.position()
@@ -309,34 +328,62 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
         by_steps = bool(self.every_steps and step and step % self.every_steps == 0)
         by_time = bool(self.every_seconds and
                        time.monotonic() - self._last_save >= self.every_seconds)
-        notice = noticed() is not None
-        if self.agree is not None:
-            by_time, notice = self.agree(by_time, notice)
+        by_time, notice, busy = self._agree(by_time, noticed() is not None)
         if not (by_steps or by_time or notice) or not step:
             # a notice at the epoch's last step: the epoch's own checkpoint, then stop
             self._stop_at_epoch_end = self._stop_at_epoch_end or notice
             return
-        name = self._save(epoch, step)
+        if busy and not notice:  # async_save: due while the last one is still being written
+            if self._background is not None:
+                self._background.skip(checkpoints.checkpoint_name(epoch, step))
+            return
+        name = self._save(epoch, step, to_the_end=notice)
         if notice:
             raise stop(name)
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         from sparkhvd.elastic.notices import noticed, stop
 
+        self._raise_failed_save()
         data_epoch, _, step = self.position() if self.data is not None else (epoch + 1, 0, 0)
         stopping = self._stop_at_epoch_end
         if not stopping and self.agree is not None and not (
                 self.every_steps or self.every_seconds or self.every_step_notices):
-            _, stopping = self.agree(False, noticed() is not None)  # once an epoch
+            _, stopping, _ = self._agree(False, noticed() is not None)  # once an epoch
         elif not stopping:
             stopping = self.agree is None and noticed() is not None
         if (epoch + 1) % self.every and not stopping:
             return
-        name = self._save(data_epoch, step)
+        name = self._save(data_epoch, step, to_the_end=stopping)
         if stopping:
             raise stop(name)
 
-    def _save(self, epoch: int, step: int) -> str:
+    def _agree(self, by_time: bool, notice: bool) -> tuple[bool, bool, bool]:
+        """``(by_time, notice, busy)`` the same on every rank (``agree``); ``busy``: the writer's
+        save is still being written (async_save)."""
+        busy = self._background is not None and self._background.busy
+        if self.agree is None:
+            return by_time, notice, busy
+        if self.async_save:
+            by_time, notice, busy = self.agree(by_time, notice, busy)
+            return by_time, notice, busy
+        by_time, notice = self.agree(by_time, notice)
+        return by_time, notice, False
+
+    def finish_save(self) -> None:
+        """Wait until the save in flight is written (raising its error)."""
+        if self._background is not None:
+            self._background.wait()
+
+    def _finish_quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            self.finish_save()
+
+    def _raise_failed_save(self) -> None:
+        if self._background is not None:
+            self._background.raise_error()
+
+    def _save(self, epoch: int, step: int, to_the_end: bool = False) -> str:
         state = dict(self.state() if self.state else {})
         lr = getattr(self.model.optimizer, "learning_rate", None)
         if lr is not None and hasattr(lr, "numpy") and "lr" not in state:
@@ -346,18 +393,29 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
             state["data"] = {**self.data.state_dict(), "epoch": data_epoch, "samples": samples,
                              "step": data_step}
         name = checkpoints.checkpoint_name(epoch, step)
-        if self.write or self.collective:
-            name = checkpoints.save(self.store if self.write else checkpoints.DISCARD,
-                                    self.model, epoch, state, step)
+        if self._background is not None:  # the writer, async_save
+            self._background.wait()  # one in flight
+            name, files, info = checkpoints.serialise(self.model, epoch, state, step)
+            self._background.start(name, lambda: self._write(epoch, step, files, info))
+            if to_the_end:
+                self._background.wait()
+        elif self.write:
+            name, files, info = checkpoints.serialise(self.model, epoch, state, step)
+            self._write(epoch, step, files, info)
+        elif self.collective:  # tf.distribute reads some variables collectively: every rank
+            name = checkpoints.serialise(self.model, epoch, state, step)[0]
         self._last_save = time.monotonic()
-        if not self.write:
-            return name
-        self.saved.append(name)
-        if self.keep:
-            from sparkhvd.runfolder.checkpoint_store import prune
-
-            prune(self.store, self.keep)
+        if self.write:
+            self.saved.append(name)
         return name
+
+    def _write(self, epoch: int, step: int, files: dict, info: dict) -> None:
+        """The files, their record and ``latest.json``; then the newest ``keep`` are kept."""
+        from sparkhvd.runfolder.checkpoint_store import prune, write_checkpoint
+
+        write_checkpoint(self.store, epoch, files, info, step)
+        if self.keep:
+            prune(self.store, self.keep)
 
 
 def latest_checkpoint(url: str, storage_options: Optional[dict] = None) -> Optional[tuple[int, str]]:

@@ -36,7 +36,7 @@ from sparkhvd.runfolder.checkpoint_store import (
 __side__ = "rank"
 
 __all__ = ["DISCARD", "LATEST", "CheckpointStore", "RunFolderStore", "UrlStore", "latest",
-           "url_store", "save", "restore", "restore_latest", "build_optimizer",
+           "url_store", "save", "serialise", "restore", "restore_latest", "build_optimizer",
            "optimizer_variables", "record_name"]
 
 
@@ -62,6 +62,15 @@ def build_optimizer(optimizer: Any, model: Any) -> None:
 def save(store: CheckpointStore, model: Any, epoch: int, state: dict, step: int = 0) -> str:
     """Write the checkpoint of ``epoch`` (model, optimizer, state) -- after its ``step`` of the
     next epoch, for a mid-epoch one -- ``latest.json`` last."""
+    name, files, info = serialise(model, epoch, state, step)
+    write_checkpoint(store, epoch, files, info, step)
+    return name
+
+
+def serialise(model: Any, epoch: int, state: dict, step: int = 0
+              ) -> tuple[str, dict[str, bytes], dict]:
+    """The checkpoint's files as bytes and its record's info, taken from the model now (what
+    an asynchronous save holds the step for; the write can come later)."""
     import numpy as np
 
     from sparkhvd.keras.modelio import checkpoint_bytes
@@ -80,8 +89,7 @@ def save(store: CheckpointStore, model: Any, epoch: int, state: dict, step: int 
             info["optimizer"] = f"{base}.optimizer.npz"
             info["optimizer_names"] = [v.name for v in variables]
             files[info["optimizer"]] = buffer.getvalue()
-    write_checkpoint(store, epoch, files, info, step)
-    return name
+    return name, files, info
 
 
 def restore_latest(store: CheckpointStore, model: Any) -> tuple[Optional[dict], list[str]]:

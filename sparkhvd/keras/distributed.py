@@ -84,13 +84,15 @@ class _HorovodFlavour:
     def world(self) -> Any:
         return self.collectives
 
-    def agree(self, by_time: bool, notice: bool) -> tuple[bool, bool]:
-        """Rank 0's clock and any rank's notice, on every rank (one small allreduce)."""
+    def agree(self, by_time: bool, notice: bool, busy: bool) -> tuple[bool, bool, bool]:
+        """Rank 0's clock, any rank's notice and rank 0's save in flight, on every rank (one
+        small allreduce)."""
         import tensorflow as tf
 
-        flags = tf.constant([int(by_time and self.rank == 0), int(notice)], tf.int32)
+        mine = self.rank == 0
+        flags = tf.constant([int(by_time and mine), int(notice), int(busy and mine)], tf.int32)
         total = self.collectives.allreduce(flags, op=self.collectives.Sum).numpy()
-        return bool(total[0]), bool(total[1])
+        return bool(total[0]), bool(total[1]), bool(total[2])
 
 
 class _World:
@@ -136,8 +138,9 @@ class _TFFlavour:
     def world(self) -> Any:
         return _World(self.size)
 
-    def agree(self, by_time: bool, notice: bool) -> tuple[bool, bool]:
-        """Rank 0's clock and any rank's notice, on every worker (one small all-reduce)."""
+    def agree(self, by_time: bool, notice: bool, busy: bool) -> tuple[bool, bool, bool]:
+        """Rank 0's clock, any rank's notice and rank 0's save in flight, on every worker (one
+        small all-reduce)."""
         import tensorflow as tf
 
         if self._agree_fn is None:  # one traced function: an eager collective costs far more
@@ -149,8 +152,10 @@ class _TFFlavour:
                                        strategy.run(tf.identity, args=(flags,)), axis=None)
 
             self._agree_fn = summed
-        total = self._agree_fn(tf.constant([float(by_time and self.rank == 0), float(notice)]))
-        return bool(total[0] > 0), bool(total[1] > 0)
+        mine = self.rank == 0
+        total = self._agree_fn(tf.constant([float(by_time and mine), float(notice),
+                                            float(busy and mine)]))
+        return bool(total[0] > 0), bool(total[1] > 0), bool(total[2] > 0)
 
 
 class KerasDistributed:
@@ -193,6 +198,11 @@ class KerasDistributed:
         every_steps: also a checkpoint every this many steps of an epoch.
         every_seconds: ... and/or when this many seconds passed since the last one.
         keep: keep only the newest this many checkpoints.
+        async_save: a checkpoint holds training up only while the model and optimizer are
+            serialised into memory; rank 0 writes them in the background (one save in flight:
+            a step save due meanwhile is skipped and said once, an epoch's save waits for it, a
+            notice writes its own to the end; the function's end waits for the last one). Off
+            by default: with synchronous saves a checkpoint exists when its step ends.
 
     In a sparkhvd run the checkpoints also *listen for notices*: SIGTERM to any rank (a node
     about to be reclaimed) or the driver resizing the run makes every rank save after its
@@ -207,7 +217,8 @@ class KerasDistributed:
                  average_metrics: bool = True, progress: bool = True, tensorboard: bool = False,
                  storage_options: Optional[dict] = None, backend: Optional[str] = None,
                  hvd: Any = None, data: Any = None, every_steps: Optional[int] = None,
-                 every_seconds: Optional[float] = None, keep: Optional[int] = None) -> None:
+                 every_seconds: Optional[float] = None, keep: Optional[int] = None,
+                 async_save: bool = False) -> None:
         backend = backend or os.environ.get(protocol.BACKEND_ENV) or "horovod"
         if backend not in ("horovod", "tf"):
             raise ValueError(f"backend must be 'horovod' or 'tf'; got {backend!r}")
@@ -236,6 +247,7 @@ class KerasDistributed:
         self.data = data
         check_cadence(every_steps, every_seconds, keep)
         self.every_steps, self.every_seconds, self.keep = every_steps, every_seconds, keep
+        self.async_save = async_save
         self.start: tuple[int, int] = (0, 0)
         files = run_files()
         self.checkpoint_store: Optional[checkpoints.CheckpointStore]
@@ -312,10 +324,12 @@ class KerasDistributed:
         self.start = (self.initial_epoch, samples if self.data is not None else 0)
         return self.initial_epoch
 
-    def agree(self, by_time: bool, notice: bool) -> tuple[bool, bool]:
+    def agree(self, by_time: bool, notice: bool, busy: Optional[bool] = None) -> tuple:
         """Whether to checkpoint now, the same on every rank: rank 0's clock decides
-        ``by_time``, any rank's notice is everyone's."""
-        return self.flavour.agree(by_time, notice)
+        ``by_time``, any rank's notice is everyone's -- and, when ``busy`` is given (async_save),
+        whether rank 0's last save is still being written: then a 3-tuple."""
+        agreed = self.flavour.agree(by_time, notice, bool(busy))
+        return agreed if busy is not None else agreed[:2]
 
     def _checkpoint_state(self) -> dict:
         return {"warmup_target_lr": self.warmup.target_lr if self.warmup else None}
@@ -337,7 +351,8 @@ class KerasDistributed:
                 keep=self.keep, every_steps=self.every_steps, every_seconds=self.every_seconds,
                 agree=self.agree if self.size > 1 else None, data=self.data, start=self.start,
                 collective=self.flavour.save_everywhere,
-                every_step_notices=bool(os.environ.get(protocol.ELASTIC_ENV))))
+                every_step_notices=bool(os.environ.get(protocol.ELASTIC_ENV)),
+                async_save=self.async_save))
         if self.rank == 0 and self.tensorboard:
             cbs.append(RunFolderTensorBoard())
         return cbs

@@ -159,7 +159,7 @@ def _hand_over_files() -> None:
     timeline and ``output_dir()`` files into the run folder, the rank's children ended, its
     output flushed."""
     try:
-        function_ended()  # after an error: the checkpoint being written still lands
+        function_ended(returned=False)  # after an error: the checkpoint being written lands
     except Exception as exc:  # noqa: BLE001 - said, never hiding the function's outcome
         print(f"sparkhvd: {exc}", file=sys.stderr, flush=True)
     with contextlib.suppress(Exception):

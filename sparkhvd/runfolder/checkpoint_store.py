@@ -27,6 +27,11 @@ class CheckpointStore:
     #: the record of the last checkpoint this process committed here (None: none yet)
     committed: Optional[dict] = None
 
+    @property
+    def on_this_host(self) -> bool:
+        """Whether the folder is on this host's own disk (then it is its nearest copy)."""
+        return False
+
     def write(self, name: str, data: bytes) -> None:
         raise NotImplementedError
 
@@ -64,6 +69,10 @@ class RunFolderStore(CheckpointStore):
         self.prefix = prefix if root == "run" else ""
         self.label = label
 
+    @property
+    def on_this_host(self) -> bool:
+        return self.root == "run" and bool(self.files.local)
+
     def _path(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
 
@@ -100,6 +109,12 @@ class UrlStore(CheckpointStore):
     def __init__(self, url: str, storage_options: Optional[dict] = None) -> None:
         self.url = str(url).rstrip("/")
         self.storage_options = storage_options
+
+    @property
+    def on_this_host(self) -> bool:
+        from urllib.parse import urlparse
+
+        return urlparse(self.url).scheme in ("", "file")
 
     def write(self, name: str, data: bytes) -> None:
         from sparkhvd import storage
@@ -258,6 +273,20 @@ def _progress_of(name: str) -> Optional[tuple[int, int]]:
     return (int(match.group(1)), int(match.group(2) or 0)) if match else None
 
 
+def newest_one_file(store: CheckpointStore) -> Optional[tuple[dict, str, str]]:
+    """``(record, file, sha256)`` of the newest checkpoint when it is one recorded file (rank
+    0's :class:`sparkhvd.torch.Checkpoints`), else None -- what a host copy must equal to be
+    read instead."""
+    candidates = _candidates(store, [])
+    files = _files_of(candidates[0]) if candidates else {}
+    if len(files) != 1:
+        return None
+    (name, expected), = files.items()
+    if not expected or not expected.get("sha256"):
+        return None
+    return candidates[0], name, str(expected["sha256"])
+
+
 def _candidates(store: CheckpointStore, problems: list[str]) -> list[dict]:
     """Every checkpoint record the folder has, newest first (by epoch, then step):
     ``latest.json`` and each ``epoch-000N[-step-K].json`` (a corrupt ``latest.json`` is a
@@ -351,10 +380,16 @@ def _why(exc: BaseException) -> str:
 _RECORD = re.compile(r"^epoch-(\d{4,})(?:-step-(\d+))?\.json$")
 
 
+#: How the resume line names each copy a checkpoint can be read from (``Resumed.copy``).
+COPIES = {"folder": "", "host": " (its copy on this host)",
+          "peer": " (another rank's host copy, sent over the process group)"}
+
+
 def announce_resume(store: CheckpointStore, file: Optional[str] = None, epoch: int = 0,
-                    problems: Sequence[str] = (), step: int = 0) -> None:
-    """Rank 0 says what it resumed from (``file`` None: nothing found), on its console line
-    and to the driver (``run.json``'s ``resume``), for every framework's helpers."""
+                    problems: Sequence[str] = (), step: int = 0, copy: str = "folder") -> None:
+    """Rank 0 says what it resumed from (``file`` None: nothing found) and which copy of it it
+    read, on its console line and to the driver (``run.json``'s ``resume``), for every
+    framework's helpers."""
     from sparkhvd.common import protocol
     from sparkhvd.rank.events import emit
 
@@ -369,8 +404,9 @@ def announce_resume(store: CheckpointStore, file: Optional[str] = None, epoch: i
     # one numbering: the training loop's epoch index, as the checkpoint files name it
     # (epoch-0001-step-0000040 is step 40 of the loop's epoch 1; epoch-0002 continues at 2)
     at = f"epoch {epoch}" + (f" after its step {step}" if step else "")
-    print(f"resume: restored {where}; continuing at {at}", flush=True)
-    emit(protocol.Resumed(rank=0, source=where, epoch=epoch, skipped=list(problems), step=step))
+    print(f"resume: restored {where}{COPIES[copy]}; continuing at {at}", flush=True)
+    emit(protocol.Resumed(rank=0, source=where, epoch=epoch, skipped=list(problems), step=step,
+                          copy=copy))
 
 
 def resume_store(resume: object, own: Optional[CheckpointStore],

@@ -195,6 +195,7 @@ class RunRecord(Mapping[str, Any]):
                         "epoch": resumed.epoch}
             if resumed.step:
                 restored["step"] = resumed.step
+            restored["copy"] = resumed.copy
             if resumed.skipped:
                 restored["skipped"] = list(resumed.skipped)
             return {"resume": restored, "resumed_from": requested}

@@ -23,17 +23,21 @@ The rules (:class:`sparkhvd.torch.Checkpoints` applies them; its docstring says 
   is durable.
 
 The CUDA calls go through :class:`StagingCopies`; a test swaps it for a fake (no GPU here).
+
+Sharded checkpoints (:class:`ShardedStaging`) stage with DCP's own stager (DTensors and
+sharded tensors keep their layout) and write with ``torch.distributed.checkpoint.async_save``;
+the rules above hold for them too, with every rank's part committed together.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
-import threading
-import time
 from typing import Any, Callable, Optional
 
+from sparkhvd.runfolder.background_save import BackgroundSave
+
 __side__ = "rank"
+
+__all__ = ["BackgroundSave", "HostSnapshot", "ShardedStaging", "StagingCopies"]
 
 
 class StagingCopies:
@@ -137,73 +141,77 @@ class HostSnapshot:
         return buffer
 
 
-#: The writer thread's nice value: below training, not starved by it (at 19 a CPU-bound loop
-#: left it about 1 % of a core and a 1 GB save never finished; B15 measures the trade).
-WRITER_NICE = 10
+class ShardedStaging:
+    """``torch.distributed.checkpoint.async_save`` for :class:`sparkhvd.torch.ShardedCheckpoints`:
+    DCP's own stager copies each rank's shards (DTensors stay DTensors) into host buffers it keeps
+    between saves -- pinned, with non-blocking copies, when there is a GPU -- and DCP writes them
+    from its thread, its collectives on a gloo group of their own, so they never interleave with
+    the training's or the helpers' collectives on other threads."""
 
+    def __init__(self, finish: Callable[[], None]) -> None:
+        """``finish``: waits for the save in flight; it must run before the process group is
+        destroyed (its commit gathers on it), so ``destroy_process_group`` runs it first."""
+        self._stager: Any = None
+        self._group: Any = None
+        _finish_before_destroy(finish)
 
-def _yield_cpu() -> None:
-    """The calling thread gives way to training for the CPU: on Linux a thread has its own
-    nice value, so serialising and writing use the cores the step leaves idle."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    def save(self, state: Any, folder: str) -> Any:
+        """Stage ``state`` (the step waits for this) and start writing it into ``folder``; the
+        future of the write. Every rank calls it, in the same order."""
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-
-class BackgroundSave:
-    """At most one save running on a background thread; its error kept for the caller; the
-    host buffers its saves are copied into."""
-
-    def __init__(self) -> None:
-        #: the state of the save in flight, in host memory (refilled by the next save only)
-        self.snapshot = HostSnapshot()
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
-        #: the save in flight (or the last one): its name
-        self.name = ""
-        #: seconds the last completed background write took
-        self.last_write_s: Optional[float] = None
-        #: due saves skipped while :attr:`name` was in flight (the log says so once per save)
-        self.skipped = 0
+        if self._stager is None:
+            gpu = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
+                use_non_blocking_copy=gpu))
+            if dist.is_initialized():
+                self._group = dist.new_group(backend="gloo")
+        return dcp.async_save(state, storage_writer=dcp.FileSystemWriter(folder),
+                              process_group=self._group, async_stager=self._stager)
 
     @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+    def group(self) -> Any:
+        """The gloo group the background commit gathers on (None: one process)."""
+        return self._group
 
-    def start(self, name: str, work: Callable[[], None]) -> None:
-        """Run ``work`` in the background (the previous save must have ended: :meth:`wait`)."""
-        assert not self.busy, "one save in flight at a time"
-        self.raise_error()
-        self.name, self.skipped = name, 0
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
-        def run() -> None:
-            _yield_cpu()
-            began = time.monotonic()
+
+_BEFORE_DESTROY: list[Callable[[], None]] = []
+
+
+def _finish_before_destroy(finish: Callable[[], None]) -> None:
+    """Make ``torch.distributed.destroy_process_group`` wait for ``finish`` first: a script that
+    destroys its group right after its last save (torchrun's usual ending) would otherwise cut
+    that save's commit off. The wrapper is installed once; a failed save is raised after the
+    group is destroyed."""
+    import torch.distributed as dist
+
+    _BEFORE_DESTROY.append(finish)
+    if getattr(dist.destroy_process_group, "_sparkhvd_waits", False):
+        return
+    original = dist.destroy_process_group
+
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        first: Optional[BaseException] = None
+        for pending in list(_BEFORE_DESTROY):
             try:
-                work()
-            except BaseException as exc:  # noqa: BLE001 - kept and raised by the training loop
-                self._error = exc
-            self.last_write_s = time.monotonic() - began
+                pending()
+            except BaseException as exc:  # noqa: BLE001 - the group is destroyed anyway
+                first = first or exc
+        _BEFORE_DESTROY.clear()
+        result = original(*args, **kwargs)
+        if first is not None:
+            raise first
+        return result
 
-        self._thread = threading.Thread(target=run, name=f"sparkhvd-save-{name}", daemon=True)
-        self._thread.start()
-
-    def wait(self) -> None:
-        """Until the save in flight ended; its error, if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self.raise_error()
-
-    def raise_error(self) -> None:
-        """The error of a save that failed since the last call, raised once."""
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    def skip(self, due: str) -> None:
-        """A save came due while :attr:`name` is being written: skipped, said once per save."""
-        self.skipped += 1
-        if self.skipped == 1:
-            print(f"checkpoint: {due} skipped: {self.name} is still being written "
-                  "(async_save: a save that comes due while one is in flight is skipped)",
-                  flush=True)
+    destroy_process_group._sparkhvd_waits = True  # type: ignore[attr-defined]
+    destroy_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+    dist.destroy_process_group = destroy_process_group

@@ -26,16 +26,18 @@ import atexit
 import contextlib
 import io
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from sparkhvd.common import protocol
-from sparkhvd.common.function_end import at_function_end
+from sparkhvd.common.function_end import at_function_end, at_function_return
 from sparkhvd.common.identity import current_rank
 from sparkhvd.elastic.notices import Preempted, WorldSizeChange, listen, noticed, stop
 from sparkhvd.elastic.notices import world_size_change as _world_size_change
 from sparkhvd.rank.events import emit
+from sparkhvd.runfolder import host_copy
 from sparkhvd.runfolder.checkpoint_store import (
     DISCARD,
     CheckpointStore,
@@ -52,7 +54,9 @@ from sparkhvd.runfolder.checkpoint_store import (
     resume_store,
     write_checkpoint,
 )
-from sparkhvd.torch.async_save import BackgroundSave
+from sparkhvd.torch.async_save import BackgroundSave, HostSnapshot, ShardedStaging
+from sparkhvd.torch.nearest_copy import restore_nearest
+from sparkhvd.torch.side_group import side_group
 
 __side__ = "rank"
 
@@ -265,18 +269,19 @@ class _CheckpointsBase:
 
     def _agree(self, by_time: bool, notice: bool, busy: bool) -> tuple[bool, bool, bool]:
         """Whether to checkpoint now, the same on every rank: rank 0's clock decides
-        ``by_time`` and whether its last save is still being written (``busy``), any rank's
-        notice is everyone's -- one 3-element all_reduce (on a gloo group beside an nccl one,
-        so no GPU sync)."""
+        ``by_time``; a save still being written on any rank (``busy``: rank 0's for
+        :class:`Checkpoints`, every rank's part for sharded ones) and any rank's notice are
+        everyone's -- one 3-element all_reduce (on a gloo group beside an nccl one, so no GPU
+        sync)."""
         import torch
         import torch.distributed as dist
 
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return by_time, notice, busy
         mine = self.rank == 0
-        flags = torch.tensor([int(by_time and mine), int(notice), int(busy and mine)],
+        flags = torch.tensor([int(by_time and mine), int(notice), int(busy)],
                              dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=_flag_group())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=side_group())
         return bool(flags[0]), bool(flags[1]), bool(flags[2])
 
     def _name(self, epoch: int, step: int) -> str:
@@ -311,12 +316,13 @@ class _CheckpointsBase:
         if self.data is not None and state:
             self.data.load_state_dict(state)
 
-    def _announce(self, file: str, epoch: int, step: int, skipped: list) -> None:
+    def _announce(self, file: str, epoch: int, step: int, skipped: list,
+                  copy: str = "folder") -> None:
         self.restored = {**self.restored, "epoch": epoch, "step": step}
         if step:  # steps counted without data= go on from the restored one
             self._counted = (epoch, step)
         if self.rank == 0 and self.resume_from is not None:
-            announce_resume(self.resume_from, file, epoch, skipped, step)
+            announce_resume(self.resume_from, file, epoch, skipped, step, copy)
 
 
 class Checkpoints(_CheckpointsBase):
@@ -354,6 +360,16 @@ class Checkpoints(_CheckpointsBase):
             before. A failed write is raised by the next ``step()``/``save()`` or when the
             function ends, which waits for the save in flight. Off by default: it costs host
             memory, and with synchronous saves a checkpoint exists when ``save()`` returns.
+        host_copy: when the checkpoint folder is not on rank 0's disk (``abfss://``, or a run
+            folder on the driver's host reached through its service), rank 0 also keeps its
+            newest checkpoint file on its own host (in the background with ``async_save``),
+            and a relaunched run restores from the nearest copy: ranks on that host read it from disk, the others get it from a rank that has
+            it over the process group, and the checkpoint folder is read only when no rank has
+            a good one (a missing or corrupt copy is said and passed over). The resume line and
+            ``run.json``'s ``resume.copy`` say which was read. Kept in ``$SPARKHVD_HOST_COPY_DIR``
+            (default: the temporary folder) when it fits in half its free space, and deleted
+            when the function returns (see :mod:`sparkhvd.runfolder.host_copy`). Only inside a
+            sparkhvd run.
 
     ``save(epoch)`` after an epoch, ``save(epoch, step=k)`` after step ``k`` of it (a mid-epoch
     checkpoint: ``epoch-000N-step-000000K.pt``), or ``step(epoch)`` after every step and the
@@ -364,14 +380,19 @@ class Checkpoints(_CheckpointsBase):
                  storage_options: Optional[dict] = None, resume: Any = None,
                  data: Any = None, every_steps: Optional[int] = None,
                  every_seconds: Optional[float] = None, keep: Optional[int] = None,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, host_copy: bool = True) -> None:
         super().__init__(model, optimizer, url=url, storage_options=storage_options,
                          resume=resume, data=data, every_steps=every_steps,
                          every_seconds=every_seconds, keep=keep)
+        self.host_copy = host_copy
         if self.rank != 0:
             self.store = DISCARD  # one writer; every rank reads
+        elif host_copy and self.store is not None:
+            at_function_return(_drop_host_copy)  # the run is done: the copy can go
         if async_save and self.rank == 0 and self.store is not None:
             self._background = BackgroundSave()
+            #: the state of the save in flight, in host memory (refilled by the next save)
+            self._snapshot = HostSnapshot()
             at_function_end(self._finish_save)  # the rank is done when its last save is
             atexit.register(self._finish_quietly)  # ... and so is a torchrun script
 
@@ -394,7 +415,7 @@ class Checkpoints(_CheckpointsBase):
             self._persist(state, name, done, step or 0)
             return name
         self._background.wait()  # one in flight: its buffers are the ones filled now
-        held = self._background.snapshot.take(state)  # the only part the step waits for
+        held = self._snapshot.take(state)  # the only part the step waits for
         self._last_save = time.monotonic()
         self._background.start(name, lambda: self._persist(held, name, done, step or 0))
         return name
@@ -406,15 +427,18 @@ class Checkpoints(_CheckpointsBase):
         assert self.store is not None  # rank 0 with somewhere to write (see _write)
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        write_checkpoint(self.store, done, {name: buffer.getvalue()}, {"file": name}, step)
+        data = buffer.getvalue()
+        record = write_checkpoint(self.store, done, {name: data}, {"file": name}, step)
+        if self.host_copy and not self.store.on_this_host:  # else the folder is the nearest
+            host_copy.keep(name, data, record["files"][name]["sha256"])
         self._saved()
 
     def restore(self) -> int:
         """Load the newest usable checkpoint, if resuming; the epoch to start from (0
         otherwise) -- the epoch a mid-epoch checkpoint was in, which the data (``data=``)
-        continues after its step. A truncated, missing or unreadable newest checkpoint is
-        skipped with a warning (the next older one is used); none usable is a
-        ``CheckpointError``."""
+        continues after its step. Read from the nearest copy (``host_copy``); call it on every
+        rank. A truncated, missing or unreadable newest checkpoint is skipped with a warning
+        (the next older one is used); none usable is a ``CheckpointError``."""
         import torch
 
         if self.resume_from is None:
@@ -429,13 +453,19 @@ class Checkpoints(_CheckpointsBase):
                 self.optimizer.load_state_dict(state["optimizer"])
             return state
 
-        record, state, skipped = _newest(self.resume_from, load, self.rank)
+        copy = "folder"
+        if self.host_copy:
+            record, state, skipped, copy = restore_nearest(self.resume_from, load, self.rank)
+            if (record is None or state is None) and self.rank == 0:
+                announce_resume(self.resume_from)
+        else:
+            record, state, skipped = _newest(self.resume_from, load, self.rank)
         if record is None or state is None:
             return 0
         self.restored = dict(state.get("extra") or {})
         self._restore_data(state.get("data"))
         self._announce(record["file"], int(state["epoch"]), int(state.get("step") or 0),
-                       skipped)
+                       skipped, copy)
         return int(state["epoch"])
 
 
@@ -463,10 +493,17 @@ class ShardedCheckpoints(_CheckpointsBase):
         every_seconds: as for :class:`Checkpoints`; rank 0's clock decides (one small
             broadcast per :meth:`step`).
         keep: as for :class:`Checkpoints`.
-        async_save: refused for now (see below).
+        async_save: write in the background with DCP's ``async_save``: a save holds training
+            up only while each rank's shards are copied into host buffers DCP keeps between
+            saves (pinned, non-blocking copies on a GPU); DCP writes them on its thread, then
+            each rank copies its files into the folder and rank 0 commits once every rank's
+            part is in (all or none, as synchronously). The rules of
+            :class:`Checkpoints`' ``async_save`` hold: one save in flight (a due ``step()``
+            save is skipped, said once; ``save()`` waits; a notice writes its own to the end),
+            the state at the step, errors raised by the next call or at the function's end.
+            Each rank's background work gathers on a gloo group of its own.
 
-    Call :meth:`save` and :meth:`restore` on every rank (they are collectives). They write
-    synchronously: ``async_save=True`` is refused (for now) with what to use instead.
+    Call :meth:`save` and :meth:`restore` on every rank (they are collectives).
     """
 
     def __init__(self, model: Any, optimizer: Any = None, *, url: Optional[str] = None,
@@ -474,15 +511,15 @@ class ShardedCheckpoints(_CheckpointsBase):
                  data: Any = None, every_steps: Optional[int] = None,
                  every_seconds: Optional[float] = None, keep: Optional[int] = None,
                  async_save: bool = False) -> None:
-        if async_save:
-            raise ValueError(
-                "ShardedCheckpoints(async_save=True): sharded checkpoints are written "
-                "synchronously for now (every rank's shards, then the commit). Fix: leave "
-                "async_save out; for a replicated (DDP) model, st.Checkpoints(..., "
-                "async_save=True) saves in the background.")
         super().__init__(model, optimizer, url=url, storage_options=storage_options,
                          resume=resume, data=data, every_steps=every_steps,
                          every_seconds=every_seconds, keep=keep)
+        self._staging: Optional[ShardedStaging] = None
+        if async_save and self.store is not None:
+            self._background = BackgroundSave()
+            self._staging = ShardedStaging(self._finish_save)
+            at_function_end(self._finish_save)  # the rank is done when its part is committed
+            atexit.register(self._finish_quietly)
 
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -495,8 +532,9 @@ class ShardedCheckpoints(_CheckpointsBase):
         return {"model": model_state, "optimizer": optim_state}
 
     def _write(self, epoch: int, step: Optional[int], extra: dict) -> Optional[str]:
-        """Every rank's shards, then rank 0's commit: the checkpoint's folder name."""
-        import shutil
+        """Every rank's shards, then rank 0's commit (or their start: ``async_save``): the
+        checkpoint's folder name."""
+        import copy
         import tempfile
 
         import torch.distributed as dist
@@ -506,34 +544,76 @@ class ShardedCheckpoints(_CheckpointsBase):
             return None
         done = epoch + 1 if not step else epoch
         name = checkpoint_name(done, step or 0)
+        info = {"file": name, "sharded": True, "extra": copy.deepcopy(extra),
+                "data": self._data_state(epoch, step)}  # the state at the step
         local = tempfile.mkdtemp(prefix="sparkhvd-dcp-")
-        try:
-            dcp.save(self._state(), storage_writer=dcp.FileSystemWriter(local))
-            mine: dict[str, dict[str, Any]] = {}
-            for root, _, files in os.walk(local):
-                for file in files:
-                    path = os.path.join(root, file)
-                    rel = f"{name}/{os.path.relpath(path, local)}"
-                    with open(path, "rb") as f:
-                        mine[rel] = {**digest(f.read()), "rank": self.rank}
-                    self.store.write_file(rel, path)
-        except OSError as exc:
-            raise not_written(self.store, done, exc) from exc
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
-        everyone: list[Any] = [mine]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)  # every rank's files are in
-        if self.rank == 0:
-            shards = {k: v for part in everyone for k, v in sorted(part.items())}
-            commit_checkpoint(self.store, done, shards,
-                              {"file": name, "sharded": True, "extra": extra,
-                               "data": self._data_state(epoch, step)}, step or 0)
+        if self._background is not None and self._staging is not None:
+            self._background.wait()  # one in flight: every rank's part of it committed
+            try:
+                future = self._staging.save(self._state(), local)  # the step waits for this
+            except BaseException:
+                shutil.rmtree(local, ignore_errors=True)
+                raise
+            self._last_save = time.monotonic()
+            group = self._staging.group
+            self._background.start(name, lambda: self._commit(
+                name, done, step or 0, info, local, future.result, group))
+            return name
+        self._commit(name, done, step or 0, info, local,
+                     lambda: dcp.save(self._state(), storage_writer=dcp.FileSystemWriter(local)))
         if dist.is_initialized():
             dist.barrier()
-        self._saved()
         return name
+
+    def _commit(self, name: str, done: int, step: int, info: dict, local: str,
+                written: Callable[[], Any], group: Any = None) -> None:
+        """After ``written()`` (DCP's files in ``local``): this rank's files into the folder,
+        every rank's list gathered on ``group``, and rank 0 writes the record -- only when every
+        rank's part is in. A rank that failed still takes part in the gather (with its error),
+        so no rank waits forever and no checkpoint is committed without it."""
+        import torch.distributed as dist
+
+        assert self.store is not None  # a rank with somewhere to write (see _write)
+        mine: dict[str, Any] = {}
+        error: Optional[BaseException] = None
+        try:
+            written()
+            mine = self._copy_in(name, local)
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the gather
+            error = exc
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        everyone: list[Any] = [_part_of(mine, error)]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, _part_of(mine, error), group=group)
+        if isinstance(error, OSError):
+            raise not_written(self.store, done, error) from error
+        if error is not None:
+            raise error
+        failed = [(r, part["failed"]) for r, part in enumerate(everyone) if "failed" in part]
+        if failed:
+            rank, why = failed[0]
+            raise OSError(f"checkpoint {name} not committed: rank {rank}'s part was not "
+                          f"written ({why}); the one before it is still the newest complete "
+                          "checkpoint")
+        if self.rank == 0:
+            shards = {k: v for part in everyone for k, v in sorted(part.items())}
+            commit_checkpoint(self.store, done, shards, info, step)
+        self._saved()
+
+    def _copy_in(self, name: str, local: str) -> dict[str, Any]:
+        """This rank's files in ``local`` into the folder: name -> size, SHA-256 and rank."""
+        assert self.store is not None
+        mine: dict[str, Any] = {}
+        for root, _, files in os.walk(local):
+            for file in files:
+                path = os.path.join(root, file)
+                rel = f"{name}/{os.path.relpath(path, local)}"
+                with open(path, "rb") as f:
+                    mine[rel] = {**digest(f.read()), "rank": self.rank}
+                self.store.write_file(rel, path)
+        return mine
 
     def restore(self) -> int:
         """Load the newest checkpoint into the model and optimizer, if resuming (every rank);
@@ -578,20 +658,13 @@ class ShardedCheckpoints(_CheckpointsBase):
         return epoch
 
 
-_FLAG_GROUPS: dict = {}
+def _part_of(mine: dict, error: Optional[BaseException]) -> dict:
+    """What a rank gives the commit's gather: its files, or why it has none."""
+    return mine if error is None else {"failed": f"{type(error).__name__}: {str(error)[:300]}"}
 
 
-def _flag_group() -> Any:
-    """The process group the checkpoint helpers agree in: the default one on gloo, a gloo group
-    beside it on nccl (made once, by every rank at its first agreement)."""
-    import torch.distributed as dist
-
-    if dist.get_backend() == "gloo":
-        return None
-    key = id(dist.distributed_c10d._get_default_group())
-    if key not in _FLAG_GROUPS:
-        _FLAG_GROUPS[key] = dist.new_group(backend="gloo")
-    return _FLAG_GROUPS[key]
+def _drop_host_copy() -> None:
+    host_copy.clean()
 
 
 def world_size_change() -> WorldSizeChange:

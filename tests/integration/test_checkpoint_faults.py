@@ -154,6 +154,11 @@ def test_a_retry_removes_the_torn_temporary_and_records_each_attempt(torch_runs)
     assert set(first["rank_pids"].values()).isdisjoint(second["rank_pids"].values())
     assert first["hosts"] and second["restored"].endswith("epoch-0002.pt")
     assert record["resume"]["restored"].endswith("epoch-0002.pt"), "resume says what was restored"
+    # the run folder is on rank 0's own disk: it is the nearest copy, none is kept beside it
+    assert record["resume"]["copy"] == "folder", record["resume"]
+    from sparkhvd.runfolder import host_copy
+
+    assert not os.path.exists(os.path.join(host_copy.base_folder(), runner.last_run_dir.run_id))
 
 
 def torch_fit_big(epochs):
@@ -309,3 +314,78 @@ def test_a_retry_says_the_library_resumes_from_its_own_checkpoints(tmp_path, cap
     if "Traceback" in log:  # rank 0 saw its peer go (a knock-on error) before it was stopped
         assert not [line for line in rank_lines if "Traceback" in line], rank_lines
         assert [line for line in rank_lines if "a peer went away" in line], rank_lines
+
+
+def torch_fit_killed_mid_upload(url, storage_options, epochs=3, host_copy=False, kill=True):
+    """Rank 0 saves in the background to ``url`` (``abfss://`` on Azurite), a 2048x2048 layer
+    with momentum (about 33 MB); on the first attempt it is SIGKILLed while epoch 2's save is
+    being written (serialised and uploaded). Deterministic per epoch, as :func:`torch_fit`.
+    ``host_copy``: rank 0 also keeps its newest checkpoint on its host."""
+    import os
+    import signal
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import sparkhvd.torch as st
+
+    ctx = st.setup()
+    torch.manual_seed(0)
+    model = ctx.wrap(torch.nn.Linear(2048, 2048))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ckpt = st.Checkpoints(model, opt, url=url, storage_options=storage_options, resume=True,
+                          async_save=True, host_copy=host_copy)
+    start = ckpt.restore()
+    for epoch in range(start, epochs):
+        x = torch.randn(16, 2048, generator=torch.Generator().manual_seed(epoch * 10 + ctx.rank))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        ckpt.save(epoch)
+        if kill and epoch == 1 and ctx.rank == 0 and \
+                os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            while not ckpt._background.busy:  # the write of epoch-0002.pt has started...
+                time.sleep(0.001)
+            time.sleep(0.05)  # ... and is under way
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt._finish_save()
+    digest = float(sum(p.detach().double().sum() for p in model.parameters()))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return {"start": start, "digest": round(digest, 6)}
+
+
+@pytest.mark.torch_backend
+@pytest.mark.parametrize("host_copy", [False, True], ids=["from-abfss", "host-copy"])
+def test_a_rank_killed_while_its_save_uploads_to_abfss_resumes_from_a_complete_checkpoint(
+        tmp_path, host_copy):
+    """async_save to abfss:// (Azurite): rank 0 SIGKILLed in the middle of a background save.
+    The relaunch reads the newest checkpoint whose record was written -- the one before, or the
+    one cut off if its upload had finished -- never a torn file, and ends with the weights of
+    an uninterrupted run. With the host copy, epoch 1's (kept before epoch 2's save began) is
+    read from this host's disk instead of Azurite when it is the newest complete one."""
+    pytest.importorskip("torch")
+    from conftest import Azurite
+
+    store = Azurite.start(str(tmp_path / "azurite"))
+    try:
+        store.make_container("ckpt")
+        straight = HorovodRunner(np=-2, backend="torch", output_dir=str(tmp_path / "a")).run(
+            torch_fit_killed_mid_upload, url=store.url("ckpt", "straight"),
+            storage_options=store.options(), kill=False)
+        runner = HorovodRunner(np=-2, backend="torch", output_dir=str(tmp_path / "b"),
+                               max_retries=1)
+        result = runner.run(torch_fit_killed_mid_upload, url=store.url("ckpt", "killed"),
+                            storage_options=store.options(), host_copy=host_copy)
+        first, second = runner.last_run_dir.record["attempts"]
+        assert first["status"] == "failed" and "signal 9" in first["retryable"], first
+        restored = second["restored"].rsplit("/", 1)[-1]
+        assert restored in ("epoch-0001.pt", "epoch-0002.pt"), second
+        assert result["start"] == int(restored[6:10])
+        assert result["digest"] == straight["digest"], "the same weights as straight through"
+        copy = runner.last_run_dir.record["resume"]["copy"]
+        assert copy == ("host" if host_copy and restored == "epoch-0001.pt" else
+                        copy if host_copy else "folder"), (copy, restored)
+    finally:
+        store.stop()

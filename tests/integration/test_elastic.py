@@ -55,13 +55,14 @@ def _signal_rank_1(logs_dir, step, signum, rank=1):
     return threading.Thread(target=send, daemon=True)
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_sigterm_to_a_rank_costs_at_most_one_step(spark, tmp_path, async_save):
+@pytest.mark.parametrize("async_save,sharded", [(False, False), (True, False), (True, True)],
+                         ids=["sync", "async", "sharded-async"])
+def test_sigterm_to_a_rank_costs_at_most_one_step(spark, tmp_path, async_save, sharded):
     """A node's notice: SIGTERM to rank 1's process mid-epoch. Every rank finishes its step,
     the step checkpoint is written, the ranks exit as preempted and the run relaunches from it
     (its own budget, not max_retries): no step is trained twice, no id lost. With async_save
     and a save every step, the notice's own save is written to the end before the ranks stop
-    (the one in flight first)."""
+    (the one in flight first) -- for sharded checkpoints too, every rank's part committed."""
     logs_dir = tmp_path / "logs"
     logs_dir.mkdir()
 
@@ -70,7 +71,8 @@ def test_sigterm_to_a_rank_costs_at_most_one_step(spark, tmp_path, async_save):
         runner = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path / "r"))
         thread.start()
         result = runner.run(et.train_ids, data=ds, epochs=2, log_dir=str(logs_dir), step_s=0.1,
-                            async_save=async_save, every_steps=1 if async_save else 1000)
+                            async_save=async_save, every_steps=1 if async_save else 1000,
+                            sharded=sharded)
     thread.join(5)
     assert result == {"world": 2, "change": (2, 2)}
     record = runner.last_run_dir.record
@@ -79,7 +81,7 @@ def test_sigterm_to_a_rank_costs_at_most_one_step(spark, tmp_path, async_save):
     assert first["preempted"]["notice_to_stop_s"] >= 0, first["preempted"]
     checkpoint = first["preempted"]["checkpoint"]
     assert checkpoint.startswith("epoch-0001-step-"), checkpoint
-    step = int(checkpoint[len("epoch-0001-step-"):-len(".pt")])
+    step = int(checkpoint[len("epoch-0001-step-"):].removesuffix(".pt"))
     logs = et.read_logs(logs_dir)
     for rank in (0, 1):  # what each rank did after the checkpoint is redone: at most a step
         last = max(s for e, s, _ in logs[0][rank]["steps"] if e == 1)

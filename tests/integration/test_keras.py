@@ -92,17 +92,21 @@ def test_resume_continues_from_rank0_checkpoint(spark, data, tmp_path, four_epoc
     assert abs(r0["accuracy"] - uninterrupted) <= 0.05
 
 
-def test_resume_is_exact(spark, data, tmp_path):
-    """2 epochs, then resume for 2 more (inside the warm-up): the same weights as 4 straight."""
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_resume_is_exact(spark, data, tmp_path, async_save):
+    """2 epochs, then resume for 2 more (inside the warm-up): the same weights as 4 straight --
+    with checkpoints written in the background too (async_save, a save every 2 steps: the
+    ranks agree on rank 0's save in flight; the function's end waits for the last one)."""
     import numpy as np
 
     kw = dict(**data, shuffle=False, weights=True, warmup_epochs=3)
     straight = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "a")).run(
         digits_keras.train, epochs=4, **kw)
     HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "b")).run(
-        digits_keras.train, epochs=2, **kw)
+        digits_keras.train, epochs=2, async_save=async_save, **kw)
     resumed = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "b"),
-                            resume_from=True).run(digits_keras.train, epochs=4, **kw)
+                            resume_from=True).run(digits_keras.train, epochs=4,
+                                                  async_save=async_save, **kw)
     assert resumed["initial_epoch"] == 2
     for a, b in zip(straight["weights"], resumed["weights"]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -160,9 +160,10 @@ def test_a_keras_resume_continues_the_data_order(spark, tmp_path):
     assert resumed["position"]["samples"] >= 256 // 32 * 32
 
 
-def _fit_logged(train, epochs, log_dir):
-    """KerasDistributed with step checkpoints every 3 steps; a callback logs each step as
-    ``attempt epoch step`` (Keras' own epoch and step) to ``<log_dir>/rank-N.txt``."""
+def _fit_logged(train, epochs, log_dir, async_save=False):
+    """KerasDistributed with step checkpoints every 3 steps (every step, written in the
+    background, with ``async_save``); a callback logs each step as ``attempt epoch step``
+    (Keras' own epoch and step) to ``<log_dir>/rank-N.txt``."""
     import os
     import time
 
@@ -170,7 +171,8 @@ def _fit_logged(train, epochs, log_dir):
 
     from sparkhvd.keras import KerasDistributed
 
-    kd = KerasDistributed(epochs=epochs, batch_size=8, data=train, every_steps=3, keep=2)
+    kd = KerasDistributed(epochs=epochs, batch_size=8, data=train, keep=2,
+                          every_steps=1 if async_save else 3, async_save=async_save)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or \
         str(len([f for f in os.listdir(log_dir) if f.startswith(f"pid-{kd.rank}-")]))
     open(os.path.join(log_dir, f"pid-{kd.rank}-{os.getpid()}"), "w").close()
@@ -196,11 +198,15 @@ def _fit_logged(train, epochs, log_dir):
 
 @pytest.mark.skipif(HAS_HOROVOD, reason="Keras 3 here; TF 2.15's Keras takes notices in the "
                                         "netns elastic test (tests/cluster/test_multihost.py)")
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_notice_to_a_keras_rank_costs_at_most_one_step_and_resumes_mid_epoch(spark,
-                                                                               tmp_path):
+                                                                               tmp_path,
+                                                                               async_save):
     """SIGTERM to rank 1 mid-epoch: both ranks save after the step (a step checkpoint with the
     data's position), stop as preempted, and the relaunch continues in the middle of that
-    epoch -- the run trains exactly as many steps as an uninterrupted one, plus at most one."""
+    epoch -- the run trains exactly as many steps as an uninterrupted one, plus at most one.
+    With async_save (a save every step, in the background) the notice's own save is written
+    to the end before the ranks stop."""
     import signal
     import threading
 
@@ -224,7 +230,8 @@ def test_a_notice_to_a_keras_rank_costs_at_most_one_step_and_resumes_mid_epoch(s
     with DataFrameDataset(df, "x", "y") as train:
         runner = HorovodRunner(np=2, spark=spark, backend="tf", output_dir=str(tmp_path / "r"))
         thread.start()
-        result = runner.run(_fit_logged, train=train, epochs=3, log_dir=str(logs))
+        result = runner.run(_fit_logged, train=train, epochs=3, log_dir=str(logs),
+                            async_save=async_save)
     thread.join(5)
     record = runner.last_run_dir.record
     first, second = record["attempts"]

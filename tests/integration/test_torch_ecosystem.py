@@ -126,16 +126,25 @@ def test_hugging_face_clients_match_torchrun(name, spark, tmp_path):
     assert same_on_every_rank(records) == torchrun(name, tmp_path)["weights"]
 
 
-def test_fsdp2_sharded_checkpoints_resume_exactly(spark, tmp_path):
+@pytest.fixture(scope="module")
+def fsdp2_four_epochs(spark, tmp_path_factory):
+    runner = HorovodRunner(np=2, spark=spark, backend="torch",
+                           output_dir=str(tmp_path_factory.mktemp("fsdp2")))
+    return same_on_every_rank(runner.run_all(torch_clients.fsdp2, epochs=4))
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_fsdp2_sharded_checkpoints_resume_exactly(spark, tmp_path, fsdp2_four_epochs,
+                                                  async_save):
     """2 epochs, then resume_from=True for 2 more: the weights of 4 straight epochs (and of
-    torchrun's), from every rank's DCP shards in the run folder."""
-    straight = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path / "a"))
-    four = same_on_every_rank(straight.run_all(torch_clients.fsdp2, epochs=4))
+    torchrun's), from every rank's DCP shards in the run folder -- written synchronously, or
+    in the background by DCP's async_save (the last one waited for at the function's end)."""
+    four = fsdp2_four_epochs
     HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path / "b")).run_all(
-        torch_clients.fsdp2, epochs=2)
+        torch_clients.fsdp2, epochs=2, async_save=async_save)
     resumed = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path / "b"),
                             resume_from=True)
-    records = resumed.run_all(torch_clients.fsdp2, epochs=4)
+    records = resumed.run_all(torch_clients.fsdp2, epochs=4, async_save=async_save)
     assert {r["start"] for r in records} == {2}
     assert same_on_every_rank(records) == four
     restored = resumed.last_run_dir.record["resume"]

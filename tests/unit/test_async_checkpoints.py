@@ -222,7 +222,61 @@ def test_gpu_tensors_go_into_pinned_buffers_in_one_side_stream_copy_per_save():
     assert copies.batches == [2, 2]  # one wait for the side stream per save
 
 
-def test_sharded_checkpoints_do_not_take_async_save():
+class GatedFolder(GatedStore):
+    """As :class:`GatedStore`, for the files a sharded checkpoint copies in."""
+
+    def write_file(self, name: str, local_path: str) -> None:
+        with open(local_path, "rb") as f:
+            self.write(name, f.read())
+
+
+def _sharded(tmp_path, model, opt, **kw):
+    ckpt = st.ShardedCheckpoints(model, opt, url=str(tmp_path / "ckpt"), resume=False,
+                                 async_save=True, **kw)
+    store = GatedFolder(str(tmp_path / "ckpt"))
+    ckpt.store = store
+    return ckpt, store
+
+
+def test_a_sharded_save_is_the_state_at_the_step_and_committed_only_when_written(tmp_path):
+    """DCP's async_save: staged at the step, written and committed in the background; nothing
+    is named until every file is in, and a resume loads exactly the state at the step."""
     model, opt = _model_and_opt()
-    with pytest.raises(ValueError, match="st.Checkpoints"):
-        st.ShardedCheckpoints(model, opt, async_save=True)
+    ckpt, store = _sharded(tmp_path, model, opt, every_steps=1)
+    _train_step(model, opt)
+    at_step = {k: v.clone() for k, v in model.state_dict().items()}
+    store.gate.clear()
+    name = ckpt.step(0, note=[2])
+    assert name == "epoch-0000-step-0000001"
+    store.writing.wait(10)
+    for _ in range(2):
+        _train_step(model, opt)
+        assert ckpt.step(0) is None  # due, skipped: one save in flight
+    assert not (tmp_path / "ckpt" / "latest.json").exists()
+    store.gate.set()
+    function_ended()
+    record = _latest(tmp_path)
+    assert record["file"] == name and record["extra"] == {"note": [2]} and record["step"] == 1
+    assert all(entry["rank"] == 0 for entry in record["files"].values())
+
+    fresh, fresh_opt = _model_and_opt()
+    _train_step(fresh, fresh_opt)
+    back = st.ShardedCheckpoints(fresh, fresh_opt, url=str(tmp_path / "ckpt"), resume=True)
+    assert back.restore() == 0 and back.restored["step"] == 1
+    for key, value in at_step.items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+
+
+def test_a_failed_sharded_write_commits_nothing_and_is_raised_by_the_next_step(tmp_path):
+    model, opt = _model_and_opt()
+    ckpt, store = _sharded(tmp_path, model, opt, every_steps=1)
+    _train_step(model, opt)
+    assert ckpt.step(0) == "epoch-0000-step-0000001"
+    ckpt._finish_save()
+    store.fail = OSError(28, "No space left on device")
+    _train_step(model, opt)
+    assert ckpt.step(0) == "epoch-0000-step-0000002"
+    ckpt._background._thread.join(30)
+    with pytest.raises(OSError, match="No space left.*epoch-0000-step-0000001"):
+        ckpt.step(0)
+    assert _latest(tmp_path)["file"] == "epoch-0000-step-0000001"  # the one before stays

@@ -1,0 +1,248 @@
+"""The newest checkpoint kept on the writing rank's host, and restoring from the nearest copy
+(sparkhvd.runfolder.host_copy, sparkhvd.torch.nearest_copy): real files, real torch.save, and
+two real processes in a gloo group for a copy sent from the rank that has it."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sparkhvd.common import protocol
+from sparkhvd.common.function_end import function_ended
+from sparkhvd.runfolder import host_copy
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def run_env(tmp_path, monkeypatch):
+    """A run id and a host-copy folder, as a sparkhvd rank has them; the checkpoint folders
+    in ``tmp_path`` count as remote ones (``abfss://``, a run folder on the driver's host),
+    for which a host copy is kept."""
+    from sparkhvd.runfolder.checkpoint_store import UrlStore
+
+    monkeypatch.setenv(protocol.RUN_ID_ENV, "20261126-run")
+    monkeypatch.setenv(host_copy.DIR_ENV, str(tmp_path / "host-a"))
+    monkeypatch.setattr(UrlStore, "on_this_host", property(lambda self: False))
+    return tmp_path
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_only_the_newest_copy_is_kept_and_it_is_checked_when_read(run_env):
+    first = host_copy.keep("epoch-0001.pt", b"one" * 100, _sha(b"one" * 100))
+    second = host_copy.keep("epoch-0002.pt", b"two" * 100, _sha(b"two" * 100))
+    assert first is not None and second is not None
+    assert not os.path.exists(first.path)  # the older copy goes once the newer one is in
+    found = host_copy.find()
+    assert found == second and found.read() == b"two" * 100
+    with open(found.path, "r+b") as f:
+        f.write(b"X")
+    with pytest.raises(ValueError, match="corrupt"):
+        found.read()
+    os.truncate(found.path, 10)
+    with pytest.raises(ValueError, match="truncated"):
+        found.read()
+    os.unlink(found.path)
+    with pytest.raises(ValueError, match="unreadable"):
+        found.read()
+
+
+def test_a_copy_over_the_budget_is_not_kept_and_said_once(run_env, monkeypatch, capsys):
+    host_copy.keep("epoch-0001.pt", b"small", _sha(b"small"))
+    monkeypatch.setattr(host_copy, "FREE_SHARE", 1e-15)
+    assert host_copy.keep("epoch-0002.pt", b"big" * 1000, "x") is None
+    assert host_copy.keep("epoch-0003.pt", b"big" * 1000, "x") is None
+    assert host_copy.find() is None  # the older copy went too: never a stale one
+    said = [line for line in capsys.readouterr().out.splitlines() if "no host copy" in line]
+    assert len(said) == 1 and host_copy.DIR_ENV in said[0]
+
+
+def test_no_copy_outside_a_run_and_the_folder_goes_when_the_function_returns(
+        run_env, monkeypatch):
+    from sparkhvd.common.function_end import at_function_return
+
+    host_copy.keep("epoch-0001.pt", b"data", _sha(b"data"))
+    at_function_return(host_copy.clean)
+    function_ended(returned=False)  # raised: a relaunch may want the copy
+    assert host_copy.find() is not None
+    at_function_return(host_copy.clean)
+    function_ended()
+    assert host_copy.find() is None and not os.path.exists(host_copy.folder())
+    monkeypatch.delenv(protocol.RUN_ID_ENV)
+    assert host_copy.keep("epoch-0001.pt", b"data", _sha(b"data")) is None
+
+
+def test_a_folder_a_failed_run_left_is_deleted_a_day_later(run_env):
+    stale = os.path.join(host_copy.base_folder(), "old-run")
+    fresh = os.path.join(host_copy.base_folder(), "other-live-run")
+    for folder in (stale, fresh):
+        os.makedirs(folder)
+    os.utime(stale, (0, 0))
+    host_copy.keep("epoch-0001.pt", b"data", _sha(b"data"))
+    assert not os.path.exists(stale) and os.path.exists(fresh)
+
+
+# -- st.Checkpoints restoring from the nearest copy (torch) ----------------------------------
+def _model_and_opt(torch, seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt.zero_grad()
+    model(torch.randn(16, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _saved_run(torch, tmp_path):
+    """A checkpoint folder and rank 0's host copy of it, as a run left them."""
+    import sparkhvd.torch as st
+
+    model, opt = _model_and_opt(torch, seed=0)
+    ckpt = st.Checkpoints(model, opt, url=str(tmp_path / "ckpt"), resume=False)
+    ckpt.save(0, seen=5)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _names_a_copy(line: str) -> bool:
+    return "(its copy on this host)" in line or "another rank's host copy" in line
+
+
+def _restored(torch, tmp_path, capsys):
+    import sparkhvd.torch as st
+
+    model, opt = _model_and_opt(torch, seed=1)
+    ckpt = st.Checkpoints(model, opt, url=str(tmp_path / "ckpt"), resume=True)
+    epoch = ckpt.restore()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "resume:" in line]
+    return model, ckpt, epoch, lines
+
+
+def test_no_host_copy_is_kept_of_a_folder_on_this_hosts_disk(tmp_path, monkeypatch):
+    """A local checkpoint folder is the nearest copy already: nothing is written twice."""
+    torch = pytest.importorskip("torch")
+    from sparkhvd.runfolder.checkpoint_store import UrlStore
+
+    monkeypatch.setenv(protocol.RUN_ID_ENV, "20261126-run")
+    monkeypatch.setenv(host_copy.DIR_ENV, str(tmp_path / "host-a"))
+    assert UrlStore(str(tmp_path)).on_this_host and UrlStore(f"file://{tmp_path}").on_this_host
+    assert not UrlStore("abfss://c@a.dfs.core.windows.net/x").on_this_host
+    _saved_run(torch, tmp_path)
+    assert host_copy.find() is None
+
+
+def test_a_relaunch_on_the_same_host_reads_the_host_copy(run_env, capsys):
+    torch = pytest.importorskip("torch")
+    saved = _saved_run(torch, run_env)
+    assert host_copy.find() is not None and host_copy.find().file == "epoch-0001.pt"
+    model, ckpt, epoch, lines = _restored(torch, run_env, capsys)
+    assert epoch == 1 and ckpt.restored["seen"] == 5
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert "its copy on this host" in lines[-1], lines
+
+
+@pytest.mark.parametrize("damage", ["deleted", "corrupt"])
+def test_a_bad_host_copy_is_said_and_the_checkpoint_folder_is_read(run_env, capsys, damage):
+    torch = pytest.importorskip("torch")
+    saved = _saved_run(torch, run_env)
+    copy = host_copy.find()
+    if damage == "deleted":
+        os.unlink(copy.path)
+    else:
+        with open(copy.path, "r+b") as f:
+            f.seek(copy.size // 2)
+            f.write(b"\0" * 64)
+    model, ckpt, epoch, lines = _restored(torch, run_env, capsys)
+    assert epoch == 1 and all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert any("WARNING" in line and "host copy" in line for line in lines), lines
+    assert lines[-1].startswith("resume: restored") and not _names_a_copy(lines[-1]), lines
+
+
+def test_a_stale_host_copy_is_never_used(run_env, capsys):
+    """The folder's newest checkpoint is newer than the host's copy (it was not kept)."""
+    torch = pytest.importorskip("torch")
+    import sparkhvd.torch as st
+
+    _saved_run(torch, run_env)
+    model, opt = _model_and_opt(torch, seed=2)
+    newer = st.Checkpoints(model, opt, url=str(run_env / "ckpt"), resume=False,
+                           host_copy=False)
+    newer.save(1)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    model, _, epoch, lines = _restored(torch, run_env, capsys)
+    assert epoch == 2 and all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert not _names_a_copy(lines[-1]), lines
+
+
+_RANK = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    import sparkhvd.torch as st
+    dist.init_process_group("gloo")
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ckpt = st.Checkpoints(model, opt, url=sys.argv[1], resume=True)
+    epoch = ckpt.restore()
+    state = {k: v.tolist() for k, v in model.state_dict().items()}
+    with open(sys.argv[2], "w") as f:
+        json.dump({"epoch": epoch, "state": state}, f)
+    dist.destroy_process_group()
+""")
+
+
+def _two_ranks(tmp_path, host_dirs: list[str]) -> list[dict]:
+    """Two real ranks in a gloo group, each with its own host-copy folder (its "host")."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK)
+    procs = []
+    for rank, folder in enumerate(host_dirs):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "SPARKHVD_RANK": str(rank), "SPARKHVD_SIZE": "2",
+               "MASTER_PORT": str(port), host_copy.DIR_ENV: folder,
+               protocol.RUN_ID_ENV: "20261126-run"}
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / f"r{rank}")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=150)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    return [{**json.loads((tmp_path / f"r{rank}").read_text()), "out": out}
+            for rank, out in enumerate(outs)]
+
+
+def _as_lists(state) -> dict:
+    return {k: v.tolist() for k, v in state.items()}
+
+
+def test_a_rank_on_a_new_host_gets_the_copy_from_the_rank_that_has_it(run_env):
+    torch = pytest.importorskip("torch")
+    saved = _as_lists(_saved_run(torch, run_env))
+    ranks = _two_ranks(run_env, [str(run_env / "host-b"), str(run_env / "host-a")])
+    assert [r["epoch"] for r in ranks] == [1, 1]
+    assert ranks[0]["state"] == saved and ranks[1]["state"] == saved
+    resume = [line for line in ranks[0]["out"].splitlines() if "resume:" in line]
+    assert "another rank's host copy" in resume[-1], ranks[0]["out"]
+
+
+def test_when_the_only_copy_is_corrupt_every_rank_reads_the_folder(run_env):
+    torch = pytest.importorskip("torch")
+    saved = _as_lists(_saved_run(torch, run_env))
+    with open(host_copy.find().path, "r+b") as f:
+        f.write(b"garbage")
+    ranks = _two_ranks(run_env, [str(run_env / "host-b"), str(run_env / "host-a")])
+    assert [r["state"] == saved for r in ranks] == [True, True]
+    assert "corrupt" in ranks[1]["out"], ranks[1]["out"]
+    resume = [line for line in ranks[0]["out"].splitlines() if "resume: restored" in line]
+    assert not _names_a_copy(resume[-1]), ranks[0]["out"]

@@ -1,0 +1,99 @@
+"""``KerasDistributed(async_save=True)``'s checkpoint callback in one process: the step waits
+only while the model and optimizer are serialised; the write goes on in the background under
+the rules the torch helpers keep (one in flight, skipped and said once, errors raised later,
+the function's end waits). A real ``model.fit`` and a real checkpoint folder; a gate on the
+store holds a write in flight."""
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from sparkhvd.common.function_end import function_ended  # noqa: E402
+from sparkhvd.keras import checkpoints  # noqa: E402
+from sparkhvd.keras.callbacks import RankZeroCheckpoint  # noqa: E402
+from sparkhvd.runfolder.checkpoint_store import UrlStore  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class GatedStore(UrlStore):
+    """A real folder whose writes wait for :attr:`gate` or fail with :attr:`fail`."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.writing = threading.Event()
+        self.fail: OSError | None = None
+
+    def write(self, name: str, data: bytes) -> None:
+        self.writing.set()
+        self.gate.wait(60)
+        if self.fail is not None:
+            raise self.fail
+        super().write(name, data)
+
+
+class Held(tf.keras.callbacks.Callback):
+    """Holds the first write in flight for ``steps`` more steps, noting the weights at step 1."""
+
+    def __init__(self, store: GatedStore, steps: int) -> None:
+        super().__init__()
+        self.store, self.steps, self.seen = store, steps, 0
+        self.at_step_1: list = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == 1:
+            self.at_step_1 = [w.copy() for w in self.model.get_weights()]
+            self.store.gate.clear()
+        elif self.seen == 1 + self.steps:
+            self.store.gate.set()
+
+
+def _fit(tmp_path, store, *callbacks, steps=6, **kw):
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.layers.Input((3,)), tf.keras.layers.Dense(1)])
+    model.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="mse")
+    x = np.random.default_rng(0).normal(size=(steps * 4, 3)).astype("float32")
+    saver = RankZeroCheckpoint(store, every_steps=1, async_save=True, **kw)
+    # the held callback runs first: its gate is shut before step 1's save starts writing
+    model.fit(x, x.sum(1), batch_size=4, epochs=1, verbose=0,
+              callbacks=[*callbacks, saver], shuffle=False)
+    return model, saver
+
+
+def test_the_checkpoint_is_the_state_at_the_step_and_due_saves_are_skipped_said_once(
+        tmp_path, capsys):
+    store = GatedStore(str(tmp_path / "ckpt"))
+    held = Held(store, steps=3)
+    model, saver = _fit(tmp_path, store, held)
+    function_ended()  # waits for the save in flight
+    said = [line for line in capsys.readouterr().out.splitlines() if "skipped" in line]
+    assert len(said) == 1 and "epoch-0000-step-0000001" in said[0], said
+    assert saver.saved[0].startswith("epoch-0000-step-0000001."), saver.saved
+    held_steps = ("epoch-0000-step-0000002", "epoch-0000-step-0000003")  # the gate was shut
+    assert not [n for n in saver.saved if n.startswith(held_steps)], saver.saved
+    first = json.loads((tmp_path / "ckpt" / "epoch-0000-step-0000001.json").read_text())
+    fresh = tf.keras.Sequential([tf.keras.layers.Input((3,)), tf.keras.layers.Dense(1)])
+    fresh.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="mse")
+    checkpoints.restore(store, first, fresh)
+    for got, want in zip(fresh.get_weights(), held.at_step_1):
+        np.testing.assert_array_equal(got, want)  # the state at step 1, not at the write's end
+    newest = json.loads((tmp_path / "ckpt" / "latest.json").read_text())
+    assert saver.saved[-1].startswith(checkpoints.checkpoint_name(newest["epoch"],
+                                                                  newest["step"]))
+
+
+def test_a_failed_background_write_is_raised_at_the_next_step(tmp_path):
+    store = GatedStore(str(tmp_path / "ckpt"))
+    store.fail = OSError(28, "No space left on device")
+    with pytest.raises(OSError, match="No space left"):
+        _fit(tmp_path, store, steps=40)
+    function_ended(returned=False)  # nothing left in flight to raise
+    assert not (tmp_path / "ckpt" / "latest.json").exists()
