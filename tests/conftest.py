@@ -159,6 +159,36 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def gated_store(url: str):
+    """A real checkpoint folder (``UrlStore`` on ``url``) whose writes wait for ``gate`` -- a
+    save held in flight where a test needs one -- or fail with ``fail``; ``writing`` is set
+    once a write began."""
+    import threading
+
+    from sparkhvd.runfolder.checkpoint_store import UrlStore
+
+    class Gated(UrlStore):
+        def __init__(self) -> None:
+            super().__init__(url)
+            self.gate = threading.Event()
+            self.gate.set()
+            self.writing = threading.Event()
+            self.fail: OSError | None = None
+
+        def write(self, name: str, data: bytes) -> None:
+            self.writing.set()
+            self.gate.wait(60)
+            if self.fail is not None:
+                raise self.fail
+            super().write(name, data)
+
+        def write_file(self, name: str, local_path: str) -> None:
+            with open(local_path, "rb") as f:
+                self.write(name, f.read())
+
+    return Gated()
+
+
 class Azurite:
     """A running Azurite blob service on 127.0.0.1 and how to reach it through adlfs."""
 

@@ -8,7 +8,6 @@ unit-tested with a fake.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import time
 from typing import Any, Callable, Optional, Union
@@ -19,7 +18,7 @@ from sparkhvd.common import protocol
 from sparkhvd.common.function_end import at_function_end
 from sparkhvd.keras import checkpoints
 from sparkhvd.rank.events import emit
-from sparkhvd.runfolder.background_save import BackgroundSave
+from sparkhvd.runfolder.background_save import BackgroundSave, SavesInBackground
 
 __side__ = "rank"
 
@@ -215,7 +214,7 @@ class EpochProgress(tf.keras.callbacks.Callback):
         emit(protocol.Metrics(rank=0, record=record))
 
 
-class RankZeroCheckpoint(tf.keras.callbacks.Callback):
+class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
     """Rank 0 saves a checkpoint every ``every`` epochs -- and, with ``every_steps`` or
     ``every_seconds``, in the middle of epochs -- the model, the optimizer state and the
     training state, atomically (see :mod:`sparkhvd.keras.checkpoints`); after a *notice*
@@ -289,7 +288,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
         self._background: Optional[BackgroundSave] = None
         if async_save and write:
             self._background = BackgroundSave()
-            at_function_end(self.finish_save)  # the rank is done when its last save is
+            at_function_end(self._finish_save)  # the rank is done when its last save is
             atexit.register(self._finish_quietly)
 
     def position(self) -> tuple[int, int, int]:
@@ -334,8 +333,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
             self._stop_at_epoch_end = self._stop_at_epoch_end or notice
             return
         if busy and not notice:  # async_save: due while the last one is still being written
-            if self._background is not None:
-                self._background.skip(checkpoints.checkpoint_name(epoch, step))
+            self._skip(checkpoints.checkpoint_name(epoch, step))
             return
         name = self._save(epoch, step, to_the_end=notice)
         if notice:
@@ -361,7 +359,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
     def _agree(self, by_time: bool, notice: bool) -> tuple[bool, bool, bool]:
         """``(by_time, notice, busy)`` the same on every rank (``agree``); ``busy``: the writer's
         save is still being written (async_save)."""
-        busy = self._background is not None and self._background.busy
+        busy = self._writing()
         if self.agree is None:
             return by_time, notice, busy
         if self.async_save:
@@ -369,19 +367,6 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback):
             return by_time, notice, busy
         by_time, notice = self.agree(by_time, notice)
         return by_time, notice, False
-
-    def finish_save(self) -> None:
-        """Wait until the save in flight is written (raising its error)."""
-        if self._background is not None:
-            self._background.wait()
-
-    def _finish_quietly(self) -> None:
-        with contextlib.suppress(Exception):
-            self.finish_save()
-
-    def _raise_failed_save(self) -> None:
-        if self._background is not None:
-            self._background.raise_error()
 
     def _save(self, epoch: int, step: int, to_the_end: bool = False) -> str:
         state = dict(self.state() if self.state else {})

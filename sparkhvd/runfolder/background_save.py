@@ -83,3 +83,33 @@ class BackgroundSave:
             print(f"checkpoint: {due} skipped: {self.name} is still being written "
                   "(async_save: a save that comes due while one is in flight is skipped)",
                   flush=True)
+
+
+class SavesInBackground:
+    """What a checkpoint helper with an optional background writer does with it -- the
+    torch helpers and the Keras callback alike. ``_background`` None: saves are synchronous."""
+
+    _background: Optional[BackgroundSave] = None
+
+    def _writing(self) -> bool:
+        """Whether a save of this rank's is still being written in the background."""
+        return self._background is not None and self._background.busy
+
+    def _skip(self, name: str) -> None:
+        """A save came due while one is in flight: skipped, said once per save in flight."""
+        if self._background is not None:
+            self._background.skip(name)
+
+    def _finish_save(self) -> None:
+        """Wait until the save in flight is durable (raising its error)."""
+        if self._background is not None:
+            self._background.wait()
+
+    def _finish_quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            self._finish_save()
+
+    def _raise_failed_save(self) -> None:
+        """The error of a background save that failed, raised in the training loop."""
+        if self._background is not None:
+            self._background.raise_error()

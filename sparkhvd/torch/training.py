@@ -23,7 +23,6 @@ Nothing here imports TensorFlow or horovod.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import io
 import os
 import shutil
@@ -38,6 +37,7 @@ from sparkhvd.elastic.notices import Preempted, WorldSizeChange, listen, noticed
 from sparkhvd.elastic.notices import world_size_change as _world_size_change
 from sparkhvd.rank.events import emit
 from sparkhvd.runfolder import host_copy
+from sparkhvd.runfolder.background_save import SavesInBackground
 from sparkhvd.runfolder.checkpoint_store import (
     DISCARD,
     CheckpointStore,
@@ -176,9 +176,10 @@ def _newest(resume_from: Any, load: Callable, rank: int) -> tuple[Any, Any, list
     return record, state, skipped
 
 
-class _CheckpointsBase:
+class _CheckpointsBase(SavesInBackground):
     """What both kinds of checkpoints hold: the model, its optimizer, this rank, where they
-    are saved and where they resume from."""
+    are saved and where they resume from (and, with ``async_save``, their background
+    writer)."""
 
     def __init__(self, model: Any, optimizer: Any = None, *, url: Optional[str] = None,
                  storage_options: Optional[dict] = None, resume: Any = None,
@@ -239,30 +240,6 @@ class _CheckpointsBase:
                 dist.barrier()  # every rank's part is in before any rank leaves
             raise stop(name or self._name(epoch + 1 if not step else epoch, step or 0))
         return name
-
-    # -- background saves (rank 0 of Checkpoints(async_save=True); None: synchronous) ----------
-    def _writing(self) -> bool:
-        """Whether a save of this rank's is still being written in the background."""
-        return self._background is not None and self._background.busy
-
-    def _skip(self, name: str) -> None:
-        """A save came due while one is in flight (see :mod:`sparkhvd.torch.async_save`)."""
-        if self._background is not None:
-            self._background.skip(name)
-
-    def _finish_save(self) -> None:
-        """Wait until the save in flight is durable (raising its error)."""
-        if self._background is not None:
-            self._background.wait()
-
-    def _finish_quietly(self) -> None:
-        with contextlib.suppress(Exception):
-            self._finish_save()
-
-    def _raise_failed_save(self) -> None:
-        """The error of a background save that failed, raised in the training loop."""
-        if self._background is not None:
-            self._background.raise_error()
 
     def _write(self, epoch: int, step: Optional[int], extra: dict) -> Optional[str]:
         raise NotImplementedError  # each kind writes its own

@@ -12,29 +12,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import sparkhvd.torch as st  # noqa: E402
+from conftest import gated_store  # noqa: E402
 from sparkhvd.common.function_end import function_ended  # noqa: E402
-from sparkhvd.runfolder.checkpoint_store import UrlStore  # noqa: E402
 from sparkhvd.torch.async_save import HostSnapshot, StagingCopies  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class GatedStore(UrlStore):
-    """A real folder whose writes wait for :attr:`gate` (a save held in flight) or fail."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(url)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.writing = threading.Event()
-        self.fail: OSError | None = None
-
-    def write(self, name: str, data: bytes) -> None:
-        self.writing.set()
-        self.gate.wait(60)
-        if self.fail is not None:
-            raise self.fail
-        super().write(name, data)
 
 
 def _model_and_opt():
@@ -53,7 +35,7 @@ def _train_step(model, opt) -> None:
 def _checkpoints(tmp_path, model, opt, **kw):
     ckpt = st.Checkpoints(model, opt, url=str(tmp_path / "ckpt"), resume=False,
                           async_save=True, **kw)
-    store = GatedStore(str(tmp_path / "ckpt"))
+    store = gated_store(str(tmp_path / "ckpt"))
     ckpt.store = store
     return ckpt, store
 
@@ -222,18 +204,10 @@ def test_gpu_tensors_go_into_pinned_buffers_in_one_side_stream_copy_per_save():
     assert copies.batches == [2, 2]  # one wait for the side stream per save
 
 
-class GatedFolder(GatedStore):
-    """As :class:`GatedStore`, for the files a sharded checkpoint copies in."""
-
-    def write_file(self, name: str, local_path: str) -> None:
-        with open(local_path, "rb") as f:
-            self.write(name, f.read())
-
-
 def _sharded(tmp_path, model, opt, **kw):
     ckpt = st.ShardedCheckpoints(model, opt, url=str(tmp_path / "ckpt"), resume=False,
                                  async_save=True, **kw)
-    store = GatedFolder(str(tmp_path / "ckpt"))
+    store = gated_store(str(tmp_path / "ckpt"))
     ckpt.store = store
     return ckpt, store
 

@@ -6,43 +6,24 @@ store holds a write in flight."""
 from __future__ import annotations
 
 import json
-import threading
 
 import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
 
+from conftest import gated_store  # noqa: E402
 from sparkhvd.common.function_end import function_ended  # noqa: E402
 from sparkhvd.keras import checkpoints  # noqa: E402
 from sparkhvd.keras.callbacks import RankZeroCheckpoint  # noqa: E402
-from sparkhvd.runfolder.checkpoint_store import UrlStore  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
-
-
-class GatedStore(UrlStore):
-    """A real folder whose writes wait for :attr:`gate` or fail with :attr:`fail`."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(url)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.writing = threading.Event()
-        self.fail: OSError | None = None
-
-    def write(self, name: str, data: bytes) -> None:
-        self.writing.set()
-        self.gate.wait(60)
-        if self.fail is not None:
-            raise self.fail
-        super().write(name, data)
 
 
 class Held(tf.keras.callbacks.Callback):
     """Holds the first write in flight for ``steps`` more steps, noting the weights at step 1."""
 
-    def __init__(self, store: GatedStore, steps: int) -> None:
+    def __init__(self, store, steps: int) -> None:
         super().__init__()
         self.store, self.steps, self.seen = store, steps, 0
         self.at_step_1: list = []
@@ -70,7 +51,7 @@ def _fit(tmp_path, store, *callbacks, steps=6, **kw):
 
 def test_the_checkpoint_is_the_state_at_the_step_and_due_saves_are_skipped_said_once(
         tmp_path, capsys):
-    store = GatedStore(str(tmp_path / "ckpt"))
+    store = gated_store(str(tmp_path / "ckpt"))
     held = Held(store, steps=3)
     model, saver = _fit(tmp_path, store, held)
     function_ended()  # waits for the save in flight
@@ -91,7 +72,7 @@ def test_the_checkpoint_is_the_state_at_the_step_and_due_saves_are_skipped_said_
 
 
 def test_a_failed_background_write_is_raised_at_the_next_step(tmp_path):
-    store = GatedStore(str(tmp_path / "ckpt"))
+    store = gated_store(str(tmp_path / "ckpt"))
     store.fail = OSError(28, "No space left on device")
     with pytest.raises(OSError, match="No space left"):
         _fit(tmp_path, store, steps=40)
