@@ -151,7 +151,6 @@ def _peer_restore_s(folder: str, tiny: bool, holder_dir: str) -> float:
 def restore_rows(repeat: int, tiny: bool, stats: Any) -> list[dict]:
     """The restore from each copy of one checkpoint of the B15 model."""
     import sparkhvd.torch as st
-
     from conftest import Azurite
 
     work = tempfile.mkdtemp(prefix="bench-b15-restore-")
