@@ -2,10 +2,10 @@
 
 A relaunched run reads its newest checkpoint back from the run folder -- on ``abfss://`` that is
 the whole state over the network, once per rank. When the checkpoint folder is not on its own
-disk, the rank that writes a checkpoint also keeps its newest file here, on its host's disk, so a relaunch restores from the nearest copy: a rank
-on the same host reads it from disk, a rank on another host gets it from a rank that has it
-(:mod:`sparkhvd.torch.nearest_copy`), and only when no rank has it does a rank read the run
-folder.
+disk, the rank that writes a checkpoint also keeps its newest file here, on its host's disk, so
+a relaunch restores from the nearest copy: a rank on the same host reads it from disk, a rank on
+another host gets it from a rank that has it (:mod:`sparkhvd.torch.nearest_copy`), and only
+when no rank has it does a rank read the run folder.
 
 Rules:
 
@@ -45,6 +45,7 @@ STALE_S = 24 * 3600.0
 
 _META = "host-copy.json"
 _said: set = set()
+_swept: set = set()  # the base folders this process looked for stale runs in (once each)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,9 @@ def keep(file: str, data: bytes, sha256: str) -> Optional[HostCopy]:
         return None
     try:
         os.makedirs(where, exist_ok=True)
-        _remove_stale(os.path.dirname(where), keep_name=os.path.basename(where))
+        if os.path.dirname(where) not in _swept:  # once per process, not once per save
+            _swept.add(os.path.dirname(where))
+            _remove_stale(os.path.dirname(where), keep_name=os.path.basename(where))
         old = find()
         room = shutil.disk_usage(where).free
         if len(data) > FREE_SHARE * room:

@@ -185,7 +185,8 @@ _RANK = textwrap.dedent("""
     import json, os, sys
     import torch, torch.distributed as dist
     import sparkhvd.torch as st
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[3]}",
+                            rank=int(os.environ["RANK"]), world_size=2)
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -199,22 +200,18 @@ _RANK = textwrap.dedent("""
 
 
 def _two_ranks(tmp_path, host_dirs: list[str]) -> list[dict]:
-    """Two real ranks in a gloo group, each with its own host-copy folder (its "host")."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """Two real ranks in a gloo group (met through a file: no port to race for), each with its
+    own host-copy folder (its "host")."""
     script = tmp_path / "rank.py"
     script.write_text(_RANK)
     procs = []
     for rank, folder in enumerate(host_dirs):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "SPARKHVD_RANK": str(rank), "SPARKHVD_SIZE": "2",
-               "MASTER_PORT": str(port), host_copy.DIR_ENV: folder,
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
+               "SPARKHVD_RANK": str(rank), "SPARKHVD_SIZE": "2", host_copy.DIR_ENV: folder,
                protocol.RUN_ID_ENV: "20261126-run"}
         procs.append(subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / f"r{rank}")],
+            [sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / f"r{rank}"),
+             str(tmp_path / "rendezvous")],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=150)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
