@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -32,44 +33,54 @@ import tempfile
 import time
 from typing import Any
 
+_log = logging.getLogger(__name__)
+
 #: A run id, so that the checkpoints keep rank 0's host copy as they do in a sparkhvd run.
 RUN_ID = "bench-b15"
 
 
-def _model(tiny: bool) -> tuple[Any, Any, Any, int]:
+def _model(tiny: bool, gpu: bool = False) -> tuple[Any, Any, Any, int]:
+    """A wide MLP with Adam: about 1 GB of state on the CPU, 6.4 GB on a GPU (``gpu``)."""
     import torch
 
     torch.manual_seed(0)
-    width, depth = (64, 2) if tiny else (4096, 5)
+    width, depth, rows = (64, 2, 64) if tiny else (8192, 8, 1024) if gpu else (4096, 5, 64)
+    device = "cuda" if gpu else "cpu"
     layers: list[Any] = []
     for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+        layers += [torch.nn.Linear(width, width, device=device), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    batch = torch.randn(64, width)
+    batch = torch.randn(rows, width, device=device)
     params = sum(p.numel() for p in model.parameters())
     return model, opt, batch, params
 
 
-def _run(mode: str, steps: int, tiny: bool) -> dict:
+def _run(mode: str, steps: int, tiny: bool, gpu: bool = False, sharded: bool = False) -> dict:
+    """Steps/s of the B15 loop with checkpoints ``mode`` (none | sync | async) every step, and
+    how long a step is held by a save (``gpu``: the model on the GPU, so the async hold is the
+    device-to-host copy; ``sharded``: ``ShardedCheckpoints``, DCP's staging)."""
     import torch
 
     import sparkhvd.torch as st
 
-    model, opt, batch, params = _model(tiny)
+    model, opt, batch, params = _model(tiny, gpu)
     folder = tempfile.mkdtemp(prefix="bench-b15-")
     os.environ.update({"SPARKHVD_RUN_ID": RUN_ID,  # rank 0's host copy, as in a run
                        "SPARKHVD_HOST_COPY_DIR": os.path.join(folder, "host")})
-    ckpt = None if mode == "none" else st.Checkpoints(
+    kind = st.ShardedCheckpoints if sharded else st.Checkpoints
+    ckpt = None if mode == "none" else kind(
         model, opt, url=folder, resume=False, every_steps=1, keep=2,
         async_save=mode == "async")
     held: list[float] = []
+    synchronize = torch.cuda.synchronize if gpu else (lambda: None)
     try:
         def step(i: int) -> None:
             opt.zero_grad()
             model(batch).square().mean().backward()
             opt.step()
             if ckpt is not None:
+                synchronize()  # the hold is the save's own, not the step's kernels
                 t0 = time.perf_counter()
                 if ckpt.step(0):
                     held.append(time.perf_counter() - t0)
@@ -78,9 +89,11 @@ def _run(mode: str, steps: int, tiny: bool) -> dict:
         if ckpt is not None:
             ckpt._finish_save()
         held.clear()
+        synchronize()
         t0 = time.perf_counter()
         for i in range(steps):
             step(i)
+        synchronize()
         elapsed = time.perf_counter() - t0
         if ckpt is not None:
             ckpt._finish_save()
@@ -193,6 +206,83 @@ def restore_rows(repeat: int, tiny: bool, stats: Any) -> list[dict]:
         for key in ("SPARKHVD_RUN_ID", "SPARKHVD_HOST_COPY_DIR"):
             os.environ.pop(key, None)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _pinned_vs_pageable(tiny: bool) -> dict:
+    """Seconds to copy the GPU model's state to host memory: ``HostSnapshot.take`` the first
+    time (pinned buffers allocated), again (buffers reused: what every later save pays), and a
+    plain ``.cpu()`` of every tensor (pageable memory, new every time)."""
+    import torch
+
+    from sparkhvd.torch.async_save import HostSnapshot
+
+    model, opt, batch, _ = _model(tiny, gpu=True)
+    opt.zero_grad()
+    model(batch).square().mean().backward()
+    opt.step()  # Adam's moments exist
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    snapshot = HostSnapshot()
+    timings = {}
+    for name in ("first take (pinned buffers allocated)", "take (buffers reused)"):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        copied = snapshot.take(state)
+        timings[name] = time.perf_counter() - t0
+    same = all(torch.equal(copied["model"][k], v.cpu()) for k, v in state["model"].items())
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for tensors in (state["model"], *(s for s in state["optimizer"]["state"].values())):
+        {k: v.cpu() for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+    timings[".cpu() of every tensor (pageable)"] = time.perf_counter() - t0
+    return {"seconds": timings, "bytes": snapshot.nbytes, "equal": same,
+            "gpu": torch.cuda.get_device_name(0)}
+
+
+def gpu_rows(repeat: int, tiny: bool, stats: Any) -> list[dict]:
+    """B5's checkpoint rows (issue 51): on a GPU, the device-to-host stall of an async save of
+    a model of several GB, next to a synchronous save and none."""
+    import torch
+
+    copies = [_pinned_vs_pageable(tiny) for _ in range(max(1, repeat))]
+    gb = copies[0]["bytes"] / 1e9
+    gpu = copies[0]["gpu"]
+    assert all(c["equal"] for c in copies), "the host copy differs from the GPU's state"
+    rows = [{"case": "B5", "variant": f"copy of {gb:.2f} GB of GPU state to host: {name}",
+             "unit": "s", "gpu": gpu, **stats([c["seconds"][name] for c in copies])}
+            for name in copies[0]["seconds"]]
+    rows.append({"case": "B5", "variant": "device-to-host GB/s into reused pinned buffers",
+                 "unit": "GB/s", "gpu": gpu,
+                 **stats([gb / c["seconds"]["take (buffers reused)"] for c in copies])})
+    steps = 3 if tiny else 12
+    for sharded in (False, True):  # a synchronous save takes seconds: fewer steps of it
+        kind = "ShardedCheckpoints" if sharded else "Checkpoints"
+        got: dict[str, list[dict]] = {"none": [], "sync": [], "async": []}
+        try:
+            for _ in range(max(1, repeat)):
+                for mode in got:
+                    got[mode].append(_run(mode, steps if mode != "sync" else max(2, steps // 4),
+                                          tiny, gpu=True, sharded=sharded))
+                    _log.info("B5 %s %s: %s", kind, mode, got[mode][-1])
+                    torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001 - one kind's failure keeps the other's rows
+            _log.exception("B5 %s failed", kind)
+            rows.append({"case": "B5", "variant": f"checkpoint every step on a GPU, {kind}",
+                         "unit": "-", "skipped": f"failed: {type(exc).__name__}: {exc}"[:300]})
+            continue
+        how = f"{kind}, {gb:.2f} GB of GPU state, {steps} steps, every_steps=1, local folder"
+        for mode in ("sync", "async"):
+            rows.append({"case": "B5", "variant": f"a step held by a save, {mode}, {how}",
+                         "unit": "s", "gpu": gpu, **stats([r["held_s"] for r in got[mode]])})
+            rows.append({"case": "B5", "variant": f"{mode} / none (steps/s), {how}",
+                         "unit": "ratio", "gpu": gpu,
+                         **stats([a["steps_per_s"] / b["steps_per_s"]
+                                  for a, b in zip(got[mode], got["none"])])})
+        rows.append({"case": "B5", "variant": f"steps/s, no checkpoints, {how}",
+                     "unit": "steps/s", "gpu": gpu,
+                     **stats([r["steps_per_s"] for r in got["none"]])})
+        rows.append({"case": "B5", "variant": f"saves written, async, {how}", "unit": "saves",
+                     "gpu": gpu, **stats([float(r["saves"]) for r in got["async"]])})
+    return rows
 
 
 def case_b15(repeat: int, tiny: bool, stats: Any) -> list[dict]:

@@ -1,6 +1,7 @@
 """Shared fixtures: one local-mode SparkSession (2 task slots) for the whole test session."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -185,6 +186,15 @@ def gated_store(url: str):
         def write_file(self, name: str, local_path: str) -> None:
             with open(local_path, "rb") as f:
                 self.write(name, f.read())
+
+        @contextlib.contextmanager
+        def open_write(self, name: str):
+            self.writing.set()
+            self.gate.wait(60)
+            if self.fail is not None:
+                raise self.fail
+            with super().open_write(name) as f:
+                yield f
 
     return Gated()
 

@@ -8,14 +8,15 @@ import os
 
 
 def train_ids(data, epochs, log_dir, step_s=0.0, every_steps=1000, notice_at=None,
-              sharded=False, async_save=False):
+              sharded=False, async_save=False, url=None, storage_options=None):
     """``step_s``: seconds to sleep after each step, or one value per attempt (the last one for
     later attempts) -- a slow attempt leaves the test time to act in it.
     ``notice_at=(epoch, step, rank)``: that rank of the first attempt gets SIGTERM -- a
     node's notice -- right after that step. Logs ``<log_dir>/a<attempt>-r<rank>.txt``: a
     ``world BEFORE NOW pid PID`` line, then ``EPOCH STEP id id ...`` per step; with
     ``log_dir=None`` it prints them (``elastic-log a<attempt>-r<rank> ...``: ranks on hosts
-    that cannot see the driver's disk), read back by :func:`read_lines`."""
+    that cannot see the driver's disk), read back by :func:`read_lines`. ``url`` and
+    ``storage_options``: a checkpoint folder other than the run folder's."""
     import signal
     import time
 
@@ -29,7 +30,8 @@ def train_ids(data, epochs, log_dir, step_s=0.0, every_steps=1000, notice_at=Non
     model = ctx.wrap(torch.nn.Linear(3, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     kind = st.ShardedCheckpoints if sharded else st.Checkpoints
-    ckpt = kind(model, opt, data=data, every_steps=every_steps, keep=3,
+    ckpt = kind(model, opt, data=data, every_steps=every_steps, keep=3, url=url,
+                storage_options=storage_options,
                 **({"async_save": True} if async_save else {}))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if isinstance(step_s, (list, tuple)):

@@ -2,8 +2,8 @@
 
 Every side asks here -- the driver's launchers (to number the tasks a backend assigned), the
 Spark task (to label its rank process) and the rank itself (``DataFrameDataset`` shards, the
-Keras helpers) -- so ``SPARKHVD_*``, Horovod's ``HOROVOD_*`` and MPI's ``OMPI_COMM_WORLD_*``
-names are read in exactly one place.
+Keras helpers) -- so ``SPARKHVD_*``, Horovod's ``HOROVOD_*``, MPI's ``OMPI_COMM_WORLD_*`` and
+torchrun's names are read in exactly one place.
 """
 from __future__ import annotations
 
@@ -13,11 +13,16 @@ from typing import Mapping, NamedTuple, Optional
 __side__ = "common"
 
 #: For each field, the variables that carry it, in the order they are trusted.
+#: torchrun's names come last: a script using sparkhvd's helpers under a plain ``torchrun``
+#: (no sparkhvd launcher) is still rank N of WORLD_SIZE -- not N ranks that each think they
+#: are rank 0 and all write the checkpoints.
 _NAMES = {
-    "rank": ("SPARKHVD_RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"),
-    "size": ("SPARKHVD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE"),
-    "local_rank": ("SPARKHVD_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    "local_size": ("SPARKHVD_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "rank": ("SPARKHVD_RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "RANK"),
+    "size": ("SPARKHVD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"),
+    "local_rank": ("SPARKHVD_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                   "LOCAL_RANK"),
+    "local_size": ("SPARKHVD_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                   "LOCAL_WORLD_SIZE"),
 }
 
 

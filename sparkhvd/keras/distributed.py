@@ -181,8 +181,9 @@ class KerasDistributed:
         scale_lr: multiply the optimizer's learning rate by the number of ranks.
         checkpoint: ``True`` (default: into the run folder, from any host), a folder URL, or
             ``False``.
-        resume: ``None`` (default): resume exactly when ``HorovodRunner(resume_from=...)`` asked;
-            ``True``: also from this run's own checkpoints; ``False``: never; or a folder URL (a
+        resume: ``None`` (default): resume when ``HorovodRunner(resume_from=...)`` asked, and
+            when the run relaunches (a retry or a resize) from its newest checkpoint -- in a
+            checkpoint URL too; ``True``: also from this run's own checkpoints; ``False``: never; or a folder URL (a
             run folder or its ``checkpoints/``). Rank 0 reports what it restored (or that it
             found nothing) to the driver.
         tensorboard: rank 0 writes TensorBoard event files into the run folder's

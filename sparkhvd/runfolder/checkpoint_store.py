@@ -8,11 +8,13 @@ gave. ``latest.json`` names the newest complete checkpoint, so a partial one is 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+import tempfile
+from typing import IO, Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 __side__ = "rank"
 
@@ -39,6 +41,20 @@ class CheckpointStore:
         """Copy a local file in as ``name`` (streamed where the store can)."""
         with open(local_path, "rb") as f:
             self.write(name, f.read())
+
+    @contextlib.contextmanager
+    def open_write(self, name: str) -> Iterator[IO[bytes]]:
+        """A binary file that becomes ``name`` whole when the block ends without error (and
+        never otherwise). Here: spooled to a local temporary file, then :meth:`write_file`;
+        a store on this host writes in place."""
+        fd, spool = tempfile.mkstemp(prefix="sparkhvd-spool-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                yield f
+            self.write_file(name, spool)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(spool)
 
     def read(self, name: str) -> bytes:
         raise NotImplementedError
@@ -78,6 +94,17 @@ class RunFolderStore(CheckpointStore):
 
     def write(self, name: str, data: bytes) -> None:
         self.files.write_bytes(self._path(name), data)
+
+    @contextlib.contextmanager
+    def open_write(self, name: str) -> Iterator[IO[bytes]]:
+        if not self.files.local:
+            with super().open_write(name) as f:
+                yield f
+            return
+        from sparkhvd.common.fileio import atomic_open
+
+        with atomic_open(os.path.join(self.files.local, self._path(name))) as f:
+            yield f
 
     def write_file(self, name: str, local_path: str) -> None:
         self.files.write_file(self._path(name), local_path)
@@ -120,6 +147,22 @@ class UrlStore(CheckpointStore):
         from sparkhvd import storage
 
         storage.write_bytes(f"{self.url}/{name}", data, self.storage_options)
+
+    def write_file(self, name: str, local_path: str) -> None:
+        from sparkhvd import storage
+
+        storage.write_file(f"{self.url}/{name}", local_path, self.storage_options)
+
+    @contextlib.contextmanager
+    def open_write(self, name: str) -> Iterator[IO[bytes]]:
+        if not self.on_this_host:
+            with super().open_write(name) as f:
+                yield f
+            return
+        from sparkhvd import storage
+
+        with storage.open_atomic(f"{self.url}/{name}", self.storage_options) as f:
+            yield f
 
     def read(self, name: str) -> bytes:
         from sparkhvd import storage
@@ -204,6 +247,71 @@ def checkpoint_name(epoch: int, step: int = 0) -> str:
 def record_name(epoch: int, step: int = 0) -> str:
     """The record of a checkpoint (its files, sizes, checksums): its name + ``.json``."""
     return checkpoint_name(epoch, step) + ".json"
+
+
+class DigestingWriter:
+    """A binary writer that passes what is written on to ``f`` and keeps its size and SHA-256
+    (what a checkpoint's record says of the file) as it goes: a checkpoint is serialised
+    straight into its file, never held whole in memory. Writes to a real file release the GIL,
+    so a checkpoint written on a background thread leaves the training thread running."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f = f
+        self._sha = hashlib.sha256()
+        self.size = 0
+        #: the write error the file raised (a serialiser may report it as its own error)
+        self.error: Optional[OSError] = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self._sha.update(view)
+        self.size += view.nbytes
+        try:
+            self.f.write(view)
+        except OSError as exc:
+            self.error = exc
+            raise
+        return view.nbytes
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def digest(self) -> dict:
+        """As :func:`digest` of everything written."""
+        return {"size": self.size, "sha256": self._sha.hexdigest()}
+
+
+def write_checkpoint_streamed(store: CheckpointStore, epoch: int, name: str,
+                              serialise: Callable[[IO[bytes]], None], info: dict,
+                              step: int = 0, spool: Optional[str] = None) -> dict:
+    """:func:`write_checkpoint` of one file that ``serialise(f)`` writes (``torch.save``):
+    straight into the store's file, or -- ``spool``, a local path -- into that file first and
+    then copied in (the caller keeps the spool: a host copy). The record comes after the file
+    is complete, as always."""
+    try:
+        if spool is None:
+            with store.open_write(name) as f:
+                written = _serialised(f, serialise)
+        else:
+            with open(spool, "wb") as f:
+                written = _serialised(f, serialise)
+            store.write_file(name, spool)
+        return commit_checkpoint(store, epoch, {name: written}, info, step)
+    except OSError as exc:
+        raise not_written(store, epoch, exc) from exc
+
+
+def _serialised(f: IO[bytes], serialise: Callable[[IO[bytes]], None]) -> dict:
+    """``serialise(f)``; what the record says of the file. A failed write is raised as the
+    disk's own error (``torch.save`` turns it into a RuntimeError about positions)."""
+    writer = DigestingWriter(f)
+    try:
+        serialise(writer)  # type: ignore[arg-type]
+    except Exception:
+        if writer.error is not None:
+            raise writer.error from None
+        raise
+    return writer.digest()
 
 
 def write_checkpoint(store: CheckpointStore, epoch: int, files: Mapping[str, bytes],
@@ -417,11 +525,16 @@ def resume_store(resume: object, own: Optional[CheckpointStore],
     resolved it into ``SPARKHVD_RESUME_URL``, read through the run-folder service); ``True``
     resumes from there, or from ``own`` (this run's store) when the driver asked nothing; a
     URL resumes from that folder (a run folder's ``checkpoints/`` when it has one); ``False``
-    never resumes.
+    never resumes. A relaunch of the run (a retry or a resize: attempt 2 on) whose checkpoints
+    go to a URL of the user's (``own``, not the run folder, so the driver cannot see them)
+    resumes from there when it holds one -- with ``None`` as with ``True``.
     """
     from sparkhvd.common import protocol
 
     requested = os.environ.get(protocol.RESUME_URL_ENV)
+    relaunched = int(os.environ.get(protocol.ATTEMPT_ENV) or 1) > 1
+    if resume is None and relaunched and isinstance(own, UrlStore) and own.exists(LATEST):
+        return own
     if resume is None:
         resume = bool(requested)
     if resume is True:

@@ -92,6 +92,23 @@ def keep(file: str, data: bytes, sha256: str) -> Optional[HostCopy]:
     """Keep ``data`` (the checkpoint file ``file``, whose checksum is ``sha256``) as this host's
     newest copy, replacing the one before. None when it was not kept (no run, over the budget,
     a failing disk: said once, never an error -- the run folder has the checkpoint)."""
+    path = spool(file)
+    if path is None:
+        return None
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as exc:
+        _unlink(path)
+        _said_failed(exc)
+        return None
+    return adopt(file, path, sha256)
+
+
+def spool(file: str) -> Optional[str]:
+    """A path in this run's host-copy folder to write the checkpoint file ``file`` into, then
+    hand to :func:`adopt` (a writer that streams the file there keeps it without a second
+    copy). None outside a run or where the folder cannot be made (said once)."""
     where = folder()
     if where is None:
         return None
@@ -100,27 +117,52 @@ def keep(file: str, data: bytes, sha256: str) -> Optional[HostCopy]:
         if os.path.dirname(where) not in _swept:  # once per process, not once per save
             _swept.add(os.path.dirname(where))
             _remove_stale(os.path.dirname(where), keep_name=os.path.basename(where))
+    except OSError as exc:
+        _said_failed(exc)
+        return None
+    return os.path.join(where, f"{os.path.basename(file)}.tmp-{os.getpid()}")
+
+
+def adopt(file: str, path: str, sha256: str) -> Optional[HostCopy]:
+    """Make the complete file at ``path`` (from :func:`spool`) this host's newest copy of the
+    checkpoint file ``file``, replacing the one before -- or delete it and keep none when it
+    takes more than half of what the folder had free (said once). Never an error: None when
+    not kept."""
+    where = os.path.dirname(path)
+    try:
+        size = os.path.getsize(path)
         old = find()
-        room = shutil.disk_usage(where).free
-        if len(data) > FREE_SHARE * room:
+        room = shutil.disk_usage(where).free + size  # what was free before this file
+        if size > FREE_SHARE * room:
             _say_once(f"over:{where}", "no host copy of %s kept: %d MB is more than half the "
                       "free space of %s (%d MB); relaunches restore from the run folder. "
-                      "Set %s to a larger folder.", file, len(data) >> 20, where, room >> 20,
+                      "Set %s to a larger folder.", file, size >> 20, where, room >> 20,
                       DIR_ENV)
+            _unlink(path)
             clean()
             return None
         name = os.path.basename(file)
-        path = os.path.join(where, name)
-        _replace(path, data)  # the new file, then what names it, then the old one goes
-        meta = {"file": file, "sha256": sha256, "size": len(data), "name": name}
+        final = os.path.join(where, name)
+        os.replace(path, final)  # the new file, then what names it, then the old one goes
+        meta = {"file": file, "sha256": sha256, "size": size, "name": name}
         _replace(os.path.join(where, _META), json.dumps(meta).encode())
-        if old is not None and old.path != path:
+        if old is not None and old.path != final:
             _unlink(old.path)
-        return HostCopy(file, sha256, len(data), path)
+        return HostCopy(file, sha256, size, final)
     except OSError as exc:
-        _say_once(f"fail:{where}", "no host copy of %s kept in %s (%s); relaunches restore "
-                  "from the run folder", file, where, exc)
+        _unlink(path)
+        _said_failed(exc)
         return None
+
+
+def discard(path: str) -> None:
+    """Delete a spool file that will not be adopted (its write failed)."""
+    _unlink(path)
+
+
+def _said_failed(exc: OSError) -> None:
+    _say_once(f"fail:{folder()}", "no host copy kept in %s (%s); relaunches restore from the "
+              "run folder", folder(), exc)
 
 
 def find() -> Optional[HostCopy]:

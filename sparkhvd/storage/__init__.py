@@ -275,6 +275,25 @@ def write_bytes(target: "Location | str", data: bytes,
             raise OSError(f"size check failed after upload ({size} != {len(data)} bytes)")
 
 
+def write_file(target: "Location | str", local_path: str,
+               storage_options: Optional[Mapping[str, Any]] = None) -> None:
+    """Copy the local file ``local_path`` to ``target`` atomically, streamed (never whole in
+    memory). On Azure one upload of blocks straight to the final blob, committed at once (as
+    :func:`write_bytes`); the size is verified afterwards."""
+    loc = _loc(target, storage_options)
+    if loc.is_local:
+        from sparkhvd.common.fileio import atomic_copy
+
+        atomic_copy(local_path, loc.path)
+        return
+    expected = os.path.getsize(local_path)
+    with _explained(loc, "write"):
+        loc.fs.put_file(local_path, loc.path, max_concurrency=TRANSFER_CONCURRENCY)
+        size = loc.fs.size(loc.path)
+        if size != expected:
+            raise OSError(f"size check failed after upload ({size} != {expected} bytes)")
+
+
 def write_or_spill(target: "Location | str", data: bytes, spill_dir: str,
                    storage_options: Optional[Mapping[str, Any]] = None) -> str:
     """Write ``data``; if that fails, keep it under ``spill_dir`` and raise a StorageError that

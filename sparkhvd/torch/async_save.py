@@ -163,6 +163,8 @@ class ShardedStaging:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+        if self._stager is not None and _spent(self._stager):
+            self._stager = None  # torch 2.11: a stager stages once (new buffers every save)
         if self._stager is None:
             gpu = torch.cuda.is_available()
             self._stager = DefaultStager(StagingOptions(
@@ -182,6 +184,15 @@ class ShardedStaging:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+
+def _spent(stager: Any) -> bool:
+    """Whether DCP's ``DefaultStager`` can no longer stage. torch 2.11's closes its inner
+    stager after every stage (its copy table emptied: the next stage fails with ``KeyError:
+    <class 'type'>``, seen on a GPU), so there each save needs a new one and allocates new
+    host buffers; torch 2.13's keeps them between saves."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
 
 
 _BEFORE_DESTROY: list[Callable[[], None]] = []

@@ -52,7 +52,7 @@ from sparkhvd.runfolder.checkpoint_store import (
     prune,
     restore_newest,
     resume_store,
-    write_checkpoint,
+    write_checkpoint_streamed,
 )
 from sparkhvd.torch.async_save import BackgroundSave, HostSnapshot, ShardedStaging
 from sparkhvd.torch.nearest_copy import restore_nearest
@@ -314,8 +314,9 @@ class Checkpoints(_CheckpointsBase):
         optimizer: its optimizer (its state -- momentum, Adam's moments -- is restored too).
         url: a folder URL instead of the run folder (local, ``abfss://`` with
             ``storage_options``).
-        resume: ``None`` (default) resumes when ``HorovodRunner(resume_from=...)`` asked;
-            ``False`` never; a URL resumes from that folder.
+        resume: ``None`` (default) resumes when ``HorovodRunner(resume_from=...)`` asked,
+            and when the run relaunches (a retry or a resize) from its newest checkpoint --
+            in ``url`` too; ``False`` never; a URL resumes from that folder.
         data: the ``DatasetShard`` the loop reads (the ``DataFrameDataset`` argument): its
             position in the global order is saved with the model and restored, so a resumed
             run -- with any number of ranks -- continues the epoch where it stopped.
@@ -402,12 +403,20 @@ class Checkpoints(_CheckpointsBase):
         import torch
 
         assert self.store is not None  # rank 0 with somewhere to write (see _write)
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        data = buffer.getvalue()
-        record = write_checkpoint(self.store, done, {name: data}, {"file": name}, step)
-        if self.host_copy and not self.store.on_this_host:  # else the folder is the nearest
-            host_copy.keep(name, data, record["files"][name]["sha256"])
+        # streamed into a file, never whole in memory: a write to a file releases the GIL, so
+        # a background save does not starve the training thread (B5/B15)
+        spool = (host_copy.spool(name) if self.host_copy and not self.store.on_this_host
+                 else None)  # the folder elsewhere: the file is written here, then sent
+        try:
+            record = write_checkpoint_streamed(self.store, done, name,
+                                               lambda f: torch.save(state, f),
+                                               {"file": name}, step, spool=spool)
+        except BaseException:
+            if spool is not None:
+                host_copy.discard(spool)
+            raise
+        if spool is not None:
+            host_copy.adopt(name, spool, record["files"][name]["sha256"])
         self._saved()
 
     def restore(self) -> int:

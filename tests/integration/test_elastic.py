@@ -244,7 +244,18 @@ def test_a_run_on_a_local_master_grows_back_when_another_job_gives_its_slot_back
     """A notebook on one large machine: local[2], np=2, min_np=1. Another job takes a slot as
     rank 1 dies: the run goes on with 1 rank; when the job ends, the run sees the free slot
     (resize_check_s=3) and grows back to 2 at its next step -- every id of each epoch once
-    (the steps rank 1's loss took since the checkpoint are trained again, not counted twice)."""
+    (the steps rank 1's loss took since the checkpoint are trained again, not counted twice).
+    The checkpoints go to an ``abfss://`` folder (Azurite), so rank 0 keeps a host copy: the
+    run resumes at another np from it, the data's position continuing."""
+    store = conftest.Azurite.start(str(tmp_path / "azurite"))
+    try:
+        store.make_container("ckpt")
+        _grow_back(spark, tmp_path, store)
+    finally:
+        store.stop()
+
+
+def _grow_back(spark, tmp_path, store):
     logs_dir = tmp_path / "logs"
     logs_dir.mkdir()
     sc = spark.sparkContext
@@ -270,10 +281,12 @@ def test_a_run_on_a_local_master_grows_back_when_another_job_gives_its_slot_back
                                backend="torch", output_dir=str(tmp_path / "r"))
         thread.start()
         runner.run(et.train_ids, data=ds, epochs=3, log_dir=str(logs_dir), every_steps=2,
-                   step_s=[0.1, 0.25, 0.05])
+                   step_s=[0.1, 0.25, 0.05], url=store.url("ckpt", "grow"),
+                   storage_options=store.options())
     thread.join(5)
     record = runner.last_run_dir.record
     assert [a["size"] for a in record["attempts"]] == [2, 1, 2], record["attempts"]
+    assert record["resume"]["copy"] == "host", record["resume"]  # not Azurite
     grow = record["resizes"][-1]
     assert (grow["from"], grow["to"]) == (1, 2) and "slot(s) free" in grow["why"], grow
     logs = et.read_logs(logs_dir)

@@ -254,3 +254,18 @@ def test_a_failed_sharded_write_commits_nothing_and_is_raised_by_the_next_step(t
     with pytest.raises(OSError, match="No space left.*epoch-0000-step-0000001"):
         ckpt.step(0)
     assert _latest(tmp_path)["file"] == "epoch-0000-step-0000001"  # the one before stays
+
+
+def test_a_sharded_save_still_works_where_dcps_stager_stages_only_once(tmp_path):
+    """torch 2.11's ``DefaultStager`` closes its inner stager after every stage (seen on a GPU:
+    the next save failed with ``KeyError: <class 'type'>``); a spent stager is replaced."""
+    model, opt = _model_and_opt()
+    ckpt, _ = _sharded(tmp_path, model, opt, every_steps=1)
+    for step in (1, 2, 3):
+        _train_step(model, opt)
+        assert ckpt.step(0) == f"epoch-0000-step-000000{step}"
+        ckpt._finish_save()
+        ckpt._staging._stager._state_dict_stager.close()  # what torch 2.11 does
+    assert _latest(tmp_path)["step"] == 3
+    ckpt._staging.close()
+    assert ckpt._staging._stager is None

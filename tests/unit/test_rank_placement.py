@@ -141,6 +141,19 @@ def test_torch_backend_gives_every_rank_torchruns_variables():
         assert RankIdentity.from_env(env) == (rank, 3, local, 2 if host == 0 else 1)
 
 
+def test_a_plain_torchrun_rank_knows_its_rank_and_sparkhvds_names_win():
+    """A script using sparkhvd's helpers under ``torchrun`` alone is rank RANK of WORLD_SIZE
+    (not every rank "rank 0 of 1", each writing the checkpoints); inside a sparkhvd run the
+    SPARKHVD_* names come first."""
+    from sparkhvd.common.identity import RankIdentity
+
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert RankIdentity.from_env(torchrun) == (3, 4, 1, 2)
+    ours = {**torchrun, "SPARKHVD_RANK": "0", "SPARKHVD_SIZE": "2"}
+    assert RankIdentity.from_env(ours)[:2] == (0, 2)
+    assert RankIdentity.from_env({}) == (0, 1, 0, 1)
+
+
 def test_the_collective_interface_is_chosen_in_one_place():
     from sparkhvd.common.netif import collective_iface_env
 

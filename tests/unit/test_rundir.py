@@ -58,3 +58,23 @@ def test_the_resume_line_numbers_epochs_as_the_checkpoint_files_do(tmp_path, cap
     mid, end = capsys.readouterr().out.splitlines()
     assert mid.endswith("epoch-0001-step-0000040.pt; continuing at epoch 1 after its step 40")
     assert end.endswith("epoch-0002.pt; continuing at epoch 2")
+
+
+def test_a_relaunch_resumes_from_the_users_checkpoint_url_and_a_first_attempt_does_not(
+        tmp_path, monkeypatch):
+    """``url=`` checkpoints are out of the driver's sight: a relaunch of the run (attempt 2 on)
+    resumes from them with the default ``resume=None``; the first attempt starts fresh, and a
+    relaunch with nothing there falls back to what the driver asked."""
+    from sparkhvd.common import protocol
+    from sparkhvd.runfolder.checkpoint_store import UrlStore, resume_store, write_checkpoint
+
+    own = UrlStore(str(tmp_path / "ckpt"))
+    empty = UrlStore(str(tmp_path / "none"))
+    write_checkpoint(own, 1, {"epoch-0001.pt": b"x"}, {"file": "epoch-0001.pt"})
+    monkeypatch.delenv(protocol.RESUME_URL_ENV, raising=False)
+    monkeypatch.setenv(protocol.ATTEMPT_ENV, "1")
+    assert resume_store(None, own) is None
+    monkeypatch.setenv(protocol.ATTEMPT_ENV, "2")
+    assert resume_store(None, own) is own
+    assert resume_store(False, own) is None
+    assert resume_store(None, empty) is None
