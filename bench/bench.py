@@ -1758,23 +1758,25 @@ NOTES = """\
   with 4 MB row groups: read in place 3.3 s (the checks' one Spark job and the footers)
   against 9.4 s materialised and 10.5 s for petastorm's converter.
 - **B15, a checkpoint every step (issue 51)** (`bench/b15.py`, torch profile; one process, a
-  5 x 4096-wide MLP with Adam, 1.01 GB of state, batch 64, about 0.7 s a step on this 2-core
-  VM, `every_steps=1`, `keep=2`, a local folder). Synchronous: a save holds the step 2.1 s,
-  0.21x the steps/s of no checkpoints. `async_save=True`: a step is held 0.071 s (the copy into
-  host memory), 0.75x the steps/s of none (goal 0.95x: not met here; 0.74-0.82x over four
-  runs) -- the write has no idle core to use: serialising, hashing and writing 1 GB take as
-  much CPU as the two training threads could use, so 1-2 saves land in 12 steps. The writer
-  thread runs at nice 10: at nice 0 training ran at 0.53x with 5 saves in 12 steps, at 19 at
-  0.85x but the writer starved (1 save). Where training runs on GPUs and the host's cores wait,
-  the write takes what they leave. **Restore** (`ckpt.restore()`, the same 1 GB state): from
-  this host's copy 0.71 s, from the checkpoint folder on `abfss://` (Azurite on this machine)
-  2.08 s -- 0.35x (goal 0.5x: met) -- and from a local folder 0.61 s (a folder on the rank's
-  own disk is its nearest copy: no host copy is kept beside it). Another rank's host copy sent
-  over gloo (two processes on this 2-core VM) took 2.68 s, 1.33x Azurite here: Azurite is on
-  loopback too, so the broadcast (1 GB through gloo's TCP, checked and loaded on 2 cores
-  shared by both ranks) has nothing to win on this machine; across hosts it replaces one
-  read of the whole state per rank from the blob store. Earlier runs of the same rows:
-  host copy 0.33-0.52x, peer 1.2-1.8x.
+  5 x 4096-wide MLP with Adam, 1.01 GB of state, batch 64, about 0.8 s a step on this 2-core
+  VM, `every_steps=1`, `keep=2`, a local folder). Synchronous: a save holds the step 2.4 s,
+  0.23x the steps/s of no checkpoints. `async_save=True`: a step is held 0.063 s (the copy into
+  host memory), 0.85x the steps/s of none (goal 0.95x: not met here). A checkpoint is now
+  streamed into its file by `torch.save` (each write releases the GIL) instead of serialised
+  into memory first and then written (each copy held it): that took async from 0.74-0.82x to
+  0.85x here, and from 0.48x to 0.87x on an H100 (B5). What is left is the core the write
+  takes: serialising, hashing and writing 1 GB use as much CPU as training could, on 2 cores,
+  so 1-2 saves land in 12 steps. The writer thread runs at nice 10: at nice 0 training ran at
+  0.53x with 5 saves in 12 steps, at 19 at 0.85x but the writer starved (1 save). Where
+  training runs on GPUs and the host's cores wait, the write takes what they leave.
+  **Restore** (`ckpt.restore()`, the same 1 GB state): from this host's copy 1.16 s, from the
+  checkpoint folder on `abfss://` (Azurite on this machine) 2.62 s -- 0.49x (goal 0.5x: met;
+  0.33-0.52x over earlier runs) -- and from a local folder 0.59 s (a folder on the rank's own
+  disk is its nearest copy: no host copy is kept beside it). Another rank's host copy sent
+  over gloo (two processes on this 2-core VM) took 2.77 s, 1.10x Azurite here (1.2-1.8x
+  before): Azurite is on loopback too, so the broadcast (1 GB through gloo's TCP, checked and
+  loaded on 2 cores shared by both ranks) has nothing to win on this machine; across hosts it
+  replaces one read of the whole state per rank from the blob store.
 - **B2T since each rank reads its share (issue 48)** (rank 0 of 2, 400k rows x 784 float32,
   streamed, 512 KB row groups). `torch_batches` 261k rows/s per rank = 1.23x its ceiling --
   pyarrow reading the row groups rank 0 reads (its partitions'), one dataset scan per file
@@ -1870,7 +1872,14 @@ NOTES = """\
   start (interpreter, `import torch`, the gloo rendezvous) and restoring the checkpoint.
   What a loss costs in work is the distance to the newest checkpoint: with epoch checkpoints
   every step since the epoch began, with `every_steps=10` at most 10. A notice costs nothing
-  redone: every rank finishes the step it is in, then the checkpoint is of that step. Ray
+  redone: every rank finishes the step it is in, then the checkpoint is of that step. With
+  `async_save=True` and `every_steps=1` (issue 51; 2 rounds) a SIGKILL redid 0-1 step a rank
+  (the save of the step before the loss had not always finished writing) with recovery 2.9-3.3
+  s, and a notice 0 steps, 0.05 s from the notice to the ranks' stop (`run.json`'s
+  `preempted.notice_to_stop_s`), recovery 2.8-3.0 s. The first run of these rows took 8 s to
+  recover: a resume read every record of the folder (110 checkpoints kept by a save every
+  step, through the run folder's service) before the newest; it now reads `latest.json` and
+  what it names. Ray
   Train v2 (2.60, Ray on Spark on the same `local[2]`, `FailureConfig(max_failures=1)`, a
   checkpoint every 10 steps through `ray.train.report`) restarts its whole worker group from
   the newest checkpoint its controller registered -- it polls the workers every 2 s, so a

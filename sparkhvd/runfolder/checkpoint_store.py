@@ -385,35 +385,58 @@ def newest_one_file(store: CheckpointStore) -> Optional[tuple[dict, str, str]]:
     """``(record, file, sha256)`` of the newest checkpoint when it is one recorded file (rank
     0's :class:`sparkhvd.torch.Checkpoints`), else None -- what a host copy must equal to be
     read instead."""
-    candidates = _candidates(store, [])
-    files = _files_of(candidates[0]) if candidates else {}
+    newest = next(_candidates(store, []), None)
+    files = _files_of(newest) if newest else {}
     if len(files) != 1:
         return None
     (name, expected), = files.items()
     if not expected or not expected.get("sha256"):
         return None
-    return candidates[0], name, str(expected["sha256"])
+    assert newest is not None
+    return newest, name, str(expected["sha256"])
 
 
-def _candidates(store: CheckpointStore, problems: list[str]) -> list[dict]:
+def _candidates(store: CheckpointStore, problems: list[str]) -> Iterator[dict]:
     """Every checkpoint record the folder has, newest first (by epoch, then step):
     ``latest.json`` and each ``epoch-000N[-step-K].json`` (a corrupt ``latest.json`` is a
-    problem, not the end)."""
-    records: dict[tuple[int, int], dict] = {}
+    problem, not the end). Read one at a time, as they are tried: a folder of a run that saved
+    every step keeps thousands of records, and a resume needs the newest (reading them all
+    through the run folder's service took 5 s for 110)."""
     names = store.list()
-    for name in [LATEST, *sorted((n for n in names if _RECORD.match(n)), reverse=True)]:
-        if name == LATEST and names and LATEST not in names:
+    newest = _record(store, LATEST, problems) if not names or LATEST in names else None
+    order: list[tuple[tuple[int, int], int, str]] = []
+    if newest is not None:
+        order.append((_progress(newest), 1, LATEST))  # ties: latest.json's own record
+    for name in names:
+        match = _RECORD.match(name)
+        if match:
+            order.append(((int(match.group(1)), int(match.group(2) or 0)), 0, name))
+    tried: set[tuple[int, int]] = set()
+    for progress, _, name in sorted(order, reverse=True):
+        if progress in tried:
             continue
-        try:
-            record = json.loads(store.read(name))
-            progress = (int(record["epoch"]), int(record.get("step") or 0))
-        except FileNotFoundError:
+        record = newest if name == LATEST else _record(store, name, problems)
+        if record is None:
             continue
-        except Exception as exc:  # noqa: BLE001 - any unreadable record is one problem
-            problems.append(f"{store.describe(name)}: unreadable ({_why(exc)})")
-            continue
-        records.setdefault(progress, record)
-    return [records[p] for p in sorted(records, reverse=True)]
+        tried.add(_progress(record))
+        yield record
+
+
+def _record(store: CheckpointStore, name: str, problems: list[str]) -> Optional[dict]:
+    """The record ``name`` (None: gone, or unreadable -- then a problem)."""
+    try:
+        record = json.loads(store.read(name))
+        _progress(record)
+        return dict(record)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - any unreadable record is one problem
+        problems.append(f"{store.describe(name)}: unreadable ({_why(exc)})")
+        return None
+
+
+def _progress(record: dict) -> tuple[int, int]:
+    return int(record["epoch"]), int(record.get("step") or 0)
 
 
 def _files_of(record: dict) -> dict[str, Optional[dict]]:

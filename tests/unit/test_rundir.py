@@ -78,3 +78,28 @@ def test_a_relaunch_resumes_from_the_users_checkpoint_url_and_a_first_attempt_do
     assert resume_store(None, own) is own
     assert resume_store(False, own) is None
     assert resume_store(None, empty) is None
+
+
+def test_a_resume_reads_the_newest_record_not_every_record_of_the_folder(tmp_path):
+    """A run that saved every step keeps a record per step: the resume reads latest.json and
+    what it names (and an older one only when the newer is bad), not all of them."""
+    from sparkhvd.runfolder.checkpoint_store import UrlStore, restore_newest, write_checkpoint
+
+    class Counting(UrlStore):
+        reads: list = []
+
+        def read(self, name):
+            self.reads.append(name)
+            return super().read(name)
+
+    store = Counting(str(tmp_path))
+    for step in range(1, 201):
+        name = f"epoch-0000-step-{step:07d}.pt"
+        write_checkpoint(store, 0, {name: b"x" * step}, {"file": name}, step)
+    store.reads.clear()
+    record, loaded, problems = restore_newest(store, lambda r, files: len(files[r["file"]]))
+    assert (record["step"], loaded, problems) == (200, 200, [])
+    assert len(store.reads) == 2, store.reads  # latest.json, then the file it names
+    os.unlink(tmp_path / "epoch-0000-step-0000200.pt")  # the newest is gone: the one before
+    record, loaded, problems = restore_newest(store, lambda r, files: len(files[r["file"]]))
+    assert (record["step"], loaded) == (199, 199) and "missing" in problems[0]
