@@ -183,9 +183,9 @@ class KerasDistributed:
             ``False``.
         resume: ``None`` (default): resume when ``HorovodRunner(resume_from=...)`` asked, and
             when the run relaunches (a retry or a resize) from its newest checkpoint -- in a
-            checkpoint URL too; ``True``: also from this run's own checkpoints; ``False``: never; or a folder URL (a
-            run folder or its ``checkpoints/``). Rank 0 reports what it restored (or that it
-            found nothing) to the driver.
+            checkpoint URL too; ``True``: also from this run's own checkpoints; ``False``:
+            never; or a folder URL (a run folder or its ``checkpoints/``). Rank 0 reports what
+            it restored (or that it found nothing) to the driver.
         tensorboard: rank 0 writes TensorBoard event files into the run folder's
             ``tensorboard/`` (``tensorboard --logdir runs/`` then shows every run).
         storage_options: credentials for checkpoint/resume URLs on remote storage (rank 0).

@@ -386,13 +386,12 @@ def newest_one_file(store: CheckpointStore) -> Optional[tuple[dict, str, str]]:
     0's :class:`sparkhvd.torch.Checkpoints`), else None -- what a host copy must equal to be
     read instead."""
     newest = next(_candidates(store, []), None)
-    files = _files_of(newest) if newest else {}
-    if len(files) != 1:
+    files = _files_of(newest) if newest is not None else {}
+    if newest is None or len(files) != 1:
         return None
     (name, expected), = files.items()
     if not expected or not expected.get("sha256"):
         return None
-    assert newest is not None
     return newest, name, str(expected["sha256"])
 
 
