@@ -56,6 +56,7 @@ from sparkhvd.runfolder.checkpoint_store import (
 )
 from sparkhvd.torch.async_save import BackgroundSave, HostSnapshot, ShardedStaging
 from sparkhvd.torch.nearest_copy import restore_nearest
+from sparkhvd.torch.serialise import save_state
 from sparkhvd.torch.side_group import side_group
 
 __side__ = "rank"
@@ -400,8 +401,6 @@ class Checkpoints(_CheckpointsBase):
 
     def _persist(self, state: dict, name: str, done: int, step: int) -> None:
         """Serialise ``state`` and write it, its record and ``latest.json``; prune."""
-        import torch
-
         assert self.store is not None  # rank 0 with somewhere to write (see _write)
         # streamed into a file, never whole in memory: a write to a file releases the GIL, so
         # a background save does not starve the training thread (B5/B15)
@@ -409,7 +408,7 @@ class Checkpoints(_CheckpointsBase):
                  else None)  # the folder elsewhere: the file is written here, then sent
         try:
             record = write_checkpoint_streamed(self.store, done, name,
-                                               lambda f: torch.save(state, f),
+                                               lambda f: save_state(state, f),
                                                {"file": name}, step, spool=spool)
         except BaseException:
             if spool is not None:

@@ -150,6 +150,26 @@ def test_resume_from_an_async_checkpoint_is_exact(tmp_path):
     assert opt2.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
 
 
+def test_a_checkpoint_skips_torchs_crc32s_and_leaves_the_users_option_as_it_was(tmp_path):
+    """The record's SHA-256 is the file's check; torch's own CRC-32s would cost a background
+    save a core-second per GB (sparkhvd.torch.serialise). torch.load reads the file as is."""
+    if not hasattr(torch.serialization, "get_crc32_options"):
+        pytest.skip("torch < 2.6 has no CRC-32 option")
+    import zipfile
+
+    model, opt = _model_and_opt()
+    ckpt, _ = _checkpoints(tmp_path, model, opt, every_steps=1)
+    _train_step(model, opt)
+    name = ckpt.step(0)
+    ckpt._finish_save()
+    assert torch.serialization.get_crc32_options() is True  # the user's default, untouched
+    with zipfile.ZipFile(tmp_path / "ckpt" / name) as archive:
+        assert {info.CRC for info in archive.infolist() if "/data/" in info.filename} == {0}
+    state = torch.load(tmp_path / "ckpt" / name, weights_only=False)
+    for key, value in model.state_dict().items():
+        assert torch.equal(state["model"][key], value), key
+
+
 def test_host_buffers_are_reused_between_saves_and_replaced_when_a_shape_changes():
     snapshot = HostSnapshot()
     state = {"w": torch.ones(3), "groups": [{"lr": 0.1, "params": [0]}]}
