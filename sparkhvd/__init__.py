@@ -18,9 +18,6 @@ runs on (``__side__``; tests/unit/test_package_layout.py checks that imports poi
 from __future__ import annotations
 
 import importlib
-import sys
-from importlib.machinery import ModuleSpec
-from types import ModuleType
 from typing import Any
 
 from sparkhvd.common.errors import (
@@ -71,8 +68,8 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-#: Public module names kept where the module moved: ``import sparkhvd.presets`` is
-#: :mod:`sparkhvd.ops.presets` itself (the same module object, not a copy).
+#: Public module names kept where the module moved, each a plain shim module (``sparkhvd/
+#: presets.py``): ``import sparkhvd.presets`` is :mod:`sparkhvd.ops.presets` itself.
 ALIASES = {
     "sparkhvd.presets": "sparkhvd.ops.presets",
     "sparkhvd.notebook": "sparkhvd.ops.notebook",
@@ -80,41 +77,6 @@ ALIASES = {
     "sparkhvd.runfiles": "sparkhvd.runfolder.rank_files",
     "sparkhvd.kerasio": "sparkhvd.keras.modelio",
 }
-
-
-class _AliasLoader:  # importlib's loader protocol (no ABC: importlib.abc costs ~15 ms)
-    def __init__(self, target: str) -> None:
-        self.target = target
-
-    def create_module(self, spec: ModuleSpec) -> ModuleType:
-        return importlib.import_module(self.target)
-
-    def exec_module(self, module: ModuleType) -> None:
-        sys.modules[module.__spec__.name] = module  # type: ignore[union-attr]
-
-    def get_code(self, fullname: str) -> Any:  # ``python -m sparkhvd.cli``
-        import importlib.util
-
-        spec = importlib.util.find_spec(self.target)
-        return spec.loader.get_code(self.target)  # type: ignore[union-attr]
-
-
-class _AliasFinder:  # a meta path finder
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None
-                  ) -> "ModuleSpec | None":
-        if fullname not in ALIASES:
-            return None
-        import importlib.util
-
-        # The target's file as the alias's origin: ``python -m sparkhvd.cli`` runs that file
-        # (runpy sets sys.argv[0] and __file__ from it; click names the program from argv[0]).
-        found = importlib.util.find_spec(ALIASES[fullname])
-        return ModuleSpec(fullname, _AliasLoader(ALIASES[fullname]),  # type: ignore[arg-type]
-                          origin=found.origin if found is not None else None)
-
-
-if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
-    sys.meta_path.append(_AliasFinder())
 
 
 def __dir__() -> list[str]:

@@ -1,9 +1,10 @@
 """Whether a failed attempt is relaunched: decided here alone.
 
 Modelled on Ray Train v2's ``FailurePolicy`` (``max_failures`` and ``max_preemption_failures``),
-as one class rather than an interface to plug in: the run hands the policy how an attempt
-ended, and the policy answers ``"retry"`` or ``"raise"``
-(``"done"`` for an attempt that succeeded). Two budgets, counted apart:
+as one frozen class the run is handed (:class:`~sparkhvd.driver.spec.RunSpec`): the run hands
+the policy how an attempt ended and what it has spent (:class:`Spent`), and the policy answers
+``"retry"`` or ``"raise"`` (``"done"`` for an attempt that succeeded) -- it decides only; the
+run counts and relaunches. Two budgets, counted apart:
 
 - ``max_retries``: attempts that *lost* a rank, executor or host (:attr:`Verdict.retryable
   <sparkhvd.driver.rank_end.Verdict.retryable>`) -- default 0, or :data:`ELASTIC_RETRIES` for an
@@ -32,16 +33,28 @@ ELASTIC_RETRIES = 3
 MAX_PREEMPTIONS = 10
 
 
-@dataclass
+@dataclass(frozen=True)
+class Spent:
+    """The relaunches a run has used so far, each budget apart (kept by the run, not the
+    policy: the policy only decides)."""
+
+    retries: int = 0
+    preemptions: int = 0
+
+    def charged(self, verdict: Verdict) -> "Spent":
+        """One more relaunch for ``verdict``'s budget."""
+        if verdict.preempted:
+            return Spent(self.retries, self.preemptions + 1)
+        return Spent(self.retries + 1, self.preemptions)
+
+
+@dataclass(frozen=True)
 class RetryPolicy:
     """Relaunch a run whose rank, executor or host was lost, at most ``max_retries`` times, and
     one whose ranks stopped on a notice, at most ``max_preemptions`` times."""
 
     max_retries: int = 0
     max_preemptions: int = MAX_PREEMPTIONS
-    #: what was used so far
-    retries: int = 0
-    preemptions: int = 0
 
     @classmethod
     def of(cls, max_retries: Optional[int], max_preemptions: Optional[int],
@@ -55,11 +68,12 @@ class RetryPolicy:
         """The most relaunches a run makes (torchrun's ``TORCHELASTIC_MAX_RESTARTS``)."""
         return self.max_retries + self.max_preemptions
 
-    def decide(self, failed: bool, verdict: Optional[Verdict], planned: bool = False) -> Decision:
+    def decide(self, failed: bool, verdict: Optional[Verdict], planned: bool = False,
+               spent: Spent = Spent()) -> Decision:
         """What follows an attempt: ``failed`` says whether it failed, ``verdict`` how its ranks
         ended (None when no rank failed: a stall, say); ``planned``: the driver itself asked
-        the ranks to stop (a grow), which uses no budget. A retry is counted against its
-        budget."""
+        the ranks to stop (a grow), which uses no budget; ``spent``: the relaunches used so
+        far. A retry costs its budget one (the run charges it: :meth:`Spent.charged`)."""
         if not failed:
             return "done"
         if verdict is None or verdict.retryable is None:
@@ -67,17 +81,12 @@ class RetryPolicy:
         if planned:
             return "retry"
         if verdict.preempted:
-            if self.preemptions >= self.max_preemptions:
-                return "raise"
-            self.preemptions += 1
-            return "retry"
-        if self.retries >= self.max_retries:
-            return "raise"
-        self.retries += 1
-        return "retry"
+            return "retry" if spent.preemptions < self.max_preemptions else "raise"
+        return "retry" if spent.retries < self.max_retries else "raise"
 
-    def budget(self, verdict: Verdict) -> str:
-        """``attempt 2 of max_retries=3`` -- the budget a retry used, for the console."""
+    def budget(self, verdict: Verdict, spent: Spent) -> str:
+        """``retry 2 of max_retries=3`` -- the budget a retry used (``spent`` with it charged),
+        for the console."""
         if verdict.preempted:
-            return f"preemption {self.preemptions} of max_preemptions={self.max_preemptions}"
-        return f"retry {self.retries} of max_retries={self.max_retries}"
+            return f"preemption {spent.preemptions} of max_preemptions={self.max_preemptions}"
+        return f"retry {spent.retries} of max_retries={self.max_retries}"

@@ -264,8 +264,8 @@ class HorovodRunner:
             for note in prepared.launch_notes(list(sizes)):
                 log.warning("%s", note)
             blob = _payload.dumps(fn, prepared.kwargs)
-            spec = RunSpec(self.backend, self.scaling, self.launch_config, self.run_config,
-                           self.launch_facts())
+            spec = RunSpec.of(self.backend, self.scaling, self.launch_config,
+                              self.run_config, self.launch_facts())
             run = Run(spec, fn, blob, spark, kwargs=kwargs, return_all=return_all,
                       timeout=timeout)
             self.last_run_dir, self._run = run.run_dir, run

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any, Mapping, Optional, Union
 
 from sparkhvd.driver.logs import check_verbosity
+from sparkhvd.elastic.scaling import RESIZE_CHECK_S
 
 __side__ = "driver"
 
@@ -69,7 +70,7 @@ class ScalingConfig:
     max_np: Optional[int] = None
     ranks_per_task: int = 1
     local_ranks: Optional[str] = None
-    resize_check_s: float = 30.0
+    resize_check_s: float = RESIZE_CHECK_S
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "resize_check_s", seconds("resize_check_s", self.resize_check_s))

@@ -2,7 +2,9 @@
 
 Each rank occupies one Spark task slot for the whole run, so ``np`` must not exceed the slots
 the cluster can give *at the same time*; otherwise horovod waits out its start timeout (600 s by
-default). We count slots up front and fail in seconds instead.
+default). We count slots up front and fail in seconds instead. An elastic run's free slots --
+what it may place or grow into -- are counted here too (:func:`free_slots`), from what
+:mod:`sparkhvd.elastic.cluster` reads of the executors.
 """
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from sparkhvd.common.errors import NotEnoughSlotsError
 from sparkhvd.driver.sparkview import SparkView
+from sparkhvd.elastic import cluster
 
 __side__ = "driver"
 
@@ -300,3 +303,26 @@ def task_slots(view: SparkView, fallback: int = 8) -> int:
         return max(1, slots_without_context(view).slots)
     except Exception:  # noqa: BLE001 - only a sizing hint
         return fallback
+
+
+def free_slots(view: Any, lost: Iterable[str] = (), lost_tasks: int = 0,
+               ended: Optional[str] = None) -> int:
+    """Task slots free now for a new barrier stage: counted here alone, for a placement and
+    for a grow (:class:`~sparkhvd.elastic.watch.AttemptWatch` is handed this count).
+
+    Classic: the slots of the live executors that are neither being decommissioned nor among
+    ``lost`` (executor ids this run saw lost, until Spark itself drops them), less the slots
+    other jobs' running tasks hold (``ended``: the tag of this run's attempt that just ended,
+    whose tasks may still be stopping). Connect: the session's slots less ``lost_tasks`` (the
+    tasks this run saw vanish with their executor)."""
+    if view.connect:
+        return max(0, slots_without_context(view).slots - lost_tasks)
+    sc = view.sc
+    if sc.master.startswith("local"):
+        total = slots_of(sc).slots
+    else:
+        gone = set(lost) | set(cluster.decommissioning(sc))
+        total = sum(e.slots for e in cluster.executors(sc) if e.id not in gone)
+    ignore = cluster.safely("the ended attempt's jobs", lambda: cluster.job_ids(sc, ended),
+                            frozenset()) if ended else frozenset()
+    return max(0, total - busy_slots(sc, ignore)[0])

@@ -1,16 +1,18 @@
 """What one run is, frozen when ``run()`` is called: :class:`RunSpec`.
 
 A :class:`~sparkhvd.driver.run.Run` is built from this description -- the runner's four groups
-of settings, the backend and what decides the launcher -- never from the
-:class:`~sparkhvd.driver.runner.HorovodRunner` itself, so the run cannot change the runner and
-the runner's module is the only one that knows both.
+of settings, the backend, what decides the launcher and the policies that decide its size and
+its relaunches -- never from the :class:`~sparkhvd.driver.runner.HorovodRunner` itself, so the
+run cannot change the runner and the runner's module is the only one that knows both.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from sparkhvd.driver.launchers import LaunchFacts
+from sparkhvd.driver.retry import RetryPolicy
 from sparkhvd.driver.settings import LaunchConfig, RunConfig, ScalingConfig
+from sparkhvd.elastic.scaling import ScalingPolicy
 
 __side__ = "driver"
 
@@ -25,3 +27,18 @@ class RunSpec:
     config: RunConfig
     #: what decides the launcher, as far as the settings tell (the session adds its own)
     facts: LaunchFacts
+    #: how many ranks each attempt gets (the run places them)
+    scaling_policy: ScalingPolicy
+    #: whether a failed attempt is relaunched (the run counts and relaunches)
+    retry_policy: RetryPolicy
+
+    @classmethod
+    def of(cls, backend: str, scaling: ScalingConfig, launch: LaunchConfig, config: RunConfig,
+           facts: LaunchFacts) -> "RunSpec":
+        """The description of a run with these settings, its policies decided from them."""
+        size = scaling.size
+        # horovod's elastic mode resizes inside one attempt (horovod.spark.run_elastic)
+        sizes = ScalingPolicy(size, size, size) if facts.horovod_elastic else \
+            ScalingPolicy.of(scaling)
+        retries = RetryPolicy.of(config.max_retries, config.max_preemptions, sizes.elastic)
+        return cls(backend, scaling, launch, config, facts, sizes, retries)

@@ -1,5 +1,6 @@
 """What an elastic run reads of the cluster: executors and their slots, those being
-decommissioned, where this run's tasks run, and how many slots are free.
+decommissioned, where this run's tasks run (the free slots are counted from these by
+:func:`sparkhvd.driver.slots.free_slots`).
 
 Classic sessions answer from the driver's JVM (Spark's status store and task scheduler, through
 py4j: ``getExecutorDecommissionState`` is how Spark itself tracks graceful decommissioning on
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 __side__ = "driver"
 
@@ -81,32 +82,6 @@ def job_ids(sc: Any, tag: str) -> frozenset:
         return frozenset(int(j) for j in tracker.getJobIdsForTag(tag))
     except Exception:  # noqa: BLE001 - Spark 3.4-: job groups
         return frozenset(int(j) for j in tracker.getJobIdsForGroup(tag))
-
-
-def free_slots(view: Any, lost: Iterable[str] = (), lost_tasks: int = 0,
-               ended: Optional[str] = None) -> int:
-    """Task slots free now for a new barrier stage.
-
-    Classic: the slots of the live executors that are neither being decommissioned nor among
-    ``lost`` (executor ids this run saw lost, until Spark itself drops them), less the slots
-    other jobs' running tasks hold (``ended``: the tag of this run's attempt that just ended,
-    whose tasks may still be stopping). Connect: the session's slots less ``lost_tasks`` (the
-    tasks this run saw vanish with their executor)."""
-    from sparkhvd.driver.slots import busy_slots, slots_without_context
-
-    if view.connect:
-        return max(0, slots_without_context(view).slots - lost_tasks)
-    sc = view.sc
-    if sc.master.startswith("local"):
-        from sparkhvd.driver.slots import slots_of
-
-        total = slots_of(sc).slots
-    else:
-        gone = set(lost) | set(decommissioning(sc))
-        total = sum(e.slots for e in executors(sc) if e.id not in gone)
-    ignore = safely("the ended attempt's jobs", lambda: job_ids(sc, ended), frozenset()) \
-        if ended else frozenset()
-    return max(0, total - busy_slots(sc, ignore)[0])
 
 
 def safely(what: str, fn: Any, default: Any) -> Any:

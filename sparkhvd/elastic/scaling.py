@@ -8,16 +8,17 @@ lost rank, executor or host, or after a notice -- takes the ranks the cluster ca
 ``max_np``, the driver looks for free slots every ``resize_check_s`` and grows the run back at
 its next step (:mod:`sparkhvd.elastic.watch`).
 
-The slots are counted by :mod:`sparkhvd.elastic.cluster`: on classic sessions from the
-executors Spark has (those being decommissioned, and those this run lost, left out) less the
-slots other jobs hold; on Spark Connect, which shows no executors, from the session's declared
-slots less the executors this run saw lost.
+The policy decides only (:meth:`ScalingPolicy.size_now` answers place, wait or short; it
+never sleeps or raises): the run acts on it. The slots are counted by
+:func:`sparkhvd.driver.slots.free_slots`: on classic sessions from the executors Spark has
+(those being decommissioned, and those this run lost, left out) less the slots other jobs
+hold; on Spark Connect, which shows no executors, from the session's declared slots less the
+executors this run saw lost.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Literal, Optional
 
 from sparkhvd.common.errors import NotEnoughSlotsError
 
@@ -28,6 +29,24 @@ RESIZE_CHECK_S = 30.0
 #: A grow's relaunch waits up to this long for the slots it was planned for (the stopped
 #: ranks' tasks ending, a returning executor registering) before it takes what is free.
 GROW_SETTLE_S = 15.0
+
+
+@dataclass(frozen=True)
+class SizeDecision:
+    """A placement's next move: ``place`` ``size`` ranks, ``wait`` and count the slots again,
+    or ``short`` -- fewer than ``min_np`` free after the wait (the run fails, naming why)."""
+
+    action: Literal["place", "wait", "short"]
+    size: int = 0
+
+
+def not_enough_slots(min_np: int, free: int, wait_s: float, why: str) -> NotEnoughSlotsError:
+    """The error of an elastic run that cannot go on (``why``: where the missing slots went)."""
+    return NotEnoughSlotsError(
+        f"The elastic run needs at least min_np={min_np} Spark task slots to go on, but {free} "
+        f"are free after waiting {wait_s:.0f} s ({why}). Fix: bring executors back (or free "
+        "the slots other jobs hold), lower min_np, or wait longer with slot_wait_s; the run's "
+        "checkpoints are in its run folder (resume_from=True continues from them).")
 
 
 @dataclass(frozen=True)
@@ -51,30 +70,19 @@ class ScalingPolicy:
     def elastic(self) -> bool:
         return self.min_np != self.max_np
 
-    def relaunch_size(self, free: Callable[[], int], wait_s: float,
-                      why_missing: Callable[[int], str], want: Optional[int] = None,
-                      settle_s: float = GROW_SETTLE_S) -> int:
-        """The size of a relaunch: ``min(max_np, free slots)``, waiting up to ``wait_s`` for
-        ``min_np`` -- and, for a grow to ``want`` ranks, up to ``settle_s`` for those slots (the
-        ranks that just stopped, an executor still registering). ``free()`` counts the slots
-        free now; ``why_missing(free)`` says where the rest went (for the error)."""
-        start = time.monotonic()
-        while True:
-            now = free()
-            waited = time.monotonic() - start
-            if want is not None and now < want and waited < settle_s:
-                time.sleep(0.5)
-                continue
-            if now >= self.min_np:
-                return min(self.max_np, now)
-            if waited >= wait_s:
-                raise NotEnoughSlotsError(
-                    f"The elastic run needs at least min_np={self.min_np} Spark task slots to go "
-                    f"on, but {now} are free after waiting {wait_s:.0f} s ({why_missing(now)}). "
-                    "Fix: bring executors back (or free the slots other jobs hold), lower "
-                    "min_np, or wait longer with slot_wait_s; the run's checkpoints are in its "
-                    "run folder (resume_from=True continues from them).")
-            time.sleep(0.5)
+    def size_now(self, free: int, waited_s: float, wait_s: float,
+                 want: Optional[int] = None, settle_s: float = GROW_SETTLE_S) -> "SizeDecision":
+        """What a placement does with ``free`` slots free now, ``waited_s`` after it began:
+        place ``min(max_np, free)`` ranks; or wait and count again -- for ``min_np`` up to
+        ``wait_s``, and for a grow to ``want`` ranks up to ``settle_s`` (the ranks that just
+        stopped, an executor still registering); or, ``min_np`` still not free after
+        ``wait_s``, give up (``short``). Decides only: the run waits, and raises
+        :func:`not_enough_slots`."""
+        if want is not None and free < want and waited_s < settle_s:
+            return SizeDecision("wait")
+        if free >= self.min_np:
+            return SizeDecision("place", min(self.max_np, free))
+        return SizeDecision("short" if waited_s >= wait_s else "wait")
 
     def grow_to(self, size: int, free: int) -> Optional[int]:
         """The size to grow to when ``free`` slots are free beside the run's ``size``, or

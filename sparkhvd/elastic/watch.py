@@ -54,10 +54,12 @@ class AttemptWatch:
     """The driver's eye on one running attempt (ticked by the run's monitor)."""
 
     def __init__(self, view: Any, job_tag: str, policy: ScalingPolicy, size: int,
-                 listening: Callable[[], bool], lost: Callable[[], dict],
+                 listening: Callable[[], bool], free: Callable[[], int],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.view, self.job_tag, self.policy, self.size = view, job_tag, policy, size
-        self.listening, self.lost, self.clock = listening, lost, clock
+        #: ``free()``: the slots free now, as the run counts them (lost executors left out;
+        #: :func:`sparkhvd.driver.slots.free_slots`)
+        self.listening, self.free, self.clock = listening, free, clock
         self.request: Optional[StopRequest] = None
         #: partition -> executor id of the attempt's tasks, as last seen running
         self.executors: dict[int, str] = {}
@@ -113,8 +115,7 @@ class AttemptWatch:
     def _look_for_slots(self) -> None:
         if not self.listening():
             return
-        free = cluster.safely("free slots", lambda: cluster.free_slots(
-            self.view, lost=self.lost()), 0)
+        free = cluster.safely("free slots", self.free, 0)
         grow_to = self.policy.grow_to(self.size, free)
         seen, self._grow_seen = self._grow_seen, grow_to
         if grow_to is not None and seen is not None:  # two looks agree

@@ -6,7 +6,7 @@ import pytest
 
 from sparkhvd.common.errors import LaunchFailure, RankFailure, TrainingError
 from sparkhvd.driver.rank_end import classify, signal_of
-from sparkhvd.driver.retry import RetryPolicy
+from sparkhvd.driver.retry import RetryPolicy, Spent
 
 
 def _raised(rank, exc_type="ValueError", message="bad batch", at=1.0, host=None):
@@ -122,8 +122,8 @@ def test_the_retry_policy_alone_decides(max_retries, attempt, failed, retryable,
         failure = (LaunchFailure(0, None, "gone", vanished=True) if retryable else
                    LaunchFailure(0, 1, "exited"))
         verdict = _classify(failure, [] if retryable else [_raised(0)])
-    policy = RetryPolicy(max_retries, retries=attempt - 1)
-    assert policy.decide(failed, verdict) == decision
+    assert RetryPolicy(max_retries).decide(failed, verdict,
+                                           spent=Spent(retries=attempt - 1)) == decision
 
 
 def test_a_stall_or_any_failure_without_a_verdict_is_raised():
@@ -137,8 +137,15 @@ def test_preemptions_and_losses_have_their_own_budgets():
     lost = _classify(LaunchFailure(0, None, "gone", vanished=True), [])
     assert preempted.preempted and preempted.retryable and not lost.preempted
     policy = RetryPolicy(max_retries=1, max_preemptions=2)
-    assert [policy.decide(True, preempted) for _ in range(3)] == ["retry", "retry", "raise"]
-    assert policy.decide(True, lost) == "retry" and policy.decide(True, lost) == "raise"
+    spent, decisions = Spent(), []
+    for verdict in (preempted, preempted, preempted, lost, lost):
+        decisions.append(policy.decide(True, verdict, spent=spent))
+        if decisions[-1] == "retry":
+            spent = spent.charged(verdict)
+    assert decisions == ["retry", "retry", "raise", "retry", "raise"]
+    assert spent == Spent(retries=1, preemptions=2)
+    assert policy.budget(lost, spent) == "retry 1 of max_retries=1"
+    assert policy.budget(preempted, spent) == "preemption 2 of max_preemptions=2"
     assert RetryPolicy(0, 0).decide(True, preempted, planned=True) == "retry"
     assert RetryPolicy.of(None, None, elastic=True).max_retries == 3
     assert RetryPolicy.of(None, None, elastic=False).max_retries == 0

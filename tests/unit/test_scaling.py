@@ -1,25 +1,31 @@
 """How many ranks an elastic run's next attempt gets (sparkhvd.elastic.scaling), alone."""
+import re
+
 import pytest
 
 from sparkhvd.common.errors import NotEnoughSlotsError
 from sparkhvd.driver.settings import ScalingConfig
-from sparkhvd.elastic.scaling import ScalingPolicy
+from sparkhvd.elastic.scaling import ScalingPolicy, SizeDecision, not_enough_slots
 
 
 def test_a_relaunch_takes_the_free_slots_up_to_max_np():
     policy = ScalingPolicy.of(ScalingConfig(np=3, min_np=2, max_np=4, resize_check_s=5))
     assert policy.elastic and (policy.min_np, policy.max_np, policy.resize_check_s) == (2, 4, 5)
-    assert policy.relaunch_size(lambda: 2, 0, str) == 2
-    assert policy.relaunch_size(lambda: 9, 0, str) == 4
+    assert policy.size_now(2, 0, 0) == SizeDecision("place", 2)
+    assert policy.size_now(9, 0, 0) == SizeDecision("place", 4)
 
 
-def test_below_min_np_it_waits_for_slots_then_names_what_is_missing():
-    free = iter([1, 1, 3])
+def test_below_min_np_it_waits_for_slots_then_says_it_is_short():
+    """The policy only decides: the run sleeps between looks and raises the error it names."""
     policy = ScalingPolicy.of(ScalingConfig(np=3, min_np=2))
-    assert policy.relaunch_size(lambda: next(free), 5, str) == 3  # slots came back in time
-    with pytest.raises(NotEnoughSlotsError, match=r"min_np=2 .* but 1 are free after waiting "
-                                                  r"0 s \(executor 7 on h3 lost\)"):
-        policy.relaunch_size(lambda: 1, 0, lambda n: "executor 7 on h3 lost")
+    assert policy.size_now(1, 0.0, 5) == SizeDecision("wait")
+    assert policy.size_now(1, 4.9, 5) == SizeDecision("wait")
+    assert policy.size_now(3, 4.9, 5) == SizeDecision("place", 3)  # slots came back in time
+    assert policy.size_now(1, 5.0, 5) == SizeDecision("short")
+    error = not_enough_slots(2, 1, 0, "executor 7 on h3 lost")
+    assert isinstance(error, NotEnoughSlotsError)
+    assert re.search(r"min_np=2 .* but 1 are free after waiting 0 s \(executor 7 on h3 lost\)",
+                     str(error))
 
 
 def test_it_grows_only_below_max_np_and_only_into_free_slots():
@@ -36,9 +42,9 @@ def test_resize_check_s_is_a_positive_time():
 
 def test_a_grow_waits_a_moment_for_its_slots_then_takes_what_is_free():
     policy = ScalingPolicy.of(ScalingConfig(np=3, min_np=2))
-    free = iter([2, 2, 3])
-    assert policy.relaunch_size(lambda: next(free), 0, str, want=3, settle_s=5) == 3
-    assert policy.relaunch_size(lambda: 2, 0, str, want=3, settle_s=0) == 2
+    assert policy.size_now(2, 0, 0, want=3, settle_s=5) == SizeDecision("wait")
+    assert policy.size_now(3, 1, 0, want=3, settle_s=5) == SizeDecision("place", 3)
+    assert policy.size_now(2, 5, 0, want=3, settle_s=5) == SizeDecision("place", 2)
 
 
 def test_a_grow_is_asked_for_only_when_a_second_look_agrees(monkeypatch):
@@ -46,14 +52,14 @@ def test_a_grow_is_asked_for_only_when_a_second_look_agrees(monkeypatch):
     that finds room is checked by another before the ranks are stopped."""
     from types import SimpleNamespace
 
-    from sparkhvd.elastic import cluster, watch
+    from sparkhvd.elastic import watch
 
     looks = iter([1, 0, 1, 2])
-    monkeypatch.setattr(cluster, "free_slots", lambda view, lost=(): next(looks))
     now = [0.0]
     view = SimpleNamespace(connect=False, master="spark://x:7077")
     w = watch.AttemptWatch(view, "job", ScalingPolicy.of(ScalingConfig(np=4, min_np=2)), 2,
-                           listening=lambda: True, lost=dict, clock=lambda: now[0])
+                           listening=lambda: True, free=lambda: next(looks),
+                           clock=lambda: now[0])
     asked = []
     w.reach(asked.append)
     monkeypatch.setattr(watch.AttemptWatch, "_look_for_decommission", lambda self: None)

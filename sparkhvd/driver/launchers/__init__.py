@@ -37,10 +37,17 @@ __side__ = "driver"
 
 
 
+def left_until(deadline: Optional[float]) -> Optional[float]:
+    """Seconds left until ``deadline`` (a ``time.monotonic()`` time), never below 0; None
+    without one -- what is left of ``run(timeout=...)``."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where an attempt's ranks go, decided for each attempt when it is placed
-    (``Run._place``: an elastic run's size, and so its slots, may change between attempts)."""
+    (:meth:`sparkhvd.driver.placing.Placer.place`: an elastic run's size, and so its slots,
+    may change between attempts)."""
 
     #: ``barrier``, ``horovod`` or ``local``.
     launcher: str
@@ -85,7 +92,7 @@ class LaunchSpec:
 
     def time_left(self) -> Optional[float]:
         """What is left of the run's limit now (None: no limit)."""
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        return left_until(self.deadline)
 
     # -- read through to the one place each setting lives ---------------------------------
     @property

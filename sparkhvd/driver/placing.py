@@ -1,0 +1,141 @@
+"""Where a run's attempts go: what the run asks of the machines it runs on, in one seam.
+
+The run (:class:`~sparkhvd.driver.run.Run`) never reads Spark itself. It asks a
+:class:`Placer` three things: *place* an attempt of ``size`` ranks (launcher, driver address,
+slots checked, recorded), count the *free slots* an elastic run may place or grow into, and
+*note the losses* of an attempt that lost an executor or host (left out of later counts). Two
+placers run real ranks -- :class:`SparkPlacer` (a classic or Connect session) and
+:class:`LocalPlacer` (``np < 0`` without Spark: local processes) -- and the unit tests hand the
+run a scripted one, as Ray Train v2's controller tests swap in a dummy worker group.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Optional, Protocol
+
+from sparkhvd.common.errors import LaunchFailure
+from sparkhvd.driver.launchers import Placement, choose_launcher
+from sparkhvd.driver.slots import free_slots
+from sparkhvd.driver.spec import RunSpec
+from sparkhvd.elastic import cluster
+
+__side__ = "driver"
+
+
+class Placer(Protocol):
+    """What the run asks of where its ranks run."""
+
+    #: whether free slots can be counted (an elastic run sizes its attempts from them)
+    counts_slots: bool
+    #: the session (a :class:`~sparkhvd.driver.sparkview.SparkView`), where there is one
+    view: Any
+
+    def place(self, size: int, first: bool, time_left: Optional[float],
+              record: Any) -> Placement:
+        """The launcher and the slots of an attempt of ``size`` ranks, recorded in ``record``
+        (``first``: the run's first attempt, whose workers' Python is checked)."""
+
+    def free_slots(self, ended: Optional[str] = None) -> int:
+        """Slots free now (``ended``: the job tag of the attempt that just ended, whose tasks
+        may still be stopping)."""
+
+    def note_losses(self, failure: Optional[LaunchFailure], executors: Callable[[], set]) -> None:
+        """An attempt ended with ``failure``: what it lost is left out of later counts
+        (``executors()``: the ids of the executors its tasks ran on)."""
+
+    def describe_lost(self) -> str:
+        """What this run lost, in words (``executor 1 on 10.0.0.3 lost``), for an error."""
+
+
+class LocalPlacer:
+    """``np < 0`` without a Spark session: the ranks are processes of this machine."""
+
+    counts_slots = False
+    view = None
+
+    def place(self, size: int, first: bool, time_left: Optional[float],
+              record: Any) -> Placement:
+        record.placed("local")
+        return Placement("local", nics=frozenset({"lo"}))
+
+    def free_slots(self, ended: Optional[str] = None) -> int:
+        return 0
+
+    def note_losses(self, failure: Optional[LaunchFailure], executors: Callable[[], set]) -> None:
+        return None
+
+    def describe_lost(self) -> str:
+        return "no executor of this run was lost"
+
+
+class SparkPlacer:
+    """A Spark session (classic or Connect): the barrier or horovod launcher, the task slots
+    checked, the executors this run lost counted out of later placements."""
+
+    counts_slots = True
+
+    def __init__(self, spark: Any, spec: RunSpec) -> None:
+        self.spark, self.spec = spark, spec
+        self.view: Any = None
+        #: executor id -> host of the executors this run saw lost (left out of slot counts)
+        self.lost_executors: dict[str, str] = {}
+        #: tasks this run saw vanish with their executor (Spark Connect's slot count)
+        self.lost_tasks = 0
+
+    def _ensure_view(self) -> Any:
+        if self.view is None:
+            from sparkhvd.driver.sparkview import SparkView
+
+            self.view = SparkView(self.spark)
+        return self.view
+
+    def place(self, size: int, first: bool, time_left: Optional[float],
+              record: Any) -> Placement:
+        """Which launcher, where the driver is reached, and whether the ranks share its disk;
+        the task slots for ``size`` ranks checked."""
+        from sparkhvd.driver.session import check_worker_python
+        from sparkhvd.driver.slots import check_slots
+
+        spec = self.spec
+        placing = time.monotonic()
+        view = self._ensure_view()
+        name = choose_launcher(spec.facts.with_session(view))
+        if first:
+            check_worker_python(view, spec.backend)
+        launch = spec.launch
+        # Waiting for other jobs' slots is part of starting: start_timeout (from here) and the
+        # run's own limit bound it too.
+        busy_wait = min(launch.slot_wait_s,
+                        launch.start_timeout - (time.monotonic() - placing),
+                        math.inf if time_left is None else time_left)
+        slots = check_slots(view, size // spec.scaling.ranks_per_task,
+                            wait_s=0 if view.master.startswith("local") else launch.slot_wait_s,
+                            ranks_per_task=spec.scaling.ranks_per_task,
+                            busy_wait_s=max(0.0, busy_wait))
+        record.placed(name, spark_master=view.master, spark_app_id=view.app_id,
+                      session=view.kind, slots=slots.slots)
+        here = view.executors_here()
+        return Placement(name, driver_host=view.driver_host(), executors_here=here,
+                         nics=launch.nics or (frozenset({"lo"}) if here else None),
+                         session=view)
+
+    def free_slots(self, ended: Optional[str] = None) -> int:
+        return free_slots(self._ensure_view(), self.lost_executors, self.lost_tasks, ended)
+
+    def note_losses(self, failure: Optional[LaunchFailure], executors: Callable[[], set]) -> None:
+        """The executors (or, on Connect, the tasks) an attempt lost: left out of the next
+        slot count until Spark drops them itself."""
+        if failure is None or not (failure.vanished or failure.lost):
+            return
+        self.lost_tasks += 1
+        if failure.lost and failure.host and self.view is not None:
+            sc = self.view.sc
+            hosts = dict(cluster.safely("executors", lambda: {
+                e.id: e.host for e in cluster.executors(sc)}, {}))
+            for exec_id in executors():
+                if hosts.get(exec_id) == failure.host:
+                    self.lost_executors[exec_id] = failure.host
+
+    def describe_lost(self) -> str:
+        return cluster.describe_lost(self.lost_executors)

@@ -1,0 +1,137 @@
+"""The states of a run, each carrying what its next step needs -- the run's one vocabulary.
+
+Like Ray Train v2's controller states (``Scheduling(decision)``, ``Errored(error)``): a
+:class:`~sparkhvd.driver.run.Run` is always in one of these, and its step function turns each
+into the next (``Run._step``). What a state carries is what ``run.json``'s ``states`` entry
+says of it (:meth:`RunState.entry`), and :data:`NEXT` -- which state may follow which -- is
+where the diagram in ``run.py`` and ``docs/architecture.md`` comes from (:func:`diagram`; a
+test holds both to it)::
+
+    placing -> running | failed
+    running -> finished | failed | restarting | resizing
+    restarting -> placing | failed
+    resizing -> placing | failed
+
+``failed`` follows any state but ``finished``: every exception a step raises ends the run in
+``failed``, by one transition.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
+
+if TYPE_CHECKING:
+    from sparkhvd.driver.rank_end import Verdict
+
+__side__ = "driver"
+
+
+@dataclass(frozen=True)
+class RunState:
+    """A state: its ``label`` in ``run.json``, whether the run ends in it, and ``why`` the run
+    entered it (words, for the record and the log)."""
+
+    label: ClassVar[str] = "?"
+    terminal: ClassVar[bool] = False
+    why: str
+
+    def entry(self) -> dict:
+        """What ``run.json``'s ``states`` says of this state besides its label, time and why."""
+        return {}
+
+
+@dataclass(frozen=True)
+class Placing(RunState):
+    """Choosing the size, the launcher and the slots of the next attempt."""
+
+    label: ClassVar[str] = "placing"
+    #: the ranks asked for (an elastic run's first placing trims it to the free slots)
+    size: int = 0
+    #: the checkpoints sparkhvd restores from (None on the first placing: resolved there)
+    resume: Optional[str] = None
+    #: a library's own checkpoint folders, when sparkhvd has none
+    library: Optional[str] = None
+    #: the size of the attempt before (a relaunch)
+    previous_size: Optional[int] = None
+
+    def entry(self) -> dict:
+        return {"size": self.size}
+
+
+@dataclass(frozen=True)
+class Running(RunState):
+    """An attempt's ranks run; the driver watches them."""
+
+    label: ClassVar[str] = "running"
+    attempt: Any = None  # a driver.attempt.Attempt
+
+    def entry(self) -> dict:
+        return {"attempt": self.attempt.number, "size": self.attempt.size}
+
+
+@dataclass(frozen=True)
+class Relaunching(RunState):
+    """An attempt ended and the policy said retry: the run relaunches from ``checkpoint``."""
+
+    attempt: Any = None
+    verdict: Optional["Verdict"] = None
+    #: the newest checkpoint the relaunch resumes from (None: the library's, or the start)
+    checkpoint: Optional[str] = None
+    size_from: int = 0
+    size_to: int = 0
+    resume: Optional[str] = None
+    library: Optional[str] = None
+    #: the driver asked the ranks to stop (a grow): no budget spent
+    planned: bool = False
+
+    def entry(self) -> dict:
+        return {"attempt": self.attempt.number, "checkpoint": self.checkpoint,
+                "from": self.size_from, "to": self.size_to}
+
+
+@dataclass(frozen=True)
+class Restarting(Relaunching):
+    """Relaunching at the same size (a lost rank, a notice)."""
+
+    label: ClassVar[str] = "restarting"
+
+
+@dataclass(frozen=True)
+class Resizing(Relaunching):
+    """Relaunching at another size (an elastic run shrinks or grows)."""
+
+    label: ClassVar[str] = "resizing"
+
+
+@dataclass(frozen=True)
+class Finished(RunState):
+    """The last attempt succeeded."""
+
+    label: ClassVar[str] = "finished"
+    terminal: ClassVar[bool] = True
+    attempt: Any = None
+
+
+@dataclass(frozen=True)
+class Failed(RunState):
+    """The run ended without a result: the policy said raise (``attempt``: the last one), or
+    a step raised (``attempt`` None)."""
+
+    label: ClassVar[str] = "failed"
+    terminal: ClassVar[bool] = True
+    attempt: Any = None
+
+
+#: Which states may follow each (``failed`` also follows any state a step raised in).
+NEXT: dict[type[RunState], tuple[type[RunState], ...]] = {
+    Placing: (Running, Failed),
+    Running: (Finished, Failed, Restarting, Resizing),
+    Restarting: (Placing, Failed),
+    Resizing: (Placing, Failed),
+}
+
+
+def diagram() -> str:
+    """:data:`NEXT` in words, a line a state: the diagram the docs show."""
+    return "\n".join(f"{state.label} -> {' | '.join(n.label for n in nexts)}"
+                     for state, nexts in NEXT.items())

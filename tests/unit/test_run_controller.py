@@ -1,0 +1,194 @@
+"""The run as a controller (sparkhvd.driver.run), stepped with a scripted placer and launcher.
+
+No Spark and no rank process: :class:`ScriptedPlacer` says how many slots are free and places
+each attempt; :class:`ScriptedLauncher` ends each attempt as its script says (a result, a lost
+rank, a notice). The run's own parts are real -- its states, policies, run folder and
+``run.json`` -- so each lifecycle case (retries and preemptions within and over budget, a
+shrink, slots below ``min_np``, a failure while placing) runs in milliseconds, as Ray Train
+v2's controller tests run against a dummy worker group.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Optional
+
+import pytest
+
+from sparkhvd.common.errors import LaunchFailure, NotEnoughSlotsError, TrainingError
+from sparkhvd.driver.launchers import LaunchFacts, LaunchSpec, Placement
+from sparkhvd.driver.run import Run
+from sparkhvd.driver.settings import LaunchConfig, RunConfig, ScalingConfig
+from sparkhvd.driver.spec import RunSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def lost(rank: int = 1) -> Callable[[LaunchSpec, Any], Any]:
+    """An attempt whose rank's process vanished (its executor or host went)."""
+    def end(spec: LaunchSpec, sink: Any) -> Any:
+        raise LaunchFailure(rank, None, f"rank {rank} vanished", host="h1", vanished=True)
+    return end
+
+
+def noticed(rank: int = 0) -> Callable[[LaunchSpec, Any], Any]:
+    """An attempt whose ranks stopped on a notice, after their checkpoint."""
+    def end(spec: LaunchSpec, sink: Any) -> Any:
+        raise LaunchFailure(rank, 75, "stopped on a notice after its checkpoint", host="h1",
+                            preempted=True)
+    return end
+
+
+def succeeds(result: Any = b"weights") -> Callable[[LaunchSpec, Any], Any]:
+    def end(spec: LaunchSpec, sink: Any) -> Any:
+        return [result] * spec.np
+    return end
+
+
+class ScriptedLauncher:
+    """Ends attempt N as ``script[N - 1]`` says; keeps each attempt's launch spec."""
+
+    def __init__(self, *script: Callable[[LaunchSpec, Any], Any]) -> None:
+        self.script, self.specs = list(script), []
+
+    def __call__(self, name: str) -> "ScriptedLauncher":  # the run's launcher by name
+        return self
+
+    def launch(self, spec: LaunchSpec, sink: Any) -> list:
+        self.specs.append(spec)
+        return self.script[len(self.specs) - 1](spec, sink)
+
+
+class ScriptedPlacer:
+    """Slots free as ``free`` says at each count (the last repeats); places every attempt as
+    local processes; may fail a placement."""
+
+    counts_slots = True
+    view = None
+
+    def __init__(self, free: tuple = (64,), fail_placing: Optional[Exception] = None) -> None:
+        self.free, self.fail_placing = list(free), fail_placing
+        self.placed: list[int] = []
+        self.losses: list[Any] = []
+
+    def place(self, size: int, first: bool, time_left: Optional[float],
+              record: Any) -> Placement:
+        if self.fail_placing is not None:
+            raise self.fail_placing
+        self.placed.append(size)
+        record.placed("local")
+        return Placement("local", nics=frozenset({"lo"}))
+
+    def free_slots(self, ended: Optional[str] = None) -> int:
+        return self.free.pop(0) if len(self.free) > 1 else self.free[0]
+
+    def note_losses(self, failure: Any, executors: Callable[[], set]) -> None:
+        self.losses.append(failure)
+
+    def describe_lost(self) -> str:
+        return "executor 7 on h1 lost"
+
+
+def _run(tmp_path, launcher: ScriptedLauncher, placer: Optional[ScriptedPlacer] = None,
+         **settings: Any) -> Run:
+    scaling = ScalingConfig(**{k: settings.pop(k) for k in ("np", "min_np", "max_np")
+                               if k in settings})
+    launch = LaunchConfig(**{k: settings.pop(k) for k in ("slot_wait_s",) if k in settings})
+    config = RunConfig(output_dir=str(tmp_path / "runs"), time_split=False, **settings)
+    spec = RunSpec.of("torch", scaling, launch, config, LaunchFacts("torch"))
+    return Run(spec, _train, b"", None, kwargs={}, return_all=False, timeout=None,
+               placer=placer or ScriptedPlacer(), launchers=launcher)
+
+
+def _train() -> None:
+    """The user's function (never called: the launcher is scripted)."""
+
+
+def _record(run: Run) -> dict:
+    return json.loads(open(run.run_dir.file("run.json")).read())
+
+
+def _states(run: Run) -> list[str]:
+    return [entry["state"] for entry in _record(run)["states"]]
+
+
+def test_a_run_that_succeeds_places_runs_and_finishes(tmp_path):
+    run = _run(tmp_path, ScriptedLauncher(succeeds()), np=2)
+    assert run.execute() == [b"weights", b"weights"]
+    assert _states(run) == ["placing", "running", "finished"]
+    assert _record(run)["status"] == "succeeded"
+
+
+def test_a_lost_rank_is_retried_within_max_retries_from_the_same_size(tmp_path):
+    launcher = ScriptedLauncher(lost(), succeeds())
+    run = _run(tmp_path, launcher, np=2, max_retries=1)
+    assert run.execute()[0] == b"weights"
+    assert _states(run) == ["placing", "running", "restarting", "placing", "running",
+                            "finished"]
+    restarting = _record(run)["states"][2]
+    assert (restarting["attempt"], restarting["from"], restarting["to"]) == (1, 2, 2)
+    assert [spec.np for spec in launcher.specs] == [2, 2]
+    assert [a["status"] for a in _record(run)["attempts"]] == ["failed", "succeeded"]
+
+
+def test_a_lost_rank_over_max_retries_fails_the_run_naming_the_rank(tmp_path):
+    run = _run(tmp_path, ScriptedLauncher(lost(), lost()), np=2, max_retries=1)
+    with pytest.raises(TrainingError, match="rank 1"):
+        run.execute()
+    assert _states(run)[-1] == "failed" and len(run.attempts) == 2
+    assert _record(run)["status"] == "failed"
+
+
+def test_notices_have_their_own_budget(tmp_path):
+    """Two notices within max_preemptions=2 are relaunched; no lost-rank retry is used."""
+    run = _run(tmp_path, ScriptedLauncher(noticed(), noticed(), succeeds()), np=2,
+               max_retries=0, max_preemptions=2)
+    assert run.execute()[0] == b"weights"
+    assert _states(run).count("restarting") == 2
+    assert (run.spent.retries, run.spent.preemptions) == (0, 2)
+
+
+def test_a_notice_over_max_preemptions_fails_the_run(tmp_path):
+    run = _run(tmp_path, ScriptedLauncher(noticed(), noticed()), np=2, max_preemptions=1)
+    with pytest.raises(TrainingError):
+        run.execute()
+    assert _states(run) == ["placing", "running", "restarting", "placing", "running", "failed"]
+    assert [a["status"] for a in _record(run)["attempts"]] == ["preempted", "preempted"]
+
+
+def test_an_elastic_run_shrinks_to_the_free_slots_after_a_loss(tmp_path):
+    """np=3, min_np=2: 3 slots at the start, 2 after the loss -> resizing 3 -> 2."""
+    placer = ScriptedPlacer(free=(3, 2))
+    launcher = ScriptedLauncher(lost(), succeeds())
+    run = _run(tmp_path, launcher, placer, np=3, min_np=2)
+    assert run.execute()[0] == b"weights"
+    assert _states(run) == ["placing", "running", "resizing", "placing", "running", "finished"]
+    resizing = _record(run)["states"][2]
+    assert (resizing["from"], resizing["to"]) == (3, 2)
+    assert placer.placed == [3, 2] and [spec.np for spec in launcher.specs] == [3, 2]
+    assert len(placer.losses) == 1 and placer.losses[0].vanished
+
+
+def test_an_elastic_run_starts_smaller_when_fewer_slots_are_free(tmp_path):
+    placer = ScriptedPlacer(free=(2,))
+    run = _run(tmp_path, ScriptedLauncher(succeeds()), placer, np=3, min_np=2)
+    run.execute()
+    assert placer.placed == [2]
+
+
+def test_below_min_np_after_the_wait_the_run_fails_naming_what_was_lost(tmp_path):
+    placer = ScriptedPlacer(free=(3, 1))
+    run = _run(tmp_path, ScriptedLauncher(lost()), placer, np=3, min_np=2, slot_wait_s=0)
+    with pytest.raises(NotEnoughSlotsError, match=r"min_np=2 .* but 1 are free .*executor 7"):
+        run.execute()
+    states = _record(run)["states"]
+    assert [s["state"] for s in states] == ["placing", "running", "failed"]
+    assert states[-1]["why"].startswith("NotEnoughSlotsError")
+
+
+def test_a_failure_while_placing_fails_the_run_in_one_transition(tmp_path):
+    placer = ScriptedPlacer(fail_placing=NotEnoughSlotsError("np=4 needs 4 task slots"))
+    run = _run(tmp_path, ScriptedLauncher(), placer, np=4)
+    with pytest.raises(NotEnoughSlotsError, match="np=4 needs 4"):
+        run.execute()
+    assert _states(run) == ["placing", "failed"]
+    assert _record(run)["status"] == "failed" and run.attempts == []
