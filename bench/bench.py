@@ -1758,25 +1758,30 @@ NOTES = """\
   with 4 MB row groups: read in place 3.3 s (the checks' one Spark job and the footers)
   against 9.4 s materialised and 10.5 s for petastorm's converter.
 - **B15, a checkpoint every step (issue 51)** (`bench/b15.py`, torch profile; one process, a
-  5 x 4096-wide MLP with Adam, 1.01 GB of state, batch 64, about 0.8 s a step on this 2-core
-  VM, `every_steps=1`, `keep=2`, a local folder). Synchronous: a save holds the step 2.4 s,
-  0.23x the steps/s of no checkpoints. `async_save=True`: a step is held 0.063 s (the copy into
-  host memory), 0.85x the steps/s of none (goal 0.95x: not met here). A checkpoint is now
-  streamed into its file by `torch.save` (each write releases the GIL) instead of serialised
-  into memory first and then written (each copy held it): that took async from 0.74-0.82x to
-  0.85x here, and from 0.48x to 0.87x on an H100 (B5). What is left is the core the write
-  takes: serialising, hashing and writing 1 GB use as much CPU as training could, on 2 cores,
-  so 1-2 saves land in 12 steps. The writer thread runs at nice 10: at nice 0 training ran at
-  0.53x with 5 saves in 12 steps, at 19 at 0.85x but the writer starved (1 save). Where
-  training runs on GPUs and the host's cores wait, the write takes what they leave.
-  **Restore** (`ckpt.restore()`, the same 1 GB state): from this host's copy 1.16 s, from the
-  checkpoint folder on `abfss://` (Azurite on this machine) 2.62 s -- 0.49x (goal 0.5x: met;
-  0.33-0.52x over earlier runs) -- and from a local folder 0.59 s (a folder on the rank's own
-  disk is its nearest copy: no host copy is kept beside it). Another rank's host copy sent
-  over gloo (two processes on this 2-core VM) took 2.77 s, 1.10x Azurite here (1.2-1.8x
-  before): Azurite is on loopback too, so the broadcast (1 GB through gloo's TCP, checked and
-  loaded on 2 cores shared by both ranks) has nothing to win on this machine; across hosts it
-  replaces one read of the whole state per rank from the blob store.
+  5 x 4096-wide MLP with Adam, 1.01 GB of state, batch 64, about 0.7 s a step on this 2-core
+  VM, `every_steps=1`, `keep=2`, a local folder). Synchronous: a save holds the step 1.70 s
+  (2.36 s before torch's CRC-32s were left out), 0.24x the steps/s of no checkpoints.
+  `async_save=True`: a step is held 0.060 s (the copy into host memory), 0.78x the steps/s of
+  none (goal 0.95x: not met; per round 0.67-0.88x, 2 saves landed in a round's 12 steps
+  where 1 had before). The run before, with the same code, gave 0.99x (per round 0.81-1.17x,
+  1-2 saves): on 2 cores the ratio follows how many saves land, because every save's CPU --
+  serialising, SHA-256 and the write, about 1.2 core-seconds per GB -- is taken from
+  training. A checkpoint is streamed into its file by `torch.save` (each write releases the
+  GIL; serialising into memory first held it: 0.74-0.82x), and since this round without
+  torch's per-record CRC-32s, which miniz computes at about a core-second per GB and the
+  record's SHA-256 already covers (three rounds each, the same build: 0.89, 0.89, 0.94x with
+  them, 0.95, 0.95, 0.94x without). The writer thread runs at nice 10 (at nice 0 training
+  ran at 0.53x with 5 saves in 12 steps; at 19 the writer starved). Where training runs on
+  GPUs and the host's cores wait, the write takes what they leave (B5: 0.87x on an H100,
+  measured before the CRC-32s went).
+  **Restore** (`ckpt.restore()`, the same 1 GB state): from this host's copy 0.64 s, from the
+  checkpoint folder on `abfss://` (Azurite on this machine) 2.30 s -- 0.28x (goal 0.5x: met;
+  0.28-0.52x over the runs so far) -- and from a local folder 0.58 s (a folder on the rank's
+  own disk is its nearest copy: no host copy is kept beside it). Another rank's host copy
+  sent over gloo (two processes on this 2-core VM) took 2.24 s, 0.92x Azurite here
+  (0.67-1.10x over the runs): Azurite is on loopback too, so the broadcast (1 GB through
+  gloo's TCP, checked and loaded on 2 cores shared by both ranks) has little to win on this
+  machine; across hosts it replaces one read of the whole state per rank from the blob store.
 - **B2T since each rank reads its share (issue 48)** (rank 0 of 2, 400k rows x 784 float32,
   streamed, 512 KB row groups). `torch_batches` 261k rows/s per rank = 1.23x its ceiling --
   pyarrow reading the row groups rank 0 reads (its partitions'), one dataset scan per file
