@@ -61,3 +61,44 @@ def collective_iface_env(nics: Optional[Iterable[str]], towards: Optional[str]) 
     with contextlib.suppress(OSError):
         iface = iface_towards(towards)
     return {name: iface or "lo" for name in IFACE_VARS}
+
+
+class PortReservation:
+    """Ports for this host's ranks, held until the ranks end.
+
+    A port found by binding port 0 and closing the socket is free only for a moment: another
+    task on the host (or an outgoing connection) could be handed it before the rank's server
+    binds it. Two ``tf`` workers told the same port both listen on it (gRPC sets
+    ``SO_REUSEPORT``), and the kernel hands each one connections meant for the other -- a run
+    that hangs in its first all-reduce. So each port stays bound here, with ``SO_REUSEADDR``
+    and ``SO_REUSEPORT`` and never listening, which keeps every other ``bind(0)`` and outgoing
+    connection off it while the rank's own server (gRPC, torch's ``TCPStore``) can still bind
+    and listen on it. Close it when the ranks have ended.
+    """
+
+    def __init__(self, address: str, count: int) -> None:
+        self._held: list[socket.socket] = []
+        try:
+            for _ in range(count):
+                sock = socket.socket()
+                self._held.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if hasattr(socket, "SO_REUSEPORT"):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                sock.bind((address or "", 0))
+        except BaseException:
+            self.close()
+            raise
+        #: The reserved port numbers, one per rank.
+        self.ports: list[int] = [s.getsockname()[1] for s in self._held]
+
+    def close(self) -> None:
+        for sock in self._held:
+            sock.close()
+        self._held = []
+
+    def __enter__(self) -> "PortReservation":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

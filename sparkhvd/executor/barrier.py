@@ -39,7 +39,7 @@ from typing import Any, Iterator, Mapping, Optional
 from sparkhvd.common import protocol
 from sparkhvd.common.environment import process_env
 from sparkhvd.common.identity import RankIdentity
-from sparkhvd.common.netif import collective_iface_env, route_address
+from sparkhvd.common.netif import PortReservation, collective_iface_env, route_address
 from sparkhvd.common.rankprocess import RankProcess
 
 __side__ = "executor"
@@ -85,12 +85,6 @@ class _Channel:
         with contextlib.suppress(OSError):
             self.rfile.close()
             self.sock.close()
-
-
-def _reserve_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address or "", 0))
-        return s.getsockname()[1]
 
 
 def _connect(driver: tuple[str, int], timeout: float) -> Optional[_Channel]:
@@ -214,8 +208,17 @@ def barrier_task(spec: protocol.TaskSpec) -> tuple[int, dict, list, Optional[byt
     host = socket.gethostname()
     channel = _connect(spec.driver, min(float(spec.start_timeout), CONNECT_TIMEOUT_S))
     address = channel.sock.getsockname()[0] if channel else route_address(spec.driver[0])
-    ports = [_reserve_port(address) for _ in range(spec.ranks_per_task)] \
-        if get_backend(spec.backend).needs_port else []
+    # Held until the ranks end, so no other task on this host is handed the same port.
+    with PortReservation(address, spec.ranks_per_task
+                         if get_backend(spec.backend).needs_port else 0) as reserved:
+        return _task_with_ports(spec, context, partition, started, channel, host, address,
+                                reserved.ports, gpus)
+
+
+def _task_with_ports(spec: protocol.TaskSpec, context: Any, partition: int, started: float,
+                     channel: Optional[_Channel], host: str, address: str, ports: list[int],
+                     gpus: Any) -> tuple[int, dict, list, Optional[bytes]]:
+    """Register, run the ranks and return their rows (module docstring, 1-4): ports held."""
     status: dict[str, Any] = {"mode": "live", "host": host, "rank": None, "ranks": [],
                               "codes": [], "code": None}
     reply: Any = None

@@ -122,6 +122,43 @@ def test_tf_backend_ranks_are_contiguous_per_host_with_a_tf_config_each():
         assert envs[partition]["SPARKHVD_LOCAL_RANK"] == str(local)
 
 
+def test_tf_backend_refuses_two_ranks_on_one_address_and_port():
+    from sparkhvd.common.backends import TaskInfo
+    from sparkhvd.common.backends.tf import Backend
+
+    tasks = {0: TaskInfo(0, "a", "10.0.0.1", 5001), 1: TaskInfo(1, "a", "10.0.0.1", 5001)}
+    with pytest.raises(RuntimeError, match="10.0.0.1:5001"):
+        Backend().assign(tasks)
+
+
+def test_a_reserved_port_is_kept_from_others_until_closed_and_the_ranks_server_can_use_it():
+    import socket
+
+    from sparkhvd.common.netif import PortReservation
+
+    with PortReservation("127.0.0.1", 2) as reserved:
+        assert len(set(reserved.ports)) == 2
+        for _ in range(200):  # nobody else is handed it ...
+            with socket.socket() as other:
+                other.bind(("127.0.0.1", 0))
+                assert other.getsockname()[1] not in reserved.ports
+        with socket.socket() as plain, pytest.raises(OSError):
+            plain.bind(("127.0.0.1", reserved.ports[0]))
+        # ... but the rank's server binds and listens on it, as gRPC and TCPStore do
+        with socket.socket() as server:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            server.bind(("127.0.0.1", reserved.ports[0]))
+            server.listen(1)
+            socket.create_connection(("127.0.0.1", reserved.ports[0]), timeout=5).close()
+        with socket.socket() as server:  # SO_REUSEADDR alone (libuv's TCPStore) will do too
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("127.0.0.1", reserved.ports[1]))
+            server.listen(1)
+    with socket.socket() as after:  # closed: free again
+        after.bind(("127.0.0.1", reserved.ports[1]))
+
+
 def test_torch_backend_gives_every_rank_torchruns_variables():
     """MASTER_ADDR/PORT are rank 0's host and the port its task reserved; ranks contiguous per
     host, as on the other backends."""

@@ -26,6 +26,11 @@ class Backend(PeerBackend):
         by_host = hosts_in_order(nodes)
         order = [p for parts in by_host.values() for p in parts]
         workers = [f"{tasks[p].address or tasks[p].host}:{tasks[p].port}" for p in order]
+        shared = sorted({w for w in workers if workers.count(w) > 1})
+        if shared:  # two gRPC servers on one port would answer each other's peers: a hang
+            raise RuntimeError(f"tf: two ranks were given the same address and port "
+                               f"({', '.join(shared)}); each task must reserve its own port "
+                               "(sparkhvd.common.netif.PortReservation) -- please report this.")
         envs = {}
         sharing = host_ranks(tasks)
         for rank, partition in enumerate(order):

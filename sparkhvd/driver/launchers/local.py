@@ -17,7 +17,7 @@ from sparkhvd.common.backends import TaskInfo, get_backend
 from sparkhvd.common.environment import process_env
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.common.identity import RankIdentity
-from sparkhvd.common.netif import collective_iface_env
+from sparkhvd.common.netif import PortReservation, collective_iface_env
 from sparkhvd.common.protocol import PREEMPTED_EXIT, rank_slots
 from sparkhvd.common.rankprocess import RankProcess
 from sparkhvd.driver.launchers import LaunchSpec, Sink
@@ -26,12 +26,6 @@ from sparkhvd.driver.payload import load_result
 from sparkhvd.driver.rank_end import EXTERNAL_SIGNALS, signal_of
 
 __side__ = "driver"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalLauncher:
@@ -44,8 +38,9 @@ class LocalLauncher:
         run_env = {**backend.start("127.0.0.1", {"lo"}, spec.verbose, spec.run),
                    **collective_iface_env({"lo"}, None)}
         procs: list[RankProcess] = []
+        ports = contextlib.ExitStack()  # the ranks' reserved ports, held until they end
         try:
-            _start_ranks(spec, backend, run_env, sink, procs)
+            _start_ranks(spec, backend, run_env, sink, procs, ports)
             exited: dict[int, float] = {}
 
             def wait_all() -> None:
@@ -106,6 +101,7 @@ class LocalLauncher:
                     proc.terminate()
                     proc.finish()
                 proc.close()
+            ports.close()
             backend.stop()
 
 
@@ -113,12 +109,14 @@ LAUNCHER = LocalLauncher()
 
 
 def _start_ranks(spec: LaunchSpec, backend: Any, run_env: dict[str, str], sink: Sink,
-                 procs: list[RankProcess]) -> None:
+                 procs: list[RankProcess], held: contextlib.ExitStack) -> None:
     """Start every rank, numbered as Spark tasks of ``ranks_per_task`` would be, into
-    ``procs`` (filled as they start, so that a failure stops those already running)."""
+    ``procs`` (filled as they start, so that a failure stops those already running); the
+    ports the backend needs stay reserved in ``held``."""
     slots: dict[int, TaskInfo] = {}
     for task in range(spec.tasks):  # groups of ranks_per_task play the Spark tasks
-        ports = [_free_port() for _ in range(spec.ranks_per_task)] if backend.needs_port else []
+        ports = held.enter_context(PortReservation(
+            "127.0.0.1", spec.ranks_per_task if backend.needs_port else 0)).ports
         slots.update(rank_slots(task, "localhost", "127.0.0.1", ports, spec.ranks_per_task,
                                 spec.node_per_task))
     plan = backend.assign(slots)
