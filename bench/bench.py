@@ -1526,7 +1526,7 @@ def _classify_cost(frames, rounds):
     per sample), measured inside a rank at that depth."""
     import time as _time
 
-    from sparkhvd.timing.buckets import classify
+    from sparkhvd.timing.buckets import bucket_of
     from sparkhvd.timing.sampler import main_thread_frames
 
     def nest(depth):
@@ -1537,7 +1537,7 @@ def _classify_cost(frames, rounds):
         ident = threading.main_thread().ident
         start = _time.perf_counter()
         for _ in range(rounds):
-            classify(main_thread_frames(ident))
+            bucket_of(main_thread_frames(ident))
         return 1e6 * (_time.perf_counter() - start) / rounds
     return nest(frames)
 

@@ -21,7 +21,7 @@ from sparkhvd.common.protocol import RankOptions
 from sparkhvd.driver.launchers import LaunchSpec, Placement
 from sparkhvd.driver.monitor import RunMonitor
 from sparkhvd.driver.outcome import RunOutcome
-from sparkhvd.driver.rank_end import Verdict, classify
+from sparkhvd.driver.rank_end import Verdict, verdict_of
 from sparkhvd.elastic.watch import AttemptWatch
 from sparkhvd.runfolder.record import now
 
@@ -95,7 +95,7 @@ class Attempt:
             self.status = "succeeded"
         except LaunchFailure as failure:
             self.failure = failure
-            self.verdict = classify(failure, self.outcome.reported(), self.outcome.hosts,
+            self.verdict = verdict_of(failure, self.outcome.reported(), self.outcome.hosts,
                                     run.router.tail)
             self.status = "preempted" if self.verdict.preempted else "failed"
             self.error = self.verdict.error()

@@ -6,7 +6,7 @@ other message is kept here: which process each rank is and where it ran, the exc
 raised, rank 0's per-epoch metrics, what a resume restored, exit statuses.
 
 When a launcher reports a failure (:class:`~sparkhvd.common.errors.LaunchFailure`),
-:func:`sparkhvd.driver.rank_end.classify` turns it and these reports into the verdict.
+:func:`sparkhvd.driver.rank_end.verdict_of` turns it and these reports into the verdict.
 """
 from __future__ import annotations
 

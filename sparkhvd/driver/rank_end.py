@@ -3,7 +3,7 @@
 A launcher reports how a rank ended as a :class:`~sparkhvd.common.errors.LaunchFailure` (rank,
 host, exit code -- or vanished, or its host lost); the ranks themselves report the exceptions
 they raised (:class:`~sparkhvd.common.errors.RankFailure`, collected by
-:class:`~sparkhvd.driver.outcome.RunOutcome`). :func:`classify` turns both into one
+:class:`~sparkhvd.driver.outcome.RunOutcome`). :func:`verdict_of` turns both into one
 :class:`Verdict`: the rank to name first, every failure, the message, and whether the attempt
 may be retried. Nothing else in sparkhvd reads an exit code.
 """
@@ -46,7 +46,7 @@ def signal_of(exit_code: Optional[int]) -> Optional[int]:
 
 @dataclass(frozen=True)
 class Verdict:
-    """How an attempt's ranks ended, decided once (see :func:`classify`)."""
+    """How an attempt's ranks ended, decided once (see :func:`verdict_of`)."""
 
     #: The failure to name first: the cause, not its consequences.
     first: RankFailure
@@ -69,7 +69,7 @@ class Verdict:
         return str(self.error()).split("\n", 1)[0]
 
 
-def classify(failure: LaunchFailure, reported: Sequence[RankFailure],
+def verdict_of(failure: LaunchFailure, reported: Sequence[RankFailure],
              hosts: Mapping[int, str], tail: Callable[[int], str]) -> Verdict:
     """The verdict on a failed launch.
 

@@ -28,7 +28,7 @@ The story of a run, start to end (:meth:`Run.execute`):
    ``report.html``) and published, and rank 0's
    result -- or the error, naming the run folder -- goes back to the caller.
 
-A rank's end is decoded once, by :func:`sparkhvd.driver.rank_end.classify`, into the
+A rank's end is decoded once, by :func:`sparkhvd.driver.rank_end.verdict_of`, into the
 :class:`~sparkhvd.driver.rank_end.Verdict` the policy and the error are made from. The run is
 built from a frozen :class:`~sparkhvd.driver.spec.RunSpec`, not from its runner.
 """

@@ -100,7 +100,7 @@ def _frame_text(file: str, line: int, func: str) -> str:
     return f"{os.path.basename(file)}:{line} {func}"
 
 
-def classify(frames: Sample) -> tuple[str, str]:
+def bucket_of(frames: Sample) -> tuple[str, str]:
     """``(bucket, where)`` of one sample (innermost frame first). ``where`` is the innermost
     user frame ("train.py:42 load_batch"), or for a collective the library function waited
     in ("all_reduce"); empty when there is none."""

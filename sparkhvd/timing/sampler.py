@@ -3,7 +3,7 @@
 A daemon thread looks at the main thread's Python stack every :data:`SAMPLE_S`
 (``sys._current_frames``: it needs the GIL only briefly, and gets it while the main thread waits
 in a collective, in C++ or in a blocking read -- exactly the waits that matter). Each sample is
-put in a bucket by :func:`sparkhvd.timing.buckets.classify` and weighs the time since the last
+put in a bucket by :func:`sparkhvd.timing.buckets.bucket_of` and weighs the time since the last
 one. Every :data:`REPORT_S` the rank sends the driver a :class:`~sparkhvd.common.protocol.
 TimeSplit`: seconds per bucket, where each was spent, and its system metrics
 (:mod:`sparkhvd.timing.system`). Turned off with ``time_split=False`` on the runner.
@@ -21,7 +21,7 @@ from typing import Any, Optional
 from sparkhvd.common import protocol
 from sparkhvd.common.identity import current_rank
 from sparkhvd.rank.events import emit, events
-from sparkhvd.timing.buckets import classify, dominant
+from sparkhvd.timing.buckets import bucket_of, dominant
 from sparkhvd.timing.collectives import CLOCK, DDP_PLACE, TF_GRAPH, install_ddp_timing
 
 __side__ = "rank"
@@ -71,7 +71,7 @@ class Sampler:
 
     def sample(self, weight: float) -> None:
         """Put the main thread's stack now in its bucket, weighing ``weight`` seconds."""
-        bucket, where = classify(main_thread_frames(self.main))
+        bucket, where = bucket_of(main_thread_frames(self.main))
         with self.lock:
             self.seconds[bucket] += weight
             if where:

@@ -1,11 +1,11 @@
-"""A rank's end is decoded once (sparkhvd.driver.rank_end.classify), and the retry policy alone
+"""A rank's end is decoded once (sparkhvd.driver.rank_end.verdict_of), and the retry policy alone
 decides what follows: every cause, and every decision."""
 from __future__ import annotations
 
 import pytest
 
 from sparkhvd.common.errors import LaunchFailure, RankFailure, TrainingError
-from sparkhvd.driver.rank_end import classify, signal_of
+from sparkhvd.driver.rank_end import signal_of, verdict_of
 from sparkhvd.driver.retry import RetryPolicy, Spent
 
 
@@ -15,7 +15,7 @@ def _raised(rank, exc_type="ValueError", message="bad batch", at=1.0, host=None)
 
 
 def _classify(failure, reported=(), hosts=None):
-    return classify(failure, list(reported), hosts or {}, lambda rank: f"last lines of {rank}")
+    return verdict_of(failure, list(reported), hosts or {}, lambda rank: f"last lines of {rank}")
 
 
 @pytest.mark.parametrize("code, signum", [(None, None), (0, None), (1, None), (128, None),

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from sparkhvd.common import protocol
-from sparkhvd.timing.buckets import classify
+from sparkhvd.timing.buckets import bucket_of
 from sparkhvd.timing.report import render
 from sparkhvd.timing.splits import TimeSplits
 from sparkhvd.timing.stragglers import RankWindow, find, rank_list
@@ -43,7 +43,7 @@ USER = "/home/me/train.py"
      "collective", "synchronize"),
 ])
 def test_a_stack_goes_in_one_bucket(frames, bucket, where):
-    assert classify(frames) == (bucket, where)
+    assert bucket_of(frames) == (bucket, where)
 
 
 def _window(rank, **seconds):

@@ -97,12 +97,12 @@ class ControlServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, bind_host: str, np: int, token: str, sink: Sink,
+    def __init__(self, bind_host: str, task_count: int, token: str, sink: Sink,
                  run_env: dict, backend: Any, ranks_per_task: int = 1,
                  node_per_task: bool = False) -> None:
         super().__init__((bind_host, 0), _ControlHandler)
-        #: ``np``: how many tasks register; each runs ``ranks_per_task`` ranks
-        self.np, self.token, self.sink = np, token, sink
+        #: how many Spark tasks register (each runs ``ranks_per_task`` ranks)
+        self.task_count, self.token, self.sink = task_count, token, sink
         self.ranks_per_task, self.node_per_task = ranks_per_task, node_per_task
         self.run_env, self.backend = dict(run_env), backend
         self.tasks: dict[int, _Task] = {}
@@ -116,7 +116,7 @@ class ControlServer(socketserver.ThreadingTCPServer):
 
     # -- called from handler threads ------------------------------------------------------
     def register(self, task: _Task, ports: list) -> Any:
-        """Block until all ``np`` tasks registered; the variables of each of the task's ranks,
+        """Block until all ``task_count`` tasks registered; the variables of each of the task's ranks,
         or None if aborted."""
         with self.cond:
             if task.info.partition in self.tasks:  # a Spark retry of a started task: never twice
@@ -126,7 +126,7 @@ class ControlServer(socketserver.ThreadingTCPServer):
             self.first_hello = self.first_hello or time.monotonic()
             self.tasks[task.info.partition] = task
             self.ports[task.info.partition] = ports
-            if len(self.tasks) == self.np and self.plan is None:
+            if len(self.tasks) == self.task_count and self.plan is None:
                 slots: dict[int, TaskInfo] = {}
                 for p, t in self.tasks.items():
                     slots.update(rank_slots(p, t.info.host, t.info.address, self.ports[p],
@@ -159,7 +159,7 @@ class ControlServer(socketserver.ThreadingTCPServer):
             if self.plan is None and not self.detached and self.first_hello is not None and \
                     time.monotonic() - self.first_hello > after_s:
                 log.warning("%d of %d Spark task(s) reached the control channel; running "
-                            "without it", len(self.tasks), self.np)
+                            "without it", len(self.tasks), self.task_count)
                 self.detached = True
                 self.cond.notify_all()
 
