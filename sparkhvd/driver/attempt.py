@@ -47,12 +47,8 @@ class Attempt:
         self.library = library
         self.size = size or run.scaling.np
         self.previous_size = previous_size
+        #: this attempt's inbox (recorders listen to it: :mod:`sparkhvd.driver.recording`)
         self.outcome = RunOutcome(run.router)
-        if run.tracker is not None:
-            self.outcome.listeners.append(run.tracker.metrics)
-        if run.timing is not None:
-            run.timing.begin(number, self.size)
-            self.outcome.time_splits = run.timing.add
         launch = run.spec.launch
         self.monitor = self.outcome.monitor = RunMonitor(
             self.outcome, run.run_dir.path, stall_timeout=launch.stall_timeout,
@@ -67,7 +63,7 @@ class Attempt:
             self.watch = self.monitor.watch = AttemptWatch(
                 placement.session, self.spark_job, run.scaling, self.size,
                 listening=lambda: len(outcome.listening) >= self.size,
-                free=run._free_slots)
+                free=run.placer.free_slots)
         self.status = "running"
         self.results: list = []
         self.verdict: Optional[Verdict] = None
@@ -103,6 +99,20 @@ class Attempt:
             self.status, self.error = "stalled", exc
         finally:
             self._clean_up(files)
+
+    def relaunch_reason(self, request: Any, verdict: Verdict) -> str:
+        """Why this attempt is relaunched, in words: the driver's request (a grow), the rank
+        that got the notice, or the loss."""
+        if request is not None:
+            return str(request.reason)
+        noticed = {rank: msg.reason for rank, msg in self.outcome.preempted.items()
+                   if msg.reason != protocol.NOTICE_SPREAD}
+        if verdict.preempted and noticed:
+            rank = min(noticed)
+            host = self.outcome.hosts.get(rank)
+            return (f"rank {rank}{f' on host {host}' if host else ''} got a notice "
+                    f"({noticed[rank]}) and every rank stopped after its checkpoint")
+        return verdict.retryable or "?"
 
     def entry(self) -> dict:
         """This attempt's entry in ``run.json``'s ``attempts``."""
@@ -148,7 +158,7 @@ class Attempt:
             scaling=scaling, launch=launch, backend=spec.backend, payload=run.blob,
             options=RankOptions(verbose=launch.verbose, return_all=run.return_all,
                                 elastic=spec.facts.horovod_elastic,
-                                time_split=run.timing is not None,
+                                time_split=spec.config.time_split,
                                 env_keep=tuple(sorted(set(launch.env) | set(env)))),
             env=env, placement=self.placement, timeout=run.timeout, deadline=run.deadline,
             job=self.spark_job,

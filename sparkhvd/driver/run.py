@@ -3,8 +3,9 @@
 Like Ray Train v2's controller: the run is always in one state of
 :mod:`sparkhvd.driver.states`, which carries what its next step needs; ``Run._step`` turns it
 into the next, and :meth:`Run._enter` alone makes each transition -- logs it and writes it to
-``run.json`` (``state``, ``states``; ``resizes`` for a change of size) and MLflow. The states
-that may follow each (``failed`` also follows any step that raised)::
+``run.json`` (``state``, ``states``; ``resizes`` for a change of size) and MLflow through the
+run's callbacks. The states that may follow each (``failed`` also follows any step that
+raised)::
 
     placing -> running | failed
     running -> finished | failed | restarting | resizing
@@ -28,6 +29,10 @@ The story of a run, start to end (:meth:`Run.execute`):
    ``report.html``) and published, and rank 0's
    result -- or the error, naming the run folder -- goes back to the caller.
 
+What the run leaves behind -- ``run.json``, MLflow, time splits, ``report.html``, curves, the
+settling of dataset caches -- is recorded by callbacks on these moments
+(:mod:`sparkhvd.driver.recording`); this module only acts.
+
 A rank's end is decoded once, by :func:`sparkhvd.driver.rank_end.verdict_of`, into the
 :class:`~sparkhvd.driver.rank_end.Verdict` the policy and the error are made from. The run is
 built from a frozen :class:`~sparkhvd.driver.spec.RunSpec`, not from its runner.
@@ -39,17 +44,15 @@ import os
 import time
 from typing import Any, Callable, Mapping, Optional
 
-from sparkhvd.common import protocol
 from sparkhvd.common.environment import rank_env
 from sparkhvd.common.errors import StorageError
 from sparkhvd.common.redaction import remember_environment
 from sparkhvd.driver.attempt import Attempt
 from sparkhvd.driver.installed import check_keras
-from sparkhvd.driver.launchers import Placement, get_launcher, left_until
+from sparkhvd.driver.launchers import get_launcher, left_until
 from sparkhvd.driver.logs import RankLogRouter
-from sparkhvd.driver.outcome import merge_epochs
 from sparkhvd.driver.placing import LocalPlacer, Placer, SparkPlacer
-from sparkhvd.driver.rank_end import Verdict
+from sparkhvd.driver.recording import RunCallback, recorders
 from sparkhvd.driver.retry import RetryPolicy, Spent
 from sparkhvd.driver.spec import RunSpec
 from sparkhvd.driver.states import (
@@ -65,7 +68,6 @@ from sparkhvd.driver.states import (
 from sparkhvd.elastic.scaling import ScalingPolicy, not_enough_slots
 from sparkhvd.runfolder.record import now
 from sparkhvd.runfolder.rundir import RunDir, resolve_resume_source
-from sparkhvd.timing.splits import TimeSplits
 
 __side__ = "driver"
 
@@ -80,41 +82,26 @@ def _status_of(exc: BaseException) -> str:
             "timed out" if isinstance(exc, TimeoutError) else "failed")
 
 
-def settle_dataset_caches() -> None:
-    """The run's end is a safe point to delete the caches of datasets garbage-collected
-    meanwhile (never done by the collector itself: :mod:`sparkhvd.data.materialize`)."""
-    from sparkhvd.data.materialize import REGISTRY
-
-    REGISTRY.settle()
-
-
-def _resumes_from(resume: Optional[str], library: Optional[str]) -> str:
-    """What a relaunch resumes from, in words (the console's retry line)."""
-    if resume:
-        return f"from sparkhvd's checkpoints in {resume}"
-    if library:
-        return f"with your library's own checkpoints in {library} (it resumes from them " \
-               "where your code asks it to)"
-    return "from the start (no checkpoints)"
-
-
 class Run:
     """One call of ``run``/``run_all``: its run folder, its states and attempts, its result."""
 
     def __init__(self, spec: RunSpec, fn: Callable, blob: bytes, spark: Any, *,
                  kwargs: Mapping[str, Any], return_all: bool, timeout: Optional[float],
                  placer: Optional[Placer] = None,
-                 launchers: Callable[[str], Any] = get_launcher) -> None:
+                 launchers: Callable[[str], Any] = get_launcher,
+                 callbacks: Optional[list[RunCallback]] = None) -> None:
         """``placer``: where the attempts go (default: the Spark session, or local processes
         without one); ``launchers``: a launcher by its name -- the seams the controller's unit
-        tests fill with scripted ones."""
+        tests fill with scripted ones; ``callbacks``: what records the run (default:
+        :func:`~sparkhvd.driver.recording.recorders` of its settings)."""
         self.spec, self.fn, self.blob, self.spark = spec, fn, blob, spark
         self.placer: Placer = placer if placer is not None else \
             SparkPlacer(spark, spec) if spec.scaling.spark else LocalPlacer()
         self.launchers = launchers
         self.kwargs, self.return_all, self.timeout = kwargs, return_all, timeout
         #: ``run(timeout=...)`` counts from the call: slots, start and every attempt
-        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.began = time.monotonic()
+        self.deadline = None if timeout is None else self.began + timeout
         config = spec.config
         #: the policies decide (sizes, relaunches); the run acts and counts what it spent
         self.scaling: ScalingPolicy = spec.scaling_policy
@@ -123,18 +110,12 @@ class Run:
         self.run_dir = RunDir(config.output_dir, storage_options=dict(config.storage_options))
         self.record = self.run_dir.record
         self.attempts: list[Attempt] = []
-        self.metrics: list[dict] = []
         self.state: Optional[RunState] = None
+        self.callbacks = callbacks if callbacks is not None else recorders(config)
         launch = spec.launch
         #: the ranks' lines: console and logs/rank-N.log (files open as ranks start)
         self.router = RankLogRouter(config.driver_log_verbosity, log_dir=self.run_dir.logs,
                                     verbose=launch.verbose)
-        self.tracker: Any = None
-        #: where the ranks' time goes: timing.jsonl, stragglers on the console, report.html
-        self.timing: Optional[TimeSplits] = TimeSplits(
-            self.run_dir.path, say=self.router.note,
-            findings=lambda found: self.record.timed(findings=found)) \
-            if config.time_split else None
 
     def time_left(self) -> Optional[float]:
         """What is left of ``run(timeout=...)`` now (None: no limit)."""
@@ -153,13 +134,8 @@ class Run:
         except StorageError as exc:
             self._record_end("failed", exc)
             raise
-        spec = self.spec
-        elastic = {"min_np": self.scaling.min_np, "max_np": self.scaling.max_np} \
-            if self.scaling.elastic else {}
-        self.record.started(np=spec.scaling.np, mode=spec.scaling.mode,
-                            ranks_per_task=spec.scaling.ranks_per_task,
-                            node_per_task=spec.scaling.node_per_task, backend=spec.backend,
-                            function=getattr(self.fn, "__qualname__", repr(self.fn)), **elastic)
+        for callback in self.callbacks:
+            callback.on_run_start(self)
         self.router.note(f"run {self.run_dir.run_id}: run folder {self.record['output']} "
                          "(run.json, logs/; runner.last_run_dir)")
         last: Optional[Attempt] = None
@@ -172,11 +148,8 @@ class Run:
             status, error = _status_of(exc), exc
         finally:
             self.router.close()
-            self._write_curves()
-            if self.timing is not None:
-                self.timing.close()
-                self.record.timed(**self.timing.summary())
-            settle_dataset_caches()
+            for callback in self.callbacks:
+                callback.on_ranks_done(self)
         if last is None:  # a timeout, an interrupt, a bad setting: recorded, then raised
             self._record_end(status, error)
             raise error  # type: ignore[misc]
@@ -184,12 +157,12 @@ class Run:
 
     # -- the state machine -----------------------------------------------------------------
     def _enter(self, state: RunState) -> None:
-        """The one place the run changes state: logged, in ``run.json`` and in MLflow."""
+        """The one place the run changes state: logged, and told to the callbacks
+        (``run.json``, MLflow)."""
         previous, self.state = self.state, state
         entry = {"state": state.label, "at": now(), "why": state.why, **state.entry()}
-        self.record.transition(entry)
-        if self.tracker is not None:
-            self.tracker.transition(entry)
+        for callback in self.callbacks:
+            callback.on_state(self, entry)
         log.debug("run %s: %s -> %s (%s)", self.run_dir.run_id,
                   previous.label if previous else "-", state.label, state.why)
 
@@ -225,12 +198,13 @@ class Run:
             size = self._size_now(size)
         placement = self.placer.place(size, not self.attempts, self.time_left(), self.record)
         if not self.attempts:
-            self._track(placement)
             resume = self._resume_source()
         self.run_dir.remove_torn()  # a retry never trips over a killed writer's leftovers
         attempt = Attempt(self, len(self.attempts) + 1, placement, resume, state.library, size,
                           state.previous_size)
         self.attempts.append(attempt)
+        for callback in self.callbacks:
+            callback.on_attempt_start(self, attempt)
         return Running(f"attempt {attempt.number} launches {size} rank(s)", attempt=attempt)
 
     def _running(self, state: Running, env: dict[str, str]) -> RunState:
@@ -238,8 +212,8 @@ class Run:
         is sized here, from the free slots)."""
         attempt = state.attempt
         attempt.launch(dict(env))
-        self.metrics = merge_epochs(self.metrics, attempt.outcome.metrics)
-        self.record.attempt_ended(attempt.entry(), attempt.outcome.resumed)
+        for callback in self.callbacks:
+            callback.on_attempt_end(self, attempt)
         request = attempt.watch.request if attempt.watch is not None else None
         planned = request is not None and request.kind == "grow" and \
             attempt.verdict is not None and attempt.verdict.preempted
@@ -257,11 +231,12 @@ class Run:
         self.placer.note_losses(attempt.failure, lambda: set(watch.executors.values())
                                 if watch is not None else set())
         resume = self.run_dir.own_checkpoints() or attempt.resume
-        library = None if resume else self._library_checkpoints()
+        library = None if resume else self.run_dir.library_checkpoints(
+            {name for earlier in self.attempts for name in earlier.outcome.output_dirs})
         size = attempt.size
         new_size = self._size_now(self._relaunch_size(attempt, request), grow=planned)
         kind = Resizing if new_size != size else Restarting
-        return kind(self._why(attempt, request, verdict), attempt=attempt, verdict=verdict,
+        return kind(attempt.relaunch_reason(request, verdict), attempt=attempt, verdict=verdict,
                     checkpoint=self.run_dir.newest_checkpoint() if resume else None,
                     size_from=size, size_to=new_size, resume=resume, library=library,
                     planned=planned)
@@ -274,7 +249,7 @@ class Run:
             self.policy.budget(state.verdict, self.spent)
         log.warning("sparkhvd: attempt %d ended because %s; relaunching %s with %d rank(s)%s "
                     "(attempt %d; %s)", attempt.number, state.why,
-                    _resumes_from(state.resume, state.library), new_size,
+                    state.resumes_from(), new_size,
                     f" (was {size})" if new_size != size else "", attempt.number + 1, budget)
         self.router.line_all(f"---- attempt {attempt.number + 1}: {state.label} after "
                              f"{state.why}"
@@ -282,24 +257,6 @@ class Run:
                              " ----")
         return Placing(f"relaunch after attempt {attempt.number}", size=new_size,
                        resume=state.resume, library=state.library, previous_size=size)
-
-    @staticmethod
-    def _why(attempt: "Attempt", request: Any, verdict: Verdict) -> str:
-        """Why an attempt is relaunched, in words: the driver's request, the rank that got the
-        notice, or the loss."""
-        if request is not None:
-            return str(request.reason)
-        noticed = {rank: msg.reason for rank, msg in attempt.outcome.preempted.items()
-                   if msg.reason != protocol.NOTICE_SPREAD}
-        if verdict.preempted and noticed:
-            rank = min(noticed)
-            host = attempt.outcome.hosts.get(rank)
-            return (f"rank {rank}{f' on host {host}' if host else ''} got a notice "
-                    f"({noticed[rank]}) and every rank stopped after its checkpoint")
-        return verdict.retryable or "?"
-
-    def _free_slots(self, ended: Optional[str] = None) -> int:
-        return self.placer.free_slots(ended)
 
     def _size_now(self, size: int, grow: bool = False) -> int:
         """An elastic run's size for this placement: ``size`` if that many slots are free, else
@@ -311,7 +268,7 @@ class Run:
         ended = self.attempt.spark_job if self.attempt is not None else None
         wait_s, began = self.spec.launch.slot_wait_s, time.monotonic()
         while True:
-            free = self._free_slots(ended)
+            free = self.placer.free_slots(ended)
             decision = self.scaling.size_now(free, time.monotonic() - began, wait_s,
                                              want=size if grow else None)
             if decision.action == "place":
@@ -340,27 +297,6 @@ class Run:
             check_keras({**os.environ, **env})
         return env
 
-    def _track(self, placement: Placement) -> None:
-        config = self.spec.config
-        if config.mlflow:
-            from sparkhvd.ops.tracking import MlflowTracker
-
-            self.tracker = MlflowTracker(config.mlflow)
-            self.tracker.start(self.run_dir, {**self.record.params(),
-                                              "launcher": placement.launcher}, self.kwargs)
-            if self.timing is not None:
-                self.timing.tracker = self.tracker
-
-    def _library_checkpoints(self) -> Optional[str]:
-        """The ``st.output_dir`` folders of this run that hold files -- a library's own
-        checkpoints (Lightning, HF ``Trainer``), which it resumes from when the user's code
-        asks it to -- as ``<run folder>/<name>``, or None."""
-        names = sorted({name for attempt in self.attempts
-                        for name in attempt.outcome.output_dirs})
-        found = [self.run_dir.file(name) for name in names
-                 if any(files for _, _, files in os.walk(self.run_dir.file(name)))]
-        return ", ".join(found) or None
-
     def _end(self, status: str, error: Optional[BaseException], last: "Attempt") -> list:
         """Record, track and publish the run; return the results or raise its error."""
         model: Optional[str] = None
@@ -383,19 +319,12 @@ class Run:
 
     def _record_end(self, status: str, error: Optional[BaseException],
                     model: Optional[str] = None) -> None:
-        last = self.attempt
-        outcome = last.outcome if last is not None else None
-        self.record.finished(status, error=error,
-                             pids=outcome.pid_record() if outcome is not None else {},
-                             resumed=outcome.resumed if outcome is not None else None,
-                             model=model)
-        self._write_report()
-        if self.tracker is not None:
-            self.tracker.finish(self.run_dir, status)
+        for callback in self.callbacks:
+            callback.on_run_end(self, status, error, model)
         if status != "succeeded":
             self.run_dir.publish_quietly()
         log.debug("run %s %s in %.1fs", self.run_dir.run_id, status,
-                  self.record["timings"]["total"])
+                  time.monotonic() - self.began)
 
     # -- what the steps ask of the run folder ---------------------------------------------
     def _resume_source(self) -> Optional[str]:
@@ -408,30 +337,3 @@ class Run:
                                        exclude=self.run_dir.run_id)
         self.record.resume_requested(source)
         return source
-
-    def _write_report(self) -> None:
-        """``report.html``: the run at a glance, one offline file (:mod:`sparkhvd.timing.
-        report`); never in the way of the run's outcome."""
-        from sparkhvd.timing.report import write_report
-
-        try:
-            write_report(self.run_dir.path)
-            self.record.reported("report.html")
-        except Exception as exc:  # noqa: BLE001 - a report must never hide the run's outcome
-            log.warning("could not write report.html: %s", exc)
-
-    def _write_curves(self) -> None:
-        """``metrics.csv`` always; ``curves.png`` where matplotlib is installed (the ``plots``
-        extra): nobody asked for a picture, so its absence is no warning."""
-        if not self.metrics:
-            return
-        from sparkhvd.runfolder.curves import can_plot, plot_curves, write_metrics_csv
-
-        try:
-            write_metrics_csv(self.run_dir.file("metrics.csv"), self.metrics)
-            if can_plot():
-                plot_curves(self.run_dir.file("curves.png"), self.metrics)
-            else:
-                log.debug("curves.png not drawn: matplotlib is not installed")
-        except Exception as exc:  # noqa: BLE001 - curves must never hide the run's outcome
-            log.warning("could not write the training curves: %s", exc)

@@ -88,6 +88,15 @@ class Relaunching(RunState):
         return {"attempt": self.attempt.number, "checkpoint": self.checkpoint,
                 "from": self.size_from, "to": self.size_to}
 
+    def resumes_from(self) -> str:
+        """What the relaunch resumes from, in words (the console's retry line)."""
+        if self.resume:
+            return f"from sparkhvd's checkpoints in {self.resume}"
+        if self.library:
+            return f"with your library's own checkpoints in {self.library} (it resumes from " \
+                   "them where your code asks it to)"
+        return "from the start (no checkpoints)"
+
 
 @dataclass(frozen=True)
 class Restarting(Relaunching):

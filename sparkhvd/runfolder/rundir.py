@@ -15,7 +15,7 @@ import logging
 import os
 import platform
 import secrets
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from sparkhvd.common.fileio import atomic_write
 from sparkhvd.driver.installed import package_version
@@ -191,6 +191,14 @@ class RunDir:
         resumes from), else None."""
         folder = self.file("checkpoints")
         return folder if os.path.exists(os.path.join(folder, "latest.json")) else None
+
+    def library_checkpoints(self, names: Iterable[str]) -> Optional[str]:
+        """Which of the ``st.output_dir`` folders ``names`` hold files -- a library's own
+        checkpoints (Lightning, HF ``Trainer``), which it resumes from when the user's code
+        asks it to -- as ``<run folder>/<name>``, or None."""
+        found = [self.file(name) for name in sorted(names)
+                 if any(files for _, _, files in os.walk(self.file(name)))]
+        return ", ".join(found) or None
 
     def newest_checkpoint(self) -> Optional[str]:
         """The name of this run's newest complete checkpoint (``latest.json``'s file), if any."""

@@ -192,3 +192,51 @@ def test_a_failure_while_placing_fails_the_run_in_one_transition(tmp_path):
         run.execute()
     assert _states(run) == ["placing", "failed"]
     assert _record(run)["status"] == "failed" and run.attempts == []
+
+
+class Moments:
+    """A recorder that notes every moment the run tells its callbacks."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def on_run_start(self, run: Run) -> None:
+        self.seen.append("run_start")
+
+    def on_state(self, run: Run, entry: dict) -> None:
+        self.seen.append(entry["state"])
+
+    def on_attempt_start(self, run: Run, attempt: Any) -> None:
+        self.seen.append(f"attempt_start {attempt.number}")
+
+    def on_attempt_end(self, run: Run, attempt: Any) -> None:
+        self.seen.append(f"attempt_end {attempt.number} {attempt.status}")
+
+    def on_ranks_done(self, run: Run) -> None:
+        self.seen.append("ranks_done")
+
+    def on_run_end(self, run: Run, status: str, error: Any, model: Any) -> None:
+        self.seen.append(f"run_end {status} {model}")
+
+
+def test_callbacks_record_every_moment_in_order_and_the_defaults_write_the_run_folder(tmp_path):
+    from sparkhvd.driver.recording import recorders
+
+    moments = Moments()
+    config = RunConfig(output_dir=str(tmp_path / "runs"), time_split=False, max_retries=1)
+    run = _run(tmp_path, ScriptedLauncher(lost(), succeeds()), np=2, max_retries=1)
+    run.callbacks = [*recorders(config), moments]  # type: ignore[list-item]
+    run.execute()
+    assert moments.seen == [
+        "run_start", "placing", "attempt_start 1", "running", "attempt_end 1 failed",
+        "restarting", "placing", "attempt_start 2", "running", "attempt_end 2 succeeded",
+        "finished", "ranks_done", "run_end succeeded result.bin"]
+    assert _record(run)["status"] == "succeeded"
+    assert (tmp_path / "runs" / run.run_dir.run_id / "report.html").exists()
+
+
+def test_a_run_without_recorders_still_runs(tmp_path):
+    run = _run(tmp_path, ScriptedLauncher(succeeds()), np=2)
+    run.callbacks = []
+    assert run.execute() == [b"weights", b"weights"]
+    assert run.state is not None and run.state.label == "finished"

@@ -1,0 +1,203 @@
+"""What a run leaves behind, as callbacks on its lifecycle -- the run itself only acts.
+
+:class:`~sparkhvd.driver.run.Run` calls every callback at the same moments, in the order they
+were registered (:func:`recorders` gives sparkhvd's, in the order that matters: ``run.json``
+before ``report.html`` reads it, both before MLflow uploads the folder):
+
+- ``on_run_start(run)``: the run folder is checked; nothing is placed yet;
+- ``on_state(run, entry)``: every transition (``entry`` as ``run.json``'s ``states`` keeps it);
+- ``on_attempt_start(run, attempt)``: an attempt is placed and about to launch;
+- ``on_attempt_end(run, attempt)``: its ranks have ended, before the policy decides;
+- ``on_ranks_done(run)``: no rank runs any more (the run may still be recorded as failed);
+- ``on_run_end(run, status, error, model)``: the outcome is known; ``model`` is the saved
+  model's file name, if any.
+
+Like Ray Train v2's controller callbacks and Lightning's: a recorder never decides what the
+run does next, and one that fails says so in a warning instead of hiding the run's outcome
+(run.json is the exception: it is the run's own record, and its errors go on).
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+from sparkhvd.driver.outcome import merge_epochs
+from sparkhvd.timing.splits import TimeSplits
+
+if TYPE_CHECKING:
+    from sparkhvd.driver.attempt import Attempt
+    from sparkhvd.driver.run import Run
+    from sparkhvd.driver.settings import RunConfig
+
+__side__ = "driver"
+
+log = logging.getLogger(__name__)
+
+
+class RunCallback:
+    """A recorder: every hook does nothing unless overridden (module docstring)."""
+
+    def on_run_start(self, run: "Run") -> None:
+        pass
+
+    def on_state(self, run: "Run", entry: dict) -> None:
+        pass
+
+    def on_attempt_start(self, run: "Run", attempt: "Attempt") -> None:
+        pass
+
+    def on_attempt_end(self, run: "Run", attempt: "Attempt") -> None:
+        pass
+
+    def on_ranks_done(self, run: "Run") -> None:
+        pass
+
+    def on_run_end(self, run: "Run", status: str, error: Optional[BaseException],
+                   model: Optional[str]) -> None:
+        pass
+
+
+class RunJson(RunCallback):
+    """``run.json`` (:class:`~sparkhvd.runfolder.record.RunRecord`): what was asked, each
+    transition, each attempt's end, the outcome."""
+
+    def on_run_start(self, run: "Run") -> None:
+        spec, scaling = run.spec, run.scaling
+        elastic = {"min_np": scaling.min_np, "max_np": scaling.max_np} if scaling.elastic else {}
+        run.record.started(np=spec.scaling.np, mode=spec.scaling.mode,
+                           ranks_per_task=spec.scaling.ranks_per_task,
+                           node_per_task=spec.scaling.node_per_task, backend=spec.backend,
+                           function=getattr(run.fn, "__qualname__", repr(run.fn)), **elastic)
+
+    def on_state(self, run: "Run", entry: dict) -> None:
+        run.record.transition(entry)
+
+    def on_attempt_end(self, run: "Run", attempt: "Attempt") -> None:
+        run.record.attempt_ended(attempt.entry(), attempt.outcome.resumed)
+
+    def on_run_end(self, run: "Run", status: str, error: Optional[BaseException],
+                   model: Optional[str]) -> None:
+        last = run.attempt
+        outcome = last.outcome if last is not None else None
+        run.record.finished(status, error=error,
+                            pids=outcome.pid_record() if outcome is not None else {},
+                            resumed=outcome.resumed if outcome is not None else None,
+                            model=model)
+
+
+class Curves(RunCallback):
+    """``metrics.csv`` always; ``curves.png`` where matplotlib is installed (the ``plots``
+    extra): nobody asked for a picture, so its absence is no warning. Epochs redone by a
+    relaunch replace the ones they repeat."""
+
+    def __init__(self) -> None:
+        self.metrics: list[dict] = []
+
+    def on_attempt_end(self, run: "Run", attempt: "Attempt") -> None:
+        self.metrics = merge_epochs(self.metrics, attempt.outcome.metrics)
+
+    def on_ranks_done(self, run: "Run") -> None:
+        if not self.metrics:
+            return
+        from sparkhvd.runfolder.curves import can_plot, plot_curves, write_metrics_csv
+
+        try:
+            write_metrics_csv(run.run_dir.file("metrics.csv"), self.metrics)
+            if can_plot():
+                plot_curves(run.run_dir.file("curves.png"), self.metrics)
+            else:
+                log.debug("curves.png not drawn: matplotlib is not installed")
+        except Exception as exc:  # noqa: BLE001 - curves must never hide the run's outcome
+            log.warning("could not write the training curves: %s", exc)
+
+
+class TimeSplitRecorder(RunCallback):
+    """Where the ranks' time goes (:class:`~sparkhvd.timing.splits.TimeSplits`):
+    ``timing.jsonl``, stragglers on the console, findings in ``run.json``."""
+
+    def __init__(self) -> None:
+        self.splits: Optional[TimeSplits] = None
+
+    def on_run_start(self, run: "Run") -> None:
+        record = run.record
+        self.splits = TimeSplits(run.run_dir.path, say=run.router.note,
+                                 findings=lambda found: record.timed(findings=found))
+
+    def on_attempt_start(self, run: "Run", attempt: "Attempt") -> None:
+        if self.splits is not None:
+            self.splits.begin(attempt.number, attempt.size)
+            attempt.outcome.time_splits = self.splits.add
+
+    def on_ranks_done(self, run: "Run") -> None:
+        if self.splits is not None:
+            self.splits.close()
+            run.record.timed(**self.splits.summary())
+
+
+class Mlflow(RunCallback):
+    """The run in MLflow (:class:`~sparkhvd.ops.tracking.MlflowTracker`), started when the
+    first attempt is placed (its launcher is a parameter): transitions, the ranks' metrics as
+    they come, time-split findings, the run folder at the end."""
+
+    def __init__(self, target: Any, splits: Optional[TimeSplitRecorder]) -> None:
+        self.target, self.splits = target, splits
+        self.tracker: Any = None
+
+    def on_attempt_start(self, run: "Run", attempt: "Attempt") -> None:
+        if self.tracker is None:
+            from sparkhvd.ops.tracking import MlflowTracker
+
+            self.tracker = MlflowTracker(self.target)
+            self.tracker.start(run.run_dir, {**run.record.params(),
+                                             "launcher": attempt.placement.launcher},
+                               run.kwargs)
+            if self.splits is not None and self.splits.splits is not None:
+                self.splits.splits.tracker = self.tracker
+        attempt.outcome.listeners.append(self.tracker.metrics)
+
+    def on_state(self, run: "Run", entry: dict) -> None:
+        if self.tracker is not None:
+            self.tracker.transition(entry)
+
+    def on_run_end(self, run: "Run", status: str, error: Optional[BaseException],
+                   model: Optional[str]) -> None:
+        if self.tracker is not None:
+            self.tracker.finish(run.run_dir, status)
+
+
+class Report(RunCallback):
+    """``report.html``: the run at a glance, one offline file (:mod:`sparkhvd.timing.report`),
+    written from ``run.json`` once the outcome is in it."""
+
+    def on_run_end(self, run: "Run", status: str, error: Optional[BaseException],
+                   model: Optional[str]) -> None:
+        from sparkhvd.timing.report import write_report
+
+        try:
+            write_report(run.run_dir.path)
+            run.record.reported("report.html")
+        except Exception as exc:  # noqa: BLE001 - a report must never hide the run's outcome
+            log.warning("could not write report.html: %s", exc)
+
+
+class DatasetCacheSettling(RunCallback):
+    """The run's end is a safe point to delete the caches of datasets garbage-collected
+    meanwhile (never done by the collector itself: :mod:`sparkhvd.data.materialize`)."""
+
+    def on_ranks_done(self, run: "Run") -> None:
+        from sparkhvd.data.materialize import REGISTRY
+
+        REGISTRY.settle()
+
+
+def recorders(config: "RunConfig") -> list[RunCallback]:
+    """sparkhvd's recorders for a run of ``config``, in the order they must run."""
+    splits = TimeSplitRecorder() if config.time_split else None
+    found: list[RunCallback] = [RunJson(), Curves()]
+    if splits is not None:
+        found.append(splits)
+    found.append(Report())
+    if config.mlflow:
+        found.append(Mlflow(config.mlflow, splits))
+    found.append(DatasetCacheSettling())
+    return found
