@@ -12,13 +12,14 @@ import dataclasses
 import logging
 import os
 import shutil
+import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.backends import RunTag
 from sparkhvd.common.errors import LaunchFailure, StallError
 from sparkhvd.common.protocol import RankOptions
-from sparkhvd.driver.launchers import LaunchSpec, Placement
+from sparkhvd.driver.launchers import LaunchSpec, Placement, RankGroup
 from sparkhvd.driver.monitor import RunMonitor
 from sparkhvd.driver.outcome import RunOutcome
 from sparkhvd.driver.rank_end import Verdict, verdict_of
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 __side__ = "driver"
 
 log = logging.getLogger(__name__)
+
+#: How often the controller polls a running attempt's ranks.
+POLL_S = 0.1
 
 
 class Attempt:
@@ -50,7 +54,7 @@ class Attempt:
         #: this attempt's inbox (recorders listen to it: :mod:`sparkhvd.driver.recording`)
         self.outcome = RunOutcome(run.router)
         launch = run.spec.launch
-        self.monitor = self.outcome.monitor = RunMonitor(
+        self.monitor = RunMonitor(
             self.outcome, run.run_dir.path, stall_timeout=launch.stall_timeout,
             on_stall=launch.on_stall)
         #: the Spark job tag (or group) of this attempt's barrier stage: in ``run.json`` before
@@ -60,7 +64,7 @@ class Attempt:
         self.watch: Optional[AttemptWatch] = None
         if placement.launcher == "barrier":
             outcome = self.outcome
-            self.watch = self.monitor.watch = AttemptWatch(
+            self.watch = AttemptWatch(
                 placement.session, self.spark_job, run.scaling, self.size,
                 listening=lambda: len(outcome.listening) >= self.size,
                 free=run.placer.free_slots)
@@ -86,7 +90,8 @@ class Attempt:
             log.info("Launching %d rank(s) %s; logs in %s", spec.np,
                      f"on Spark ({spec.session.describe()})" if spec.session else
                      "as local processes", run.run_dir.logs)
-            self.results = run.launchers(self.placement.launcher).launch(spec, self.outcome)
+            self.results = self._await(run.launchers(self.placement.launcher)
+                                       .start(spec, self.outcome), spec.time_left())
             run.record.launched(control=self.outcome.channel)
             self.status = "succeeded"
         except LaunchFailure as failure:
@@ -99,6 +104,33 @@ class Attempt:
             self.status, self.error = "stalled", exc
         finally:
             self._clean_up(files)
+
+    def _await(self, group: RankGroup, timeout: Optional[float]) -> list[Any]:
+        """The poll loop: until the ranks end, check them (the launcher raises a rank's
+        failure), answer stack requests and detect a stall (the monitor), look for executors
+        being decommissioned and slots to grow into (the watch), and keep ``timeout``. Whatever
+        ends it early stops the ranks first (:meth:`RankGroup.fail`)."""
+        self.monitor.reach_ranks(group.ask_stacks)
+        if self.watch is not None and group.notify is not None:
+            self.watch.reach(group.notify)
+        started = time.monotonic()
+        try:
+            try:
+                while not group.poll(POLL_S, time.monotonic() - started):
+                    if self.watch is not None:
+                        self.watch.tick()
+                    self.monitor.tick()
+                    if timeout is not None and time.monotonic() - started > timeout:
+                        raise TimeoutError(group.timeout_message +
+                                           self.monitor.explain_timeout())
+                return group.results()
+            except BaseException as exc:
+                failure = group.fail(exc)
+                if failure is exc:
+                    raise
+                raise failure from exc
+        finally:
+            group.close()
 
     def relaunch_reason(self, request: Any, verdict: Verdict) -> str:
         """Why this attempt is relaunched, in words: the driver's request (a grow), the rank

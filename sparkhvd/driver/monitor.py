@@ -1,7 +1,7 @@
 """Why is it stuck? Every rank's stacks on timeout, on a stall, and on demand.
 
-:class:`RunMonitor` watches one run from the launcher's watch loop (:func:`sparkhvd.driver.
-launchers.base.watch`):
+:class:`RunMonitor` watches one attempt from the controller's poll loop
+(:meth:`sparkhvd.driver.attempt.Attempt._await`):
 
 - **timeout** (``run_timeout``): before the ranks are stopped, their stacks are collected and the
   ``TimeoutError`` says which rank is where;
@@ -13,9 +13,9 @@ launchers.base.watch`):
   does the same from Python.
 
 Collecting: a request file in the run folder (ranks that poll for it, see
-:mod:`sparkhvd.rank.stack_dump`), the launcher's own way to its ranks (``sink.ask_stacks``: the
-barrier launcher's control channel, the local launcher's processes) or a signal to the ranks on
-this machine; what has not answered after :data:`ANSWER_S` and runs here is read with py-spy
+:mod:`sparkhvd.rank.stack_dump`), the launcher's own way to its ranks (its rank group's
+``ask_stacks``: the barrier launcher's control channel, the local launcher's processes) or a
+signal to the ranks on this machine; what has not answered after :data:`ANSWER_S` and runs here is read with py-spy
 where installed. The report goes to ``logs/stacks-<time>.txt``; :func:`summarise` says which
 ranks wait in a collective and which is elsewhere ("rank 1 is in train.py:42 load_batch(); ranks
 0, 2 wait in allreduce").
@@ -183,24 +183,15 @@ class RunMonitor:
         self.reports: list[StackReport] = []
         self._stall_reported_at: Optional[float] = None
         self._next_request_check = 0.0
-        #: the attempt's :class:`~sparkhvd.elastic.watch.AttemptWatch` (decommission, grow)
-        self.watch: Any = None
 
-    def reach_ranks(self, ask_stacks: Callable[[], None],
-                    notify: Optional[Callable[[str], None]] = None) -> None:
-        """How the launcher asks its ranks for their stacks and gives them a notice (its
-        control channel, its processes); without it the ranks on this machine are signalled
-        for stacks, and no notice is given."""
+    def reach_ranks(self, ask_stacks: Optional[Callable[[], None]]) -> None:
+        """How the launcher asks its ranks for their stacks (its control channel, its
+        processes); None: the ranks on this machine are signalled."""
         self._ask_stacks = ask_stacks
-        if notify is not None and self.watch is not None:
-            self.watch.reach(notify)
 
-    # -- from the watch loop -------------------------------------------------------------------
+    # -- from the controller's poll loop -----------------------------------------------------
     def tick(self) -> None:
-        """Answer a pending request; let the attempt's watch look; detect a stall (may raise
-        :class:`StallError`)."""
-        if self.watch is not None:
-            self.watch.tick()
+        """Answer a pending request; detect a stall (may raise :class:`StallError`)."""
         now = time.monotonic()
         if self.run_path and now >= self._next_request_check:
             self._next_request_check = now + REQUEST_POLL_S

@@ -54,8 +54,6 @@ class RunOutcome:
         self.last_progress = time.monotonic()
         #: rank -> (when it arrived, its latest Stacks)
         self.stacks: dict[int, tuple[float, protocol.Stacks]] = {}
-        #: the run's :class:`~sparkhvd.driver.monitor.RunMonitor` (stalls, stack requests)
-        self.monitor: Any = None
         #: takes each rank's :class:`~sparkhvd.common.protocol.TimeSplit` (None: not sampled)
         self.time_splits: Optional[Callable[[protocol.TimeSplit], None]] = None
         self._error_seen: dict[int, float] = {}

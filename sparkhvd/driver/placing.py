@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.driver.launchers import Placement, choose_launcher
 from sparkhvd.driver.slots import free_slots
 from sparkhvd.driver.spec import RunSpec
 from sparkhvd.elastic import cluster
+
+if TYPE_CHECKING:
+    from sparkhvd.driver.sparkview import SparkView
 
 __side__ = "driver"
 
@@ -28,8 +31,6 @@ class Placer(Protocol):
 
     #: whether free slots can be counted (an elastic run sizes its attempts from them)
     counts_slots: bool
-    #: the session (a :class:`~sparkhvd.driver.sparkview.SparkView`), where there is one
-    view: Any
 
     def place(self, size: int, first: bool, time_left: Optional[float],
               record: Any) -> Placement:
@@ -52,7 +53,6 @@ class LocalPlacer:
     """``np < 0`` without a Spark session: the ranks are processes of this machine."""
 
     counts_slots = False
-    view = None
 
     def place(self, size: int, first: bool, time_left: Optional[float],
               record: Any) -> Placement:
@@ -77,13 +77,14 @@ class SparkPlacer:
 
     def __init__(self, spark: Any, spec: RunSpec) -> None:
         self.spark, self.spec = spark, spec
-        self.view: Any = None
+        #: the session, seen through the one place that knows classic from Connect
+        self.view: Optional["SparkView"] = None
         #: executor id -> host of the executors this run saw lost (left out of slot counts)
         self.lost_executors: dict[str, str] = {}
         #: tasks this run saw vanish with their executor (Spark Connect's slot count)
         self.lost_tasks = 0
 
-    def _ensure_view(self) -> Any:
+    def _ensure_view(self) -> "SparkView":
         if self.view is None:
             from sparkhvd.driver.sparkview import SparkView
 

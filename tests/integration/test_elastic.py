@@ -212,6 +212,10 @@ def test_a_decommissioned_worker_shrinks_the_run_and_a_new_one_grows_it_back(tmp
             _when(lambda: len(et.read_logs(logs_dir).get(1, {})) == 2, "the run at 2 ranks")
             cluster.start_worker("worker3")  # capacity comes back
             stdout, stderr = driver.communicate(timeout=400)
+        except AssertionError as exc:  # say what the driver said
+            driver.kill()
+            raise AssertionError(f"{exc}\n--- the driver's stderr:\n"
+                                 f"{driver.communicate(timeout=60)[1][-5000:]}") from None
         finally:
             if driver.poll() is None:
                 driver.kill()

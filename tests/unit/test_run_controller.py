@@ -1,19 +1,22 @@
 """The run as a controller (sparkhvd.driver.run), stepped with a scripted placer and launcher.
 
 No Spark and no rank process: :class:`ScriptedPlacer` says how many slots are free and places
-each attempt; :class:`ScriptedLauncher` ends each attempt as its script says (a result, a lost
-rank, a notice). The run's own parts are real -- its states, policies, run folder and
-``run.json`` -- so each lifecycle case (retries and preemptions within and over budget, a
-shrink, slots below ``min_np``, a failure while placing) runs in milliseconds, as Ray Train
-v2's controller tests run against a dummy worker group.
+each attempt; :class:`ScriptedLauncher` starts a :class:`ScriptedGroup` the controller polls,
+which ends as its script says (a result, a lost rank, a notice). The run's own parts are real -- its states, policies, run folder and
+``run.json``, its poll loop, monitor and elastic watch -- so each lifecycle case (retries and
+preemptions within and over budget, a shrink, a grow into free slots, slots below ``min_np``,
+a failure while placing, the run's timeout) runs in milliseconds, as Ray Train v2's controller
+tests run against a dummy worker group.
 """
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Callable, Optional
 
 import pytest
 
+from sparkhvd.common import protocol
 from sparkhvd.common.errors import LaunchFailure, NotEnoughSlotsError, TrainingError
 from sparkhvd.driver.launchers import LaunchFacts, LaunchSpec, Placement
 from sparkhvd.driver.run import Run
@@ -38,24 +41,72 @@ def noticed(rank: int = 0) -> Callable[[LaunchSpec, Any], Any]:
     return end
 
 
+def until_notified(spec: LaunchSpec, sink: Any) -> Any:
+    """An attempt that runs until the driver gives its ranks a notice, then stops on it."""
+    raise LaunchFailure(0, 75, "stopped on a notice after its checkpoint", host="h1",
+                        preempted=True)
+
+
 def succeeds(result: Any = b"weights") -> Callable[[LaunchSpec, Any], Any]:
     def end(spec: LaunchSpec, sink: Any) -> Any:
         return [result] * spec.np
     return end
 
 
-class ScriptedLauncher:
-    """Ends attempt N as ``script[N - 1]`` says; keeps each attempt's launch spec."""
+class ScriptedGroup:
+    """One attempt's ranks: running for ``polls`` polls, then ended as ``end`` says."""
 
-    def __init__(self, *script: Callable[[LaunchSpec, Any], Any]) -> None:
-        self.script, self.specs = list(script), []
+    timeout_message = "scripted ranks ran out of time"
+
+    def __init__(self, end: Callable[[LaunchSpec, Any], Any], spec: LaunchSpec, sink: Any,
+                 polls: int) -> None:
+        self.end, self.spec, self.sink, self.polls = end, spec, sink, polls
+        self.notices: list[str] = []
+        self.stopped, self.closed = False, False
+        for rank in range(spec.np):  # every rank's checkpoint helper listens for notices
+            sink.receive(protocol.Listening(rank=rank))
+
+    def ask_stacks(self) -> None:
+        pass
+
+    def notify(self, reason: str) -> None:
+        self.notices.append(reason)
+
+    def poll(self, wait_s: float, elapsed_s: float) -> bool:
+        if self.end is until_notified:
+            time.sleep(0.001)
+            return bool(self.notices)
+        self.polls -= 1
+        return self.polls < 0
+
+    def results(self) -> list:
+        return self.end(self.spec, self.sink)
+
+    def fail(self, exc: BaseException) -> BaseException:
+        self.stopped = True
+        return exc
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ScriptedLauncher:
+    """Ends attempt N as ``script[N - 1]`` says (after ``polls`` polls); keeps each attempt's
+    launch spec and rank group."""
+
+    def __init__(self, *script: Callable[[LaunchSpec, Any], Any], polls: int = 0) -> None:
+        self.script, self.polls = list(script), polls
+        self.specs: list[LaunchSpec] = []
+        self.groups: list[ScriptedGroup] = []
 
     def __call__(self, name: str) -> "ScriptedLauncher":  # the run's launcher by name
         return self
 
-    def launch(self, spec: LaunchSpec, sink: Any) -> list:
+    def start(self, spec: LaunchSpec, sink: Any) -> ScriptedGroup:
         self.specs.append(spec)
-        return self.script[len(self.specs) - 1](spec, sink)
+        self.groups.append(ScriptedGroup(self.script[len(self.specs) - 1], spec, sink,
+                                         self.polls))
+        return self.groups[-1]
 
 
 class ScriptedPlacer:
@@ -63,10 +114,10 @@ class ScriptedPlacer:
     local processes; may fail a placement."""
 
     counts_slots = True
-    view = None
 
-    def __init__(self, free: tuple = (64,), fail_placing: Optional[Exception] = None) -> None:
-        self.free, self.fail_placing = list(free), fail_placing
+    def __init__(self, free: tuple = (64,), fail_placing: Optional[Exception] = None,
+                 session: Any = None) -> None:
+        self.free, self.fail_placing, self.session = list(free), fail_placing, session
         self.placed: list[int] = []
         self.losses: list[Any] = []
 
@@ -75,6 +126,9 @@ class ScriptedPlacer:
         if self.fail_placing is not None:
             raise self.fail_placing
         self.placed.append(size)
+        if self.session is not None:  # a Spark session: the barrier launcher, watched
+            record.placed("barrier")
+            return Placement("barrier", nics=frozenset({"lo"}), session=self.session)
         record.placed("local")
         return Placement("local", nics=frozenset({"lo"}))
 
@@ -90,8 +144,8 @@ class ScriptedPlacer:
 
 def _run(tmp_path, launcher: ScriptedLauncher, placer: Optional[ScriptedPlacer] = None,
          **settings: Any) -> Run:
-    scaling = ScalingConfig(**{k: settings.pop(k) for k in ("np", "min_np", "max_np")
-                               if k in settings})
+    scaling = ScalingConfig(**{k: settings.pop(k) for k in ("np", "min_np", "max_np",
+                                                            "resize_check_s") if k in settings})
     launch = LaunchConfig(**{k: settings.pop(k) for k in ("slot_wait_s",) if k in settings})
     config = RunConfig(output_dir=str(tmp_path / "runs"), time_split=False, **settings)
     spec = RunSpec.of("torch", scaling, launch, config, LaunchFacts("torch"))
@@ -240,3 +294,53 @@ def test_a_run_without_recorders_still_runs(tmp_path):
     run.callbacks = []
     assert run.execute() == [b"weights", b"weights"]
     assert run.state is not None and run.state.label == "finished"
+
+
+def test_the_controller_polls_the_group_stops_it_on_a_failure_and_always_closes_it(tmp_path):
+    launcher = ScriptedLauncher(lost(), succeeds(), polls=3)
+    run = _run(tmp_path, launcher, np=2, max_retries=1)
+    assert run.execute()[0] == b"weights"
+    first, second = launcher.groups
+    assert (first.polls, second.polls) == (-1, -1)  # polled until they said they ended
+    assert first.stopped and not second.stopped
+    assert first.closed and second.closed
+
+
+def test_the_runs_timeout_stops_a_group_that_does_not_end(tmp_path):
+    launcher = ScriptedLauncher(succeeds(), polls=10**9)
+    config = RunConfig(output_dir=str(tmp_path / "runs"), time_split=False)
+    spec = RunSpec.of("torch", ScalingConfig(np=2), LaunchConfig(), config, LaunchFacts("torch"))
+    run = Run(spec, _train, b"", None, kwargs={}, return_all=False, timeout=0.3,
+              placer=ScriptedPlacer(), launchers=launcher)
+    with pytest.raises(TimeoutError, match="scripted ranks ran out of time"):
+        run.execute()
+    assert launcher.groups[0].stopped and launcher.groups[0].closed
+    assert _record(run)["status"] == "timed out"
+
+
+class LocalMasterSession:
+    """A classic session on a local master, as far as the watch looks: slots to grow into,
+    no executors to decommission."""
+
+    connect = False
+    master = "local[4]"
+    job_kind = "tag"
+
+    def describe(self) -> str:
+        return "a scripted local[4] session"
+
+
+def test_an_elastic_run_grows_into_free_slots_at_its_next_step(tmp_path, monkeypatch):
+    monkeypatch.setattr("sparkhvd.elastic.watch.GROW_CONFIRM_S", 0.01)
+    # 2 free at the start (np=3 waits for none: min_np=2), then a slot comes back
+    placer = ScriptedPlacer(free=(2, 1, 1, 3), session=LocalMasterSession())
+    launcher = ScriptedLauncher(until_notified, succeeds())
+    run = _run(tmp_path, launcher, placer, np=3, min_np=2, max_np=3, resize_check_s=0.01)
+    assert run.execute()[0] == b"weights"
+    assert placer.placed == [2, 3]
+    assert launcher.groups[0].notices == ["1 Spark task slot(s) free: growing from 2 to 3 ranks"]
+    assert _states(run) == ["placing", "running", "resizing", "placing", "running", "finished"]
+    resizing = _record(run)["states"][2]
+    assert (resizing["from"], resizing["to"]) == (2, 3)
+    assert [a["status"] for a in _record(run)["attempts"]] == ["preempted", "succeeded"]
+    assert run.spent.preemptions == 0  # a grow the driver asked for spends no budget

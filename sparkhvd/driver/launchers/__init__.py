@@ -147,9 +147,6 @@ class Sink(Protocol):
 
     #: PID -> host of every rank process that started (so a launcher kills only its own).
     pid_hosts: dict[int, str]
-    #: The run's :class:`~sparkhvd.driver.monitor.RunMonitor` (or None): a launcher passes it to
-    #: ``watch`` and may tell it (``reach_ranks``) its own way of reaching the ranks.
-    monitor: Any
 
     def receive(self, msg: Any) -> None:
         """One message from a rank (output line or event)."""
@@ -161,12 +158,38 @@ class Sink(Protocol):
         """A LaunchFailure for a rank that reported an exception but has not exited in time."""
 
 
+class RankGroup(Protocol):
+    """One attempt's ranks, started: what the controller's poll loop asks of them
+    (:meth:`sparkhvd.driver.attempt.Attempt.launch`; every launcher's is a
+    :class:`~sparkhvd.driver.launchers.base.ThreadedGroup`)."""
+
+    #: The ``TimeoutError``'s text when the run's ``timeout`` passes.
+    timeout_message: str
+    #: The launcher's own way to ask its ranks for their stacks (None: signals on this machine).
+    ask_stacks: Optional[Callable[[], None]]
+    #: The launcher's own way to give its ranks a notice (None: it has none).
+    notify: Optional[Callable[[str], None]]
+
+    def poll(self, wait_s: float, elapsed_s: float) -> bool:
+        """Wait up to ``wait_s``; raise a rank's failure; whether the ranks have ended."""
+
+    def results(self) -> list[Any]:
+        """Once :meth:`poll` said so: the ranks' results in rank order, or their error."""
+
+    def fail(self, exc: BaseException) -> BaseException:
+        """Stop the ranks after ``exc``; the exception to raise (the rank behind it, when the
+        launcher can tell)."""
+
+    def close(self) -> None:
+        """Release what the launch holds (servers, ports, processes), however it ended."""
+
+
 class Launcher(Protocol):
-    """Starts the ranks of one run and returns their results in rank order."""
+    """Starts the ranks of one attempt; the controller polls them (:class:`RankGroup`)."""
 
     name: str
 
-    def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]: ...
+    def start(self, spec: LaunchSpec, sink: Sink) -> RankGroup: ...
 
 
 #: Launcher name -> its module: ``horovod`` is horovod's Spark launcher (``horovod.spark.run``),

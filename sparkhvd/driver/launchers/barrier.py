@@ -45,7 +45,12 @@ from sparkhvd.common.identity import RankIdentity
 from sparkhvd.common.netif import collective_iface_env
 from sparkhvd.common.protocol import TaskSpec, rank_slots, task_slots
 from sparkhvd.driver.launchers import LaunchSpec, Sink
-from sparkhvd.driver.launchers.base import SPARK_TIMEOUT, preempted_now, stopper, watch
+from sparkhvd.driver.launchers.base import (
+    SPARK_TIMEOUT,
+    ThreadedGroup,
+    preempted_now,
+    stopper,
+)
 from sparkhvd.driver.payload import load_result
 from sparkhvd.driver.sparkview import stopped_session_error
 
@@ -193,7 +198,7 @@ class ControlServer(socketserver.ThreadingTCPServer):
             if rank not in task.codes:
                 self.sink.receive(protocol.Exit(rank=rank, code=None))
 
-    # -- called from the driver's watch loop ----------------------------------------------
+    # -- called from the controller's poll loop ------------------------------------------
     def wait_ended(self, timeout_s: float) -> None:
         """Wait until every task's connection has delivered its last message (``collect()``
         returns as soon as the tasks do, possibly before the handler threads read the rest)."""
@@ -340,7 +345,7 @@ class BarrierLauncher:
 
     name = "barrier"
 
-    def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]:
+    def start(self, spec: LaunchSpec, sink: Sink) -> ThreadedGroup:
         from sparkhvd.executor.barrier import ROW_SCHEMA, arrow_barrier_task
 
         view = spec.session
@@ -361,6 +366,7 @@ class BarrierLauncher:
             start_timeout=float(spec.start_timeout), backend=spec.backend,
             run_env=dict(run_env), ranks_per_task=spec.ranks_per_task,
             node_per_task=spec.node_per_task, start_by=time.time() + spec.start_timeout))
+
         def target() -> list:
             return job.run(lambda: view.barrier_collect(spec.tasks, mapper, ROW_SCHEMA))
 
@@ -370,39 +376,28 @@ class BarrierLauncher:
             server.abort()
             job.cancel()
 
-        stop = stopper(cancel, sink)
-        monitor = getattr(sink, "monitor", None)
-        if monitor is not None:
-            monitor.reach_ranks(server.ask_stacks, server.notify)
-        try:
-            collected = watch(target, timeout=spec.time_left(), check=check, stop=stop,
-                              name="sparkhvd-barrier",
-                              timeout_message=SPARK_TIMEOUT.format(timeout=spec.timeout or 0),
-                              monitor=monitor)
+        def finish(collected: list) -> list[Any]:
             tasks = gather_rows(collected)
             if any(t.get("status", {}).get("mode") == "late" for t in tasks.values()):
                 raise TimeoutError(_not_started(spec))
             server.wait_ended(10.0)
             replay_rows(server, sink, tasks)
             check(0.0)  # a rank that failed as the stage ended
-        except Exception as exc:
-            failure = _behind_spark_error(exc, server, spec)
-            with contextlib.suppress(Exception):
-                stop()
-            if failure is not None:
-                raise failure from exc
-            raise
-        except BaseException:
-            with contextlib.suppress(Exception):
-                stop()
-            raise
-        finally:
+            modes = {t["status"].get("mode") for t in tasks.values()}
+            sink.reported_by("rows" if "rows" in modes else "live")
+            return _results(server, tasks, spec.np)
+
+        def close() -> None:
             # Both servers poll for shutdown: stop them off the return path.
             threading.Thread(target=_stop_servers, args=(server, backend), daemon=True,
                              name="sparkhvd-stop-servers").start()
-        modes = {t["status"].get("mode") for t in tasks.values()}
-        sink.reported_by("rows" if "rows" in modes else "live")
-        return _results(server, tasks, spec.np)
+
+        return ThreadedGroup(
+            target, name="sparkhvd-barrier",
+            timeout_message=SPARK_TIMEOUT.format(timeout=spec.timeout or 0), check=check,
+            stop=stopper(cancel, sink), finish=finish,
+            translate=lambda exc: _behind_spark_error(exc, server, spec), close=close,
+            ask_stacks=server.ask_stacks, notify=server.notify)
 
 
 #: What Spark says when a barrier stage failed because an executor or its worker went.
@@ -413,7 +408,7 @@ _EXECUTOR_LOST = re.compile(r"ExecutorLostFailure[^\n]*?(?:worker lost|Executor 
 def _behind_spark_error(exc: Exception, server: ControlServer, spec: LaunchSpec
                         ) -> Optional[LaunchFailure]:
     """The rank failure behind the Spark job's own error, when there is one: Spark may abort
-    the barrier stage (a lost worker, a task that failed) before the watch loop has seen why.
+    the barrier stage (a lost worker, a task that failed) before the poll loop has seen why.
     The lost executor's rank when Spark names it, else what the control server sees within a
     heartbeat timeout. None for sparkhvd's own errors and before the ranks started."""
     from sparkhvd.common.errors import SparkhvdError
@@ -434,8 +429,9 @@ def _behind_spark_error(exc: Exception, server: ControlServer, spec: LaunchSpec
 
 def _checker(spec: LaunchSpec, view: Any, server: ControlServer, sink: Sink
              ) -> Callable[[float], None]:
-    """What the watch loop checks at every poll: a stopped or lost session, a lost or failed
-    rank, tasks that never reached the control channel (then the run goes on in rows mode)."""
+    """What the controller's poll loop checks each time: a stopped or lost session, a lost or
+    failed rank, tasks that never reached the control channel (then the run goes on in rows
+    mode)."""
     waited = {"warned": False, "probed": 0.0}
 
     def check(elapsed: float) -> None:

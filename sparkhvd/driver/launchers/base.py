@@ -1,13 +1,16 @@
-"""The lifecycle every launcher shares: watch, abort, cancel, kill -- written once.
+"""What every launcher's rank group shares: the helper thread, abort, cancel, kill -- once.
 
 A launch runs in a helper thread (Spark's ``collect()``, horovod's ``run`` or the local process
-loop) while the caller's thread watches it, so that a notebook's stop button (``KeyboardInterrupt``)
-and ``run(timeout=...)`` always work. Whatever ends the watch -- a failed rank, the timeout, an
-interrupt -- the launcher's ``stop`` runs (tell the ranks to stop, cancel the Spark job by its
-tag or group, kill what is left on this machine) before the exception propagates.
+loop: :class:`ThreadedGroup`) while the controller's thread polls it
+(:meth:`sparkhvd.driver.attempt.Attempt.launch`), so that a notebook's stop button
+(``KeyboardInterrupt``) and ``run(timeout=...)`` always work. Whatever ends the polling -- a
+failed rank, the timeout, an interrupt -- the launcher's ``stop`` runs (tell the ranks to stop,
+cancel the Spark job by its tag or group, kill what is left on this machine) before the
+exception propagates.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -48,47 +51,77 @@ SPARK_TIMEOUT = ("The training did not finish within {timeout:g} s; the ranks we
                  "the Spark job cancelled.")
 
 
-def watch(target: Callable[[], Any], *, timeout: Optional[float],
-          check: Callable[[float], None], stop: Callable[[], None],
-          name: str, timeout_message: str, poll_s: float = 0.1, monitor: Any = None) -> Any:
-    """Run ``target()`` in a thread; return its value or raise its exception.
+class ThreadedGroup:
+    """The :class:`~sparkhvd.driver.launchers.RankGroup` of a launch whose ranks are awaited by
+    one blocking call -- Spark's ``collect()``, horovod's ``run``, the local process loop --
+    run in a helper thread, so the controller's poll loop stays in the caller's thread (a
+    notebook's stop button and ``run(timeout=...)`` always work).
 
-    ``check(elapsed_s)`` runs at every poll and may raise (a failed rank); so does the run's
-    ``monitor`` (:class:`~sparkhvd.driver.monitor.RunMonitor`: stack requests, stalls). Past
-    ``timeout`` (what is left of the run's limit) a ``TimeoutError(timeout_message)`` is raised, with where each rank was (their
-    stacks are collected before they are stopped). On any exception ``stop()`` runs first.
+    ``check(elapsed_s)`` runs at every poll and may raise (a failed rank); ``finish(value)``
+    turns the call's value into the ranks' results; ``stop()`` ends the ranks after any
+    exception; ``translate(exc)`` may name the rank behind the launcher's own error (or return
+    None); ``close()`` releases what the launch holds, however it ended. ``ask_stacks`` and
+    ``notify`` are the launcher's own ways to reach its ranks (None: it has none).
     """
-    outcome: dict = {}
 
-    def run() -> None:
-        try:
-            outcome["value"] = target()
-        except BaseException as exc:  # noqa: BLE001 - handed to the watching thread
-            outcome["error"] = exc
+    def __init__(self, target: Callable[[], Any], *, name: str, timeout_message: str,
+                 check: Callable[[float], None], stop: Callable[[], None],
+                 finish: Optional[Callable[[Any], list]] = None,
+                 translate: Optional[Callable[[Exception], Optional[BaseException]]] = None,
+                 close: Optional[Callable[[], None]] = None,
+                 ask_stacks: Optional[Callable[[], None]] = None,
+                 notify: Optional[Callable[[str], None]] = None) -> None:
+        self.timeout_message = timeout_message
+        self.ask_stacks, self.notify = ask_stacks, notify
+        self._check, self._stop, self._finish = check, stop, finish
+        self._translate, self._close = translate, close
+        self._outcome: dict = {}
+        self._thread = threading.Thread(target=self._call, args=(target,), name=name,
+                                        daemon=True)
+        self._thread.start()
 
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    started = time.monotonic()
-    thread.start()
-    try:
-        while thread.is_alive():
-            thread.join(poll_s)
-            elapsed = time.monotonic() - started
-            check(elapsed)
-            if monitor is not None:
-                monitor.tick()
-            if timeout is not None and elapsed > timeout:
-                explained = monitor.explain_timeout() if monitor is not None else ""
-                raise TimeoutError(timeout_message + explained)
-    except BaseException as exc:
+    def _call(self, target: Callable[[], Any]) -> None:
         try:
-            stop()
-        finally:
+            self._outcome["value"] = target()
+        except BaseException as exc:  # noqa: BLE001 - handed to the polling thread
+            self._outcome["error"] = exc
+
+    def poll(self, wait_s: float, elapsed_s: float) -> bool:
+        """Wait up to ``wait_s`` for the call to return; check the ranks (may raise); whether
+        the call has returned."""
+        self._thread.join(wait_s)
+        self._check(elapsed_s)
+        return not self._thread.is_alive()
+
+    def results(self) -> list:
+        """The ranks' results in rank order once :meth:`poll` said so; the call's error."""
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        value = self._outcome.get("value")
+        return self._finish(value) if self._finish is not None else list(value or [])
+
+    def fail(self, exc: BaseException) -> BaseException:
+        """Stop the ranks after ``exc``; the exception to raise for it. While the call still
+        runs, it is stopped first; once it has ended (its own error), the error is read while
+        the launcher can still see why (its control server up) before the ranks are stopped."""
+        running = self._thread.is_alive()
+        if running:
+            with contextlib.suppress(Exception):
+                self._stop()
             # a lost session leaves Spark's call in its client's retries: do not wait for it
-            thread.join(2 if isinstance(exc, SessionError) else 60)
-        raise
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
+            self._thread.join(2 if isinstance(exc, SessionError) else 60)
+        named = self._translate(exc) \
+            if isinstance(exc, Exception) and self._translate is not None else None
+        with contextlib.suppress(Exception):
+            self._stop()  # (again, if it ran: whatever started meanwhile)
+        if named is not None:
+            named.__cause__ = exc
+            return named
+        return exc
+
+    def close(self) -> None:
+        if self._close is not None:
+            self._close()
 
 
 def stopper(cancel: Callable[[], None], sink: Any) -> Callable[[], None]:

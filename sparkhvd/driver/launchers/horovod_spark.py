@@ -8,6 +8,7 @@ private parts of horovod it relies on are patched in :mod:`sparkhvd.common.patch
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -20,7 +21,7 @@ from typing import Any, Optional
 from sparkhvd.common import protocol
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.driver.launchers import LaunchSpec, Sink
-from sparkhvd.driver.launchers.base import SPARK_TIMEOUT, stopper, watch
+from sparkhvd.driver.launchers.base import SPARK_TIMEOUT, ThreadedGroup, stopper
 from sparkhvd.driver.sparkview import cancel_job_group, session_stopped, stopped_session_error
 
 __side__ = "driver"
@@ -149,7 +150,7 @@ class HorovodSparkLauncher:
 
     name = "horovod"
 
-    def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]:
+    def start(self, spec: LaunchSpec, sink: Sink) -> ThreadedGroup:
         import horovod.spark
         from pyspark import SparkContext
 
@@ -188,26 +189,33 @@ class HorovodSparkLauncher:
         if remote:  # no channel of ours to ranks on other hosts: they look for stack requests
             common["env"][protocol.STACKS_POLL_ENV] = "1"
         quiet_cancelled_spark_thread()
-        with horovod_driver_hooks(stop_event, elastic=bool(spec.elastic), mapper=mapper,
-                                  driver_host=spec.driver_host if remote else None) as hooks:
-            def cancel() -> None:
-                stop_event.set()
-                if hooks["job_group"]:
-                    cancel_job_group(sc, hooks["job_group"])
+        held = contextlib.ExitStack()  # horovod's hooks, for as long as its run lasts
+        hooks = held.enter_context(horovod_driver_hooks(
+            stop_event, elastic=bool(spec.elastic), mapper=mapper,
+            driver_host=spec.driver_host if remote else None))
 
+        def cancel() -> None:
+            stop_event.set()
+            if hooks["job_group"]:
+                cancel_job_group(sc, hooks["job_group"])
+
+        def close() -> None:
             try:
-                results = watch(target, timeout=spec.time_left(), check=check,
-                                stop=stopper(cancel, sink), name="sparkhvd-horovod",
-                                timeout_message=SPARK_TIMEOUT.format(timeout=spec.timeout or 0),
-                                monitor=getattr(sink, "monitor", None))
-            except RuntimeError as exc:
-                failure = parse_failure(exc)
-                if failure is not None:
-                    raise failure from exc
-                raise
-            finally:
                 output.drain()
-        return elastic_result(results) if spec.elastic else results
+            finally:
+                held.close()
+
+        try:
+            return ThreadedGroup(
+                target, name="sparkhvd-horovod",
+                timeout_message=SPARK_TIMEOUT.format(timeout=spec.timeout or 0), check=check,
+                stop=stopper(cancel, sink),
+                finish=elastic_result if spec.elastic else None,
+                translate=lambda exc: parse_failure(exc) if isinstance(exc, RuntimeError)
+                else None, close=close)
+        except BaseException:
+            close()
+            raise
 
 
 LAUNCHER = HorovodSparkLauncher()

@@ -21,7 +21,7 @@ from sparkhvd.common.netif import PortReservation, collective_iface_env
 from sparkhvd.common.protocol import PREEMPTED_EXIT, rank_slots
 from sparkhvd.common.rankprocess import RankProcess
 from sparkhvd.driver.launchers import LaunchSpec, Sink
-from sparkhvd.driver.launchers.base import preempted_now, watch
+from sparkhvd.driver.launchers.base import ThreadedGroup, preempted_now
 from sparkhvd.driver.payload import load_result
 from sparkhvd.driver.rank_end import EXTERNAL_SIGNALS, signal_of
 
@@ -33,69 +33,62 @@ class LocalLauncher:
 
     name = "local"
 
-    def launch(self, spec: LaunchSpec, sink: Sink) -> list[Any]:
+    def start(self, spec: LaunchSpec, sink: Sink) -> ThreadedGroup:
         backend = get_backend(spec.backend)
         run_env = {**backend.start("127.0.0.1", {"lo"}, spec.verbose, spec.run),
                    **collective_iface_env({"lo"}, None)}
         procs: list[RankProcess] = []
         ports = contextlib.ExitStack()  # the ranks' reserved ports, held until they end
-        try:
-            _start_ranks(spec, backend, run_env, sink, procs, ports)
-            exited: dict[int, float] = {}
+        exited: dict[int, float] = {}
 
-            def wait_all() -> None:
-                while len(exited) < len(procs):
-                    for proc in procs:
-                        if proc.rank not in exited and proc.poll() is not None:
-                            proc.finish()
-                            exited[proc.rank] = time.monotonic()
-                            sink.receive(protocol.Exit(rank=proc.rank, code=proc.poll()))
-                    time.sleep(0.05)
-
-            def check(_elapsed: float) -> None:
-                # a rank killed from outside is the cause of its peers' broken collectives,
-                # whichever of them this loop saw exit first
-                failed = sorted((p for p in procs if p.rank in exited and p.poll() != 0),
-                                key=lambda p: (signal_of(p.poll()) not in EXTERNAL_SIGNALS,
-                                               exited[p.rank]))
-                preempted = preempted_now([(exited[p.rank], p.rank, p.poll()) for p in failed],
-                                          len(exited) < len(procs))
-                if preempted is None:
-                    return  # the others are finishing the same step
-                if not preempted:
-                    failed = [p for p in failed if p.poll() != PREEMPTED_EXIT] or failed
-                if failed:
-                    proc = failed[0]  # the first to exit; the others are stopped after it
-                    how = "stopped on a notice after its checkpoint" if preempted else \
-                        f"exited with status {proc.poll()}"
-                    raise LaunchFailure(proc.rank, proc.poll(), f"local rank {proc.rank} {how}",
-                                        host=socket.gethostname(), preempted=preempted)
-                stale = sink.stale_error()
-                if stale is not None:
-                    raise stale
-
-            def stop() -> None:
+        def wait_all() -> None:
+            while len(exited) < len(procs):
                 for proc in procs:
-                    proc.terminate()
+                    if proc.rank not in exited and proc.poll() is not None:
+                        proc.finish()
+                        exited[proc.rank] = time.monotonic()
+                        sink.receive(protocol.Exit(rank=proc.rank, code=proc.poll()))
+                time.sleep(0.05)
 
-            monitor = getattr(sink, "monitor", None)
-            if monitor is not None:
-                def ask_stacks() -> None:
-                    for proc in procs:
-                        proc.request_stacks()
+        def check(_elapsed: float) -> None:
+            # a rank killed from outside is the cause of its peers' broken collectives,
+            # whichever of them this loop saw exit first
+            failed = sorted((p for p in procs if p.rank in exited and p.poll() != 0),
+                            key=lambda p: (signal_of(p.poll()) not in EXTERNAL_SIGNALS,
+                                           exited[p.rank]))
+            preempted = preempted_now([(exited[p.rank], p.rank, p.poll()) for p in failed],
+                                      len(exited) < len(procs))
+            if preempted is None:
+                return  # the others are finishing the same step
+            if not preempted:
+                failed = [p for p in failed if p.poll() != PREEMPTED_EXIT] or failed
+            if failed:
+                proc = failed[0]  # the first to exit; the others are stopped after it
+                how = "stopped on a notice after its checkpoint" if preempted else \
+                    f"exited with status {proc.poll()}"
+                raise LaunchFailure(proc.rank, proc.poll(), f"local rank {proc.rank} {how}",
+                                    host=socket.gethostname(), preempted=preempted)
+            stale = sink.stale_error()
+            if stale is not None:
+                raise stale
 
-                def notify(_reason: str) -> None:
-                    for proc in procs:
-                        proc.notice()
-
-                monitor.reach_ranks(ask_stacks, notify)
-            watch(wait_all, timeout=spec.time_left(), check=check, stop=stop,
-                  name="sparkhvd-local", monitor=monitor,
-                  timeout_message=f"The training did not finish within {spec.timeout or 0:g} s; "
-                  "the rank processes were stopped.")
+        def finish(_: Any) -> list[Any]:
             check(0.0)
             return _results(procs, spec.np)
-        finally:
+
+        def stop() -> None:
+            for proc in procs:
+                proc.terminate()
+
+        def ask_stacks() -> None:
+            for proc in procs:
+                proc.request_stacks()
+
+        def notify(_reason: str) -> None:
+            for proc in procs:
+                proc.notice()
+
+        def close() -> None:
             for proc in procs:
                 with contextlib.suppress(Exception):
                     proc.terminate()
@@ -103,6 +96,17 @@ class LocalLauncher:
                 proc.close()
             ports.close()
             backend.stop()
+
+        try:
+            _start_ranks(spec, backend, run_env, sink, procs, ports)
+            return ThreadedGroup(
+                wait_all, name="sparkhvd-local",
+                timeout_message=f"The training did not finish within {spec.timeout or 0:g} s; "
+                "the rank processes were stopped.", check=check, stop=stop, finish=finish,
+                close=close, ask_stacks=ask_stacks, notify=notify)
+        except BaseException:
+            close()
+            raise
 
 
 LAUNCHER = LocalLauncher()
