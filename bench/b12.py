@@ -1,0 +1,171 @@
+"""B12: recovery from a lost rank or a notice, vs Ray Train v2 (run by bench.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+
+from bench_common import ROOT, local_spark, stats, torch_unavailable
+
+
+def _b12_train(epochs, steps, log_dir, every_steps=None, step_s=0.05, async_save=False):
+    """B12's rank: a small MLP on synthetic data, ``steps`` steps an epoch, sparkhvd's
+    checkpoints (epoch ends, and every ``every_steps`` steps when set, written in the
+    background with ``async_save``); every step logged as
+    ``attempt epoch step wall-time`` in ``<log_dir>/rank-N.txt``, the rank's PID in
+    ``pid-N-<pid>``."""
+    import os
+    import time as _time
+
+    import torch
+
+    import sparkhvd.torch as st
+
+    ctx = st.setup()
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    open(os.path.join(log_dir, f"pid-{ctx.rank}-{os.getpid()}"), "w").close()
+    log = open(os.path.join(log_dir, f"rank-{ctx.rank}.txt"), "a")
+    torch.manual_seed(0)
+    model = ctx.wrap(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                         torch.nn.Linear(256, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ckpt = st.Checkpoints(model, opt, every_steps=every_steps, async_save=async_save)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    start = ckpt.restore()
+    first = ckpt.restored.get("step", 0) if start == ckpt.restored.get("epoch") else 0
+    for epoch in range(start, epochs):
+        for step in range(first + 1 if epoch == start else 1, steps + 1):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            log.write(f"{attempt} {epoch} {step} {_time.time():.3f}\n")
+            log.flush()
+            ckpt.step(epoch)
+            _time.sleep(step_s)
+        ckpt.save(epoch)
+    return 0
+
+
+def _b12_once(spark, how: str, every_steps, epochs: int, steps: int, at: tuple[int, int],
+              async_save: bool = False):
+    """One B12 round: ``how`` ("SIGKILL" a lost rank, "SIGTERM" a notice) to rank 1 after
+    step ``at`` = (epoch, step); recovery s (the signal to the first step after resume, on
+    rank 0), steps each rank trained again, and (a notice) the seconds from the notice to the
+    ranks' stop that run.json records (None for a lost rank)."""
+    import signal as _signal
+    import threading
+
+    from sparkhvd import HorovodRunner
+
+    log_dir = tempfile.mkdtemp(prefix="bench-b12-")
+    out = tempfile.mkdtemp(prefix="bench-b12-runs-")
+    sent: dict = {}
+
+    def lines(rank):
+        path = os.path.join(log_dir, f"rank-{rank}.txt")
+        if not os.path.exists(path):
+            return []
+        return [(int(a), int(e), int(s), float(t)) for a, e, s, t in
+                (line.split() for line in open(path) if line.count(" ") == 3)]
+
+    def trouble():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(
+                (e, s) >= at for a, e, s, _ in lines(1) if a == 0):
+            time.sleep(0.02)
+        pid = next(int(f.split("-")[2]) for f in os.listdir(log_dir) if f.startswith("pid-1-"))
+        sent["at"] = time.time()
+        os.kill(pid, getattr(_signal, how))
+
+    thread = threading.Thread(target=trouble, daemon=True)
+    thread.start()
+    runner = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=out, max_retries=1)
+    runner.run(
+        _b12_train, epochs=epochs, steps=steps, log_dir=log_dir, every_steps=every_steps,
+        async_save=async_save)
+    thread.join(10)
+    resumed = [t for a, _, _, t in lines(0) if a == 1]
+    redone = []
+    for rank in (0, 1):
+        done = {(e, s) for a, e, s, _ in lines(rank) if a == 0}
+        again = {(e, s) for a, e, s, _ in lines(rank) if a == 1}
+        redone.append(len(done & again))
+    assert runner.last_run_dir is not None
+    stopped = runner.last_run_dir.record["attempts"][0].get("preempted") or {}
+    return resumed[0] - sent["at"], max(redone), stopped.get("notice_to_stop_s")
+
+
+def case_b12(repeat: int, tiny: bool) -> list[dict]:
+    """Recovery (torch profile, local[2], np=2): from a lost rank (SIGKILL) or a notice
+    (SIGTERM) to the first step after the relaunch, and the steps each rank trained twice --
+    with epoch checkpoints only (what ``max_retries`` resumed from before step checkpoints),
+    with step checkpoints every 10 steps, and for a notice; then the same loop on Ray Train v2
+    on Spark, side by side on this machine (:func:`_b12_ray`)."""
+    why = torch_unavailable()
+    if why:
+        return [{"case": "B12", "variant": "recovery from a lost rank or a notice", "unit": "s",
+                 "skipped": f"{why}: make bench CASE=B12 PROFILE=torch"}]
+    spark = local_spark()
+    epochs, steps, at = (2, 12, (1, 7)) if tiny else (2, 64, (1, 45))
+    variants = {"lost rank (SIGKILL), epoch checkpoints (max_retries=1)": ("SIGKILL", None, False),
+                "lost rank (SIGKILL), step checkpoints every 10": ("SIGKILL", 10, False),
+                "lost rank (SIGKILL), async_save checkpoints every step": ("SIGKILL", 1, True),
+                "notice (SIGTERM), epoch checkpoints": ("SIGTERM", None, False),
+                "notice (SIGTERM), async_save checkpoints every step": ("SIGTERM", 1, True)}
+    recovery: dict[str, list[float]] = {k: [] for k in variants}
+    lost: dict[str, list[float]] = {k: [] for k in variants}
+    to_stop: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(max(1, repeat)):
+        for name, (how, every, background) in variants.items():
+            seconds, redone, stop_s = _b12_once(spark, how, every, epochs, steps, at,
+                                                background)
+            recovery[name].append(seconds)
+            lost[name].append(float(redone))
+            if stop_s is not None:
+                to_stop[name].append(stop_s)
+    rows = []
+    for name in variants:
+        rows.append({"case": "B12", "variant": f"{name}: recovery", "unit": "s",
+                     **stats(recovery[name])})
+        rows.append({"case": "B12", "variant": f"{name}: steps redone per rank",
+                     "unit": "steps", **stats(lost[name])})
+        if to_stop[name]:
+            rows.append({"case": "B12", "variant": f"{name}: notice to the ranks' stop "
+                         "(run.json preempted.notice_to_stop_s)", "unit": "s",
+                         **stats(to_stop[name])})
+    return rows + _b12_ray(repeat, epochs, steps, at)
+
+
+RAY_PYTHON = ROOT / ".venv-ray" / "bin" / "python"
+
+
+def _b12_ray(repeat: int, epochs: int, steps: int, at: tuple[int, int]) -> list[dict]:
+    """The same loop on Ray Train v2 on Spark (bench/ray_b12.py), checkpoints every 10 steps,
+    FailureConfig(max_failures=1): in its own network namespace with only the loopback."""
+    import shutil
+
+    name = "Ray Train v2 on Spark, lost worker (SIGKILL), checkpoints every 10"
+    if not RAY_PYTHON.exists() or shutil.which("unshare") is None:
+        return [{"case": "B12", "variant": name, "unit": "s",
+                 "skipped": "no .venv-ray (make bench CASE=B12 PROFILE=torch makes it) or no "
+                            "unshare"}]
+    recovery, redone = [], []
+    for _ in range(max(1, repeat)):
+        env = {**os.environ, "PATH": f"{RAY_PYTHON.parent}{os.pathsep}{os.environ['PATH']}"}
+        done = subprocess.run(
+            ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"',
+             str(RAY_PYTHON), str(ROOT / "bench" / "ray_b12.py"), str(epochs), str(steps),
+             str(at[0]), str(at[1]), "10", "0.05"],
+            capture_output=True, text=True, timeout=900, env=env)
+        line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+        if not line:
+            return [{"case": "B12", "variant": name, "unit": "s",
+                     "skipped": f"failed: {done.stderr[-300:]}"}]
+        result = json.loads(line[-1][len("RESULT "):])
+        recovery.append(result["recovery_s"])
+        redone.append(float(result["redone"]))
+    return [{"case": "B12", "variant": f"{name}: recovery", "unit": "s", **stats(recovery)},
+            {"case": "B12", "variant": f"{name}: steps redone per rank", "unit": "steps",
+             **stats(redone)}]
