@@ -19,9 +19,9 @@ from sparkhvd.common import protocol
 from sparkhvd.common.backends import RunTag
 from sparkhvd.common.errors import LaunchFailure, StallError
 from sparkhvd.common.protocol import RankOptions
+from sparkhvd.driver.inbox import AttemptInbox
 from sparkhvd.driver.launchers import LaunchSpec, Placement, RankGroup
 from sparkhvd.driver.monitor import RunMonitor
-from sparkhvd.driver.outcome import RunOutcome
 from sparkhvd.driver.rank_end import Verdict, verdict_of
 from sparkhvd.elastic.watch import AttemptWatch
 from sparkhvd.runfolder.record import now
@@ -52,7 +52,7 @@ class Attempt:
         self.size = size or run.scaling.np
         self.previous_size = previous_size
         #: this attempt's inbox (recorders listen to it: :mod:`sparkhvd.driver.recording`)
-        self.outcome = RunOutcome(run.router)
+        self.outcome = AttemptInbox(run.router)
         launch = run.spec.launch
         self.monitor = RunMonitor(
             self.outcome, run.run_dir.path, stall_timeout=launch.stall_timeout,

@@ -1,9 +1,10 @@
-"""What a run's ranks report -- and the one place that decides what went wrong.
+"""What one attempt's ranks report, kept for the verdict, the monitor and the record.
 
-:class:`RunOutcome` is the sink every launcher delivers :mod:`sparkhvd.common.protocol` messages to.
-Output lines go on to the :class:`~sparkhvd.driver.logs.RankLogRouter` (console and rank logs); every
-other message is kept here: which process each rank is and where it ran, the exceptions ranks
-raised, rank 0's per-epoch metrics, what a resume restored, exit statuses.
+:class:`AttemptInbox` is the sink every launcher delivers :mod:`sparkhvd.common.protocol`
+messages to. Output lines go on to the :class:`~sparkhvd.driver.logs.RankLogRouter` (console
+and rank logs); every other message is kept here: which process each rank is and where it
+ran, the exceptions ranks raised, rank 0's per-epoch metrics, what a resume restored, exit
+statuses.
 
 When a launcher reports a failure (:class:`~sparkhvd.common.errors.LaunchFailure`),
 :func:`sparkhvd.driver.rank_end.verdict_of` turns it and these reports into the verdict.
@@ -25,8 +26,8 @@ __side__ = "driver"
 ERROR_EXIT_GRACE_S = 5.0
 
 
-class RunOutcome:
-    """Collects every non-line message of one run (see the module docstring)."""
+class AttemptInbox:
+    """Collects every non-line message of one attempt (see the module docstring)."""
 
     def __init__(self, router: RankLogRouter) -> None:
         self.router = router

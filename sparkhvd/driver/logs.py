@@ -1,7 +1,7 @@
 """Rank output on the driver: ``[rank N]`` lines on the console, everything in per-rank files.
 
 :class:`RankLogRouter` only shows and files lines (:class:`sparkhvd.common.protocol.Line`); what a rank
-*reports* (exceptions, metrics, its PID) is kept by :class:`sparkhvd.driver.outcome.RunOutcome`.
+*reports* (exceptions, metrics, its PID) is kept by :class:`sparkhvd.driver.inbox.AttemptInbox`.
 
 - Every line goes, redacted, to ``logs/rank-N.log``, whole, however long.
 - The console shows rank 0's lines and every rank's errors (``driver_log_verbosity="rank0"``),

@@ -15,8 +15,8 @@
 Collecting: a request file in the run folder (ranks that poll for it, see
 :mod:`sparkhvd.rank.stack_dump`), the launcher's own way to its ranks (its rank group's
 ``ask_stacks``: the barrier launcher's control channel, the local launcher's processes) or a
-signal to the ranks on this machine; what has not answered after :data:`ANSWER_S` and runs here is read with py-spy
-where installed. The report goes to ``logs/stacks-<time>.txt``; :func:`summarise` says which
+signal to the ranks on this machine; what has not answered after :data:`ANSWER_S` and runs
+here is read with py-spy where installed. The report goes to ``logs/stacks-<time>.txt``; :func:`summarise` says which
 ranks wait in a collective and which is elsewhere ("rank 1 is in train.py:42 load_batch(); ranks
 0, 2 wait in allreduce").
 """
@@ -167,7 +167,7 @@ class RunMonitor:
     """Watches one run for stalls and stack requests (module docstring).
 
     Args:
-        outcome: the run's :class:`~sparkhvd.driver.outcome.RunOutcome` (progress, pids, stacks).
+        outcome: the run's :class:`~sparkhvd.driver.inbox.AttemptInbox` (progress, pids, stacks).
         run_path: the run folder's local path (logs, the request file).
         stall_timeout, on_stall: see :class:`~sparkhvd.driver.settings.LaunchConfig`.
     """

@@ -3,7 +3,7 @@
 A launcher reports how a rank ended as a :class:`~sparkhvd.common.errors.LaunchFailure` (rank,
 host, exit code -- or vanished, or its host lost); the ranks themselves report the exceptions
 they raised (:class:`~sparkhvd.common.errors.RankFailure`, collected by
-:class:`~sparkhvd.driver.outcome.RunOutcome`). :func:`verdict_of` turns both into one
+:class:`~sparkhvd.driver.inbox.AttemptInbox`). :func:`verdict_of` turns both into one
 :class:`Verdict`: the rank to name first, every failure, the message, and whether the attempt
 may be retried. Nothing else in sparkhvd reads an exit code.
 """

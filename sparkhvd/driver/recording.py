@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
-from sparkhvd.driver.outcome import merge_epochs
+from sparkhvd.driver.inbox import merge_epochs
 from sparkhvd.timing.splits import TimeSplits
 
 if TYPE_CHECKING:

@@ -275,8 +275,9 @@ class _CheckpointsBase(SavesInBackground):
         return self._counted[1]
 
     def _saved(self) -> None:
-        """After a save: the clock restarts; rank 0 prunes to the newest ``keep``."""
-        self._last_save = time.monotonic()
+        """After a save is written: rank 0 prunes to the newest ``keep``. (The ``every_seconds``
+        clock restarts where the save was taken: after a synchronous write, at the host copy of
+        a background one -- not when its write ends.)"""
         if self.keep and self.rank == 0 and self.store is not None:
             prune(self.store, self.keep)
 
@@ -323,7 +324,8 @@ class Checkpoints(_CheckpointsBase):
             run -- with any number of ranks -- continues the epoch where it stopped.
         every_steps: with :meth:`step` after each optimizer step, a mid-epoch checkpoint every
             this many steps of an epoch.
-        every_seconds: ... and/or when this many seconds passed since the last save.
+        every_seconds: ... and/or when this many seconds passed since the last save was taken
+            (a background save: at its host copy, not when its write ends).
         keep: keep only the newest this many checkpoints (rank 0 deletes older ones after each
             save; the newest is never deleted). Through the run-folder service from a host
             that cannot see the run folder, nothing is deleted.
@@ -392,6 +394,7 @@ class Checkpoints(_CheckpointsBase):
                  "data": self._data_state(epoch, step)}
         if self._background is None:
             self._persist(state, name, done, step or 0)
+            self._last_save = time.monotonic()
             return name
         self._background.wait()  # one in flight: its buffers are the ones filled now
         held = self._snapshot.take(state)  # the only part the step waits for
@@ -546,6 +549,7 @@ class ShardedCheckpoints(_CheckpointsBase):
             return name
         self._commit(name, done, step or 0, info, local,
                      lambda: dcp.save(self._state(), storage_writer=dcp.FileSystemWriter(local)))
+        self._last_save = time.monotonic()
         if dist.is_initialized():
             dist.barrier()
         return name

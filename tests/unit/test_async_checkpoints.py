@@ -88,6 +88,20 @@ def test_a_save_due_while_one_is_in_flight_is_skipped_and_said_once(tmp_path, ca
     assert _latest(tmp_path)["step"] == 5
 
 
+def test_every_seconds_counts_from_the_step_a_background_save_was_taken_at(tmp_path):
+    model, opt = _model_and_opt()
+    ckpt, store = _checkpoints(tmp_path, model, opt, every_seconds=3600)
+    store.gate.clear()
+    _train_step(model, opt)
+    ckpt.save(0, step=1)
+    taken = ckpt._last_save
+    store.writing.wait(10)
+    store.gate.set()  # the write ends later ...
+    ckpt._finish_save()
+    assert ckpt._last_save == taken  # ... and the clock still counts from the step
+    function_ended()
+
+
 def test_an_explicit_save_waits_for_the_one_in_flight_then_starts_its_own(tmp_path):
     model, opt = _model_and_opt()
     ckpt, store = _checkpoints(tmp_path, model, opt)

@@ -6,9 +6,9 @@ import pytest
 
 from sparkhvd.common import protocol
 from sparkhvd.common.protocol import Line
+from sparkhvd.driver.inbox import AttemptInbox
 from sparkhvd.driver.launchers.horovod_spark import HorovodOutput, parse_failure
 from sparkhvd.driver.logs import RankLogRouter, is_noise
-from sparkhvd.driver.outcome import RunOutcome
 
 
 class _ListHandler(logging.Handler):
@@ -34,7 +34,7 @@ def shown():
 def test_horovod_chunks_are_split_into_prefixed_lines(tmp_path, shown):
     logger, lines = shown
     router = RankLogRouter("all", log_dir=str(tmp_path), logger=logger)
-    output = HorovodOutput(RunOutcome(router))
+    output = HorovodOutput(AttemptInbox(router))
     output.stdout.write("[0]<stdout>:hello\n[1]<stdout>:wor")
     output.stdout.write("ld\n[0]<stdout>:partial")
     assert lines == ["[rank 0] hello", "[rank 1] world"]
@@ -47,7 +47,7 @@ def test_horovod_chunks_are_split_into_prefixed_lines(tmp_path, shown):
 
 def test_started_event_maps_horovod_index_to_rank(tmp_path, shown):
     logger, lines = shown
-    outcome = RunOutcome(RankLogRouter("all", log_dir=str(tmp_path), logger=logger))
+    outcome = AttemptInbox(RankLogRouter("all", log_dir=str(tmp_path), logger=logger))
     output = HorovodOutput(outcome)
     started = protocol.as_text(protocol.Started(rank=1, pid=4242, host="h1"))
     output.stderr.write(f"[0]<stderr>:{started}\n")
@@ -82,7 +82,7 @@ def test_noise_hidden_unless_verbose(shown):
 
 def test_error_events_are_collected_not_shown(shown):
     logger, lines = shown
-    outcome = RunOutcome(RankLogRouter("all", logger=logger))
+    outcome = AttemptInbox(RankLogRouter("all", logger=logger))
     record = protocol.Error(rank=1, exc_type="ValueError", message="boom",
                             traceback="Traceback ...", time=1.0)
     HorovodOutput(outcome).stderr.write(f"[1]<stderr>:{protocol.as_text(record)}\n")
@@ -99,7 +99,7 @@ def test_bad_verbosity():
 
 def test_rank_reannounced_after_elastic_reset_follows_the_new_rank(tmp_path, shown):
     logger, lines = shown
-    outcome = RunOutcome(RankLogRouter("rank0", log_dir=str(tmp_path), logger=logger))
+    outcome = AttemptInbox(RankLogRouter("rank0", log_dir=str(tmp_path), logger=logger))
     output = HorovodOutput(outcome)
 
     def started(idx, rank, pid):
@@ -134,7 +134,7 @@ def test_long_line_is_cut_on_the_console_and_kept_whole_in_the_log(tmp_path, sho
 def test_horovod_partial_pieces_are_joined_in_the_log(tmp_path, shown):
     logger, lines = shown
     router = RankLogRouter("all", log_dir=str(tmp_path), logger=logger)
-    output = HorovodOutput(RunOutcome(router))
+    output = HorovodOutput(AttemptInbox(router))
     output.stdout.write("[0]<stdout+>:abc\n[0]<stdout>:def\n")
     router.close()
     assert lines == ["[rank 0] abcdef"]
@@ -157,7 +157,7 @@ def test_control_server_ignores_a_connection_with_a_wrong_token(shown):
 
     logger, _ = shown
     server = ControlServer("127.0.0.1", 1, "right-token",
-                           RunOutcome(RankLogRouter("all", logger=logger)), {}, backend=None)
+                           AttemptInbox(RankLogRouter("all", logger=logger)), {}, backend=None)
     threading.Thread(target=server.serve_forever, args=(0.1,), daemon=True).start()
     try:
         with socket.create_connection(server.server_address, timeout=5) as sock:

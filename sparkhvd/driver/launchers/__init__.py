@@ -1,11 +1,13 @@
 """How ranks are started: one :class:`LaunchSpec`, one small protocol, three launchers, and the
 one table of rules that decides which launcher a run may use (:data:`RULES`).
 
-Every launcher takes the same :class:`LaunchSpec` and a *sink* (the run's
-:class:`~sparkhvd.driver.outcome.RunOutcome`, which receives every
-:mod:`sparkhvd.common.protocol` message the ranks send) and returns the ranks' return values in rank order -- or raises
-:class:`~sparkhvd.common.errors.LaunchFailure` (a rank failed), ``TimeoutError`` or
-``KeyboardInterrupt``, always after every rank was stopped:
+Every launcher takes the same :class:`LaunchSpec` and a *sink* (the attempt's
+:class:`~sparkhvd.driver.inbox.AttemptInbox`, which receives every
+:mod:`sparkhvd.common.protocol` message the ranks send), starts the ranks and returns their
+:class:`RankGroup`, which the controller polls until it gives the ranks' return values in rank
+order -- or raises :class:`~sparkhvd.common.errors.LaunchFailure` (a rank failed); whatever
+ends the polling early (a failure, ``TimeoutError``, ``KeyboardInterrupt``) stops every rank
+first:
 
 ============  ==================================================================================
 ``barrier``   the default on Spark: one barrier stage, a control connection per task, one
@@ -16,8 +18,9 @@ Every launcher takes the same :class:`LaunchSpec` and a *sink* (the run's
 ``local``     ``np < 0``: supervised rank processes on the driver (:mod:`~.launchers.local`)
 ============  ==================================================================================
 
-The shared lifecycle -- watching a launch from an interruptible thread, aborting, cancelling the
-Spark job, killing what is left -- lives in :mod:`sparkhvd.driver.launchers.base`; the barrier and
+The shared lifecycle -- the launch's blocking call in a helper thread the controller polls,
+aborting, cancelling the Spark job, killing what is left -- lives in
+:mod:`sparkhvd.driver.launchers.base`; the barrier and
 local launchers start each rank as a :class:`sparkhvd.common.rankprocess.RankProcess`.
 """
 from __future__ import annotations
@@ -143,7 +146,8 @@ class LaunchSpec:
 
 
 class Sink(Protocol):
-    """Where a launcher delivers what the ranks send (:class:`sparkhvd.driver.outcome.RunOutcome`)."""
+    """Where a launcher delivers what the ranks send
+    (:class:`sparkhvd.driver.inbox.AttemptInbox`)."""
 
     #: PID -> host of every rank process that started (so a launcher kills only its own).
     pid_hosts: dict[int, str]
