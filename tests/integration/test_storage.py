@@ -52,12 +52,14 @@ def test_unsupported_scheme_and_missing_account():
 
 
 def test_credentials_order(monkeypatch):
+    from sparkhvd.storage import location
+
     env = {"AZURE_STORAGE_ACCOUNT_NAME": "acct", "AZURE_STORAGE_SAS_TOKEN": "sv=1&sig=tok3n"}
-    assert storage._azure_options(None, {}, env) == {"sas_token": "sv=1&sig=tok3n",
+    assert location.azure_options(None, {}, env) == {"sas_token": "sv=1&sig=tok3n",
                                                      "account_name": "acct"}
-    explicit = storage._azure_options("acct", {"account_key": "k3y-given"}, env)
+    explicit = location.azure_options("acct", {"account_key": "k3y-given"}, env)
     assert explicit == {"account_key": "k3y-given", "account_name": "acct"}
-    assert storage._azure_options("acct", {}, {}) == {"anon": False, "account_name": "acct"}
+    assert location.azure_options("acct", {}, {}) == {"anon": False, "account_name": "acct"}
 
 
 def test_local_preflight_names_the_folder(tmp_path):
