@@ -444,13 +444,13 @@ class DatasetShard:
                 return {k: spec_of(v) for k, v in value.items()}
             return tf.TensorSpec((None,) + value.shape[1:], tf.as_dtype(value.dtype))
 
+        schema = reader.schema()  # one footer read for every column
         array_columns = {c for c, stored in self.source.stored.items()
-                         if pa.types.is_list(reader.schema().field(stored).type)}
+                         if pa.types.is_list(schema.field(stored).type)}
         if array_columns - set(self.source.widths):
             first = reader.read(self._blocks[0])
             data = {c: v[:1] for c, v in first.items()}
         else:
-            schema = reader.schema()
             data = {}
             for column, stored in self.source.stored.items():
                 kind = schema.field(stored).type

@@ -8,7 +8,6 @@ from. ``run.json``'s ``attempts`` entry is :meth:`Attempt.entry`.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -180,7 +179,7 @@ class Attempt:
         spec, launch = run.spec, run.spec.launch
         scaling = spec.scaling
         if self.size != scaling.size:  # an elastic run's attempt at another size
-            scaling = dataclasses.replace(scaling, np=self.size if scaling.np > 0 else -self.size)
+            scaling = scaling.resized(self.size)
         env[protocol.ATTEMPT_ENV] = str(self.number)
         if run.scaling.elastic:
             env[protocol.ELASTIC_ENV] = "1"

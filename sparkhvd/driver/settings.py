@@ -128,6 +128,11 @@ class ScalingConfig:
         """How many Spark tasks (or, ``np < 0``, groups of local processes) the ranks need."""
         return self.size // self.ranks_per_task
 
+    def resized(self, size: int) -> "ScalingConfig":
+        """The same settings for an attempt of ``size`` ranks (an elastic run's), where they
+        were asked to run: the sign of the public ``np`` stays the one place that says so."""
+        return dataclasses.replace(self, np=size if self.spark else -size)
+
     @property
     def node_per_task(self) -> bool:
         """Whether every task is its own node (``LOCAL_RANK`` counts within the task): the one

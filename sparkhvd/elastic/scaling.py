@@ -61,7 +61,7 @@ class ScalingPolicy:
     @classmethod
     def of(cls, scaling: "object") -> "ScalingPolicy":
         """The policy of a :class:`~sparkhvd.driver.settings.ScalingConfig`."""
-        size = abs(scaling.np)  # type: ignore[attr-defined]
+        size = scaling.size  # type: ignore[attr-defined]
         elastic = scaling.elastic  # type: ignore[attr-defined]
         lo, hi = elastic if elastic else (size, size)
         return cls(size, lo, hi, scaling.resize_check_s)  # type: ignore[attr-defined]
