@@ -114,10 +114,7 @@ class ThreadedGroup:
             if isinstance(exc, Exception) and self._translate is not None else None
         with contextlib.suppress(Exception):
             self._stop()  # (again, if it ran: whatever started meanwhile)
-        if named is not None:
-            named.__cause__ = exc
-            return named
-        return exc
+        return named if named is not None else exc  # the caller raises it from ``exc``
 
     def close(self) -> None:
         if self._close is not None:
