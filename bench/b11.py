@@ -48,7 +48,7 @@ def session_of(cores: int):
     """A local[cores] session (the running one is stopped if it has another master)."""
     from pyspark.sql import SparkSession
 
-    from sparkhvd.driver.session import get_or_create_session
+    from sparkhvd.spark.session import get_or_create_session
 
     active = SparkSession.getActiveSession()
     if active is not None and active.sparkContext.master != f"local[{cores}]":
@@ -145,7 +145,7 @@ def _b11_on_hosts(nps, repeat: int, tiny: bool) -> list[dict]:
                  .config("spark.executor.memory", "1g")
                  .config("spark.pyspark.python", sys.executable).getOrCreate())
         spark.sparkContext.setLogLevel("ERROR")
-        from sparkhvd.driver.slots import check_slots
+        from sparkhvd.spark.slots import check_slots
 
         check_slots(spark.sparkContext, 16, wait_s=120)
         sc, python = spark.sparkContext, sys.executable

@@ -233,7 +233,7 @@ def cluster_reads(repeat: int, tiny: bool, frame: Any) -> list[dict]:
                  .config("spark.executor.memory", "1g")
                  .config("spark.pyspark.python", sys.executable).getOrCreate())
         spark.sparkContext.setLogLevel("ERROR")
-        from sparkhvd.driver.slots import check_slots
+        from sparkhvd.spark.slots import check_slots
 
         check_slots(spark.sparkContext, 8, wait_s=120)
         ds = DataFrameDataset(frame(spark, 200_000, 256), "x", "y",

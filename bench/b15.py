@@ -111,7 +111,7 @@ def _restore_s(folder: str, tiny: bool, host_copy: bool,
                storage_options: Any = None) -> tuple[float, str]:
     """Seconds ``Checkpoints.restore()`` takes from ``folder``, and the copy it read."""
     import sparkhvd.torch as st
-    from sparkhvd.rank import events
+    from sparkhvd.common import events
 
     model, opt, _, _ = _model(tiny)
     said: list = []

@@ -43,7 +43,7 @@ def interleaved(variants: list[tuple[str, Callable[[], object]]], repeat: int) -
 
 
 def local_spark():
-    from sparkhvd.driver.session import get_or_create_session
+    from sparkhvd.spark.session import get_or_create_session
 
     return get_or_create_session(2)
 

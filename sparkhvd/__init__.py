@@ -10,10 +10,12 @@ Public API::
 by default; ``@sparkhvd.distributed(np=..., backend=...)`` the decorator form.)
 
 The launch machinery is arranged by where it runs: ``driver/``, ``executor/`` (inside a Spark
-task), ``rank/`` (the rank process), ``common/`` (shared). Features live in their own folders with
-both halves -- ``data/``, ``keras/``, ``torch/``, ``runfolder/``, ``scoring/``, ``storage/``,
-``ops/`` (CLI, doctor, presets, notebook helpers, tracking) -- each module tagged with the side it
-runs on (``__side__``; tests/unit/test_package_layout.py checks that imports point one way).
+task), ``rank/`` (the rank process), ``spark/`` (the driver's view of Spark), ``common/``
+(shared). Features live in their own folders with both halves -- ``data/``, ``keras/``,
+``torch/``, ``runfolder/``, ``scoring/``, ``storage/``, ``elastic/``, ``timing/``, ``ops/`` (CLI,
+doctor, notebook helpers) -- each module tagged with the side it runs on (``__side__``;
+tests/unit/test_package_layout.py checks that imports point one way, and that folders stand in
+one order).
 """
 from __future__ import annotations
 
@@ -69,9 +71,9 @@ def __getattr__(name: str) -> Any:
 
 
 #: Public module names kept where the module moved, each a plain shim module (``sparkhvd/
-#: presets.py``): ``import sparkhvd.presets`` is :mod:`sparkhvd.ops.presets` itself.
+#: presets.py``): ``import sparkhvd.presets`` is :mod:`sparkhvd.spark.presets` itself.
 ALIASES = {
-    "sparkhvd.presets": "sparkhvd.ops.presets",
+    "sparkhvd.presets": "sparkhvd.spark.presets",
     "sparkhvd.notebook": "sparkhvd.ops.notebook",
     "sparkhvd.cli": "sparkhvd.ops.cli",
     "sparkhvd.runfiles": "sparkhvd.runfolder.rank_files",

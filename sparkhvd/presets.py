@@ -1,8 +1,8 @@
-"""``sparkhvd.presets``, the old name of :mod:`sparkhvd.ops.presets`:
+"""``sparkhvd.presets``, the old name of :mod:`sparkhvd.spark.presets`:
 importing it gives that module itself (the same object, not a copy)."""
 import sys
 
-from sparkhvd.ops import presets as _moved
+from sparkhvd.spark import presets as _moved
 
 __side__ = "public"
 

@@ -110,7 +110,7 @@ def launcher(request):
 @pytest.fixture(scope="session")
 def spark():
     """A real local[2] SparkSession on 127.0.0.1, created the way HorovodRunner creates one."""
-    from sparkhvd.driver.session import get_or_create_session
+    from sparkhvd.spark.session import get_or_create_session
 
     session = get_or_create_session(2)
     yield session
@@ -553,7 +553,7 @@ def cluster_spark(netns_cluster):
                .config("spark.executorEnv.TF_CPP_MIN_LOG_LEVEL", "2")
                .getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
-    from sparkhvd.driver.slots import check_slots
+    from sparkhvd.spark.slots import check_slots
 
     check_slots(session.sparkContext, 3, wait_s=90)
     yield session

@@ -19,7 +19,7 @@ import numpy as np
 
 from sparkhvd.data.order import DEFAULT_PARTITIONS
 from sparkhvd.data.sharding import MEMORY_CACHE_BYTES, ShardSource
-from sparkhvd.driver.slots import task_slots
+from sparkhvd.spark.slots import task_slots
 from sparkhvd.storage import public_url
 
 __side__ = "driver"
@@ -168,7 +168,7 @@ class DataFrameDataset:
     # -- driver side -----------------------------------------------------------------------
     def _check_cache_visible(self, parent: str, master: str,
                              executors_here: Optional[bool] = None) -> None:
-        from sparkhvd.driver.sparkview import is_loopback_master
+        from sparkhvd.spark.sparkview import is_loopback_master
 
         here = is_loopback_master(master) if executors_here is None else executors_here
         if urlparse(parent).scheme in ("", "file") and not here and not self.shared_cache:
@@ -185,8 +185,8 @@ class DataFrameDataset:
         if self._manifest is not None:
             return self
         from sparkhvd.data import materialize as mat
-        from sparkhvd.driver.session import DATA_MODULES, check_worker_python
-        from sparkhvd.driver.sparkview import SparkView
+        from sparkhvd.spark.session import DATA_MODULES, check_worker_python
+        from sparkhvd.spark.sparkview import SparkView
 
         if self._df is None:
             raise RuntimeError("This DataFrameDataset was closed or came from a rank: create a "

@@ -48,7 +48,7 @@ class Attempt:
         ranks it launches (``previous_size``: the attempt before, after a resize)."""
         self.run, self.number, self.placement, self.resume = run, number, placement, resume
         self.library = library
-        self.size = size or run.scaling.np
+        self.size = size or run.scaling.size
         self.previous_size = previous_size
         #: this attempt's inbox (recorders listen to it: :mod:`sparkhvd.driver.recording`)
         self.outcome = AttemptInbox(run.router)
@@ -86,7 +86,7 @@ class Attempt:
                 run.record.submitting(self.spark_job, self.placement.session.job_kind,
                                       self.number)
             run.record.mark("launch")
-            log.info("Launching %d rank(s) %s; logs in %s", spec.np,
+            log.info("Launching %d rank(s) %s; logs in %s", spec.size,
                      f"on Spark ({spec.session.describe()})" if spec.session else
                      "as local processes", run.run_dir.logs)
             self.results = self._await(run.launchers(self.placement.launcher)

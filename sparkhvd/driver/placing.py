@@ -1,9 +1,11 @@
 """Where a run's attempts go: what the run asks of the machines it runs on, in one seam.
 
 The run (:class:`~sparkhvd.driver.run.Run`) never reads Spark itself. It asks a
-:class:`Placer` three things: *place* an attempt of ``size`` ranks (launcher, driver address,
+:class:`Placer` four things: *place* an attempt of ``size`` ranks (launcher, driver address,
 slots checked, recorded), count the *free slots* an elastic run may place or grow into, and
-*note the losses* of an attempt that lost an executor or host (left out of later counts). Two
+*note the losses* of an attempt that lost an executor or host (left out of later counts), and
+say what was lost. :func:`size_now` counts the slots until the scaling policy says how many
+ranks to place. Two
 placers run real ranks -- :class:`SparkPlacer` (a classic or Connect session) and
 :class:`LocalPlacer` (``np < 0`` without Spark: local processes) -- and the unit tests hand the
 run a scripted one, as Ray Train v2's controller tests swap in a dummy worker group.
@@ -16,14 +18,18 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.driver.launchers import Placement, choose_launcher
-from sparkhvd.driver.slots import free_slots
 from sparkhvd.driver.spec import RunSpec
 from sparkhvd.elastic import cluster
+from sparkhvd.elastic.scaling import ScalingPolicy, not_enough_slots
+from sparkhvd.spark.slots import free_slots
 
 if TYPE_CHECKING:
-    from sparkhvd.driver.sparkview import SparkView
+    from sparkhvd.spark.sparkview import SparkView
 
 __side__ = "driver"
+
+#: How often a placement below ``min_np`` counts the free slots again while it waits.
+SLOT_POLL_S = 0.5
 
 
 class Placer(Protocol):
@@ -86,7 +92,7 @@ class SparkPlacer:
 
     def _ensure_view(self) -> "SparkView":
         if self.view is None:
-            from sparkhvd.driver.sparkview import SparkView
+            from sparkhvd.spark.sparkview import SparkView
 
             self.view = SparkView(self.spark)
         return self.view
@@ -95,8 +101,8 @@ class SparkPlacer:
               record: Any) -> Placement:
         """Which launcher, where the driver is reached, and whether the ranks share its disk;
         the task slots for ``size`` ranks checked."""
-        from sparkhvd.driver.session import check_worker_python
-        from sparkhvd.driver.slots import check_slots
+        from sparkhvd.spark.session import check_worker_python
+        from sparkhvd.spark.slots import check_slots
 
         spec = self.spec
         placing = time.monotonic()
@@ -140,3 +146,23 @@ class SparkPlacer:
 
     def describe_lost(self) -> str:
         return cluster.describe_lost(self.lost_executors)
+
+
+def size_now(placer: Placer, policy: ScalingPolicy, size: int, wait_s: float,
+             ended: Optional[str] = None, grow: bool = False) -> int:
+    """An elastic run's size for this placement: ``size`` if that many slots are free, else
+    what is free within ``min_np``..``max_np`` (waiting up to ``wait_s`` for ``min_np``; a
+    planned ``grow`` to ``size`` waits a moment for its slots). Other runs keep ``size`` (the
+    slot check names a shortfall). The policy decides each count; this counts and waits."""
+    if not policy.elastic or not placer.counts_slots:
+        return size
+    began = time.monotonic()
+    while True:
+        free = placer.free_slots(ended)
+        decision = policy.size_now(free, time.monotonic() - began, wait_s,
+                                   want=size if grow else None)
+        if decision.action == "place":
+            return min(size, decision.size)
+        if decision.action == "short":
+            raise not_enough_slots(policy.min_np, free, wait_s, placer.describe_lost())
+        time.sleep(SLOT_POLL_S)

@@ -135,7 +135,7 @@ class TimeSplitRecorder(RunCallback):
 
 
 class Mlflow(RunCallback):
-    """The run in MLflow (:class:`~sparkhvd.ops.tracking.MlflowTracker`), started when the
+    """The run in MLflow (:class:`~sparkhvd.driver.tracking.MlflowTracker`), started when the
     first attempt is placed (its launcher is a parameter): transitions, the ranks' metrics as
     they come, time-split findings, the run folder at the end."""
 
@@ -145,7 +145,7 @@ class Mlflow(RunCallback):
 
     def on_attempt_start(self, run: "Run", attempt: "Attempt") -> None:
         if self.tracker is None:
-            from sparkhvd.ops.tracking import MlflowTracker
+            from sparkhvd.driver.tracking import MlflowTracker
 
             self.tracker = MlflowTracker(self.target)
             self.tracker.start(run.run_dir, {**run.record.params(),

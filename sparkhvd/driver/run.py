@@ -48,10 +48,9 @@ from sparkhvd.common.environment import rank_env
 from sparkhvd.common.errors import StorageError
 from sparkhvd.common.redaction import remember_environment
 from sparkhvd.driver.attempt import Attempt
-from sparkhvd.driver.installed import check_keras
 from sparkhvd.driver.launchers import get_launcher, left_until
 from sparkhvd.driver.logs import RankLogRouter
-from sparkhvd.driver.placing import LocalPlacer, Placer, SparkPlacer
+from sparkhvd.driver.placing import LocalPlacer, Placer, SparkPlacer, size_now
 from sparkhvd.driver.recording import RunCallback, recorders
 from sparkhvd.driver.retry import RetryPolicy, Spent
 from sparkhvd.driver.spec import RunSpec
@@ -65,17 +64,14 @@ from sparkhvd.driver.states import (
     Running,
     RunState,
 )
-from sparkhvd.elastic.scaling import ScalingPolicy, not_enough_slots
+from sparkhvd.elastic.scaling import ScalingPolicy
 from sparkhvd.runfolder.record import now
-from sparkhvd.runfolder.rundir import RunDir, resolve_resume_source
+from sparkhvd.runfolder.rundir import RunDir
+from sparkhvd.spark.installed import check_keras
 
 __side__ = "driver"
 
 log = logging.getLogger(__name__)
-
-#: How often a placement below ``min_np`` counts the free slots again while it waits.
-SLOT_POLL_S = 0.5
-
 
 def _status_of(exc: BaseException) -> str:
     return ("interrupted" if isinstance(exc, KeyboardInterrupt) else
@@ -169,7 +165,7 @@ class Run:
     def _drive(self, env: dict[str, str]) -> "Attempt":
         """From *placing*, one step at a time until the run finishes or fails; the last
         attempt. A step that raises ends the run in *failed*, and the error goes on."""
-        state: RunState = Placing("the run starts", size=self.scaling.np)
+        state: RunState = Placing("the run starts", size=self.scaling.size)
         while True:
             self._enter(state)
             if isinstance(state, (Finished, Failed)):
@@ -194,11 +190,13 @@ class Run:
         """The next attempt: its size (an elastic run's first, from the free slots), launcher
         and slots; the first also starts tracking and resolves what to resume from."""
         size, resume = state.size, state.resume
-        if not self.attempts:
-            size = self._size_now(size)
+        if not self.attempts:  # an elastic run's first size: what the free slots allow
+            size = size_now(self.placer, self.scaling, size, self.spec.launch.slot_wait_s)
         placement = self.placer.place(size, not self.attempts, self.time_left(), self.record)
         if not self.attempts:
-            resume = self._resume_source()
+            config = self.spec.config
+            resume = self.run_dir.resume_source(config.resume_from, config.output_dir,
+                                                dict(config.storage_options))
         self.run_dir.remove_torn()  # a retry never trips over a killed writer's leftovers
         attempt = Attempt(self, len(self.attempts) + 1, placement, resume, state.library, size,
                           state.previous_size)
@@ -234,7 +232,9 @@ class Run:
         library = None if resume else self.run_dir.library_checkpoints(
             {name for earlier in self.attempts for name in earlier.outcome.output_dirs})
         size = attempt.size
-        new_size = self._size_now(self._relaunch_size(attempt, request), grow=planned)
+        grow_to = request.grow_to if request is not None else None
+        new_size = size_now(self.placer, self.scaling, self.scaling.relaunch_size(size, grow_to),
+                            self.spec.launch.slot_wait_s, attempt.spark_job, grow=planned)
         kind = Resizing if new_size != size else Restarting
         return kind(attempt.relaunch_reason(request, verdict), attempt=attempt, verdict=verdict,
                     checkpoint=self.run_dir.newest_checkpoint() if resume else None,
@@ -257,35 +257,6 @@ class Run:
                              " ----")
         return Placing(f"relaunch after attempt {attempt.number}", size=new_size,
                        resume=state.resume, library=state.library, previous_size=size)
-
-    def _size_now(self, size: int, grow: bool = False) -> int:
-        """An elastic run's size for this placement: ``size`` if that many slots are free, else
-        what is free within ``min_np``..``max_np`` (waiting up to ``slot_wait_s`` for
-        ``min_np``; a planned ``grow`` to ``size`` waits a moment for its slots). Other runs
-        keep ``size`` (the slot check names a shortfall)."""
-        if not self.scaling.elastic or not self.placer.counts_slots:
-            return size
-        ended = self.attempt.spark_job if self.attempt is not None else None
-        wait_s, began = self.spec.launch.slot_wait_s, time.monotonic()
-        while True:
-            free = self.placer.free_slots(ended)
-            decision = self.scaling.size_now(free, time.monotonic() - began, wait_s,
-                                             want=size if grow else None)
-            if decision.action == "place":
-                return min(size, decision.size)
-            if decision.action == "short":
-                raise not_enough_slots(self.scaling.min_np, free, wait_s,
-                                       self.placer.describe_lost())
-            time.sleep(SLOT_POLL_S)
-
-    def _relaunch_size(self, attempt: "Attempt", request: Any) -> int:
-        """The size a relaunch asks for: a grow's target, else ``max_np`` for an elastic run
-        (placing trims it to the free slots), else the same size."""
-        if not self.scaling.elastic:
-            return attempt.size
-        if request is not None and request.grow_to:
-            return int(request.grow_to)
-        return self.scaling.max_np
 
     # -- the steps ---------------------------------------------------------------------------
     def _rank_env(self) -> dict[str, str]:
@@ -325,15 +296,3 @@ class Run:
             self.run_dir.publish_quietly()
         log.debug("run %s %s in %.1fs", self.run_dir.run_id, status,
                   time.monotonic() - self.began)
-
-    # -- what the steps ask of the run folder ---------------------------------------------
-    def _resume_source(self) -> Optional[str]:
-        """The checkpoints folder to resume from (or None), recorded as *requested*."""
-        config = self.spec.config
-        if config.resume_from is None or config.resume_from is False:
-            return None
-        source = resolve_resume_source(config.resume_from, config.output_dir,
-                                       dict(config.storage_options),
-                                       exclude=self.run_dir.run_id)
-        self.record.resume_requested(source)
-        return source

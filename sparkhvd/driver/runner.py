@@ -15,7 +15,6 @@ from sparkhvd.common.backends import BACKENDS
 from sparkhvd.common.errors import PayloadError
 from sparkhvd.driver import payload as _payload
 from sparkhvd.driver.arguments import Prepared
-from sparkhvd.driver.installed import check_horovod_installed
 from sparkhvd.driver.launchers import LaunchFacts, check_launch
 from sparkhvd.driver.run import Run
 from sparkhvd.driver.settings import (
@@ -28,6 +27,7 @@ from sparkhvd.driver.settings import (
 )
 from sparkhvd.driver.spec import RunSpec
 from sparkhvd.runfolder.rundir import RunDir
+from sparkhvd.spark.installed import check_horovod_installed
 
 __side__ = "driver"
 
@@ -193,7 +193,7 @@ class HorovodRunner:
         if preset is not None and self.scaling.spark:
             preset.check_np(self.scaling.size)
         if self.run_config.mlflow:
-            from sparkhvd.ops.tracking import _import_mlflow
+            from sparkhvd.driver.tracking import _import_mlflow
 
             _import_mlflow()  # a missing extra is said now, not after training
         self.last_run_dir: Optional[RunDir] = None
@@ -279,8 +279,8 @@ class HorovodRunner:
             prepared.finish(succeeded=succeeded)
 
     def _session(self) -> Any:
-        from sparkhvd.driver.installed import check_spark
-        from sparkhvd.driver.session import get_or_create_session
+        from sparkhvd.spark.installed import check_spark
+        from sparkhvd.spark.session import get_or_create_session
 
         check_spark()  # a missing or unsupported pyspark is named with the fix, before any import
         return get_or_create_session(self.scaling.size, self.session_config.spark,

@@ -266,7 +266,7 @@ class SessionConfig:
     Args:
         spark: the SparkSession, classic or Spark Connect; default the active one, else a new
             ``local[np]`` one.
-        preset: a preset name (``conf/<name>.json``) or :class:`~sparkhvd.ops.presets.Preset`:
+        preset: a preset name (``conf/<name>.json``) or :class:`~sparkhvd.spark.presets.Preset`:
             ``np`` is checked against it, and a session is created from it when none is active.
     """
 
@@ -275,7 +275,7 @@ class SessionConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.preset, str):
-            from sparkhvd.ops.presets import load_preset
+            from sparkhvd.spark.presets import load_preset
 
             object.__setattr__(self, "preset", load_preset(self.preset))
 

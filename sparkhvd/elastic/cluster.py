@@ -1,11 +1,11 @@
 """What an elastic run reads of the cluster: executors and their slots, those being
 decommissioned, where this run's tasks run (the free slots are counted from these by
-:func:`sparkhvd.driver.slots.free_slots`).
+:func:`sparkhvd.spark.slots.free_slots`).
 
 Classic sessions answer from the driver's JVM (Spark's status store and task scheduler, through
 py4j: ``getExecutorDecommissionState`` is how Spark itself tracks graceful decommissioning on
 standalone, Kubernetes and YARN). A Spark Connect client sees none of it: its slots come from
-the session's settings (:func:`sparkhvd.driver.slots.slots_without_context`), less the executors
+the session's settings (:func:`sparkhvd.spark.slots.slots_without_context`), less the executors
 the run saw lost; decommissioning is not visible there (a notice reaches Connect ranks as
 SIGTERM only).
 """

@@ -20,8 +20,8 @@ import time
 from typing import NamedTuple, Optional
 
 from sparkhvd.common import protocol
+from sparkhvd.common.events import emit
 from sparkhvd.common.identity import current_rank
-from sparkhvd.rank.events import emit
 
 __side__ = "rank"
 

@@ -10,7 +10,7 @@ its next step (:mod:`sparkhvd.elastic.watch`).
 
 The policy decides only (:meth:`ScalingPolicy.size_now` answers place, wait or short; it
 never sleeps or raises): the run acts on it. The slots are counted by
-:func:`sparkhvd.driver.slots.free_slots`: on classic sessions from the executors Spark has
+:func:`sparkhvd.spark.slots.free_slots`: on classic sessions from the executors Spark has
 (those being decommissioned, and those this run lost, left out) less the slots other jobs
 hold; on Spark Connect, which shows no executors, from the session's declared slots less the
 executors this run saw lost.
@@ -53,7 +53,8 @@ def not_enough_slots(min_np: int, free: int, wait_s: float, why: str) -> NotEnou
 class ScalingPolicy:
     """The sizes a run may have (``min_np``..``max_np``; both ``np`` when it is not elastic)."""
 
-    np: int
+    #: the size a run asks for (``np``'s ranks, never signed)
+    size: int
     min_np: int
     max_np: int
     resize_check_s: float = RESIZE_CHECK_S
@@ -83,6 +84,14 @@ class ScalingPolicy:
         if free >= self.min_np:
             return SizeDecision("place", min(self.max_np, free))
         return SizeDecision("short" if waited_s >= wait_s else "wait")
+
+    def relaunch_size(self, size: int, grow_to: Optional[int] = None) -> int:
+        """The size a relaunch of an attempt of ``size`` ranks asks for: a planned grow's
+        ``grow_to``, else ``max_np`` for an elastic run (placing trims it to the free slots),
+        else ``size`` again."""
+        if not self.elastic:
+            return size
+        return int(grow_to) if grow_to else self.max_np
 
     def grow_to(self, size: int, free: int) -> Optional[int]:
         """The size to grow to when ``free`` slots are free beside the run's ``size``, or

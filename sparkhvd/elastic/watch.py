@@ -58,7 +58,7 @@ class AttemptWatch:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.view, self.job_tag, self.policy, self.size = view, job_tag, policy, size
         #: ``free()``: the slots free now, as the run counts them (lost executors left out;
-        #: :func:`sparkhvd.driver.slots.free_slots`)
+        #: :func:`sparkhvd.spark.slots.free_slots`)
         self.listening, self.free, self.clock = listening, free, clock
         self.request: Optional[StopRequest] = None
         #: partition -> executor id of the attempt's tasks, as last seen running

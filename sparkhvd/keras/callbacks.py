@@ -15,9 +15,9 @@ from typing import Any, Callable, Optional, Union
 import tensorflow as tf
 
 from sparkhvd.common import protocol
+from sparkhvd.common.events import emit
 from sparkhvd.common.function_end import at_function_end
 from sparkhvd.keras import checkpoints
-from sparkhvd.rank.events import emit
 from sparkhvd.runfolder.background_save import BackgroundSave, SavesInBackground
 
 __side__ = "rank"

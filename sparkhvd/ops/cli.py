@@ -10,7 +10,7 @@ from typing import Optional
 
 import click
 
-from sparkhvd.ops.presets import PresetError, list_preset_names, load_preset
+from sparkhvd.spark.presets import PresetError, list_preset_names, load_preset
 
 __side__ = "driver"
 
@@ -101,16 +101,16 @@ def doctor(preset: str, master: Optional[str], remote: Optional[str], np_: Optio
     session: dict = {}
 
     def start() -> str:
-        from sparkhvd.driver.sparkview import SparkView
+        from sparkhvd.spark.sparkview import SparkView
 
         if remote:
-            from sparkhvd.driver.session import connect_session
+            from sparkhvd.spark.session import connect_session
 
             session["spark"] = connect_session(remote)
         else:
             from pyspark import SparkContext
 
-            from sparkhvd.driver.session import get_or_create_session
+            from sparkhvd.spark.session import get_or_create_session
 
             session["created"] = SparkContext._active_spark_context is None
             p = load_preset(preset)
@@ -193,7 +193,7 @@ def run(script: str, np_: int, preset: Optional[str], output_dir: str, verbosity
     try:
         spark = None
         if remote:
-            from sparkhvd.driver.session import connect_session
+            from sparkhvd.spark.session import connect_session
 
             spark = connect_session(remote)
         runner = HorovodRunner(np=np_, preset=preset, output_dir=output_dir, spark=spark,

@@ -52,7 +52,7 @@ def horovod_build() -> str:
 
 
 def keras_stack() -> str:
-    from sparkhvd.driver.installed import check_keras, package_version
+    from sparkhvd.spark.installed import check_keras, package_version
 
     check_keras()
     tf = package_version("tensorflow-cpu") or package_version("tensorflow")
@@ -66,7 +66,7 @@ def java() -> str:
         raise RuntimeError("java not found on PATH or in JAVA_HOME")
     out = subprocess.run([path, "-version"], capture_output=True, text=True, timeout=30)
     line = (out.stderr or out.stdout).splitlines()[0]
-    from sparkhvd.driver.installed import spark_version, version_tuple
+    from sparkhvd.spark.installed import spark_version, version_tuple
 
     found = re.search(r'version "(\d+)(?:\.(\d+))?', line)
     major = int(found.group(1)) if found else 0
@@ -88,7 +88,7 @@ def tf_backend() -> str:
 
     if not hasattr(tf.distribute, "MultiWorkerMirroredStrategy"):
         raise RuntimeError(f"tensorflow {tf.__version__} has no MultiWorkerMirroredStrategy")
-    from sparkhvd.driver.installed import package_version
+    from sparkhvd.spark.installed import package_version
 
     keras = getattr(tf.keras, "__version__", None) or package_version("keras")
     return f"tensorflow {tf.__version__}, keras {keras}: MultiWorkerMirroredStrategy"
@@ -98,7 +98,7 @@ def torch_backend() -> str:
     import torch
     import torch.distributed as dist
 
-    from sparkhvd.driver.installed import package_version
+    from sparkhvd.spark.installed import package_version
 
     if not dist.is_available():
         raise RuntimeError(f"torch {torch.__version__} was built without torch.distributed")
@@ -121,7 +121,7 @@ TORCH_CLIENTS = (("Lightning", "lightning"), ("transformers", "transformers"),
 
 def spark_stack() -> str:
     """The pyspark version (inside the supported range) and what sparkhvd uses that it offers."""
-    from sparkhvd.driver.installed import check_spark, spark_features
+    from sparkhvd.spark.installed import check_spark, spark_features
 
     version = check_spark()
     features = spark_features(version)
@@ -143,7 +143,7 @@ def stack_checks() -> list[Check]:
     usable = [b for b in backends if b.ok]
     for b in backends:
         b.optional = bool(usable)
-    from sparkhvd.driver.installed import SPARK_INSTALL_HINT, SPARK_RANGE
+    from sparkhvd.spark.installed import SPARK_INSTALL_HINT, SPARK_RANGE
 
     return [check("Spark", spark_stack, SPARK_INSTALL_HINT.format(range=SPARK_RANGE))] \
         + backends + [
@@ -191,7 +191,7 @@ def probe_cluster(spark: Any, np: int, timeout: float = 120) -> list[dict]:
     import functools
     import json
 
-    from sparkhvd.driver.sparkview import SparkView
+    from sparkhvd.spark.sparkview import SparkView
 
     view = SparkView(spark)
     host = view.driver_host()
@@ -221,11 +221,11 @@ def probe_cluster(spark: Any, np: int, timeout: float = 120) -> list[dict]:
 
 def cluster_checks(spark: Any, np: int) -> tuple[list[Check], Optional[list[dict]]]:
     """Slots, then the probe (when the slots are there)."""
-    from sparkhvd.driver.slots import check_slots
+    from sparkhvd.spark.slots import check_slots
 
     found: dict = {}
 
-    from sparkhvd.driver.sparkview import SparkView
+    from sparkhvd.spark.sparkview import SparkView
 
     view = SparkView(spark)
 

@@ -26,7 +26,7 @@ def register_configure_magic(ipython: Any = None) -> bool:
         return False
 
     def configure(line: str, cell: str) -> None:
-        from sparkhvd.ops.presets import Preset
+        from sparkhvd.spark.presets import Preset
 
         preset = Preset("notebook-cell", json.loads(cell))
         print(f"%%configure {line.strip()}: not a Synapse/Livy kernel, so the session is not "

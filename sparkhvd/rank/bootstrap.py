@@ -16,6 +16,7 @@ from typing import Any
 from sparkhvd.common import protocol
 from sparkhvd.common.environment import allowed, run_variable
 from sparkhvd.common.errors import PayloadError
+from sparkhvd.common.events import announce, emit, error_event, events
 from sparkhvd.common.function_end import function_ended
 from sparkhvd.common.identity import current_rank
 from sparkhvd.common.netif import collective_iface_env
@@ -24,7 +25,6 @@ from sparkhvd.elastic.notices import Preempted
 from sparkhvd.elastic.notices import install as install_notices
 from sparkhvd.rank.arguments import open_argument
 from sparkhvd.rank.devices import apply_plan, detect_gpus, plan_rank
-from sparkhvd.rank.events import announce, emit, error_event, events
 from sparkhvd.rank.stack_dump import install as install_stacks
 
 __side__ = "rank"

@@ -25,7 +25,7 @@ import threading
 from typing import Optional
 
 from sparkhvd.common import protocol
-from sparkhvd.rank.events import emit, events
+from sparkhvd.common.events import emit, events
 
 __side__ = "rank"
 

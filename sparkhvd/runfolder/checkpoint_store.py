@@ -521,7 +521,7 @@ def announce_resume(store: CheckpointStore, file: Optional[str] = None, epoch: i
     read, on its console line and to the driver (``run.json``'s ``resume``), for every
     framework's helpers."""
     from sparkhvd.common import protocol
-    from sparkhvd.rank.events import emit
+    from sparkhvd.common.events import emit
 
     if file is None:
         print(f"resume: no checkpoint under {store.describe()}; training from scratch",

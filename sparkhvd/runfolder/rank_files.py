@@ -198,8 +198,8 @@ def output_folder(name: str) -> str:
     name = clean_path(name)
     files = run_files()
     if files.available:  # the driver says what a relaunch can resume from
+        from sparkhvd.common.events import emit
         from sparkhvd.common.identity import current_rank
-        from sparkhvd.rank.events import emit
 
         emit(protocol.OutputDir(rank=current_rank().rank, name=name))
     if not files.available:  # not in a sparkhvd run (plain torchrun, a test): here

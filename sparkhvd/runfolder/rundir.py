@@ -18,8 +18,8 @@ import secrets
 from typing import Any, Iterable, Mapping, Optional
 
 from sparkhvd.common.fileio import atomic_write
-from sparkhvd.driver.installed import package_version
 from sparkhvd.runfolder.record import RunRecord
+from sparkhvd.spark.installed import package_version
 
 __side__ = "driver"
 
@@ -33,14 +33,28 @@ def new_run_id() -> str:
     return _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
+#: A zip archive holding these is a TorchScript module (torch.jit.save), not a .keras file.
+TORCHSCRIPT_MARKERS = ("/constants.pkl", "/code/")
+
+
+def is_torchscript(data: bytes) -> bool:
+    """Whether ``data`` is a TorchScript archive (told from a .keras zip by its entries)."""
+    import io
+    import zipfile
+
+    try:
+        names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    except zipfile.BadZipFile:
+        return False
+    return any(marker in name for name in names for marker in TORCHSCRIPT_MARKERS)
+
+
 def model_filename(data: bytes) -> Optional[str]:
     """``model.h5`` / ``model.keras`` for a saved Keras model, ``model.pt`` for TorchScript, else
     ``None``."""
     for magic, name in MODEL_NAMES.items():
         if data[:len(magic)] == magic:
             if name == "model.keras":
-                from sparkhvd.scoring.models import is_torchscript
-
                 return "model.pt" if is_torchscript(data) else name
             return name
     return None
@@ -140,6 +154,17 @@ class RunDir:
         #: ``run.json`` (:class:`~sparkhvd.runfolder.record.RunRecord`: its only writer)
         self.record = RunRecord(self.file("run.json"), run_id=self.run_id,
                                 output=storage.public_url(self.url), versions=versions())
+
+    def resume_source(self, resume_from: Any, output_dir: str,
+                      storage_options: Optional[dict] = None) -> Optional[str]:
+        """The checkpoints folder this run resumes from (never its own), recorded as
+        *requested* in ``run.json``; None when ``resume_from`` asks for none."""
+        if resume_from is None or resume_from is False:
+            return None
+        source = resolve_resume_source(resume_from, output_dir, storage_options,
+                                       exclude=self.run_id)
+        self.record.resume_requested(source)
+        return source
 
     def __str__(self) -> str:
         """The run folder's path, or its URL once published (never a secret)."""

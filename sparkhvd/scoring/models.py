@@ -7,6 +7,7 @@ from typing import Any, Mapping, Optional
 
 from sparkhvd import storage
 from sparkhvd.keras.modelio import local_file, suffix_of
+from sparkhvd.runfolder.rundir import is_torchscript
 
 __side__ = "driver"
 
@@ -58,22 +59,6 @@ def model_url(url: str, storage_options: Optional[Mapping[str, Any]] = None) -> 
 def is_torch_model(path: str) -> bool:
     """Whether a model file is PyTorch's (``.pt``: TorchScript, or a ``state_dict``)."""
     return path.lower().endswith(".pt")
-
-
-#: A zip archive holding these is a TorchScript module (torch.jit.save), not a .keras file.
-TORCHSCRIPT_MARKERS = ("/constants.pkl", "/code/")
-
-
-def is_torchscript(data: bytes) -> bool:
-    """Whether ``data`` is a TorchScript archive (told from a .keras zip by its entries)."""
-    import io
-    import zipfile
-
-    try:
-        names = zipfile.ZipFile(io.BytesIO(data)).namelist()
-    except zipfile.BadZipFile:
-        return False
-    return any(marker in name for name in names for marker in TORCHSCRIPT_MARKERS)
 
 
 def load_torch(data: bytes, **load_kwargs: Any) -> Any:

@@ -35,7 +35,7 @@ def ship_bytes(spark: Any, data: bytes, suffix: str) -> Any:
     function's closure (cloudpickled into the plan), large data is added as a session artifact
     (``addArtifacts(file=True)``) and read with ``SparkFiles`` on the executors.
     """
-    from sparkhvd.driver.sparkview import is_connect
+    from sparkhvd.spark.sparkview import is_connect
 
     if not is_connect(spark):
         broadcast = spark.sparkContext.broadcast(data)
@@ -128,9 +128,9 @@ def predict(df: Any, model: Any, features: Union[str, Sequence[str]], *,
     from pyspark.ml.functions import predict_batch_udf
 
     from sparkhvd.data.materialize import check_column_type, check_profile, profile
-    from sparkhvd.driver.session import SCORING_MODULES, check_worker_python
-    from sparkhvd.driver.sparkview import SparkView
     from sparkhvd.keras.modelio import local_file
+    from sparkhvd.spark.session import SCORING_MODULES, check_worker_python
+    from sparkhvd.spark.sparkview import SparkView
 
     check_worker_python(SparkView(df.sparkSession), modules=SCORING_MODULES,
                         purpose="predict's Spark jobs")

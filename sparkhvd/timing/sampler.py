@@ -19,8 +19,8 @@ import time
 from typing import Any, Optional
 
 from sparkhvd.common import protocol
+from sparkhvd.common.events import emit, events
 from sparkhvd.common.identity import current_rank
-from sparkhvd.rank.events import emit, events
 from sparkhvd.timing.buckets import bucket_of, dominant
 from sparkhvd.timing.collectives import CLOCK, DDP_PLACE, TF_GRAPH, install_ddp_timing
 

@@ -121,8 +121,8 @@ class TorchDistributor:
 
     @staticmethod
     def _task_gpus(spark: Any, num_processes: int) -> int:
-        from sparkhvd.driver.session import get_or_create_session
-        from sparkhvd.driver.sparkview import SparkView
+        from sparkhvd.spark.session import get_or_create_session
+        from sparkhvd.spark.sparkview import SparkView
 
         session = get_or_create_session(num_processes, spark)
         amount = int(float(SparkView(session).conf(TASK_GPUS, "0") or 0))

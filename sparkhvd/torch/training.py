@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from sparkhvd.common import protocol
+from sparkhvd.common.events import emit
 from sparkhvd.common.function_end import at_function_end, at_function_return
 from sparkhvd.common.identity import current_rank
 from sparkhvd.elastic.notices import Preempted, WorldSizeChange, listen, noticed, stop
 from sparkhvd.elastic.notices import world_size_change as _world_size_change
-from sparkhvd.rank.events import emit
 from sparkhvd.runfolder import host_copy
 from sparkhvd.runfolder.background_save import SavesInBackground
 from sparkhvd.runfolder.checkpoint_store import (

@@ -52,8 +52,8 @@ def test_too_many_ranks_are_refused_in_seconds(connect, tmp_path):
 
 
 def test_slots_that_cannot_be_counted_say_how_to_declare_them(connect):
-    from sparkhvd.driver.slots import SLOTS_CONF, check_slots
-    from sparkhvd.driver.sparkview import SparkView
+    from sparkhvd.spark.slots import SLOTS_CONF, check_slots
+    from sparkhvd.spark.sparkview import SparkView
 
     class Hidden(SparkView):  # a cluster master whose executor settings a client cannot see
         master = "spark://10.0.0.5:7077"
@@ -74,7 +74,7 @@ def test_slots_that_cannot_be_counted_say_how_to_declare_them(connect):
 def test_horovod_spark_run_is_refused_with_the_fix(connect):
     from sparkhvd.driver.launchers import LaunchFacts
     from sparkhvd.driver.launchers import choose_launcher as choose
-    from sparkhvd.driver.sparkview import SparkView
+    from sparkhvd.spark.sparkview import SparkView
 
     def choose_launcher(requested, view, elastic=None):
         return choose(LaunchFacts("horovod", requested, bool(elastic)).with_session(view))

@@ -465,7 +465,7 @@ def test_spark_workers_without_the_stack_are_named_before_any_data_job(tmp_path)
 
 def _metrics_then_none():
     from sparkhvd.common import protocol
-    from sparkhvd.rank.events import emit
+    from sparkhvd.common.events import emit
 
     for epoch in (1, 2):
         emit(protocol.Metrics(rank=0, record={"epoch": epoch, "loss": 1.0 / epoch}))

@@ -169,7 +169,7 @@ spark = (SparkSession.builder.master({master!r}).config("spark.driver.host", "12
          .config("spark.executor.memory", "1g").config("spark.ui.enabled", "false")
          .config("spark.pyspark.python", sys.executable).getOrCreate())
 spark.sparkContext.setLogLevel("ERROR")
-from sparkhvd.driver.slots import check_slots
+from sparkhvd.spark.slots import check_slots
 check_slots(spark.sparkContext, 3, wait_s=90)
 df = spark.range({n}).selectExpr(
     "id", "array(CAST(id % 7 AS FLOAT), CAST(id % 5 AS FLOAT), 1.0F) AS x",

@@ -44,7 +44,7 @@ def assert_no_rank_left(runner, grace=20.0):
 
 def _session_works(tmp_path, how):
     assert HorovodRunner(np=2, output_dir=str(tmp_path), **how).run(lambda: "ok") == "ok"
-    from sparkhvd.driver.sparkview import is_connect
+    from sparkhvd.spark.sparkview import is_connect
 
     if not is_connect(how["spark"]):  # a Connect client sees no job tracker
         assert how["spark"].sparkContext.statusTracker().getActiveJobsIds() == []

@@ -15,7 +15,7 @@ import tomllib
 
 import sparkhvd
 from sparkhvd import EnvironmentMismatchError
-from sparkhvd.driver.installed import SPARK_RANGE, check_spark, spark_features, spark_problem
+from sparkhvd.spark.installed import SPARK_RANGE, check_spark, spark_features, spark_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: What a runtime provides and an install must leave alone.

@@ -194,7 +194,7 @@ def test_stopped_session_is_named_before_and_during_a_run(tmp_path):
     script.write_text(textwrap.dedent(f"""
         import threading, time, sys
         from sparkhvd import HorovodRunner, SessionError
-        from sparkhvd.driver.session import get_or_create_session
+        from sparkhvd.spark.session import get_or_create_session
 
         spark = get_or_create_session(2)
         spark.stop()
@@ -311,7 +311,7 @@ def test_a_run_that_did_not_start_is_cancelled_and_never_runs(spark, tmp_path, b
     run.json names -- and its function never runs, not even once the slots are free."""
     import time
 
-    import sparkhvd.driver.slots as slots
+    import sparkhvd.spark.slots as slots
 
     monkeypatch.setattr(slots, "busy_slots", lambda sc: (0, []))
     marker = tmp_path / "ran"

@@ -31,7 +31,7 @@ def where_am_i():
 @pytest.mark.parametrize("np_", [2, -2], ids=["spark", "local"])
 def test_each_rank_gets_its_tf_config_and_no_horovod(any_spark, tmp_path, np_):
     """On a classic session, a Spark Connect session (any_spark), and as local processes."""
-    from sparkhvd.driver.sparkview import is_connect
+    from sparkhvd.spark.sparkview import is_connect
 
     if np_ < 0 and is_connect(any_spark):
         pytest.skip("np < 0 starts no Spark tasks: once is enough")

@@ -8,7 +8,7 @@ checked in every profile: a module is a file (or a package's ``__init__.py``); a
 a top-level definition, assignment or import, a name its lazy face hands on
 (:func:`sparkhvd.common.faces.lazy_face`, ``sparkhvd._LAZY``) or one its ``__all__`` promises;
 a member of a class is a method, a nested class or an attribute it assigns. What an import
-re-exports is not followed. The MLflow tags and params :mod:`sparkhvd.ops.tracking` writes
+re-exports is not followed. The MLflow tags and params :mod:`sparkhvd.driver.tracking` writes
 (``sparkhvd.run_id``, ``sparkhvd.resizeN``, ...) are names, not paths, and are left alone.
 """
 from __future__ import annotations
@@ -99,9 +99,9 @@ def _top_names(path: Path) -> dict[str, ast.AST]:
 
 @functools.lru_cache(maxsize=None)
 def _mlflow_names() -> tuple[set[str], tuple[str, ...]]:
-    """What :mod:`sparkhvd.ops.tracking` writes: whole names, and the prefixes of numbered
+    """What :mod:`sparkhvd.driver.tracking` writes: whole names, and the prefixes of numbered
     ones (``f"sparkhvd.resize{n}"``)."""
-    tree = ast.parse((ROOT / "sparkhvd" / "ops" / "tracking.py").read_text())
+    tree = ast.parse((ROOT / "sparkhvd" / "driver" / "tracking.py").read_text())
     whole = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
              and isinstance(n.value, str) and n.value.startswith("sparkhvd.")}
     prefixes = tuple(n.values[0].value for n in ast.walk(tree) if isinstance(n, ast.JoinedStr)

@@ -3,8 +3,8 @@ import pytest
 
 from sparkhvd import EnvironmentMismatchError
 from sparkhvd.common.environment import process_env, rank_env
-from sparkhvd.driver.installed import check_keras, keras_problem
-from sparkhvd.driver.session import is_loopback_master
+from sparkhvd.spark.installed import check_keras, keras_problem
+from sparkhvd.spark.session import is_loopback_master
 
 
 def test_rank_env_is_driver_settings_plus_user_env():
@@ -65,7 +65,7 @@ def test_installed_stack_passes_keras_check():
 
 
 def test_check_keras_raises(monkeypatch):
-    from sparkhvd.driver import installed as stack
+    from sparkhvd.spark import installed as stack
 
     monkeypatch.setattr(stack, "package_version",
                         lambda n: {"tensorflow": "2.18.0", "keras": "3.8.0"}.get(n))

@@ -14,6 +14,10 @@ every import statement of every module (also those inside functions). The sides:
 - ``driver``: never imports the rank side (it reaches ranks only as a payload);
 - ``public``: the package faces (``sparkhvd``, ``sparkhvd.keras``, ``sparkhvd.data``, ...)
   re-export any side; no side imports them, except ``common.faces`` which they call.
+
+And the folders stand in one order (:data:`FLOORS`, the ground first): a module imports only
+its own folder and the folders on floors below it -- no import runs back up, so no two folders
+lean on each other and a folder can be read knowing only what stands below it.
 """
 from __future__ import annotations
 
@@ -37,6 +41,22 @@ ALLOWED = {
 FACES = {"sparkhvd", "sparkhvd.__main__", "sparkhvd.keras", "sparkhvd.torch", "sparkhvd.data",
          "sparkhvd.runfolder", "sparkhvd.scoring", "sparkhvd.ops", "sparkhvd.examples",
          "sparkhvd.examples.digits"}
+#: The package's folders from the ground up. A module may import its own folder and any folder
+#: on a lower floor; folders on one floor never import each other.
+FLOORS = [
+    {"common"},  # the message protocol, a rank's identity and events, shared by every side
+    {"storage", "elastic", "timing"},  # I/O; notices and resizing; where the time goes
+    {"spark"},  # the driver's view of Spark: session, slots, what is installed, presets
+    {"runfolder", "data"},  # what a run leaves behind; DataFrames to every rank's batches
+    {"keras"},  # Keras/TF integration (checkpoints into the run folder, notices)
+    {"rank", "scoring"},  # the rank process, wiring the rank halves below; scoring a DataFrame
+    {"executor"},  # the Spark task that starts ranks
+    {"driver"},  # the run: settings, placing, launchers, attempts, recording
+    {"torch", "ops"},  # TorchDistributor on the runner; the CLI and doctor
+    {"examples"},
+]
+#: An import that runs back up, declared with why it must (at most 4; none today).
+BACK_UP: dict[tuple[str, str], str] = {}
 #: Old public module names, each a shim that hands its moved module on (``sparkhvd.ALIASES``).
 OLD_NAMES = {"sparkhvd.presets", "sparkhvd.notebook", "sparkhvd.cli", "sparkhvd.runfiles",
              "sparkhvd.kerasio"}
@@ -174,3 +194,38 @@ def test_no_public_name_is_also_a_submodule(face):
     folder = PACKAGE.parent.joinpath(*face.split("."))
     clashes = [name for name in package.__all__ if (folder / f"{name}.py").exists()]
     assert not clashes, f"{face} exports {clashes}, which are also its submodules"
+
+
+def _folder(module):
+    """The top folder of a module of the package (None for a top-level file: a face or an old
+    name)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) \
+        else None
+
+
+def test_every_folder_stands_on_a_floor():
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    placed = set().union(*FLOORS)
+    assert folders == placed, f"put each folder on one floor of FLOORS: " \
+        f"missing {sorted(folders - placed)}, gone {sorted(placed - folders)}"
+    assert len(BACK_UP) <= 4
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if SIDES[m] != "public"))
+def test_no_import_runs_back_up(module):
+    """Also imports inside functions: a lazy import is still a dependency of the folder."""
+    floor = {folder: n for n, floor in enumerate(FLOORS) for folder in floor}
+    here = _folder(module)
+    wrong = []
+    for name, line, _top, level in _imports(MODULES[module]):
+        if level or name not in MODULES or SIDES.get(name) == "public":
+            continue
+        there = _folder(name)
+        if there is None or there == here or (here, there) in BACK_UP:
+            continue
+        if floor[there] >= floor[here]:
+            wrong.append(f"line {line}: {name} ({there}/, floor {floor[there]}) from "
+                         f"{here}/ (floor {floor[here]})")
+    assert not wrong, f"{module} imports upward or sideways -- move the code to the floor " \
+        f"that owns it, or pass it in from above:\n" + "\n".join(wrong)

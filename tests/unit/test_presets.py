@@ -4,7 +4,7 @@ import json
 import pytest
 
 from sparkhvd import HorovodRunner
-from sparkhvd.ops.presets import Preset, PresetError, list_preset_names, load_preset
+from sparkhvd.spark.presets import Preset, PresetError, list_preset_names, load_preset
 
 BASE = {"driverMemory": "2g", "driverCores": 1, "executorMemory": "2g", "executorCores": 2,
         "numExecutors": 2, "conf": {}}

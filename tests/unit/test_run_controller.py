@@ -49,7 +49,7 @@ def until_notified(spec: LaunchSpec, sink: Any) -> Any:
 
 def succeeds(result: Any = b"weights") -> Callable[[LaunchSpec, Any], Any]:
     def end(spec: LaunchSpec, sink: Any) -> Any:
-        return [result] * spec.np
+        return [result] * spec.size
     return end
 
 
@@ -63,7 +63,7 @@ class ScriptedGroup:
         self.end, self.spec, self.sink, self.polls = end, spec, sink, polls
         self.notices: list[str] = []
         self.stopped, self.closed = False, False
-        for rank in range(spec.np):  # every rank's checkpoint helper listens for notices
+        for rank in range(spec.size):  # every rank's checkpoint helper listens for notices
             sink.receive(protocol.Listening(rank=rank))
 
     def ask_stacks(self) -> None:
@@ -180,7 +180,7 @@ def test_a_lost_rank_is_retried_within_max_retries_from_the_same_size(tmp_path):
                             "finished"]
     restarting = _record(run)["states"][2]
     assert (restarting["attempt"], restarting["from"], restarting["to"]) == (1, 2, 2)
-    assert [spec.np for spec in launcher.specs] == [2, 2]
+    assert [spec.size for spec in launcher.specs] == [2, 2]
     assert [a["status"] for a in _record(run)["attempts"]] == ["failed", "succeeded"]
 
 
@@ -218,7 +218,7 @@ def test_an_elastic_run_shrinks_to_the_free_slots_after_a_loss(tmp_path):
     assert _states(run) == ["placing", "running", "resizing", "placing", "running", "finished"]
     resizing = _record(run)["states"][2]
     assert (resizing["from"], resizing["to"]) == (3, 2)
-    assert placer.placed == [3, 2] and [spec.np for spec in launcher.specs] == [3, 2]
+    assert placer.placed == [3, 2] and [spec.size for spec in launcher.specs] == [3, 2]
     assert len(placer.losses) == 1 and placer.losses[0].vanished
 
 

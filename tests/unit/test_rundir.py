@@ -48,7 +48,7 @@ def test_the_resume_line_numbers_epochs_as_the_checkpoint_files_do(tmp_path, cap
                                                                    monkeypatch):
     """epoch-0001-step-0000040 is step 40 of the loop's epoch 1; epoch-0002 (written when
     epoch 1 ended) continues at the loop's epoch 2: the line says the same numbers."""
-    from sparkhvd.rank import events
+    from sparkhvd.common import events
     from sparkhvd.runfolder.checkpoint_store import UrlStore, announce_resume, checkpoint_name
 
     monkeypatch.setattr(events, "emit", lambda msg: None)

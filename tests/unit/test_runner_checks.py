@@ -61,7 +61,7 @@ class _Conf(dict):
 
 
 class _SC:
-    """A session view (sparkhvd.driver.sparkview.SparkView's conf and kind) without Spark."""
+    """A session view (sparkhvd.spark.sparkview.SparkView's conf and kind) without Spark."""
 
     connect = False
 
@@ -106,8 +106,8 @@ def test_connect_sessions_take_the_barrier_stage_and_refuse_horovod_spark_run():
 def test_a_remote_connect_servers_local_master_is_not_this_machine(monkeypatch):
     """A Connect server elsewhere running local[*]: its executors are on its machine, so the
     ranks reach this client at its routed address and share no disk with it."""
-    from sparkhvd.driver import sparkview
-    from sparkhvd.driver.sparkview import SparkView
+    from sparkhvd.spark import sparkview
+    from sparkhvd.spark.sparkview import SparkView
 
     class Conf:
         def get(self, key, default=None):

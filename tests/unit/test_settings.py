@@ -70,7 +70,7 @@ def test_the_launch_spec_is_built_once_and_read_only():
                       env={"A": "1"}, placement=Placement("local"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.payload = b"x"
-    assert spec.np == 2 and spec.tasks == 2 and spec.elastic is None
+    assert spec.size == 2 and spec.tasks == 2 and spec.elastic is None
     with pytest.raises(TypeError):
         spec.env["B"] = "2"
     assert spec.start_timeout == 0.5 and spec.driver_host == "127.0.0.1"

@@ -2,7 +2,7 @@
 import pytest
 
 from sparkhvd import NotEnoughSlotsError
-from sparkhvd.driver.slots import check_slots, count_slots
+from sparkhvd.spark.slots import check_slots, count_slots
 
 
 @pytest.mark.parametrize("master,expected", [

@@ -119,7 +119,7 @@ def test_settings_refuse_what_cannot_be_numbered():
 def test_the_drop_in_counts_gpus_as_sparks_class(monkeypatch):
     """use_gpu=True on a cluster: spark.task.resource.gpu.amount ranks per task, num_processes a
     multiple of it -- the same rules and words as pyspark's TorchDistributor, with the fix."""
-    from sparkhvd.driver import session, sparkview
+    from sparkhvd.spark import session, sparkview
     from sparkhvd.torch.distributor import TorchDistributor
 
     conf = {"spark.task.resource.gpu.amount": "2"}
@@ -142,7 +142,7 @@ def test_the_drop_in_counts_gpus_as_sparks_class(monkeypatch):
 def test_the_numbering_hint_names_what_the_user_ran(frame, named):
     """Trainer(devices=1, num_nodes=N) and Fabric(devices=1, num_nodes=N) fail alike under
     torchrun's numbering; the fix names the one in the traceback."""
-    from sparkhvd.rank.events import known_fix
+    from sparkhvd.common.events import known_fix
 
     trace = (f'File "/site-packages/{frame}", line 86, in root_device\n'
              "    return self.parallel_devices[self.local_rank]\nIndexError: list index out of "

@@ -8,7 +8,7 @@ launcher does what it needs directly:
    server* (TCP, :mod:`sparkhvd.common.protocol` messages, a per-run random token).
 2. One Spark **barrier** stage runs ``np`` tasks at once (all or none; the slot check before the
    launch guarantees they fit) -- a DataFrame barrier stage (``mapInArrow(..., barrier=True)``),
-   the same call on classic and Spark Connect sessions (:class:`~sparkhvd.driver.sparkview.SparkView`).
+   the same call on classic and Spark Connect sessions (:class:`~sparkhvd.spark.sparkview.SparkView`).
    Each task registers (:mod:`sparkhvd.executor.barrier`); once all ``np`` are in, the backend
    assigns ranks host by host and each task gets its variables.
 3. Each task starts its rank, forwards its output and events, sends a heartbeat every second,
@@ -52,7 +52,7 @@ from sparkhvd.driver.launchers.base import (
     stopper,
 )
 from sparkhvd.driver.payload import load_result
-from sparkhvd.driver.sparkview import stopped_session_error
+from sparkhvd.spark.sparkview import stopped_session_error
 
 __side__ = "driver"
 
@@ -359,7 +359,7 @@ class BarrierLauncher:
                                spec.ranks_per_task, spec.node_per_task)
         threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True,
                          name="sparkhvd-control").start()
-        job = view.job(spec.job, f"sparkhvd: {spec.np} rank(s) of run {spec.run.run_id}")
+        job = view.job(spec.job, f"sparkhvd: {spec.size} rank(s) of run {spec.run.run_id}")
         mapper = functools.partial(arrow_barrier_task, TaskSpec(
             payload=spec.payload, options=spec.options.as_dict(), env=dict(spec.env),
             driver=control_address(spec, server), token=token,
@@ -385,7 +385,7 @@ class BarrierLauncher:
             check(0.0)  # a rank that failed as the stage ended
             modes = {t["status"].get("mode") for t in tasks.values()}
             sink.reported_by("rows" if "rows" in modes else "live")
-            return _results(server, tasks, spec.np)
+            return _results(server, tasks, spec.size)
 
         def close() -> None:
             # Both servers poll for shutdown: stop them off the return path.

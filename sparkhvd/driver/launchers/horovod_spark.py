@@ -22,7 +22,7 @@ from sparkhvd.common import protocol
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.driver.launchers import LaunchSpec, Sink
 from sparkhvd.driver.launchers.base import SPARK_TIMEOUT, ThreadedGroup, stopper
-from sparkhvd.driver.sparkview import cancel_job_group, session_stopped, stopped_session_error
+from sparkhvd.spark.sparkview import cancel_job_group, session_stopped, stopped_session_error
 
 __side__ = "driver"
 
@@ -143,7 +143,7 @@ def whole_seconds(seconds: float) -> int:
 
 
 class HorovodSparkLauncher:
-    """``spec.np`` ranks through ``horovod.spark.run`` (or ``run_elastic``): the launcher users
+    """``spec.size`` ranks through ``horovod.spark.run`` (or ``run_elastic``): the launcher users
     pick with ``launcher="horovod"`` -- not the horovod *backend*
     (:mod:`sparkhvd.common.backends.horovod`, Gloo through horovod's rendezvous), which the
     barrier launcher runs too."""
@@ -162,7 +162,7 @@ class HorovodSparkLauncher:
         output = HorovodOutput(sink)
         # horovod pickles the result itself: the rank checks it can be (a clear error if not).
         options = dataclasses.replace(spec.options, check_result=True).as_dict()
-        common: dict[str, Any] = dict(args=(spec.payload, options), num_proc=spec.np,
+        common: dict[str, Any] = dict(args=(spec.payload, options), num_proc=spec.size,
                       start_timeout=whole_seconds(spec.start_timeout), env=dict(spec.env),
                       stdout=output.stdout, stderr=output.stderr,
                       verbose=2 if spec.verbose else 0, nics=set(spec.nics) if spec.nics else None,

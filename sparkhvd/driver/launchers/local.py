@@ -29,7 +29,7 @@ __side__ = "driver"
 
 
 class LocalLauncher:
-    """``spec.np`` ranks as local processes (module docstring)."""
+    """``spec.size`` ranks as local processes (module docstring)."""
 
     name = "local"
 
@@ -74,7 +74,7 @@ class LocalLauncher:
 
         def finish(_: Any) -> list[Any]:
             check(0.0)
-            return _results(procs, spec.np)
+            return _results(procs, spec.size)
 
         def stop() -> None:
             for proc in procs:
@@ -124,7 +124,7 @@ def _start_ranks(spec: LaunchSpec, backend: Any, run_env: dict[str, str], sink: 
         slots.update(rank_slots(task, "localhost", "127.0.0.1", ports, spec.ranks_per_task,
                                 spec.node_per_task))
     plan = backend.assign(slots)
-    for partition in range(spec.np):
+    for partition in range(spec.size):
         assigned = {**run_env, **plan[partition]}
         rank = RankIdentity.from_env(assigned, default_rank=partition).rank
         procs.append(RankProcess(spec.payload, spec.options.as_dict(),

@@ -39,7 +39,7 @@ class LaunchFacts:
     dynamic: Optional[bool] = None
 
     def with_session(self, view: Any) -> "LaunchFacts":
-        """These facts plus the session's (``view``: a :class:`~sparkhvd.driver.sparkview.
+        """These facts plus the session's (``view``: a :class:`~sparkhvd.spark.sparkview.
         SparkView`)."""
         dynamic = str(view.conf("spark.dynamicAllocation.enabled", "false")).lower() == "true"
         return dataclasses.replace(self, connect=bool(view.connect), dynamic=dynamic)

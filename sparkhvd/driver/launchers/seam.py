@@ -36,7 +36,7 @@ class Placement:
     driver_host: str = "127.0.0.1"
     #: Network interfaces for the collectives (None: each task picks the one to the driver).
     nics: Optional[frozenset] = None
-    #: The session's :class:`~sparkhvd.driver.sparkview.SparkView` (Spark launchers).
+    #: The session's :class:`~sparkhvd.spark.sparkview.SparkView` (Spark launchers).
     session: Any = None
 
 
@@ -74,7 +74,8 @@ class LaunchSpec:
 
     # -- read through to the one place each setting lives ---------------------------------
     @property
-    def np(self) -> int:
+    def size(self) -> int:
+        """How many ranks the launch starts (never signed, unlike the public ``np``)."""
         return self.scaling.size
 
     @property

@@ -16,7 +16,7 @@ __side__ = "driver"
 
 log = logging.getLogger(__name__)
 
-from sparkhvd.driver.sparkview import SparkView, is_loopback_master  # noqa: F401 - re-exported
+from sparkhvd.spark.sparkview import SparkView, is_loopback_master  # noqa: F401 - re-exported
 
 
 def get_or_create_session(np: int, spark=None, preset=None):
@@ -26,7 +26,7 @@ def get_or_create_session(np: int, spark=None, preset=None):
 
     if spark is not None:
         if SparkView(spark).stopped():
-            from sparkhvd.driver.sparkview import stopped_session_error
+            from sparkhvd.spark.sparkview import stopped_session_error
 
             raise stopped_session_error(during=False)
         return spark
@@ -65,7 +65,7 @@ def get_or_create_session(np: int, spark=None, preset=None):
 def connect_session(remote: str):
     """A Spark Connect session: ``sc://host:port`` (a Connect server), or ``local[N]`` (a local
     Connect server started from pip's pyspark; needs ``pip install 'sparkhvd[connect]'``)."""
-    from sparkhvd.driver.installed import check_spark
+    from sparkhvd.spark.installed import check_spark
 
     check_spark()
     try:

@@ -37,7 +37,7 @@ def presets_dirs() -> list[Path]:
     if os.environ.get("SPARKHVD_PRESETS_DIR"):
         dirs.append(Path(os.environ["SPARKHVD_PRESETS_DIR"]))
     dirs.append(Path.cwd() / "conf")
-    dirs.append(Path(__file__).resolve().parents[2] / "conf")  # <checkout>/sparkhvd/driver/
+    dirs.append(Path(__file__).resolve().parents[2] / "conf")  # <checkout>/sparkhvd/spark/
     seen, unique = set(), []
     for d in dirs:
         if d.resolve() not in seen and d.is_dir():
@@ -172,7 +172,7 @@ class Preset:
 
     def max_np(self) -> int:
         """The largest ``np`` a session made from this preset can run."""
-        from sparkhvd.driver.slots import count_slots
+        from sparkhvd.spark.slots import count_slots
 
         master = self.master or "spark://preset"
         cores = self.body.get("executorCores", 1)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from sparkhvd.common.errors import NotEnoughSlotsError
-from sparkhvd.driver.sparkview import SparkView
 from sparkhvd.elastic import cluster
+from sparkhvd.spark.sparkview import SparkView
 
 __side__ = "driver"
 
@@ -201,7 +201,7 @@ def check_slots(target, np: int, *, wait_s: float = 0.0, ranks_per_task: int = 1
     """Raise :class:`NotEnoughSlotsError` unless the session can run ``np`` tasks at once
     (each starting ``ranks_per_task`` ranks: the message counts both).
 
-    ``target``: a :class:`~sparkhvd.driver.sparkview.SparkView` (classic or Connect) or a
+    ``target``: a :class:`~sparkhvd.spark.sparkview.SparkView` (classic or Connect) or a
     SparkContext. On a cluster, executors may still be registering: poll up to ``wait_s``.
     Then, on classic sessions, the slots other jobs hold (Spark's status tracker) must leave
     ``np`` free: poll up to ``busy_wait_s`` for them, saying which jobs hold them -- a barrier
