@@ -16,8 +16,9 @@ import tensorflow as tf
 
 from sparkhvd.common import protocol
 from sparkhvd.common.events import emit
-from sparkhvd.common.function_end import at_function_end
+from sparkhvd.common.function_end import at_function_end, at_function_return
 from sparkhvd.keras import checkpoints
+from sparkhvd.runfolder import host_copy as host_copies
 from sparkhvd.runfolder.background_save import BackgroundSave, SavesInBackground
 
 __side__ = "rank"
@@ -257,6 +258,10 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
             once; ``agree`` then takes and returns a third flag, the writer's ``busy``), an
             epoch's save waits for it, a notice writes its own to the end. A failed write is
             raised at the next step or when the function ends (which waits for the last one).
+        host_copy: where the folder is not on the writing rank's own disk (``abfss://``, a
+            run folder on the driver's host), that rank also keeps the newest checkpoint's
+            files on its host, for a relaunched rank there to restore from
+            (:mod:`sparkhvd.runfolder.host_copy`); deleted when the function returns.
     """
 
     def __init__(self, url: Union[str, checkpoints.CheckpointStore], every: int = 1,
@@ -266,7 +271,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
                  agree: Optional[Callable[..., tuple]] = None,
                  data: Any = None, start: tuple[int, int] = (0, 0),
                  collective: bool = False, every_step_notices: bool = False,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, host_copy: bool = True) -> None:
         super().__init__()
         self.store = url if isinstance(url, checkpoints.CheckpointStore) else \
             checkpoints.UrlStore(url, storage_options)
@@ -285,6 +290,9 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
         self._last_save = time.monotonic()
         self._stop_at_epoch_end = False  # a notice at an epoch's last step
         self.async_save = async_save
+        self.host_copy = host_copy and write and not self.store.on_this_host
+        if self.host_copy:
+            at_function_return(host_copies.clean)  # the run is done: the copy can go
         self._background: Optional[BackgroundSave] = None
         if async_save and write:
             self._background = BackgroundSave()
@@ -398,7 +406,10 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
         """The files, their record and ``latest.json``; then the newest ``keep`` are kept."""
         from sparkhvd.runfolder.checkpoint_store import prune, write_checkpoint
 
-        write_checkpoint(self.store, epoch, files, info, step)
+        record = write_checkpoint(self.store, epoch, files, info, step)
+        if self.host_copy:
+            host_copies.keep({name: (data, record["files"][name]["sha256"])
+                              for name, data in files.items()})
         if self.keep:
             prune(self.store, self.keep)
 

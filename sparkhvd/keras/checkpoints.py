@@ -11,6 +11,9 @@ A checkpoint of epoch N is these files in a checkpoints folder:
   falls back to the newest complete one (:func:`~sparkhvd.runfolder.checkpoint_store.restore_newest`).
 
 With all three, "train 2 epochs, then resume for 2 more" ends where 4 epochs straight would.
+Where the folder is not on the writing rank's own disk, that rank also keeps the newest
+checkpoint's files on its host (:mod:`sparkhvd.runfolder.host_copy`), and a relaunched rank on
+that host reads them from there (:func:`restore_nearby`).
 
 Where the folder is: :mod:`sparkhvd.runfolder.checkpoint_store` (shared with the PyTorch helpers).
 """
@@ -29,6 +32,7 @@ from sparkhvd.runfolder.checkpoint_store import (
     latest,
     record_name,
     restore_newest,
+    restore_newest_nearby,
     url_store,
     write_checkpoint,
 )
@@ -36,7 +40,8 @@ from sparkhvd.runfolder.checkpoint_store import (
 __side__ = "rank"
 
 __all__ = ["DISCARD", "LATEST", "CheckpointStore", "RunFolderStore", "UrlStore", "latest",
-           "url_store", "save", "serialise", "restore", "restore_latest", "build_optimizer",
+           "url_store", "save", "serialise", "restore", "restore_latest", "restore_nearby",
+           "build_optimizer",
            "optimizer_variables", "record_name"]
 
 
@@ -98,6 +103,15 @@ def restore_latest(store: CheckpointStore, model: Any) -> tuple[Optional[dict], 
     record, problems, skipped = restore_newest(store, lambda info, files: restore(
         store, info, model, files))
     return record, [*skipped, *(problems or [])]
+
+
+def restore_nearby(store: CheckpointStore, model: Any
+                   ) -> tuple[Optional[dict], list[str], str]:
+    """:func:`restore_latest`, reading each file from this host's copy where it has the one the
+    record names; also which copy was read (``"host"`` or ``"folder"``, for the resume line)."""
+    record, problems, skipped, copy = restore_newest_nearby(
+        store, lambda info, files: restore(store, info, model, files))
+    return record, [*skipped, *(problems or [])], copy
 
 
 def restore(store: CheckpointStore, info: dict, model: Any,

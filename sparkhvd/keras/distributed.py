@@ -204,6 +204,10 @@ class KerasDistributed:
             a step save due meanwhile is skipped and said once, an epoch's save waits for it, a
             notice writes its own to the end; the function's end waits for the last one). Off
             by default: with synchronous saves a checkpoint exists when its step ends.
+        host_copy: where the checkpoints folder is not on rank 0's own disk, rank 0 also keeps
+            the newest checkpoint on its host, and a relaunched rank on that host restores from
+            it (the resume line says "its copy on this host"); on by default, deleted when the
+            function returns (see :mod:`sparkhvd.runfolder.host_copy`).
 
     In a sparkhvd run the checkpoints also *listen for notices*: SIGTERM to any rank (a node
     about to be reclaimed) or the driver resizing the run makes every rank save after its
@@ -219,7 +223,7 @@ class KerasDistributed:
                  storage_options: Optional[dict] = None, backend: Optional[str] = None,
                  hvd: Any = None, data: Any = None, every_steps: Optional[int] = None,
                  every_seconds: Optional[float] = None, keep: Optional[int] = None,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, host_copy: bool = True) -> None:
         backend = backend or os.environ.get(protocol.BACKEND_ENV) or "horovod"
         if backend not in ("horovod", "tf"):
             raise ValueError(f"backend must be 'horovod' or 'tf'; got {backend!r}")
@@ -248,7 +252,7 @@ class KerasDistributed:
         self.data = data
         check_cadence(every_steps, every_seconds, keep)
         self.every_steps, self.every_seconds, self.keep = every_steps, every_seconds, keep
-        self.async_save = async_save
+        self.async_save, self.host_copy = async_save, host_copy
         self.start: tuple[int, int] = (0, 0)
         files = run_files()
         self.checkpoint_store: Optional[checkpoints.CheckpointStore]
@@ -299,7 +303,11 @@ class KerasDistributed:
                 checkpoints.build_optimizer(model.optimizer, model)
         if self.resume_store is not None and (self.rank == 0 or self.flavour.restore_everywhere):
             with self.scope():
-                info, problems = checkpoints.restore_latest(self.resume_store, model)
+                if self.host_copy:
+                    info, problems, copy = checkpoints.restore_nearby(self.resume_store, model)
+                else:
+                    (info, problems), copy = checkpoints.restore_latest(self.resume_store,
+                                                                        model), "folder"
             if info is None:
                 if self.rank == 0:
                     announce_resume(self.resume_store)
@@ -308,7 +316,8 @@ class KerasDistributed:
                 step = int(info.get("step") or 0)
                 state["step"] = step
                 if self.rank == 0:
-                    announce_resume(self.resume_store, info["file"], epoch, problems, step)
+                    announce_resume(self.resume_store, info["file"], epoch, problems, step,
+                                    copy)
         if self.resume_store is not None:
             epoch, state = self.flavour.share((epoch, state))
         self.initial_epoch, self.state = int(epoch), dict(state)
@@ -353,7 +362,7 @@ class KerasDistributed:
                 agree=self.agree if self.size > 1 else None, data=self.data, start=self.start,
                 collective=self.flavour.save_everywhere,
                 every_step_notices=bool(os.environ.get(protocol.ELASTIC_ENV)),
-                async_save=self.async_save))
+                async_save=self.async_save, host_copy=self.host_copy))
         if self.rank == 0 and self.tensorboard:
             cbs.append(RunFolderTensorBoard())
         return cbs

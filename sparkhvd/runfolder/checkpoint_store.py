@@ -446,10 +446,23 @@ def _files_of(record: dict) -> dict[str, Optional[dict]]:
     return {name: None for name in legacy if isinstance(name, str)}
 
 
-def _read_checked(store: CheckpointStore, record: dict,
-                  problems: list[str]) -> Optional[dict[str, bytes]]:
+def _read_checked(store: CheckpointStore, record: dict, problems: list[str],
+                  copies: Mapping[str, Any], read_here: list[str]
+                  ) -> Optional[dict[str, bytes]]:
+    """The checkpoint's files, each checked against its record (None: one is missing or
+    changed, a problem said). ``copies``: this host's copies (file -> ``HostCopy``), read
+    instead where one is the file the record names; their names go into ``read_here``."""
     files: dict[str, bytes] = {}
     for name, expected in _files_of(record).items():
+        copy = copies.get(name)
+        if copy is not None and expected is not None and copy.sha256 == expected.get("sha256"):
+            try:
+                files[name] = copy.read()  # checked against the same size and SHA-256
+            except ValueError as exc:
+                problems.append(f"{exc}; read {store.describe(name)} instead")
+            else:
+                read_here.append(name)
+                continue
         try:
             data = store.read(name)
         except FileNotFoundError:
@@ -479,19 +492,40 @@ def restore_newest(store: CheckpointStore, load: Callable[[dict, dict[str, bytes
         CheckpointError: the folder has checkpoints but none is usable -- never a silent start
             from scratch, never a raw h5py/zip/pickle error.
     """
+    record, value, problems, _ = _restore(store, load, {})
+    return record, value, problems
+
+
+def restore_newest_nearby(store: CheckpointStore, load: Callable[[dict, dict[str, bytes]], T]
+                          ) -> tuple[Optional[dict], Optional[T], list[str], str]:
+    """:func:`restore_newest`, each file read from this host's copy of it
+    (:mod:`sparkhvd.runfolder.host_copy`) where that copy is the one the record names (same
+    SHA-256) and reads back whole; ``(record, value, problems, copy)`` -- ``copy`` is
+    ``"host"`` when every file of the checkpoint restored came from this host, else
+    ``"folder"``. A copy that does not read back is a problem, and the folder's file is read."""
+    from sparkhvd.runfolder import host_copy
+
+    return _restore(store, load, host_copy.find_all())
+
+
+def _restore(store: CheckpointStore, load: Callable[[dict, dict[str, bytes]], T],
+             copies: Mapping[str, Any]) -> tuple[Optional[dict], Optional[T], list[str], str]:
     problems: list[str] = []
     candidates = _candidates(store, problems)
     for record in candidates:
-        files = _read_checked(store, record, problems)
+        read_here: list[str] = []
+        files = _read_checked(store, record, problems, copies, read_here)
         if files is None:
             continue
         try:
-            return record, load(record, files), problems
+            value = load(record, files)
         except Exception as exc:  # noqa: BLE001 - an unreadable checkpoint is skipped
             name = record.get("file") or next(iter(files), "?")
             problems.append(f"{store.describe(name)}: unreadable ({_why(exc)})")
+            continue
+        return record, value, problems, "host" if len(read_here) == len(files) else "folder"
     if not problems:
-        return None, None, []
+        return None, None, [], "folder"
     from sparkhvd.common.errors import CheckpointError
 
     raise CheckpointError(

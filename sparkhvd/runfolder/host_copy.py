@@ -2,14 +2,17 @@
 
 A relaunched run reads its newest checkpoint back from the run folder -- on ``abfss://`` that is
 the whole state over the network, once per rank. When the checkpoint folder is not on its own
-disk, the rank that writes a checkpoint also keeps its newest file here, on its host's disk, so
-a relaunch restores from the nearest copy: a rank on the same host reads it from disk, a rank on
-another host gets it from a rank that has it (:mod:`sparkhvd.torch.nearest_copy`), and only
-when no rank has it does a rank read the run folder.
+disk, the rank that writes a checkpoint also keeps its newest files here, on its host's disk,
+so a relaunch restores from the nearest copy: a rank on the same host reads them from disk
+(:func:`~sparkhvd.runfolder.checkpoint_store.restore_newest_nearby`: every framework's helpers),
+a PyTorch rank on another host gets a one-file checkpoint from a rank that has it
+(:mod:`sparkhvd.torch.nearest_copy`), and only when no rank has it does a rank read the run
+folder.
 
 Rules:
 
-- **only the newest**: keeping a checkpoint deletes the copy before it; a copy is trusted only
+- **only the newest**: keeping a checkpoint (its files: one for PyTorch, the model and the
+  optimizer's for Keras) deletes the copy before it; a copy is trusted only
   when its SHA-256 equals the one the run folder's newest complete checkpoint records, so a
   stale, torn or foreign copy is never used (it is read back, checked, and passed over with a
   warning).
@@ -30,7 +33,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 from sparkhvd.common import protocol
 
@@ -88,21 +91,27 @@ def folder() -> Optional[str]:
     return os.path.join(base_folder(), run_id) if run_id else None
 
 
-def keep(file: str, data: bytes, sha256: str) -> Optional[HostCopy]:
-    """Keep ``data`` (the checkpoint file ``file``, whose checksum is ``sha256``) as this host's
-    newest copy, replacing the one before. None when it was not kept (no run, over the budget,
-    a failing disk: said once, never an error -- the run folder has the checkpoint)."""
-    path = spool(file)
-    if path is None:
-        return None
-    try:
-        with open(path, "wb") as f:
-            f.write(data)
-    except OSError as exc:
+def keep(files: Mapping[str, tuple[bytes, str]]) -> dict[str, HostCopy]:
+    """Keep one checkpoint's files (name -> (bytes, sha256)) as this host's newest copy,
+    replacing the one before. Empty when they were not kept (no run, over the budget, a failing
+    disk: said once, never an error -- the run folder has the checkpoint)."""
+    spools: dict[str, tuple[str, str]] = {}
+    for file, (data, sha256) in files.items():
+        path = spool(file)
+        if path is None:
+            break
+        spools[file] = (path, sha256)
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+        except OSError as exc:
+            _said_failed(exc)
+            break
+    else:
+        return adopt_all(spools)
+    for path, _ in spools.values():
         _unlink(path)
-        _said_failed(exc)
-        return None
-    return adopt(file, path, sha256)
+    return {}
 
 
 def spool(file: str) -> Optional[str]:
@@ -125,34 +134,49 @@ def spool(file: str) -> Optional[str]:
 
 def adopt(file: str, path: str, sha256: str) -> Optional[HostCopy]:
     """Make the complete file at ``path`` (from :func:`spool`) this host's newest copy of the
-    checkpoint file ``file``, replacing the one before -- or delete it and keep none when it
-    takes more than half of what the folder had free (said once). Never an error: None when
-    not kept."""
-    where = os.path.dirname(path)
+    one-file checkpoint ``file`` (:func:`adopt_all`). None when not kept."""
+    return adopt_all({file: (path, sha256)}).get(file)
+
+
+def adopt_all(spools: Mapping[str, tuple[str, str]]) -> dict[str, HostCopy]:
+    """Make the complete files at the spooled paths (checkpoint file -> (path, sha256)) this
+    host's newest copy, replacing the one before -- or delete them and keep none when they take
+    more than half of what the folder had free (said once). Never an error: empty when not
+    kept."""
+    if not spools:
+        return {}
+    where = os.path.dirname(next(iter(spools.values()))[0])
     try:
-        size = os.path.getsize(path)
-        old = find()
-        room = shutil.disk_usage(where).free + size  # what was free before this file
-        if size > FREE_SHARE * room:
+        sizes = {file: os.path.getsize(path) for file, (path, _) in spools.items()}
+        total = sum(sizes.values())
+        old = find_all()
+        room = shutil.disk_usage(where).free + total  # what was free before these files
+        if total > FREE_SHARE * room:
             _say_once(f"over:{where}", "no host copy of %s kept: %d MB is more than half the "
                       "free space of %s (%d MB); relaunches restore from the run folder. "
-                      "Set %s to a larger folder.", file, size >> 20, where, room >> 20,
-                      DIR_ENV)
-            _unlink(path)
+                      "Set %s to a larger folder.", ", ".join(spools), total >> 20, where,
+                      room >> 20, DIR_ENV)
+            for path, _ in spools.values():
+                _unlink(path)
             clean()
-            return None
-        name = os.path.basename(file)
-        final = os.path.join(where, name)
-        os.replace(path, final)  # the new file, then what names it, then the old one goes
-        meta = {"file": file, "sha256": sha256, "size": size, "name": name}
+            return {}
+        kept: dict[str, HostCopy] = {}
+        for file, (path, sha256) in spools.items():
+            final = os.path.join(where, os.path.basename(file))
+            os.replace(path, final)  # the new files, then what names them, then the old go
+            kept[file] = HostCopy(file, sha256, sizes[file], final)
+        meta = {"files": [{"file": c.file, "sha256": c.sha256, "size": c.size,
+                           "name": os.path.basename(c.path)} for c in kept.values()]}
         _replace(os.path.join(where, _META), json.dumps(meta).encode())
-        if old is not None and old.path != final:
-            _unlink(old.path)
-        return HostCopy(file, sha256, size, final)
+        for copy in old.values():
+            if copy.path not in {c.path for c in kept.values()}:
+                _unlink(copy.path)
+        return kept
     except OSError as exc:
-        _unlink(path)
+        for path, _ in spools.values():
+            _unlink(path)
         _said_failed(exc)
-        return None
+        return {}
 
 
 def discard(path: str) -> None:
@@ -165,18 +189,27 @@ def _said_failed(exc: OSError) -> None:
               "run folder", folder(), exc)
 
 
-def find() -> Optional[HostCopy]:
-    """This host's newest copy for this run (not yet checked: :meth:`HostCopy.read` checks)."""
+def find_all() -> dict[str, HostCopy]:
+    """This host's newest copy for this run, by checkpoint file (not yet checked:
+    :meth:`HostCopy.read` checks each)."""
     where = folder()
     if where is None:
-        return None
+        return {}
     try:
         with open(os.path.join(where, _META), "rb") as f:
             meta = json.loads(f.read())
-        return HostCopy(str(meta["file"]), str(meta["sha256"]), int(meta["size"]),
-                        os.path.join(where, str(meta["name"])))
+        return {str(m["file"]): HostCopy(str(m["file"]), str(m["sha256"]), int(m["size"]),
+                                         os.path.join(where, str(m["name"])))
+                for m in meta["files"]}
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return {}
+
+
+def find() -> Optional[HostCopy]:
+    """This host's newest copy when it is one file (a PyTorch checkpoint, which a rank can send
+    to the others), else None."""
+    copies = find_all()
+    return next(iter(copies.values())) if len(copies) == 1 else None
 
 
 def clean() -> None:

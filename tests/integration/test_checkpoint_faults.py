@@ -389,3 +389,66 @@ def test_a_rank_killed_while_its_save_uploads_to_abfss_resumes_from_a_complete_c
                         copy if host_copy else "folder"), (copy, restored)
     finally:
         store.stop()
+
+
+def keras_fit_killed(url, storage_options, epochs=4, kill=True):
+    """A small deterministic Keras fit checkpointing to ``url`` every epoch; on the run's first
+    attempt rank 0 is SIGKILLed as epoch 3 begins (epoch 2's checkpoint written)."""
+    import os
+    import signal
+
+    import numpy as np
+    import tensorflow as tf
+
+    from sparkhvd.common import protocol
+    from sparkhvd.keras import KerasDistributed
+
+    kd = KerasDistributed(epochs=epochs, batch_size=16, checkpoint=url,
+                          storage_options=storage_options)
+    tf.keras.utils.set_random_seed(7)
+    x = np.random.RandomState(kd.rank).rand(64, 4).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    with kd.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Input((4,)), tf.keras.layers.Dense(8),
+                                     tf.keras.layers.Dense(1)])
+        model.compile(optimizer=kd.optimizer(tf.keras.optimizers.Adam(0.01)), loss="mse")
+
+    class KillRankZero(tf.keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if kill and epoch == 2 and kd.rank == 0 and \
+                    os.environ.get(protocol.ATTEMPT_ENV) == "1":
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    model.fit(x, y, batch_size=16, shuffle=False,
+              **kd.fit_kwargs(model, callbacks=[KillRankZero()]))
+    return {"start": kd.initial_epoch, "weights": [w.tolist() for w in model.get_weights()]}
+
+
+@pytest.mark.every_profile  # Keras 2 (.h5) on Horovod, and Keras 3 (.keras) on tf.distribute
+def test_a_keras_relaunch_on_the_same_host_restores_rank_0s_host_copy(tmp_path, backend):
+    """Keras checkpoints to abfss:// (Azurite): rank 0 keeps the newest one's files (model and
+    optimizer) on its host too. Killed, the run relaunches here and reads them from this host,
+    not from Azurite, and ends with the weights of an uninterrupted run; the host copy goes
+    when the function returns."""
+    from conftest import Azurite
+    from sparkhvd.runfolder import host_copy
+
+    store = Azurite.start(str(tmp_path / "azurite"))
+    try:
+        store.make_container("ckpt")
+        straight = HorovodRunner(np=-2, backend=backend, output_dir=str(tmp_path / "a")).run(
+            keras_fit_killed, url=store.url("ckpt", "straight"),
+            storage_options=store.options(), kill=False)
+        runner = HorovodRunner(np=-2, backend=backend, output_dir=str(tmp_path / "b"),
+                               max_retries=1)
+        result = runner.run(keras_fit_killed, url=store.url("ckpt", "killed"),
+                            storage_options=store.options())
+    finally:
+        store.stop()
+    record = runner.last_run_dir.record
+    first, _ = record["attempts"]
+    assert first["status"] == "failed" and "signal 9" in first["retryable"], first
+    assert result["start"] == 2 and record["resume"]["epoch"] == 2, record["resume"]
+    assert record["resume"]["copy"] == "host", record["resume"]
+    assert result["weights"] == straight["weights"], "the same weights as straight through"
+    assert not os.path.exists(os.path.join(host_copy.base_folder(), runner.last_run_dir.run_id))

@@ -36,9 +36,14 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _keep(file: str, data: bytes, sha256=None):
+    """Keep a one-file checkpoint; its copy, or None when it was not kept."""
+    return host_copy.keep({file: (data, sha256 or _sha(data))}).get(file)
+
+
 def test_only_the_newest_copy_is_kept_and_it_is_checked_when_read(run_env):
-    first = host_copy.keep("epoch-0001.pt", b"one" * 100, _sha(b"one" * 100))
-    second = host_copy.keep("epoch-0002.pt", b"two" * 100, _sha(b"two" * 100))
+    first = _keep("epoch-0001.pt", b"one" * 100)
+    second = _keep("epoch-0002.pt", b"two" * 100)
     assert first is not None and second is not None
     assert not os.path.exists(first.path)  # the older copy goes once the newer one is in
     found = host_copy.find()
@@ -56,10 +61,10 @@ def test_only_the_newest_copy_is_kept_and_it_is_checked_when_read(run_env):
 
 
 def test_a_copy_over_the_budget_is_not_kept_and_said_once(run_env, monkeypatch, capsys):
-    host_copy.keep("epoch-0001.pt", b"small", _sha(b"small"))
+    _keep("epoch-0001.pt", b"small")
     monkeypatch.setattr(host_copy, "FREE_SHARE", 1e-15)
-    assert host_copy.keep("epoch-0002.pt", b"big" * 1000, "x") is None
-    assert host_copy.keep("epoch-0003.pt", b"big" * 1000, "x") is None
+    assert _keep("epoch-0002.pt", b"big" * 1000, "x") is None
+    assert _keep("epoch-0003.pt", b"big" * 1000, "x") is None
     assert host_copy.find() is None  # the older copy went too: never a stale one
     said = [line for line in capsys.readouterr().out.splitlines() if "no host copy" in line]
     assert len(said) == 1 and host_copy.DIR_ENV in said[0]
@@ -69,7 +74,7 @@ def test_no_copy_outside_a_run_and_the_folder_goes_when_the_function_returns(
         run_env, monkeypatch):
     from sparkhvd.common.function_end import at_function_return
 
-    host_copy.keep("epoch-0001.pt", b"data", _sha(b"data"))
+    _keep("epoch-0001.pt", b"data")
     at_function_return(host_copy.clean)
     function_ended(returned=False)  # raised: a relaunch may want the copy
     assert host_copy.find() is not None
@@ -77,7 +82,7 @@ def test_no_copy_outside_a_run_and_the_folder_goes_when_the_function_returns(
     function_ended()
     assert host_copy.find() is None and not os.path.exists(host_copy.folder())
     monkeypatch.delenv(protocol.RUN_ID_ENV)
-    assert host_copy.keep("epoch-0001.pt", b"data", _sha(b"data")) is None
+    assert _keep("epoch-0001.pt", b"data") is None
 
 
 def test_a_folder_a_failed_run_left_is_deleted_a_day_later(run_env):
@@ -86,8 +91,68 @@ def test_a_folder_a_failed_run_left_is_deleted_a_day_later(run_env):
     for folder in (stale, fresh):
         os.makedirs(folder)
     os.utime(stale, (0, 0))
-    host_copy.keep("epoch-0001.pt", b"data", _sha(b"data"))
+    _keep("epoch-0001.pt", b"data")
     assert not os.path.exists(stale) and os.path.exists(fresh)
+
+
+# -- a checkpoint of several files (Keras: the model and the optimizer's) -------------------
+def _two_file_checkpoint(tmp_path, epoch: int):
+    """A Keras-shaped checkpoint (model file, optimizer file) written to a folder that counts
+    as remote, and kept on this host as its writer keeps it."""
+    from sparkhvd.runfolder.checkpoint_store import UrlStore, write_checkpoint
+
+    store = UrlStore(str(tmp_path / "ckpt"))
+    files = {f"epoch-000{epoch}.h5": b"model %d" % epoch * 50,
+             f"epoch-000{epoch}.optimizer.npz": b"adam %d" % epoch * 50}
+    record = write_checkpoint(store, epoch, files, {"file": f"epoch-000{epoch}.h5"})
+    kept = host_copy.keep({n: (d, record["files"][n]["sha256"]) for n, d in files.items()})
+    return store, files, kept
+
+
+def test_a_checkpoint_of_several_files_is_kept_whole_and_replaced_whole(run_env):
+    _, _, first = _two_file_checkpoint(run_env, 1)
+    _, files, second = _two_file_checkpoint(run_env, 2)
+    assert set(second) == set(files) == set(host_copy.find_all())
+    assert not any(os.path.exists(c.path) for c in first.values()), "the older set goes"
+    assert all(host_copy.find_all()[n].read() == data for n, data in files.items())
+    assert host_copy.find() is None, "only a one-file checkpoint is sent between ranks"
+
+
+def _load(record, files):
+    return dict(files)
+
+
+def test_the_nearby_restore_reads_this_hosts_copy_and_says_so(run_env):
+    from sparkhvd.runfolder.checkpoint_store import restore_newest_nearby
+
+    store, files, _ = _two_file_checkpoint(run_env, 1)
+    for name in files:  # the folder's files are gone: only the host copy can give them
+        os.unlink(str(run_env / "ckpt" / name))
+    record, loaded, problems, copy = restore_newest_nearby(store, _load)
+    assert (record["epoch"], loaded, problems, copy) == (1, files, [], "host")
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "deleted", "stale"])
+def test_the_nearby_restore_falls_back_to_the_folder_with_a_warning(run_env, damage):
+    from sparkhvd.runfolder.checkpoint_store import restore_newest_nearby, write_checkpoint
+
+    store, files, kept = _two_file_checkpoint(run_env, 1)
+    optimizer = kept["epoch-0001.optimizer.npz"].path
+    if damage == "corrupt":
+        with open(optimizer, "r+b") as f:
+            f.write(b"X")
+    elif damage == "deleted":
+        os.unlink(optimizer)
+    else:  # a newer checkpoint whose copy was not kept (over the budget, another host)
+        files = {"epoch-0002.h5": b"newer", "epoch-0002.optimizer.npz": b"newer adam"}
+        write_checkpoint(store, 2, files, {"file": "epoch-0002.h5"})
+    record, loaded, problems, copy = restore_newest_nearby(store, _load)
+    assert loaded == files and copy == "folder"
+    if damage == "stale":
+        assert record["epoch"] == 2 and problems == [], "a copy of another checkpoint: unused"
+    else:
+        assert record["epoch"] == 1 and len(problems) == 1
+        assert "host copy" in problems[0] and "instead" in problems[0], problems
 
 
 # -- st.Checkpoints restoring from the nearest copy (torch) ----------------------------------
