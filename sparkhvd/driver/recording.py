@@ -128,6 +128,11 @@ class TimeSplitRecorder(RunCallback):
             self.splits.begin(attempt.number, attempt.size)
             attempt.outcome.time_splits = self.splits.add
 
+    def also_to(self, tracker: Any) -> None:
+        """Send what the splits find, and the ranks' system metrics, to ``tracker`` too."""
+        if self.splits is not None:
+            self.splits.tracker = tracker
+
     def on_ranks_done(self, run: "Run") -> None:
         if self.splits is not None:
             self.splits.close()
@@ -151,8 +156,8 @@ class Mlflow(RunCallback):
             self.tracker.start(run.run_dir, {**run.record.params(),
                                              "launcher": attempt.placement.launcher},
                                run.kwargs)
-            if self.splits is not None and self.splits.splits is not None:
-                self.splits.splits.tracker = self.tracker
+            if self.splits is not None:
+                self.splits.also_to(self.tracker)
         attempt.outcome.listeners.append(self.tracker.metrics)
 
     def on_state(self, run: "Run", entry: dict) -> None:

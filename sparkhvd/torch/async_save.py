@@ -181,6 +181,7 @@ class ShardedStaging:
         return self._group
 
     def close(self) -> None:
+        """Let the host buffers go (the function ended; a later save stages anew)."""
         if self._stager is not None:
             self._stager.close()
             self._stager = None

@@ -506,8 +506,16 @@ class ShardedCheckpoints(_CheckpointsBase):
         if async_save and self.store is not None:
             self._background = BackgroundSave()
             self._staging = ShardedStaging(self._finish_save)
-            at_function_end(self._finish_save)  # the rank is done when its part is committed
+            at_function_end(self._finish_and_release)  # done when its part is committed
             atexit.register(self._finish_quietly)
+
+    def _finish_and_release(self) -> None:
+        """The last save committed, then the staging's host buffers let go."""
+        try:
+            self._finish_save()
+        finally:
+            if self._staging is not None:
+                self._staging.close()
 
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
