@@ -425,6 +425,8 @@ def keras_fit_killed(url, storage_options, epochs=4, kill=True):
 
 
 @pytest.mark.every_profile  # Keras 2 (.h5) on Horovod, and Keras 3 (.keras) on tf.distribute
+@pytest.mark.ranks
+@pytest.mark.azurite
 def test_a_keras_relaunch_on_the_same_host_restores_rank_0s_host_copy(tmp_path, backend):
     """Keras checkpoints to abfss:// (Azurite): rank 0 keeps the newest one's files (model and
     optimizer) on its host too. Killed, the run relaunches here and reads them from this host,
