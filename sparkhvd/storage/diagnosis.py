@@ -27,8 +27,10 @@ def diagnose(loc: Location, exc: BaseException) -> str:
     if re.search(r"ContainerNotFound|container does not exist", text):
         return (f"container {loc.container!r} does not exist in account {loc.account!r} "
                 f"({where}): create it, or fix the container in the URL")
+    # a 403 status, never the digits of a port or an address (127.0.0.1:40393 is no 403)
     if re.search(r"AuthorizationFailure|AuthenticationFailed|failed to authenticate|"
-                 r"AuthorizationPermissionMismatch|not authorized|403", text, re.I):
+                 r"AuthorizationPermissionMismatch|not authorized|(?<![\d.:])403(?!\d)",
+                 text, re.I):
         return (f"the credentials were rejected for {where}: check the account key / SAS token "
                 "/ identity, and that it may write and delete (e.g. 'Storage Blob Data "
                 "Contributor')")
