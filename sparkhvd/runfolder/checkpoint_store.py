@@ -226,6 +226,17 @@ def digest(data: bytes) -> dict:
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def digest_file(path: str) -> dict:
+    """:func:`digest` of the file at ``path``, read in pieces (a shard of several GB is never
+    whole in memory)."""
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            sha.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": sha.hexdigest()}
+
+
 def check_cadence(every_steps: Any, every_seconds: Any, keep: Any) -> None:
     """The checkpoint helpers' cadence settings (torch and Keras), checked once: ValueError
     naming the one that is wrong."""
@@ -381,18 +392,19 @@ def _progress_of(name: str) -> Optional[tuple[int, int]]:
     return (int(match.group(1)), int(match.group(2) or 0)) if match else None
 
 
-def newest_one_file(store: CheckpointStore) -> Optional[tuple[dict, str, str]]:
-    """``(record, file, sha256)`` of the newest checkpoint when it is one recorded file (rank
-    0's :class:`sparkhvd.torch.Checkpoints`), else None -- what a host copy must equal to be
-    read instead."""
+def newest_checked(store: CheckpointStore) -> Optional[dict]:
+    """The newest checkpoint's record when it names a SHA-256 for each of its files -- what
+    a host copy must equal to be read instead -- else None."""
     newest = next(_candidates(store, []), None)
     files = _files_of(newest) if newest is not None else {}
-    if newest is None or len(files) != 1:
+    if not files or not all(expected and expected.get("sha256") for expected in files.values()):
         return None
-    (name, expected), = files.items()
-    if not expected or not expected.get("sha256"):
-        return None
-    return newest, name, str(expected["sha256"])
+    return newest
+
+
+def files_of(record: dict) -> dict[str, dict]:
+    """A checked record's files: name -> its size and SHA-256 (and, sharded, its rank)."""
+    return {name: dict(expected or {}) for name, expected in _files_of(record).items()}
 
 
 def _candidates(store: CheckpointStore, problems: list[str]) -> Iterator[dict]:
@@ -454,29 +466,49 @@ def _read_checked(store: CheckpointStore, record: dict, problems: list[str],
     instead where one is the file the record names; their names go into ``read_here``."""
     files: dict[str, bytes] = {}
     for name, expected in _files_of(record).items():
-        copy = copies.get(name)
-        if copy is not None and expected is not None and copy.sha256 == expected.get("sha256"):
-            try:
-                files[name] = copy.read()  # checked against the same size and SHA-256
-            except ValueError as exc:
-                problems.append(f"{exc}; read {store.describe(name)} instead")
-            else:
-                read_here.append(name)
-                continue
-        try:
-            data = store.read(name)
-        except FileNotFoundError:
-            problems.append(f"{store.describe(name)}: missing")
-            return None
-        if expected is not None and len(data) != expected.get("size"):
-            problems.append(f"{store.describe(name)}: truncated or changed ({len(data):,} of "
-                            f"{expected.get('size'):,} bytes)")
-            return None
-        if expected is not None and hashlib.sha256(data).hexdigest() != expected.get("sha256"):
-            problems.append(f"{store.describe(name)}: checksum mismatch (corrupt)")
+        data = read_copy(store, name, expected, copies.get(name), problems)
+        if data is not None:
+            read_here.append(name)
+        else:
+            data = read_file_checked(store, name, expected, problems)
+        if data is None:
             return None
         files[name] = data
     return files
+
+
+def read_copy(store: CheckpointStore, name: str, expected: Optional[dict], copy: Any,
+              problems: list[str]) -> Optional[bytes]:
+    """The host copy ``copy`` of the checkpoint file ``name`` when it is the one the record
+    names and reads back whole; None otherwise (a copy that does not read back is a
+    problem)."""
+    if copy is None or expected is None or copy.sha256 != expected.get("sha256"):
+        return None
+    try:
+        return bytes(copy.read())  # checked against the same size and SHA-256
+    except ValueError as exc:
+        problems.append(f"{exc}; read {store.describe(name)} instead")
+        return None
+
+
+def read_file_checked(store: CheckpointStore, name: str, expected: Optional[dict],
+                      problems: list[str]) -> Optional[bytes]:
+    """The checkpoint file ``name`` from the folder, checked against its record's size and
+    SHA-256 (``expected``; None for records from before digests); None when it is missing or
+    changed (a problem said)."""
+    try:
+        data = store.read(name)
+    except FileNotFoundError:
+        problems.append(f"{store.describe(name)}: missing")
+        return None
+    if expected is not None and len(data) != expected.get("size"):
+        problems.append(f"{store.describe(name)}: truncated or changed ({len(data):,} of "
+                        f"{expected.get('size'):,} bytes)")
+        return None
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected.get("sha256"):
+        problems.append(f"{store.describe(name)}: checksum mismatch (corrupt)")
+        return None
+    return data
 
 
 def restore_newest(store: CheckpointStore, load: Callable[[dict, dict[str, bytes]], T]

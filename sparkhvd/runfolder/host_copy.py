@@ -20,7 +20,10 @@ Rules:
   copy is deleted once the new one is in); otherwise no copy is kept and the older one is
   deleted too, said once on the rank's console.
 - **where**: ``$SPARKHVD_HOST_COPY_DIR`` (``/dev/shm`` for memory speed, where it is large
-  enough), else the system's temporary folder, in ``sparkhvd-host-copies/<run id>/``.
+  enough), else the system's temporary folder, in ``sparkhvd-host-copies/<run id>/rank-<N>/``:
+  each writing rank keeps its own files (rank 0 writes PyTorch's and Keras' checkpoints; every
+  rank writes its shards of a sharded one), and a relaunched rank reads every copy its host
+  has, whichever rank kept it.
 - **cleaned**: when the training function returns on the writing rank (the run is done), and a
   folder left by a run that failed is deleted by the next run on that host a day later.
 """
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from sparkhvd.common import protocol
+from sparkhvd.common.identity import current_rank
 
 __side__ = "rank"
 
@@ -91,6 +95,12 @@ def folder() -> Optional[str]:
     return os.path.join(base_folder(), run_id) if run_id else None
 
 
+def _own_folder() -> Optional[str]:
+    """The folder of this rank's own copies within :func:`folder`."""
+    where = folder()
+    return os.path.join(where, f"rank-{current_rank().rank}") if where else None
+
+
 def keep(files: Mapping[str, tuple[bytes, str]]) -> dict[str, HostCopy]:
     """Keep one checkpoint's files (name -> (bytes, sha256)) as this host's newest copy,
     replacing the one before. Empty when they were not kept (no run, over the budget, a failing
@@ -118,18 +128,18 @@ def spool(file: str) -> Optional[str]:
     """A path in this run's host-copy folder to write the checkpoint file ``file`` into, then
     hand to :func:`adopt` (a writer that streams the file there keeps it without a second
     copy). None outside a run or where the folder cannot be made (said once)."""
-    where = folder()
-    if where is None:
+    run, where = folder(), _own_folder()
+    if run is None or where is None:
         return None
     try:
         os.makedirs(where, exist_ok=True)
-        if os.path.dirname(where) not in _swept:  # once per process, not once per save
-            _swept.add(os.path.dirname(where))
-            _remove_stale(os.path.dirname(where), keep_name=os.path.basename(where))
+        if os.path.dirname(run) not in _swept:  # once per process, not once per save
+            _swept.add(os.path.dirname(run))
+            _remove_stale(os.path.dirname(run), keep_name=os.path.basename(run))
     except OSError as exc:
         _said_failed(exc)
         return None
-    return os.path.join(where, f"{os.path.basename(file)}.tmp-{os.getpid()}")
+    return os.path.join(where, f"{_copy_name(file)}.tmp-{os.getpid()}")
 
 
 def adopt(file: str, path: str, sha256: str) -> Optional[HostCopy]:
@@ -149,7 +159,7 @@ def adopt_all(spools: Mapping[str, tuple[str, str]]) -> dict[str, HostCopy]:
     try:
         sizes = {file: os.path.getsize(path) for file, (path, _) in spools.items()}
         total = sum(sizes.values())
-        old = find_all()
+        old = _read_meta(where)
         room = shutil.disk_usage(where).free + total  # what was free before these files
         if total > FREE_SHARE * room:
             _say_once(f"over:{where}", "no host copy of %s kept: %d MB is more than half the "
@@ -158,11 +168,11 @@ def adopt_all(spools: Mapping[str, tuple[str, str]]) -> dict[str, HostCopy]:
                       room >> 20, DIR_ENV)
             for path, _ in spools.values():
                 _unlink(path)
-            clean()
+            clean_own()
             return {}
         kept: dict[str, HostCopy] = {}
         for file, (path, sha256) in spools.items():
-            final = os.path.join(where, os.path.basename(file))
+            final = os.path.join(where, _copy_name(file))
             os.replace(path, final)  # the new files, then what names them, then the old go
             kept[file] = HostCopy(file, sha256, sizes[file], final)
         meta = {"files": [{"file": c.file, "sha256": c.sha256, "size": c.size,
@@ -179,6 +189,13 @@ def adopt_all(spools: Mapping[str, tuple[str, str]]) -> dict[str, HostCopy]:
         return {}
 
 
+def _copy_name(file: str) -> str:
+    """The name a checkpoint file's copy has: its path in the checkpoint folder, flattened
+    (``epoch-0002/__1_0.distcp`` never overwrites ``epoch-0001/__1_0.distcp``'s copy before
+    the list names the new one)."""
+    return file.replace("/", "~")
+
+
 def discard(path: str) -> None:
     """Delete a spool file that will not be adopted (its write failed)."""
     _unlink(path)
@@ -190,11 +207,25 @@ def _said_failed(exc: OSError) -> None:
 
 
 def find_all() -> dict[str, HostCopy]:
-    """This host's newest copy for this run, by checkpoint file (not yet checked:
-    :meth:`HostCopy.read` checks each)."""
+    """Every copy this host keeps for this run -- each writing rank's newest checkpoint files
+    -- by checkpoint file (not yet checked: :meth:`HostCopy.read` checks each). Where two
+    ranks' copies name the same file, the newer one."""
     where = folder()
     if where is None:
         return {}
+    try:
+        owners = [os.path.join(where, name) for name in os.listdir(where)
+                  if name.startswith("rank-")]
+    except OSError:
+        return {}
+    copies: dict[str, HostCopy] = {}
+    for owner in sorted(owners, key=_meta_time):  # newer ones last: they win
+        copies.update(_read_meta(owner))
+    return copies
+
+
+def _read_meta(where: str) -> dict[str, HostCopy]:
+    """The copies one rank kept in ``where`` (empty: none, or their list is unreadable)."""
     try:
         with open(os.path.join(where, _META), "rb") as f:
             meta = json.loads(f.read())
@@ -205,16 +236,23 @@ def find_all() -> dict[str, HostCopy]:
         return {}
 
 
-def find() -> Optional[HostCopy]:
-    """This host's newest copy when it is one file (a PyTorch checkpoint, which a rank can send
-    to the others), else None."""
-    copies = find_all()
-    return next(iter(copies.values())) if len(copies) == 1 else None
+def _meta_time(where: str) -> float:
+    try:
+        return os.path.getmtime(os.path.join(where, _META))
+    except OSError:
+        return 0.0
 
 
 def clean() -> None:
-    """Delete this run's host copies (the run is done, or a copy is no longer wanted)."""
+    """Delete this run's host copies on this host, every rank's (the run is done)."""
     where = folder()
+    if where is not None:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def clean_own() -> None:
+    """Delete this rank's copy (one over the budget, or no longer wanted)."""
+    where = _own_folder()
     if where is not None:
         shutil.rmtree(where, ignore_errors=True)
 

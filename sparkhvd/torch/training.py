@@ -47,7 +47,7 @@ from sparkhvd.runfolder.checkpoint_store import (
     check_cadence,
     checkpoint_name,
     commit_checkpoint,
-    digest,
+    digest_file,
     not_written,
     prune,
     restore_newest,
@@ -490,6 +490,15 @@ class ShardedCheckpoints(_CheckpointsBase):
             save is skipped, said once; ``save()`` waits; a notice writes its own to the end),
             the state at the step, errors raised by the next call or at the function's end.
             Each rank's background work gathers on a gloo group of its own.
+        host_copy: when the checkpoint folder is not on the ranks' disks (``abfss://``, or a
+            run folder on the driver's host), every rank also keeps its newest files on its
+            own host (moved there from DCP's folder, no second copy in memory), and a
+            relaunched run restores from the nearest copy: each file is read from the host's
+            disk where some rank on that host kept it (any rank's: ranks relaunched at another
+            number read them too), sent over the process group by a rank whose host has it,
+            and read from the folder only when no rank has a good copy. As
+            :class:`Checkpoints`' ``host_copy``: checked against the record, said in the
+            resume line and ``run.json``, bounded, deleted when the function returns.
 
     Call :meth:`save` and :meth:`restore` on every rank (they are collectives).
     """
@@ -498,16 +507,22 @@ class ShardedCheckpoints(_CheckpointsBase):
                  storage_options: Optional[dict] = None, resume: Any = None,
                  data: Any = None, every_steps: Optional[int] = None,
                  every_seconds: Optional[float] = None, keep: Optional[int] = None,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, host_copy: bool = True) -> None:
         super().__init__(model, optimizer, url=url, storage_options=storage_options,
                          resume=resume, data=data, every_steps=every_steps,
                          every_seconds=every_seconds, keep=keep)
+        self.host_copy = host_copy
         self._staging: Optional[ShardedStaging] = None
+        if self._keeps_copies():
+            at_function_return(_drop_host_copy)  # the run is done: the copies can go
         if async_save and self.store is not None:
             self._background = BackgroundSave()
             self._staging = ShardedStaging(self._finish_save)
             at_function_end(self._finish_and_release)  # done when its part is committed
             atexit.register(self._finish_quietly)
+
+    def _keeps_copies(self) -> bool:
+        return bool(self.host_copy and self.store is not None and not self.store.on_this_host)
 
     def _finish_and_release(self) -> None:
         """The last save committed, then the staging's host buffers let go."""
@@ -600,21 +615,27 @@ class ShardedCheckpoints(_CheckpointsBase):
         self._saved()
 
     def _copy_in(self, name: str, local: str) -> dict[str, Any]:
-        """This rank's files in ``local`` into the folder: name -> size, SHA-256 and rank."""
+        """This rank's files in ``local`` into the folder: name -> size, SHA-256 and rank. With
+        ``host_copy``, then moved into this host's copy."""
         assert self.store is not None
         mine: dict[str, Any] = {}
+        paths: dict[str, str] = {}
         for root, _, files in os.walk(local):
             for file in files:
                 path = os.path.join(root, file)
                 rel = f"{name}/{os.path.relpath(path, local)}"
-                with open(path, "rb") as f:
-                    mine[rel] = {**digest(f.read()), "rank": self.rank}
+                mine[rel] = {**digest_file(path), "rank": self.rank}
                 self.store.write_file(rel, path)
+                paths[rel] = path
+        if self._keeps_copies():
+            _keep_moved(paths, mine)
         return mine
 
     def restore(self) -> int:
         """Load the newest checkpoint into the model and optimizer, if resuming (every rank);
-        the epoch to start from (0 otherwise)."""
+        the epoch to start from (0 otherwise). Every rank reads every file (DCP spreads the
+        items every rank holds -- optimizer settings, step counts -- over all ranks' files),
+        from the nearest copy (``host_copy``)."""
         import shutil
         import tempfile
 
@@ -638,7 +659,13 @@ class ShardedCheckpoints(_CheckpointsBase):
             finally:
                 shutil.rmtree(local, ignore_errors=True)
 
-        record, state, skipped = _newest(self.resume_from, load, self.rank)
+        copy = "folder"
+        if self.host_copy:
+            record, state, skipped, copy = restore_nearest(self.resume_from, load, self.rank)
+            if (record is None or state is None) and self.rank == 0:
+                announce_resume(self.resume_from)
+        else:
+            record, state, skipped = _newest(self.resume_from, load, self.rank)
         if record is None or state is None:
             return 0
         if self.optimizer is None:
@@ -651,7 +678,7 @@ class ShardedCheckpoints(_CheckpointsBase):
         epoch = int(record["epoch"])
         self.restored = dict(record.get("extra") or {})
         self._restore_data(record.get("data"))
-        self._announce(record["file"], epoch, int(record.get("step") or 0), skipped)
+        self._announce(record["file"], epoch, int(record.get("step") or 0), skipped, copy)
         return epoch
 
 
@@ -662,6 +689,27 @@ def _part_of(mine: dict, error: Optional[BaseException]) -> dict:
 
 def _drop_host_copy() -> None:
     host_copy.clean()
+
+
+def _keep_moved(paths: dict[str, str], digests: dict[str, Any]) -> None:
+    """Move the files at ``paths`` (checkpoint file -> local path, already in the folder) into
+    this host's copy (a file that cannot be moved: none kept, said once by host_copy)."""
+    spools: dict[str, tuple[str, str]] = {}
+    for rel, path in paths.items():
+        spool = host_copy.spool(rel)
+        if spool is None:
+            break
+        try:
+            shutil.move(path, spool)
+        except OSError:
+            host_copy.discard(spool)
+            break
+        spools[rel] = (spool, digests[rel]["sha256"])
+    else:
+        host_copy.adopt_all(spools)
+        return
+    for spool, _ in spools.values():
+        host_copy.discard(spool)
 
 
 def world_size_change() -> WorldSizeChange:

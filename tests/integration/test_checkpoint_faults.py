@@ -316,11 +316,14 @@ def test_a_retry_says_the_library_resumes_from_its_own_checkpoints(tmp_path, cap
         assert [line for line in rank_lines if "a peer went away" in line], rank_lines
 
 
-def torch_fit_killed_mid_upload(url, storage_options, epochs=3, host_copy=False, kill=True):
+def torch_fit_killed_mid_upload(url, storage_options, epochs=3, host_copy=False, kill=True,
+                                sharded=False):
     """Rank 0 saves in the background to ``url`` (``abfss://`` on Azurite), a 2048x2048 layer
     with momentum (about 33 MB); on the first attempt it is SIGKILLed while epoch 2's save is
     being written (serialised and uploaded). Deterministic per epoch, as :func:`torch_fit`.
-    ``host_copy``: rank 0 also keeps its newest checkpoint on its host."""
+    ``host_copy``: rank 0 also keeps its newest checkpoint on its host. ``sharded``: every
+    rank saves its part with DCP (ShardedCheckpoints, each keeping its files on its host), and
+    rank 1 is the one killed."""
     import os
     import signal
     import time
@@ -334,8 +337,9 @@ def torch_fit_killed_mid_upload(url, storage_options, epochs=3, host_copy=False,
     torch.manual_seed(0)
     model = ctx.wrap(torch.nn.Linear(2048, 2048))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ckpt = st.Checkpoints(model, opt, url=url, storage_options=storage_options, resume=True,
-                          async_save=True, host_copy=host_copy)
+    kind = st.ShardedCheckpoints if sharded else st.Checkpoints
+    ckpt = kind(model, opt, url=url, storage_options=storage_options, resume=True,
+                async_save=True, host_copy=host_copy)
     start = ckpt.restore()
     for epoch in range(start, epochs):
         x = torch.randn(16, 2048, generator=torch.Generator().manual_seed(epoch * 10 + ctx.rank))
@@ -343,7 +347,7 @@ def torch_fit_killed_mid_upload(url, storage_options, epochs=3, host_copy=False,
         model(x).pow(2).mean().backward()
         opt.step()
         ckpt.save(epoch)
-        if kill and epoch == 1 and ctx.rank == 0 and \
+        if kill and epoch == 1 and ctx.rank == int(sharded) and \
                 os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
             while not ckpt._background.busy:  # the write of epoch-0002.pt has started...
                 time.sleep(0.001)
@@ -357,14 +361,17 @@ def torch_fit_killed_mid_upload(url, storage_options, epochs=3, host_copy=False,
 
 
 @pytest.mark.torch_backend
-@pytest.mark.parametrize("host_copy", [False, True], ids=["from-abfss", "host-copy"])
+@pytest.mark.parametrize("host_copy,sharded", [(False, False), (True, False), (True, True)],
+                         ids=["from-abfss", "host-copy", "sharded-host-copy"])
 def test_a_rank_killed_while_its_save_uploads_to_abfss_resumes_from_a_complete_checkpoint(
-        tmp_path, host_copy):
+        tmp_path, host_copy, sharded):
     """async_save to abfss:// (Azurite): rank 0 SIGKILLed in the middle of a background save.
     The relaunch reads the newest checkpoint whose record was written -- the one before, or the
     one cut off if its upload had finished -- never a torn file, and ends with the weights of
     an uninterrupted run. With the host copy, epoch 1's (kept before epoch 2's save began) is
-    read from this host's disk instead of Azurite when it is the newest complete one."""
+    read from this host's disk instead of Azurite when it is the newest complete one. Sharded
+    (DCP), rank 1 is killed: every rank kept its own files, each rank of the relaunch reads
+    every file from this host, whichever checkpoint was the newest complete one."""
     pytest.importorskip("torch")
     from conftest import Azurite
 
@@ -377,16 +384,25 @@ def test_a_rank_killed_while_its_save_uploads_to_abfss_resumes_from_a_complete_c
         runner = HorovodRunner(np=-2, backend="torch", output_dir=str(tmp_path / "b"),
                                max_retries=1)
         result = runner.run(torch_fit_killed_mid_upload, url=store.url("ckpt", "killed"),
-                            storage_options=store.options(), host_copy=host_copy)
+                            storage_options=store.options(), host_copy=host_copy,
+                            sharded=sharded)
         first, second = runner.last_run_dir.record["attempts"]
         assert first["status"] == "failed" and "signal 9" in first["retryable"], first
         restored = second["restored"].rsplit("/", 1)[-1]
-        assert restored in ("epoch-0001.pt", "epoch-0002.pt"), second
+        suffix = "" if sharded else ".pt"
+        assert restored in (f"epoch-0001{suffix}", f"epoch-0002{suffix}"), second
         assert result["start"] == int(restored[6:10])
         assert result["digest"] == straight["digest"], "the same weights as straight through"
         copy = runner.last_run_dir.record["resume"]["copy"]
-        assert copy == ("host" if host_copy and restored == "epoch-0001.pt" else
-                        copy if host_copy else "folder"), (copy, restored)
+        if sharded:  # each rank's part is kept before the commit: whichever is the newest
+            assert copy == "host", (copy, restored)
+            from sparkhvd.runfolder import host_copy as copies
+
+            run_id = runner.last_run_dir.run_id
+            assert not os.path.exists(os.path.join(copies.base_folder(), run_id)), "cleaned"
+        else:
+            assert copy == ("host" if host_copy and restored == "epoch-0001.pt" else
+                            copy if host_copy else "folder"), (copy, restored)
     finally:
         store.stop()
 

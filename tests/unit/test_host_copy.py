@@ -36,6 +36,13 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _one_copy():
+    """This host's copy of a one-file checkpoint (None: none kept)."""
+    copies = host_copy.find_all()
+    assert len(copies) <= 1, copies
+    return next(iter(copies.values()), None)
+
+
 def _keep(file: str, data: bytes, sha256=None):
     """Keep a one-file checkpoint; its copy, or None when it was not kept."""
     return host_copy.keep({file: (data, sha256 or _sha(data))}).get(file)
@@ -46,7 +53,7 @@ def test_only_the_newest_copy_is_kept_and_it_is_checked_when_read(run_env):
     second = _keep("epoch-0002.pt", b"two" * 100)
     assert first is not None and second is not None
     assert not os.path.exists(first.path)  # the older copy goes once the newer one is in
-    found = host_copy.find()
+    found = _one_copy()
     assert found == second and found.read() == b"two" * 100
     with open(found.path, "r+b") as f:
         f.write(b"X")
@@ -65,7 +72,7 @@ def test_a_copy_over_the_budget_is_not_kept_and_said_once(run_env, monkeypatch, 
     monkeypatch.setattr(host_copy, "FREE_SHARE", 1e-15)
     assert _keep("epoch-0002.pt", b"big" * 1000, "x") is None
     assert _keep("epoch-0003.pt", b"big" * 1000, "x") is None
-    assert host_copy.find() is None  # the older copy went too: never a stale one
+    assert _one_copy() is None  # the older copy went too: never a stale one
     said = [line for line in capsys.readouterr().out.splitlines() if "no host copy" in line]
     assert len(said) == 1 and host_copy.DIR_ENV in said[0]
 
@@ -77,10 +84,10 @@ def test_no_copy_outside_a_run_and_the_folder_goes_when_the_function_returns(
     _keep("epoch-0001.pt", b"data")
     at_function_return(host_copy.clean)
     function_ended(returned=False)  # raised: a relaunch may want the copy
-    assert host_copy.find() is not None
+    assert _one_copy() is not None
     at_function_return(host_copy.clean)
     function_ended()
-    assert host_copy.find() is None and not os.path.exists(host_copy.folder())
+    assert _one_copy() is None and not os.path.exists(host_copy.folder())
     monkeypatch.delenv(protocol.RUN_ID_ENV)
     assert _keep("epoch-0001.pt", b"data") is None
 
@@ -115,7 +122,6 @@ def test_a_checkpoint_of_several_files_is_kept_whole_and_replaced_whole(run_env)
     assert set(second) == set(files) == set(host_copy.find_all())
     assert not any(os.path.exists(c.path) for c in first.values()), "the older set goes"
     assert all(host_copy.find_all()[n].read() == data for n, data in files.items())
-    assert host_copy.find() is None, "only a one-file checkpoint is sent between ranks"
 
 
 def _load(record, files):
@@ -200,13 +206,13 @@ def test_no_host_copy_is_kept_of_a_folder_on_this_hosts_disk(tmp_path, monkeypat
     assert UrlStore(str(tmp_path)).on_this_host and UrlStore(f"file://{tmp_path}").on_this_host
     assert not UrlStore("abfss://c@a.dfs.core.windows.net/x").on_this_host
     _saved_run(torch, tmp_path)
-    assert host_copy.find() is None
+    assert _one_copy() is None
 
 
 def test_a_relaunch_on_the_same_host_reads_the_host_copy(run_env, capsys):
     torch = pytest.importorskip("torch")
     saved = _saved_run(torch, run_env)
-    assert host_copy.find() is not None and host_copy.find().file == "epoch-0001.pt"
+    assert _one_copy() is not None and _one_copy().file == "epoch-0001.pt"
     model, ckpt, epoch, lines = _restored(torch, run_env, capsys)
     assert epoch == 1 and ckpt.restored["seen"] == 5
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
@@ -217,7 +223,7 @@ def test_a_relaunch_on_the_same_host_reads_the_host_copy(run_env, capsys):
 def test_a_bad_host_copy_is_said_and_the_checkpoint_folder_is_read(run_env, capsys, damage):
     torch = pytest.importorskip("torch")
     saved = _saved_run(torch, run_env)
-    copy = host_copy.find()
+    copy = _one_copy()
     if damage == "deleted":
         os.unlink(copy.path)
     else:
@@ -301,10 +307,168 @@ def test_a_rank_on_a_new_host_gets_the_copy_from_the_rank_that_has_it(run_env):
 def test_when_the_only_copy_is_corrupt_every_rank_reads_the_folder(run_env):
     torch = pytest.importorskip("torch")
     saved = _as_lists(_saved_run(torch, run_env))
-    with open(host_copy.find().path, "r+b") as f:
+    with open(_one_copy().path, "r+b") as f:
         f.write(b"garbage")
     ranks = _two_ranks(run_env, [str(run_env / "host-b"), str(run_env / "host-a")])
     assert [r["state"] == saved for r in ranks] == [True, True]
     assert "corrupt" in ranks[1]["out"], ranks[1]["out"]
     resume = [line for line in ranks[0]["out"].splitlines() if "resume: restored" in line]
     assert not _names_a_copy(resume[-1]), ranks[0]["out"]
+
+
+# -- st.ShardedCheckpoints: every rank keeps its own files ----------------------------------
+def test_each_rank_keeps_its_own_files_and_a_host_reads_every_ranks(run_env, monkeypatch):
+    """Two ranks on one host keep their shards side by side; a relaunched rank -- whatever
+    its number now -- finds both ranks' files."""
+    for rank in (0, 1):
+        monkeypatch.setenv("SPARKHVD_RANK", str(rank))
+        _keep(f"epoch-0001/__{rank}_0.distcp", b"shard %d" % rank)
+    monkeypatch.setenv("SPARKHVD_RANK", "1")
+    _keep("epoch-0002/__1_0.distcp", b"newer shard 1")  # replaces rank 1's own copy only
+    monkeypatch.setenv("SPARKHVD_RANK", "3")
+    copies = host_copy.find_all()
+    assert set(copies) == {"epoch-0001/__0_0.distcp", "epoch-0002/__1_0.distcp"}, copies
+    assert copies["epoch-0002/__1_0.distcp"].read() == b"newer shard 1"
+
+
+_SHARDED_RANK = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    import sparkhvd.torch as st
+    from sparkhvd.runfolder.checkpoint_store import UrlStore
+    UrlStore.on_this_host = property(lambda self: False)  # as abfss:// is (see run_env)
+    mode, url, out, rendezvous, world = sys.argv[1:6]
+    if int(world) > 1:
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}",
+                                rank=int(os.environ["RANK"]), world_size=int(world))
+    torch.manual_seed(0 if mode == "save" else 1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(16, 4)).sum().backward()
+    opt.step()
+    ckpt = st.ShardedCheckpoints(model, opt, url=url, resume=mode == "restore")
+    epoch = ckpt.restore() if mode == "restore" else ckpt.save(0, seen=5) and 0
+    state = {k: v.tolist() for k, v in model.state_dict().items()}
+    with open(out, "w") as f:
+        json.dump({"epoch": epoch, "state": state, "restored": ckpt.restored}, f)
+    if int(world) > 1:
+        dist.destroy_process_group()
+""")
+
+
+def _sharded_ranks(tmp_path, mode: str, host_dirs: list[str]) -> list[dict]:
+    """``mode`` ("save" or "restore") a ShardedCheckpoints in ``tmp_path/ckpt`` with one real
+    rank per host-copy folder (its "host"), in a gloo group met through a file."""
+    script = tmp_path / "sharded_rank.py"
+    script.write_text(_SHARDED_RANK)
+    world, rendezvous = len(host_dirs), tmp_path / f"rendezvous-{mode}-{len(os.listdir(tmp_path))}"
+    procs = []
+    for rank, folder in enumerate(host_dirs):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
+               "SPARKHVD_RANK": str(rank), "SPARKHVD_SIZE": str(world),
+               host_copy.DIR_ENV: folder, protocol.RUN_ID_ENV: "20261126-run"}
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), mode, str(tmp_path / "ckpt"),
+             str(tmp_path / f"{mode}-r{rank}"), str(rendezvous), str(world)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=150)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * world, outs
+    return [{**json.loads((tmp_path / f"{mode}-r{rank}").read_text()), "out": out}
+            for rank, out in enumerate(outs)]
+
+
+def _resume_line(rank_zero: dict) -> str:
+    return [line for line in rank_zero["out"].splitlines() if "resume: restored" in line][-1]
+
+
+@pytest.fixture
+def sharded_save(run_env):
+    """Two ranks on two hosts (a, b) saved a sharded checkpoint to a folder that counts as
+    remote: each host keeps its rank's files."""
+    pytest.importorskip("torch")
+    saved = _sharded_ranks(run_env, "save", [str(run_env / "host-a"), str(run_env / "host-b")])
+    assert saved[0]["state"] == saved[1]["state"]
+    return saved[0]["state"]
+
+
+def test_a_sharded_relaunch_on_the_same_hosts_needs_no_file_from_the_folder(sharded_save,
+                                                                           run_env, monkeypatch):
+    """Each rank back on its host: it reads its own files there and gets the other rank's from
+    it (DCP writes a replicated tensor into one rank's file only) -- the folder's shard files
+    are deleted, so they can only have come from the copies."""
+    hosts = [str(run_env / "host-a"), str(run_env / "host-b")]
+    for host in hosts:
+        monkeypatch.setenv(host_copy.DIR_ENV, host)
+        assert host_copy.find_all(), f"{host} keeps its rank's files"
+    shards = [p for p in (run_env / "ckpt" / "epoch-0001").iterdir()]
+    assert len(shards) >= 3, shards  # .metadata and one file per rank
+    for shard in shards:
+        shard.unlink()
+    ranks = _sharded_ranks(run_env, "restore", hosts)
+    assert [(r["epoch"], r["state"] == sharded_save) for r in ranks] == [(1, True)] * 2
+    assert ranks[0]["restored"]["seen"] == 5
+    assert _resume_line(ranks[0]).endswith("continuing at epoch 1"), ranks[0]["out"]
+    assert "another rank's host copy" in _resume_line(ranks[0]), ranks[0]["out"]
+
+
+def test_a_sharded_relaunch_with_every_file_on_its_host_reads_them_there(sharded_save, run_env):
+    """Both ranks' files on host a (two ranks there when it saved, as in local mode)."""
+    _move_copies(run_env, "host-b", "host-a")
+    ranks = _sharded_ranks(run_env, "restore", [str(run_env / "host-a")] * 2)
+    assert [r["state"] == sharded_save for r in ranks] == [True, True]
+    assert "(its copy on this host)" in _resume_line(ranks[0]), ranks[0]["out"]
+
+
+def _move_copies(run_env, source: str, target: str) -> None:
+    """Every rank's copies kept on host ``source`` to host ``target``."""
+    run = os.path.join("sparkhvd-host-copies", "20261126-run")
+    for rank_folder in (run_env / source / run).iterdir():
+        os.rename(rank_folder, run_env / target / run / rank_folder.name)
+
+
+def test_a_sharded_relaunch_on_new_hosts_gets_the_files_from_the_ranks_that_have_them(
+        sharded_save, run_env):
+    """Rank 0 on a new host, rank 1 on host b (which has only rank 1's files from the save):
+    rank 0's files come from the folder, so the resume says the folder; every file read
+    from some copy is checked."""
+    ranks = _sharded_ranks(run_env, "restore", [str(run_env / "host-new"),
+                                                str(run_env / "host-b")])
+    assert [r["state"] == sharded_save for r in ranks] == [True, True]
+    assert not _names_a_copy(_resume_line(ranks[0])), ranks[0]["out"]
+    ranks = _sharded_ranks(run_env, "restore", [str(run_env / "host-new"),
+                                                str(run_env / "host-a")])
+    assert [r["state"] == sharded_save for r in ranks] == [True, True]
+
+
+def test_a_sharded_relaunch_where_one_host_has_every_file_sends_them_to_the_other(
+        sharded_save, run_env):
+    _move_copies(run_env, "host-b", "host-a")  # both ranks' files on host a now
+    ranks = _sharded_ranks(run_env, "restore", [str(run_env / "host-new"),
+                                                str(run_env / "host-a")])
+    assert [r["state"] == sharded_save for r in ranks] == [True, True]
+    assert "another rank's host copy" in _resume_line(ranks[0]), ranks[0]["out"]
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "deleted"])
+def test_a_bad_shard_copy_is_said_and_that_file_read_from_the_folder(sharded_save, run_env,
+                                                                      damage, monkeypatch):
+    monkeypatch.setenv(host_copy.DIR_ENV, str(run_env / "host-b"))
+    copy = next(iter(host_copy.find_all().values()))
+    if damage == "deleted":
+        os.unlink(copy.path)
+    else:
+        with open(copy.path, "r+b") as f:
+            f.write(b"garbage")
+    ranks = _sharded_ranks(run_env, "restore", [str(run_env / "host-a"),
+                                                str(run_env / "host-b")])
+    assert [r["state"] == sharded_save for r in ranks] == [True, True]
+    assert "WARNING" in ranks[1]["out"] and "host copy" in ranks[1]["out"], ranks[1]["out"]
+    assert not _names_a_copy(_resume_line(ranks[0])), ranks[0]["out"]
+
+
+def test_a_sharded_checkpoint_restores_at_one_rank_from_both_hosts_copies(sharded_save,
+                                                                         run_env):
+    """The run shrinks to one rank on host a, which has only rank 0's files: rank 1's come
+    from the folder; the state is the saved one."""
+    ranks = _sharded_ranks(run_env, "restore", [str(run_env / "host-a")])
+    assert ranks[0]["state"] == sharded_save and ranks[0]["epoch"] == 1
