@@ -17,10 +17,12 @@ the async run wrote and skipped. The runs keep rank 0's host copy, as a sparkhvd
 Then the restore a relaunch does (``ckpt.restore()``, the same 1 GB state), from each copy:
 this host's copy (``host_copy``), another rank's host copy sent over a gloo process group (two
 processes, one "host" each), the checkpoint folder on the local disk, and an ``abfss://``
-folder on Azurite (goal: the nearest copy <= 0.5 x the run-folder path).
+folder on Azurite (goal: the nearest copy <= 0.5 x the run-folder path); and the same state as a
+``ShardedCheckpoints`` (DCP) checkpoint at one rank, from this host's copy and from Azurite.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -31,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 _log = logging.getLogger(__name__)
 
@@ -108,8 +110,9 @@ def _run(mode: str, steps: int, tiny: bool, gpu: bool = False, sharded: bool = F
 
 
 def _restore_s(folder: str, tiny: bool, host_copy: bool,
-               storage_options: Any = None) -> tuple[float, str]:
-    """Seconds ``Checkpoints.restore()`` takes from ``folder``, and the copy it read."""
+               storage_options: Any = None, sharded: bool = False) -> tuple[float, str]:
+    """Seconds ``Checkpoints.restore()`` (``ShardedCheckpoints``' at one rank: ``sharded``)
+    takes from ``folder``, and the copy it read."""
     import sparkhvd.torch as st
     from sparkhvd.common import events
 
@@ -119,8 +122,9 @@ def _restore_s(folder: str, tiny: bool, host_copy: bool,
     events.emit = said.append  # type: ignore[assignment] # the Resumed message names the copy
     try:
         t0 = time.perf_counter()
-        st.Checkpoints(model, opt, url=folder, storage_options=storage_options, resume=True,
-                       host_copy=host_copy).restore()
+        kind = st.ShardedCheckpoints if sharded else st.Checkpoints
+        kind(model, opt, url=folder, storage_options=storage_options, resume=True,
+             host_copy=host_copy).restore()
         return time.perf_counter() - t0, said[-1].copy
     finally:
         events.emit = emit  # type: ignore[assignment]
@@ -161,6 +165,17 @@ def _peer_restore_s(folder: str, tiny: bool, holder_dir: str) -> float:
     return float(json.loads(outs[0].strip().splitlines()[-1])["s"])
 
 
+@contextlib.contextmanager
+def _host_copies_in(folder: str) -> Iterator[None]:
+    """Host copies kept and read in ``folder`` meanwhile (a host of its own)."""
+    before = os.environ["SPARKHVD_HOST_COPY_DIR"]
+    os.environ["SPARKHVD_HOST_COPY_DIR"] = folder
+    try:
+        yield
+    finally:
+        os.environ["SPARKHVD_HOST_COPY_DIR"] = before
+
+
 def restore_rows(repeat: int, tiny: bool, stats: Any) -> list[dict]:
     """The restore from each copy of one checkpoint of the B15 model."""
     import sparkhvd.torch as st
@@ -179,6 +194,9 @@ def restore_rows(repeat: int, tiny: bool, stats: Any) -> list[dict]:
                        resume=False).save(0)  # the host copy too
         st.Checkpoints(model, opt, url=os.path.join(work, "local"), resume=False,
                        host_copy=False).save(0)
+        with _host_copies_in(os.path.join(work, "sharded-host")):  # rank 0 keeps one copy
+            st.ShardedCheckpoints(model, opt, url=azurite.url("ckpt", "b15-sharded"),
+                                  storage_options=azurite.options(), resume=False).save(0)
         got: dict[str, list[float]] = {}
         for _ in range(max(1, min(repeat, 3))):
             for name, folder, copy, options in [
@@ -192,6 +210,13 @@ def restore_rows(repeat: int, tiny: bool, stats: Any) -> list[dict]:
                 got.setdefault(name, []).append(seconds)
             got.setdefault("another rank's host copy over gloo (np=2, rank 0)", []).append(
                 _peer_restore_s(os.path.join(work, "local"), tiny, os.path.join(work, "host")))
+            with _host_copies_in(os.path.join(work, "sharded-host")):
+                for name, copy in [("this host's copy, ShardedCheckpoints (DCP)", True),
+                                   ("abfss:// on Azurite, ShardedCheckpoints (DCP)", False)]:
+                    seconds, used = _restore_s(azurite.url("ckpt", "b15-sharded"), tiny, copy,
+                                               azurite.options(), sharded=True)
+                    assert used == ("host" if copy else "folder"), (name, used)
+                    got.setdefault(name, []).append(seconds)
         how = f"{_model(tiny)[3] * 12 / 1e9:.2f} GB of state"
         rows = [{"case": "B15", "variant": f"restore from {name}, {how}", "unit": "s",
                  **stats(values)} for name, values in got.items()]
@@ -199,6 +224,11 @@ def restore_rows(repeat: int, tiny: bool, stats: Any) -> list[dict]:
         for name in ("this host's copy", "another rank's host copy over gloo (np=2, rank 0)"):
             rows.append({"case": "B15", "variant": f"restore: {name} / abfss:// folder",
                          "unit": "ratio", **stats([a / b for a, b in zip(got[name], base)])})
+        near, far = (got[f"{name}, ShardedCheckpoints (DCP)"]
+                     for name in ("this host's copy", "abfss:// on Azurite"))
+        rows.append({"case": "B15", "variant": "restore, ShardedCheckpoints (DCP): this host's "
+                     "copy / abfss:// folder", "unit": "ratio",
+                     **stats([a / b for a, b in zip(near, far)])})
         return rows
     finally:
         if azurite is not None:

@@ -115,11 +115,11 @@ NOTES = """\
   against 9.4 s materialised and 10.5 s for petastorm's converter.
 - **B15, a checkpoint every step (issue 51)** (`bench/b15.py`, torch profile; one process, a
   5 x 4096-wide MLP with Adam, 1.01 GB of state, batch 64, about 0.7 s a step on this 2-core
-  VM, `every_steps=1`, `keep=2`, a local folder). Synchronous: a save holds the step 1.70 s
-  (2.36 s before torch's CRC-32s were left out), 0.24x the steps/s of no checkpoints.
-  `async_save=True`: a step is held 0.060 s (the copy into host memory), 0.78x the steps/s of
-  none (goal 0.95x: not met; per round 0.67-0.88x, 2 saves landed in a round's 12 steps
-  where 1 had before). The run before, with the same code, gave 0.99x (per round 0.81-1.17x,
+  VM, `every_steps=1`, `keep=2`, a local folder; 2026-11-27 15:08). Synchronous: a save holds
+  the step 1.96 s (2.36 s before torch's CRC-32s were left out), 0.26x the steps/s of no
+  checkpoints. `async_save=True`: a step is held 0.100 s (the copy into host memory), 0.80x
+  the steps/s of none (goal 0.95x: not met; per round 0.68-0.87x, 2 saves landed in each
+  round's 12 steps; the run before: 0.78x). The run before, with the same code, gave 0.99x (per round 0.81-1.17x,
   1-2 saves): on 2 cores the ratio follows how many saves land, because every save's CPU --
   serialising, SHA-256 and the write, about 1.2 core-seconds per GB -- is taken from
   training. A checkpoint is streamed into its file by `torch.save` (each write releases the
@@ -130,14 +130,20 @@ NOTES = """\
   ran at 0.53x with 5 saves in 12 steps; at 19 the writer starved). Where training runs on
   GPUs and the host's cores wait, the write takes what they leave (B5: 0.87x on an H100,
   measured before the CRC-32s went).
-  **Restore** (`ckpt.restore()`, the same 1 GB state): from this host's copy 0.64 s, from the
-  checkpoint folder on `abfss://` (Azurite on this machine) 2.30 s -- 0.28x (goal 0.5x: met;
-  0.28-0.52x over the runs so far) -- and from a local folder 0.58 s (a folder on the rank's
-  own disk is its nearest copy: no host copy is kept beside it). Another rank's host copy
-  sent over gloo (two processes on this 2-core VM) took 2.24 s, 0.92x Azurite here
-  (0.67-1.10x over the runs): Azurite is on loopback too, so the broadcast (1 GB through
-  gloo's TCP, checked and loaded on 2 cores shared by both ranks) has little to win on this
-  machine; across hosts it replaces one read of the whole state per rank from the blob store.
+  **Restore** (`ckpt.restore()`, the same 1 GB state; 2026-11-27 15:08): from this host's copy
+  0.79 s, from the checkpoint folder on `abfss://` (Azurite on this machine) 3.09 s -- 0.26x
+  (goal 0.5x: met; 0.26-0.52x over the runs so far) -- and from a local folder 0.79 s (a folder
+  on the rank's own disk is its nearest copy: no host copy is kept beside it). Another rank's
+  host copy sent over gloo (two processes on this 2-core VM) took 1.79 s, 0.53x Azurite
+  (0.53-1.10x over the runs): Azurite is on loopback too, so the broadcast (1 GB through gloo's
+  TCP, checked and loaded on 2 cores shared by both ranks) has little to win on this machine;
+  across hosts it replaces one read of the whole state per rank from the blob store.
+  `ShardedCheckpoints` (DCP, one rank): from this host's copy 4.43 s, from Azurite 12.83 s --
+  0.34x. Slower than `Checkpoints` because DCP fills a fresh optimizer's state by running one
+  Adam step before loading into it (1.3 s of a 5.3 s restore, profiled), and each file is read
+  and checked whole before DCP reads it; since this run DCP reads those bytes where they are
+  instead of from a copy written to a temporary folder first (1.5 s of the 5.3 s: 4.0 s after,
+  in the same profile).
 - **B2T since each rank reads its share (issue 48)** (rank 0 of 2, 400k rows x 784 float32,
   streamed, 512 KB row groups). `torch_batches` 261k rows/s per rank = 1.23x its ceiling --
   pyarrow reading the row groups rank 0 reads (its partitions'), one dataset scan per file

@@ -5,14 +5,15 @@ the whole state over the network, once per rank. When the checkpoint folder is n
 disk, the rank that writes a checkpoint also keeps its newest files here, on its host's disk,
 so a relaunch restores from the nearest copy: a rank on the same host reads them from disk
 (:func:`~sparkhvd.runfolder.checkpoint_store.restore_newest_nearby`: every framework's helpers),
-a PyTorch rank on another host gets a one-file checkpoint from a rank that has it
-(:mod:`sparkhvd.torch.nearest_copy`), and only when no rank has it does a rank read the run
+a PyTorch rank on another host gets the files from a rank that has them
+(:mod:`sparkhvd.torch.nearest_copy`), and only when no rank has them does a rank read the run
 folder.
 
 Rules:
 
-- **only the newest**: keeping a checkpoint (its files: one for PyTorch, the model and the
-  optimizer's for Keras) deletes the copy before it; a copy is trusted only
+- **only the newest**: keeping a checkpoint (a rank's files of it: one for PyTorch, the model
+  and the optimizer's for Keras, a rank's shards for DCP) deletes that rank's copy before it; a
+  copy is trusted only
   when its SHA-256 equals the one the run folder's newest complete checkpoint records, so a
   stale, torn or foreign copy is never used (it is read back, checked, and passed over with a
   warning).
@@ -263,10 +264,20 @@ def _remove_stale(base: str, keep_name: str) -> None:
     for name in os.listdir(base):
         path = os.path.join(base, name)
         try:
-            if name != keep_name and now - os.path.getmtime(path) > STALE_S:
+            if name != keep_name and now - _touched(path) > STALE_S:
                 shutil.rmtree(path, ignore_errors=True)
         except OSError:
             continue
+
+
+def _touched(run: str) -> float:
+    """When a run's folder last changed: itself or a rank's folder in it (a save replaces files
+    there; a run that is still saving is never stale)."""
+    times = [os.path.getmtime(run)]
+    for entry in os.scandir(run):
+        if entry.is_dir(follow_symlinks=False):
+            times.append(entry.stat(follow_symlinks=False).st_mtime)
+    return max(times)
 
 
 def _replace(path: str, data: bytes) -> None:

@@ -1,4 +1,5 @@
-"""How ``Checkpoints`` serialises a state into its file: ``torch.save`` without its CRC-32s.
+"""How ``Checkpoints`` serialises a state into its file: ``torch.save`` without its CRC-32s;
+and how ``ShardedCheckpoints`` gives DCP files it already read and checked.
 
 A checkpoint's record already carries the SHA-256 of the whole file (computed as the bytes
 pass, :class:`sparkhvd.runfolder.checkpoint_store.DigestingWriter`), and every read checks it.
@@ -11,8 +12,10 @@ from the training threads by a background save (B15: async / none 0.89-0.94x wit
 from __future__ import annotations
 
 import contextlib
+import io
+import os
 import threading
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterator, Mapping
 
 __side__ = "rank"
 
@@ -45,3 +48,23 @@ def save_state(state: Any, f: IO[bytes]) -> None:
 
     with _crc32_off():
         torch.save(state, f)
+
+
+def reader_of(files: Mapping[str, bytes], folder: str) -> Any:
+    """A DCP storage reader of the checkpoint ``folder``'s files, already in memory (name in the
+    checkpoint folder -> bytes, read and checked against the record): DCP reads its slices of
+    them where they are, not from a copy written to disk first (that write was 1.5 s of a
+    5.3 s restore of a 1 GB state, B15)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class InMemory(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            yield io.BytesIO(by_path[str(path)])  # shares the bytes: nothing copied
+
+    reader = FileSystemReader(f"/{folder}")
+    by_path = {str(reader.fs.concat_path(reader.path, os.path.relpath(name, folder))): data
+               for name, data in files.items()}
+    reader.fs = InMemory()
+    return reader

@@ -56,7 +56,7 @@ from sparkhvd.runfolder.checkpoint_store import (
 )
 from sparkhvd.torch.async_save import BackgroundSave, HostSnapshot, ShardedStaging
 from sparkhvd.torch.nearest_copy import restore_nearest
-from sparkhvd.torch.serialise import save_state
+from sparkhvd.torch.serialise import reader_of, save_state
 from sparkhvd.torch.side_group import side_group
 
 __side__ = "rank"
@@ -636,9 +636,6 @@ class ShardedCheckpoints(_CheckpointsBase):
         the epoch to start from (0 otherwise). Every rank reads every file (DCP spreads the
         items every rank holds -- optimizer settings, step counts -- over all ranks' files),
         from the nearest copy (``host_copy``)."""
-        import shutil
-        import tempfile
-
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -646,18 +643,9 @@ class ShardedCheckpoints(_CheckpointsBase):
             return 0
 
         def load(record: dict, files: dict) -> dict:
-            local = tempfile.mkdtemp(prefix="sparkhvd-dcp-")
-            try:
-                for rel, data in files.items():
-                    path = os.path.join(local, os.path.relpath(rel, record["file"]))
-                    os.makedirs(os.path.dirname(path), exist_ok=True)
-                    with open(path, "wb") as f:
-                        f.write(data)
-                state = self._state()
-                dcp.load(state, storage_reader=dcp.FileSystemReader(local))
-                return state
-            finally:
-                shutil.rmtree(local, ignore_errors=True)
+            state = self._state()
+            dcp.load(state, storage_reader=reader_of(files, record["file"]))
+            return state
 
         copy = "folder"
         if self.host_copy:

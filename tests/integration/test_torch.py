@@ -16,6 +16,7 @@ import pytest
 
 import conftest
 import sparkhvd
+import torch_clients
 from sparkhvd import DataFrameDataset, HorovodRunner, TrainingError
 
 torch = pytest.importorskip("torch")
@@ -52,7 +53,7 @@ def ddp_steps(steps=5, lr=0.1):
 
 def by_value(call):
     """Spark's class pickles by reference: this test's modules go by value for the call."""
-    return conftest.by_value(call, sys.modules[__name__])
+    return conftest.by_value(call, sys.modules[__name__], torch_clients)
 
 
 def test_a_torchdistributor_function_runs_unchanged_and_matches_torchdistributor(spark,
@@ -73,7 +74,7 @@ def test_a_torchdistributor_function_runs_unchanged_and_matches_torchdistributor
     from pyspark.ml.torch.distributor import TorchDistributor
 
     theirs = by_value(lambda: TorchDistributor(num_processes=2, local_mode=False,
-                                               use_gpu=False).run(ddp_steps))
+                                               use_gpu=False).run(torch_clients.leaving_at_exit, ddp_steps))
     np.testing.assert_allclose(np.concatenate(ours[0]["weights"]),
                                np.concatenate(theirs["weights"]), rtol=1e-6)
 

@@ -58,7 +58,7 @@ def test_lightning_in_torchdistributors_shape_on_both_distributors(spark, tmp_pa
     saved = os.listdir(distributor.last_run_dir.file("lightning/checkpoints"))
     assert [n for n in saved if n.endswith(".ckpt")], "Lightning's own checkpoint, in the run folder"
     theirs = by_value(lambda: SparksClass(num_processes=2, local_mode=False, use_gpu=False)
-                      .run(torch_clients.lightning_fit, 1, 2))
+                      .run(torch_clients.leaving_at_exit, torch_clients.lightning_fit, 1, 2))
     assert ours["weights"] == theirs["weights"]
     records = HorovodRunner(np=2, spark=spark, backend="torch", local_ranks="task",
                             output_dir=str(tmp_path / "b")).run_all(torch_clients.lightning_fit)
@@ -222,7 +222,7 @@ def test_the_drop_in_gives_what_sparks_class_gives(spark, tmp_path):
                             output_dir=str(tmp_path))
     mine = ours.run(steps, 0.1, 4)
     theirs = by_value(lambda: SparksClass(num_processes=2, local_mode=False, use_gpu=False)
-                      .run(steps, 0.1, 4))
+                      .run(torch_clients.leaving_at_exit, steps, 0.1, 4))
     assert mine == theirs
     assert mine["env"] == {"RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                            "NODE_RANK": "0", "CUDA_VISIBLE_DEVICES": ""}

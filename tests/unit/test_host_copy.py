@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -93,13 +94,17 @@ def test_no_copy_outside_a_run_and_the_folder_goes_when_the_function_returns(
 
 
 def test_a_folder_a_failed_run_left_is_deleted_a_day_later(run_env):
+    """A run folder whose rank folders were touched within the day is live (a long run saves
+    into rank-0/, which does not touch the run's own folder)."""
     stale = os.path.join(host_copy.base_folder(), "old-run")
     fresh = os.path.join(host_copy.base_folder(), "other-live-run")
-    for folder in (stale, fresh):
+    saving = os.path.join(host_copy.base_folder(), "long-run-still-saving")
+    for folder in (stale, fresh, os.path.join(stale, "rank-0"), os.path.join(saving, "rank-0")):
         os.makedirs(folder)
-    os.utime(stale, (0, 0))
+    for folder in (os.path.join(stale, "rank-0"), stale, saving):
+        os.utime(folder, (0, 0))
     _keep("epoch-0001.pt", b"data")
-    assert not os.path.exists(stale) and os.path.exists(fresh)
+    assert not os.path.exists(stale) and os.path.exists(fresh) and os.path.exists(saving)
 
 
 # -- a checkpoint of several files (Keras: the model and the optimizer's) -------------------
@@ -267,6 +272,8 @@ _RANK = textwrap.dedent("""
     with open(sys.argv[2], "w") as f:
         json.dump({"epoch": epoch, "state": state}, f)
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # as a sparkhvd rank leaves: torch 2.13's gloo may abort in the teardown
 """)
 
 
@@ -353,6 +360,8 @@ _SHARDED_RANK = textwrap.dedent("""
         json.dump({"epoch": epoch, "state": state, "restored": ckpt.restored}, f)
     if int(world) > 1:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # as a sparkhvd rank leaves: torch 2.13's gloo may abort in the teardown
 """)
 
 
@@ -381,14 +390,25 @@ def _resume_line(rank_zero: dict) -> str:
     return [line for line in rank_zero["out"].splitlines() if "resume: restored" in line][-1]
 
 
-@pytest.fixture
-def sharded_save(run_env):
-    """Two ranks on two hosts (a, b) saved a sharded checkpoint to a folder that counts as
-    remote: each host keeps its rank's files."""
+@pytest.fixture(scope="module")
+def _sharded_saved_once(tmp_path_factory):
+    """The saved run of :func:`sharded_save`, made once for the tests below."""
     pytest.importorskip("torch")
-    saved = _sharded_ranks(run_env, "save", [str(run_env / "host-a"), str(run_env / "host-b")])
+    where = tmp_path_factory.mktemp("sharded-save")
+    saved = _sharded_ranks(where, "save", [str(where / "host-a"), str(where / "host-b")])
     assert saved[0]["state"] == saved[1]["state"]
-    return saved[0]["state"]
+    return where, saved[0]["state"]
+
+
+@pytest.fixture
+def sharded_save(_sharded_saved_once, run_env):
+    """Two ranks on two hosts (a, b) saved a sharded checkpoint to a folder that counts as
+    remote: each host keeps its rank's files (a copy of one save for each test: they damage
+    or move them)."""
+    where, state = _sharded_saved_once
+    for name in ("ckpt", "host-a", "host-b"):
+        shutil.copytree(where / name, run_env / name)
+    return state
 
 
 def test_a_sharded_relaunch_on_the_same_hosts_needs_no_file_from_the_folder(sharded_save,
