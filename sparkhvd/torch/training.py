@@ -199,6 +199,7 @@ class _CheckpointsBase(SavesInBackground):
         self._last_save = time.monotonic()
         self._counted = (-1, 0)  # (epoch, steps) when there is no data to count them
         self._background: Optional[BackgroundSave] = None  # set by Checkpoints(async_save=True)
+        self.host_copy = False  # each kind sets its own
 
     def step(self, epoch: int, **extra: Any) -> Optional[str]:
         """Call after each optimizer step (on every rank): writes a mid-epoch checkpoint when
@@ -294,6 +295,19 @@ class _CheckpointsBase(SavesInBackground):
     def _restore_data(self, state: Optional[dict]) -> None:
         if self.data is not None and state:
             self.data.load_state_dict(state)
+
+    def _read_newest(self, load: Callable[[dict, dict[str, bytes]], Any]
+                     ) -> tuple[Optional[dict], Any, list, str]:
+        """``(record, load's value, problems, copy)`` of the newest checkpoint to resume from:
+        from the nearest copy with ``host_copy`` (a collective), else from the folder; rank 0
+        says when there was none."""
+        assert self.resume_from is not None
+        if not self.host_copy:
+            return (*_newest(self.resume_from, load, self.rank), "folder")
+        record, state, skipped, copy = restore_nearest(self.resume_from, load, self.rank)
+        if (record is None or state is None) and self.rank == 0:
+            announce_resume(self.resume_from)
+        return record, state, skipped, copy
 
     def _announce(self, file: str, epoch: int, step: int, skipped: list,
                   copy: str = "folder") -> None:
@@ -441,13 +455,7 @@ class Checkpoints(_CheckpointsBase):
                 self.optimizer.load_state_dict(state["optimizer"])
             return state
 
-        copy = "folder"
-        if self.host_copy:
-            record, state, skipped, copy = restore_nearest(self.resume_from, load, self.rank)
-            if (record is None or state is None) and self.rank == 0:
-                announce_resume(self.resume_from)
-        else:
-            record, state, skipped = _newest(self.resume_from, load, self.rank)
+        record, state, skipped, copy = self._read_newest(load)
         if record is None or state is None:
             return 0
         self.restored = dict(state.get("extra") or {})
@@ -647,13 +655,7 @@ class ShardedCheckpoints(_CheckpointsBase):
             dcp.load(state, storage_reader=reader_of(files, record["file"]))
             return state
 
-        copy = "folder"
-        if self.host_copy:
-            record, state, skipped, copy = restore_nearest(self.resume_from, load, self.rank)
-            if (record is None or state is None) and self.rank == 0:
-                announce_resume(self.resume_from)
-        else:
-            record, state, skipped = _newest(self.resume_from, load, self.rank)
+        record, state, skipped, copy = self._read_newest(load)
         if record is None or state is None:
             return 0
         if self.optimizer is None:

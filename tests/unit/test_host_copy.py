@@ -44,6 +44,16 @@ def _one_copy():
     return next(iter(copies.values()), None)
 
 
+def _damage(copy, how: str) -> None:
+    """Delete a host copy, or overwrite 64 bytes in its middle."""
+    if how == "deleted":
+        os.unlink(copy.path)
+    else:
+        with open(copy.path, "r+b") as f:
+            f.seek(copy.size // 2)
+            f.write(b"\0" * 64)
+
+
 def _keep(file: str, data: bytes, sha256=None):
     """Keep a one-file checkpoint; its copy, or None when it was not kept."""
     return host_copy.keep({file: (data, sha256 or _sha(data))}).get(file)
@@ -228,13 +238,7 @@ def test_a_relaunch_on_the_same_host_reads_the_host_copy(run_env, capsys):
 def test_a_bad_host_copy_is_said_and_the_checkpoint_folder_is_read(run_env, capsys, damage):
     torch = pytest.importorskip("torch")
     saved = _saved_run(torch, run_env)
-    copy = _one_copy()
-    if damage == "deleted":
-        os.unlink(copy.path)
-    else:
-        with open(copy.path, "r+b") as f:
-            f.seek(copy.size // 2)
-            f.write(b"\0" * 64)
+    _damage(_one_copy(), damage)
     model, ckpt, epoch, lines = _restored(torch, run_env, capsys)
     assert epoch == 1 and all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
     assert any("WARNING" in line and "host copy" in line for line in lines), lines
@@ -473,12 +477,7 @@ def test_a_sharded_relaunch_where_one_host_has_every_file_sends_them_to_the_othe
 def test_a_bad_shard_copy_is_said_and_that_file_read_from_the_folder(sharded_save, run_env,
                                                                       damage, monkeypatch):
     monkeypatch.setenv(host_copy.DIR_ENV, str(run_env / "host-b"))
-    copy = next(iter(host_copy.find_all().values()))
-    if damage == "deleted":
-        os.unlink(copy.path)
-    else:
-        with open(copy.path, "r+b") as f:
-            f.write(b"garbage")
+    _damage(next(iter(host_copy.find_all().values())), damage)
     ranks = _sharded_ranks(run_env, "restore", [str(run_env / "host-a"),
                                                 str(run_env / "host-b")])
     assert [r["state"] == sharded_save for r in ranks] == [True, True]
