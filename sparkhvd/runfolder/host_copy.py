@@ -125,6 +125,29 @@ def keep(files: Mapping[str, tuple[bytes, str]]) -> dict[str, HostCopy]:
     return {}
 
 
+def keep_moved(files: Mapping[str, tuple[str, str]]) -> dict[str, HostCopy]:
+    """:func:`keep` for files already on this host's disk (checkpoint file -> (path, sha256)):
+    moved into this run's host-copy folder, not copied (they are not needed where they are).
+    Empty when not kept (a file that cannot be moved: none is)."""
+    spools: dict[str, tuple[str, str]] = {}
+    for file, (path, sha256) in files.items():
+        spooled = spool(file)
+        if spooled is None:
+            break
+        try:
+            shutil.move(path, spooled)
+        except OSError as exc:
+            discard(spooled)
+            _said_failed(exc)
+            break
+        spools[file] = (spooled, sha256)
+    else:
+        return adopt_all(spools)
+    for spooled, _ in spools.values():
+        discard(spooled)
+    return {}
+
+
 def spool(file: str) -> Optional[str]:
     """A path in this run's host-copy folder to write the checkpoint file ``file`` into, then
     hand to :func:`adopt` (a writer that streams the file there keeps it without a second

@@ -627,16 +627,16 @@ class ShardedCheckpoints(_CheckpointsBase):
         ``host_copy``, then moved into this host's copy."""
         assert self.store is not None
         mine: dict[str, Any] = {}
-        paths: dict[str, str] = {}
+        moved: dict[str, tuple[str, str]] = {}
         for root, _, files in os.walk(local):
             for file in files:
                 path = os.path.join(root, file)
                 rel = f"{name}/{os.path.relpath(path, local)}"
                 mine[rel] = {**digest_file(path), "rank": self.rank}
                 self.store.write_file(rel, path)
-                paths[rel] = path
+                moved[rel] = (path, mine[rel]["sha256"])
         if self._keeps_copies():
-            _keep_moved(paths, mine)
+            host_copy.keep_moved(moved)
         return mine
 
     def restore(self) -> int:
@@ -679,27 +679,6 @@ def _part_of(mine: dict, error: Optional[BaseException]) -> dict:
 
 def _drop_host_copy() -> None:
     host_copy.clean()
-
-
-def _keep_moved(paths: dict[str, str], digests: dict[str, Any]) -> None:
-    """Move the files at ``paths`` (checkpoint file -> local path, already in the folder) into
-    this host's copy (a file that cannot be moved: none kept, said once by host_copy)."""
-    spools: dict[str, tuple[str, str]] = {}
-    for rel, path in paths.items():
-        spool = host_copy.spool(rel)
-        if spool is None:
-            break
-        try:
-            shutil.move(path, spool)
-        except OSError:
-            host_copy.discard(spool)
-            break
-        spools[rel] = (spool, digests[rel]["sha256"])
-    else:
-        host_copy.adopt_all(spools)
-        return
-    for spool, _ in spools.values():
-        host_copy.discard(spool)
 
 
 def world_size_change() -> WorldSizeChange:
