@@ -291,8 +291,8 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
         self._stop_at_epoch_end = False  # a notice at an epoch's last step
         self.async_save = async_save
         self.host_copy = host_copy and write and not self.store.on_this_host
-        if self.host_copy:
-            at_function_return(host_copies.clean)  # the run is done: the copy can go
+        if host_copy and not self.store.on_this_host:  # every rank: its host may have a copy
+            at_function_return(host_copies.clean)  # from an earlier attempt; the run is done
         self._background: Optional[BackgroundSave] = None
         if async_save and write:
             self._background = BackgroundSave()

@@ -12,8 +12,8 @@ A checkpoint of epoch N is these files in a checkpoints folder:
 
 With all three, "train 2 epochs, then resume for 2 more" ends where 4 epochs straight would.
 Where the folder is not on the writing rank's own disk, that rank also keeps the newest
-checkpoint's files on its host (:mod:`sparkhvd.runfolder.host_copy`), and a relaunched rank on
-that host reads them from there (:func:`restore_nearby`).
+checkpoint's files on its host (:mod:`sparkhvd.runfolder.host_copy`), and a relaunched run
+reads them from there, or from a rank that landed on that host (:func:`restore_nearest`).
 
 Where the folder is: :mod:`sparkhvd.runfolder.checkpoint_store` (shared with the PyTorch helpers).
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 from typing import Any, Optional
 
+from sparkhvd.runfolder import nearest_copy
 from sparkhvd.runfolder.checkpoint_store import (
     DISCARD,
     LATEST,
@@ -32,7 +33,6 @@ from sparkhvd.runfolder.checkpoint_store import (
     latest,
     record_name,
     restore_newest,
-    restore_newest_nearby,
     url_store,
     write_checkpoint,
 )
@@ -40,7 +40,7 @@ from sparkhvd.runfolder.checkpoint_store import (
 __side__ = "rank"
 
 __all__ = ["DISCARD", "LATEST", "CheckpointStore", "RunFolderStore", "UrlStore", "latest",
-           "url_store", "save", "serialise", "restore", "restore_latest", "restore_nearby",
+           "url_store", "save", "serialise", "restore", "restore_latest", "restore_nearest",
            "build_optimizer",
            "optimizer_variables", "record_name"]
 
@@ -105,13 +105,16 @@ def restore_latest(store: CheckpointStore, model: Any) -> tuple[Optional[dict], 
     return record, [*skipped, *(problems or [])]
 
 
-def restore_nearby(store: CheckpointStore, model: Any
-                   ) -> tuple[Optional[dict], list[str], str]:
-    """:func:`restore_latest`, reading each file from this host's copy where it has the one the
-    record names; also which copy was read (``"host"`` or ``"folder"``, for the resume line)."""
-    record, problems, skipped, copy = restore_newest_nearby(
-        store, lambda info, files: restore(store, info, model, files))
-    return record, [*skipped, *(problems or [])], copy
+def restore_nearest(store: CheckpointStore, model: Any, rank: int,
+                    world: nearest_copy.Collectives, loaders: Optional[set[int]] = None
+                    ) -> tuple[Optional[dict], list[str], str]:
+    """:func:`restore_latest` from the nearest copy of the newest checkpoint: this host's, a
+    rank's that has it, else the folder (:mod:`sparkhvd.runfolder.nearest_copy`); also which
+    copy was read (``"host"``, ``"peer"`` or ``"folder"``, for the resume line). Call on every
+    rank; it loads on ``loaders`` (default: every rank), the others return no record."""
+    record, value, problems, copy = nearest_copy.restore_nearest(
+        store, lambda info, files: restore(store, info, model, files), rank, world, loaders)
+    return record, [*problems, *(value or [])], copy
 
 
 def restore(store: CheckpointStore, info: dict, model: Any,

@@ -40,6 +40,7 @@ from sparkhvd.keras.callbacks import (
     RunFolderTensorBoard,
     uses_schedule,
 )
+from sparkhvd.runfolder import nearest_copy
 from sparkhvd.runfolder.checkpoint_store import announce_resume, check_cadence, resume_store
 from sparkhvd.runfolder.rank_files import run_files
 
@@ -84,6 +85,12 @@ class _HorovodFlavour:
     def world(self) -> Any:
         return self.collectives
 
+    def copies(self) -> Any:
+        """The collectives a host copy travels by to rank 0 (which loads it)."""
+        from sparkhvd.keras.nearest_copy import HorovodCollectives
+
+        return HorovodCollectives(self.collectives)
+
     def agree(self, by_time: bool, notice: bool, busy: bool) -> tuple[bool, bool, bool]:
         """Rank 0's clock, any rank's notice and rank 0's save in flight, on every rank (one
         small allreduce)."""
@@ -118,7 +125,7 @@ class _TFFlavour:
 
         self.strategy = multiworker_strategy()
         take_back()  # the strategy's runtime took SIGTERM over: notices are ours
-        self._agree_fn: Any = None
+        self._collectives: Any = None
         resolver = self.strategy.cluster_resolver
         self.rank = int(resolver.task_id or 0) if resolver is not None else 0
         self.size = int(self.strategy.num_replicas_in_sync)
@@ -138,23 +145,20 @@ class _TFFlavour:
     def world(self) -> Any:
         return _World(self.size)
 
+    def copies(self) -> Any:
+        """The collectives a host copy travels by to every worker (each loads it), and the
+        flags of :meth:`agree`."""
+        if self._collectives is None:
+            from sparkhvd.keras.nearest_copy import StrategyCollectives
+
+            self._collectives = StrategyCollectives(self.strategy, self.rank)
+        return self._collectives
+
     def agree(self, by_time: bool, notice: bool, busy: bool) -> tuple[bool, bool, bool]:
         """Rank 0's clock, any rank's notice and rank 0's save in flight, on every worker (one
         small all-reduce)."""
-        import tensorflow as tf
-
-        if self._agree_fn is None:  # one traced function: an eager collective costs far more
-            strategy = self.strategy
-
-            @tf.function
-            def summed(flags: Any) -> Any:
-                return strategy.reduce(tf.distribute.ReduceOp.SUM,
-                                       strategy.run(tf.identity, args=(flags,)), axis=None)
-
-            self._agree_fn = summed
         mine = self.rank == 0
-        total = self._agree_fn(tf.constant([float(by_time and mine), float(notice),
-                                            float(busy and mine)]))
+        total = self.copies().summed([int(by_time and mine), int(notice), int(busy and mine)])
         return bool(total[0] > 0), bool(total[1] > 0), bool(total[2] > 0)
 
 
@@ -301,10 +305,14 @@ class KerasDistributed:
             # it builds them lazily at the first step).
             with self.scope():
                 checkpoints.build_optimizer(model.optimizer, model)
-        if self.resume_store is not None and (self.rank == 0 or self.flavour.restore_everywhere):
+        loads = self.rank == 0 or self.flavour.restore_everywhere
+        if self.resume_store is not None and (loads or self.host_copy):
             with self.scope():
-                if self.host_copy:
-                    info, problems, copy = checkpoints.restore_nearby(self.resume_store, model)
+                if self.host_copy:  # every rank: one may send the copy its host has
+                    world = self.flavour.copies() if self.size > 1 else nearest_copy.Alone()
+                    info, problems, copy = checkpoints.restore_nearest(
+                        self.resume_store, model, self.rank, world,
+                        None if self.flavour.restore_everywhere else {0})
                 else:
                     (info, problems), copy = checkpoints.restore_latest(self.resume_store,
                                                                         model), "folder"

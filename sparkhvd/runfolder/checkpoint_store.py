@@ -458,19 +458,13 @@ def _files_of(record: dict) -> dict[str, Optional[dict]]:
     return {name: None for name in legacy if isinstance(name, str)}
 
 
-def _read_checked(store: CheckpointStore, record: dict, problems: list[str],
-                  copies: Mapping[str, Any], read_here: list[str]
+def _read_checked(store: CheckpointStore, record: dict, problems: list[str]
                   ) -> Optional[dict[str, bytes]]:
     """The checkpoint's files, each checked against its record (None: one is missing or
-    changed, a problem said). ``copies``: this host's copies (file -> ``HostCopy``), read
-    instead where one is the file the record names; their names go into ``read_here``."""
+    changed, a problem said)."""
     files: dict[str, bytes] = {}
     for name, expected in _files_of(record).items():
-        data = read_copy(store, name, expected, copies.get(name), problems)
-        if data is not None:
-            read_here.append(name)
-        else:
-            data = read_file_checked(store, name, expected, problems)
+        data = read_file_checked(store, name, expected, problems)
         if data is None:
             return None
         files[name] = data
@@ -524,29 +518,9 @@ def restore_newest(store: CheckpointStore, load: Callable[[dict, dict[str, bytes
         CheckpointError: the folder has checkpoints but none is usable -- never a silent start
             from scratch, never a raw h5py/zip/pickle error.
     """
-    record, value, problems, _ = _restore(store, load, {})
-    return record, value, problems
-
-
-def restore_newest_nearby(store: CheckpointStore, load: Callable[[dict, dict[str, bytes]], T]
-                          ) -> tuple[Optional[dict], Optional[T], list[str], str]:
-    """:func:`restore_newest`, each file read from this host's copy of it
-    (:mod:`sparkhvd.runfolder.host_copy`) where that copy is the one the record names (same
-    SHA-256) and reads back whole; ``(record, value, problems, copy)`` -- ``copy`` is
-    ``"host"`` when every file of the checkpoint restored came from this host, else
-    ``"folder"``. A copy that does not read back is a problem, and the folder's file is read."""
-    from sparkhvd.runfolder import host_copy
-
-    return _restore(store, load, host_copy.find_all())
-
-
-def _restore(store: CheckpointStore, load: Callable[[dict, dict[str, bytes]], T],
-             copies: Mapping[str, Any]) -> tuple[Optional[dict], Optional[T], list[str], str]:
     problems: list[str] = []
-    candidates = _candidates(store, problems)
-    for record in candidates:
-        read_here: list[str] = []
-        files = _read_checked(store, record, problems, copies, read_here)
+    for record in _candidates(store, problems):
+        files = _read_checked(store, record, problems)
         if files is None:
             continue
         try:
@@ -555,9 +529,9 @@ def _restore(store: CheckpointStore, load: Callable[[dict, dict[str, bytes]], T]
             name = record.get("file") or next(iter(files), "?")
             problems.append(f"{store.describe(name)}: unreadable ({_why(exc)})")
             continue
-        return record, value, problems, "host" if len(read_here) == len(files) else "folder"
+        return record, value, problems
     if not problems:
-        return None, None, [], "folder"
+        return None, None, []
     from sparkhvd.common.errors import CheckpointError
 
     raise CheckpointError(

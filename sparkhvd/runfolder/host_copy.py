@@ -3,11 +3,10 @@
 A relaunched run reads its newest checkpoint back from the run folder -- on ``abfss://`` that is
 the whole state over the network, once per rank. When the checkpoint folder is not on its own
 disk, the rank that writes a checkpoint also keeps its newest files here, on its host's disk,
-so a relaunch restores from the nearest copy: a rank on the same host reads them from disk
-(:func:`~sparkhvd.runfolder.checkpoint_store.restore_newest_nearby`: every framework's helpers),
-a PyTorch rank on another host gets the files from a rank that has them
-(:mod:`sparkhvd.torch.nearest_copy`), and only when no rank has them does a rank read the run
-folder.
+so a relaunch restores from the nearest copy (:mod:`sparkhvd.runfolder.nearest_copy`, for
+every framework's helpers): a rank on the same host reads them from disk, a rank on another
+host gets the files from a rank that has them, and only when no rank has them does a rank read
+the run folder.
 
 Rules:
 

@@ -407,9 +407,11 @@ def test_a_rank_killed_while_its_save_uploads_to_abfss_resumes_from_a_complete_c
         store.stop()
 
 
-def keras_fit_killed(url, storage_options, epochs=4, kill=True):
+def keras_fit_killed(url, storage_options, epochs=4, kill=True, hosts=None):
     """A small deterministic Keras fit checkpointing to ``url`` every epoch; on the run's first
-    attempt rank 0 is SIGKILLed as epoch 3 begins (epoch 2's checkpoint written)."""
+    attempt rank 0 is SIGKILLed as epoch 3 begins (epoch 2's checkpoint written). ``hosts``: a
+    folder of two "hosts" whose host-copy folders the ranks swap in the relaunch (rank 0 lands
+    where rank 1 was)."""
     import os
     import signal
 
@@ -421,6 +423,12 @@ def keras_fit_killed(url, storage_options, epochs=4, kill=True):
 
     kd = KerasDistributed(epochs=epochs, batch_size=16, checkpoint=url,
                           storage_options=storage_options)
+    if hosts:
+        from sparkhvd.runfolder import host_copy
+
+        first = os.environ.get(protocol.ATTEMPT_ENV) == "1"
+        os.environ[host_copy.DIR_ENV] = os.path.join(
+            hosts, f"host-{kd.rank if first else 1 - kd.rank}")
     tf.keras.utils.set_random_seed(7)
     x = np.random.RandomState(kd.rank).rand(64, 4).astype("float32")
     y = x.sum(axis=1, keepdims=True)
@@ -443,11 +451,13 @@ def keras_fit_killed(url, storage_options, epochs=4, kill=True):
 @pytest.mark.every_profile  # Keras 2 (.h5) on Horovod, and Keras 3 (.keras) on tf.distribute
 @pytest.mark.ranks
 @pytest.mark.azurite
-def test_a_keras_relaunch_on_the_same_host_restores_rank_0s_host_copy(tmp_path, backend):
+@pytest.mark.parametrize("moved", [False, True], ids=["same-host", "rank-0-moved"])
+def test_a_keras_relaunch_restores_rank_0s_host_copy(tmp_path, backend, moved):
     """Keras checkpoints to abfss:// (Azurite): rank 0 keeps the newest one's files (model and
-    optimizer) on its host too. Killed, the run relaunches here and reads them from this host,
-    not from Azurite, and ends with the weights of an uninterrupted run; the host copy goes
-    when the function returns."""
+    optimizer) on its host too. Killed, the run relaunches and reads them from that host, not
+    from Azurite -- rank 0 itself, or (rank 0 moved to the other host) the rank now on it sends
+    them -- and ends with the weights of an uninterrupted run; the host copies go when the
+    function returns."""
     from conftest import Azurite
     from sparkhvd.runfolder import host_copy
 
@@ -459,14 +469,46 @@ def test_a_keras_relaunch_on_the_same_host_restores_rank_0s_host_copy(tmp_path, 
             storage_options=store.options(), kill=False)
         runner = HorovodRunner(np=-2, backend=backend, output_dir=str(tmp_path / "b"),
                                max_retries=1)
+        hosts = str(tmp_path / "hosts") if moved else None
         result = runner.run(keras_fit_killed, url=store.url("ckpt", "killed"),
-                            storage_options=store.options())
+                            storage_options=store.options(), hosts=hosts)
     finally:
         store.stop()
     record = runner.last_run_dir.record
     first, _ = record["attempts"]
     assert first["status"] == "failed" and "signal 9" in first["retryable"], first
     assert result["start"] == 2 and record["resume"]["epoch"] == 2, record["resume"]
-    assert record["resume"]["copy"] == "host", record["resume"]
+    assert record["resume"]["copy"] == ("peer" if moved else "host"), record["resume"]
     assert result["weights"] == straight["weights"], "the same weights as straight through"
-    assert not os.path.exists(os.path.join(host_copy.base_folder(), runner.last_run_dir.run_id))
+    bases = [os.path.join(hosts, f"host-{n}", "sparkhvd-host-copies") for n in (0, 1)] \
+        if hosts else [host_copy.base_folder()]
+    assert not any(os.path.exists(os.path.join(base, runner.last_run_dir.run_id))
+                   for base in bases)
+
+
+def keras_copy_sent_between_ranks():
+    """Rank 1 sends rank 0 what a host copy's restore sends, over the backend's collectives,
+    in pieces of 12 bytes (many, and a last one that is not whole)."""
+    from sparkhvd.keras import KerasDistributed, nearest_copy
+
+    kd = KerasDistributed(epochs=1, checkpoint=False)
+    nearest_copy.CHUNK = 12
+    world, rank = kd.flavour.copies(), kd.rank
+    data = bytes(range(256)) * 3 + b"xyz"
+    return {
+        "held": world.gather({"epoch-0001.h5": f"sha of rank {rank}" * (rank + 1)}),
+        "sent": world.broadcast_bytes(data if rank == 1 else None, 1, rank) == data,
+        "nothing": world.broadcast_bytes(None, 1, rank),
+        "record": world.broadcast_record({"epoch": 3} if rank == 0 else None, 0),
+        "everyone": [world.everyone(True), world.everyone(rank == 0)],
+    }
+
+
+@pytest.mark.every_profile  # Horovod's collectives, and a tf.distribute strategy's
+@pytest.mark.ranks
+def test_a_keras_host_copy_travels_between_ranks_whole(backend):
+    result = HorovodRunner(np=-2, backend=backend).run(keras_copy_sent_between_ranks)
+    assert result == {"held": [{"epoch-0001.h5": "sha of rank 0"},
+                               {"epoch-0001.h5": "sha of rank 1" * 2}],
+                      "sent": True, "nothing": None, "record": {"epoch": 3},
+                      "everyone": [True, False]}

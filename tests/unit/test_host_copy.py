@@ -1,5 +1,5 @@
 """The newest checkpoint kept on the writing rank's host, and restoring from the nearest copy
-(sparkhvd.runfolder.host_copy, sparkhvd.torch.nearest_copy): real files, real torch.save, and
+(sparkhvd.runfolder.host_copy, sparkhvd.runfolder.nearest_copy): real files, real torch.save, and
 two real processes in a gloo group for a copy sent from the rank that has it."""
 from __future__ import annotations
 
@@ -143,19 +143,24 @@ def _load(record, files):
     return dict(files)
 
 
-def test_the_nearby_restore_reads_this_hosts_copy_and_says_so(run_env):
-    from sparkhvd.runfolder.checkpoint_store import restore_newest_nearby
+def _alone(store):
+    """The nearest-copy restore of a run of one rank."""
+    from sparkhvd.runfolder import nearest_copy
 
+    return nearest_copy.restore_nearest(store, _load, 0, nearest_copy.Alone())
+
+
+def test_the_nearby_restore_reads_this_hosts_copy_and_says_so(run_env):
     store, files, _ = _two_file_checkpoint(run_env, 1)
     for name in files:  # the folder's files are gone: only the host copy can give them
         os.unlink(str(run_env / "ckpt" / name))
-    record, loaded, problems, copy = restore_newest_nearby(store, _load)
+    record, loaded, problems, copy = _alone(store)
     assert (record["epoch"], loaded, problems, copy) == (1, files, [], "host")
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "deleted", "stale"])
 def test_the_nearby_restore_falls_back_to_the_folder_with_a_warning(run_env, damage):
-    from sparkhvd.runfolder.checkpoint_store import restore_newest_nearby, write_checkpoint
+    from sparkhvd.runfolder.checkpoint_store import write_checkpoint
 
     store, files, kept = _two_file_checkpoint(run_env, 1)
     optimizer = kept["epoch-0001.optimizer.npz"].path
@@ -167,7 +172,7 @@ def test_the_nearby_restore_falls_back_to_the_folder_with_a_warning(run_env, dam
     else:  # a newer checkpoint whose copy was not kept (over the budget, another host)
         files = {"epoch-0002.h5": b"newer", "epoch-0002.optimizer.npz": b"newer adam"}
         write_checkpoint(store, 2, files, {"file": "epoch-0002.h5"})
-    record, loaded, problems, copy = restore_newest_nearby(store, _load)
+    record, loaded, problems, copy = _alone(store)
     assert loaded == files and copy == "folder"
     if damage == "stale":
         assert record["epoch"] == 2 and problems == [], "a copy of another checkpoint: unused"

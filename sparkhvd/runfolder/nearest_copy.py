@@ -1,0 +1,164 @@
+"""Restore the newest checkpoint from its nearest copy, for every framework.
+
+The rank that writes a checkpoint file keeps its newest on its host
+(:mod:`sparkhvd.runfolder.host_copy`). After a relaunch the ranks that load the state need
+those files: read from the run folder, they cross the network once per rank (minutes for a
+large model on ``abfss://``). Here, with the framework's collectives (:class:`Collectives`:
+``torch.distributed``, Horovod or a ``tf.distribute`` strategy):
+
+1. every rank says which copies its host has (one small all-gather);
+2. rank 0 reads the newest complete checkpoint's record from the checkpoint folder and tells
+   every rank its files and checksums (one small broadcast): the one decision, so every rank
+   takes the same path through the collectives below;
+3. for each file, a loading rank whose host has it reads it from disk (checked against the
+   checksum); when some loading rank's host has none, the lowest rank that has it sends its
+   bytes to every rank over the framework's collectives; a file no rank has (or whose only
+   copy is bad, said with a warning) is read from the checkpoint folder;
+4. when a loading rank has not every file that way, or the state does not load, the loading
+   ranks read the checkpoint folder as before
+   (:func:`sparkhvd.runfolder.checkpoint_store.restore_newest`).
+
+Which ranks load is the framework's: every rank with torch and ``tf.distribute``, rank 0 on
+Horovod (it broadcasts the weights itself). Returns which copy was used, for the resume line
+and ``run.json`` (``resume.copy``): the farthest any file came from.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Collection, Optional, Protocol
+
+from sparkhvd.runfolder import host_copy
+from sparkhvd.runfolder.checkpoint_store import (
+    CheckpointStore,
+    files_of,
+    newest_checked,
+    read_copy,
+    read_file_checked,
+    restore_newest,
+)
+
+__side__ = "rank"
+
+#: The copies a file can come from, nearest first (``resume.copy`` is the farthest used).
+FARTHEST = ("host", "peer", "folder")
+
+
+class Collectives(Protocol):
+    """What the restore needs of a framework's process group (every rank calls each method in
+    the same order)."""
+
+    size: int
+
+    def gather(self, held: dict[str, str]) -> list[dict[str, str]]:
+        """Every rank's ``held``, by rank."""
+
+    def broadcast_record(self, record: Optional[dict], source: int) -> Optional[dict]:
+        """``source``'s record (a JSON-able dict, or None) on every rank."""
+
+    def broadcast_bytes(self, data: Optional[bytes], source: int, rank: int
+                        ) -> Optional[bytes]:
+        """``source``'s bytes on every rank (None everywhere when the source has none)."""
+
+    def everyone(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank."""
+
+
+class Alone:
+    """The collectives of a run of one rank."""
+
+    size = 1
+
+    def gather(self, held: dict[str, str]) -> list[dict[str, str]]:
+        return [held]
+
+    def broadcast_record(self, record: Optional[dict], source: int) -> Optional[dict]:
+        return record
+
+    def broadcast_bytes(self, data: Optional[bytes], source: int, rank: int
+                        ) -> Optional[bytes]:
+        return data
+
+    def everyone(self, ok: bool) -> bool:
+        return ok
+
+
+def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, bytes]], Any],
+                    rank: int, world: Collectives, loaders: Optional[Collection[int]] = None
+                    ) -> tuple[Optional[dict], Any, list[str], str]:
+    """``(record, load's value, problems, copy)``: the newest checkpoint in ``store``, read from
+    the nearest copy -- ``copy`` is ``"host"``, ``"peer"`` or ``"folder"``. Call on every rank
+    (a collective when there are several); ``load`` runs on the ranks in ``loaders`` (default:
+    every rank), each with the same record, or on none of them (it may be a collective among
+    them). A rank outside ``loaders`` returns ``(None, None, [], "folder")``."""
+    loading = loaders is None or rank in loaders
+    readers = set(range(world.size)) if loaders is None else set(loaders)
+    mine = host_copy.find_all()
+    everyone = world.gather({file: copy.sha256 for file, copy in mine.items()})
+    record = _decide(store, rank, any(everyone), world)
+    problems: list[str] = []
+    if record is not None:
+        files, copy = _fetch(store, record, mine, everyone, rank, readers, problems, world)
+        if files is not None and loading:
+            try:
+                return record, load(record, files), problems, copy
+            except Exception as exc:  # noqa: BLE001 - a copy that does not load: the folder
+                problems.append(f"{copy} copy of {record.get('file')}: unreadable "
+                                f"({type(exc).__name__}: {str(exc)[:200]})")
+    if not loading:
+        return None, None, [], "folder"
+    newest, state, skipped = restore_newest(store, load)
+    return newest, state, problems + skipped, "folder"
+
+
+def _decide(store: CheckpointStore, rank: int, any_copy: bool, world: Collectives
+            ) -> Optional[dict]:
+    """Rank 0's reading of the newest checkpoint's record, the same on every rank; None when
+    no rank has a host copy or the record has no checksums to check a copy against."""
+    if not any_copy:
+        return None
+    wanted = None
+    if rank == 0:
+        try:
+            wanted = newest_checked(store)
+        except Exception:  # noqa: BLE001 - the folder path below says what is wrong
+            wanted = None
+    return world.broadcast_record(wanted, 0)
+
+
+def _fetch(store: CheckpointStore, record: dict, mine: dict[str, host_copy.HostCopy],
+           everyone: list[dict[str, str]], rank: int, readers: set[int], problems: list[str],
+           world: Collectives) -> tuple[Optional[dict[str, bytes]], str]:
+    """For a loading rank, each of the checkpoint's files from this host's copy, else from the
+    lowest rank that holds it (a collective whenever some loading rank does not), else from
+    the folder; and the farthest copy read. None (on every rank) when some loading rank could
+    not get every file."""
+    files: dict[str, bytes] = {}
+    farthest = 0
+    complete = True
+    said = len(problems)
+    reading = rank in readers
+    for name, expected in sorted(files_of(record).items()):
+        holders = [r for r, held in enumerate(everyone) if held.get(name) == expected["sha256"]]
+        lacking = readers.difference(holders)  # the same on every rank
+        sends = bool(holders) and bool(lacking)
+        data = read_copy(store, name, expected, mine.get(name), problems) \
+            if rank in holders and (reading or (sends and rank == holders[0])) else None
+        where = 0
+        if sends:
+            sent = world.broadcast_bytes(data if rank == holders[0] else None, holders[0], rank)
+            if data is None and sent is not None and reading:
+                data, where = sent, 1
+        if not reading:
+            continue
+        if data is None and complete:
+            data, where = read_file_checked(store, name, expected, problems), 2
+        if data is None:
+            complete = False  # every broadcast still taken part in
+            continue
+        files[name] = data
+        farthest = max(farthest, where)
+    if rank != 0:  # rank 0 says its own with the resume line
+        for problem in problems[said:]:
+            print(f"resume: WARNING: {problem}", flush=True)
+    if not world.everyone(complete):
+        return None, FARTHEST[2]
+    return files, FARTHEST[farthest]
