@@ -8,7 +8,7 @@ import os
 
 
 def train_ids(data, epochs, log_dir, step_s=0.0, every_steps=1000, notice_at=None,
-              sharded=False, async_save=False, url=None, storage_options=None):
+              sharded=False, async_save=False, url=None, storage_options=None, hold=None):
     """``step_s``: seconds to sleep after each step, or one value per attempt (the last one for
     later attempts) -- a slow attempt leaves the test time to act in it.
     ``notice_at=(epoch, step, rank)``: that rank of the first attempt gets SIGTERM -- a
@@ -16,13 +16,17 @@ def train_ids(data, epochs, log_dir, step_s=0.0, every_steps=1000, notice_at=Non
     ``world BEFORE NOW pid PID`` line, then ``EPOCH STEP id id ...`` per step; with
     ``log_dir=None`` it prints them (``elastic-log a<attempt>-r<rank> ...``: ranks on hosts
     that cannot see the driver's disk), read back by :func:`read_lines`. ``url`` and
-    ``storage_options``: a checkpoint folder other than the run folder's."""
+    ``storage_options``: a checkpoint folder other than the run folder's.
+    ``hold=(attempt, steps)``: that attempt's ranks wait after their ``steps``-th step until a
+    notice comes (at most 240 s) -- a resize the test brings about is seen in that attempt,
+    however long the cluster takes to bring the capacity."""
     import signal
     import time
 
     import torch
 
     import sparkhvd.torch as st
+    from sparkhvd.elastic.notices import noticed
 
     ctx = st.setup()
     change = st.world_size_change()
@@ -40,6 +44,7 @@ def train_ids(data, epochs, log_dir, step_s=0.0, every_steps=1000, notice_at=Non
         _Printed(f"elastic-log a{attempt}-r{ctx.rank}")
     log.write(f"world {change.before} {change.now} pid {os.getpid()}\n")
     log.flush()
+    steps_here = 0
     for epoch in range(ckpt.restore(), epochs):
         for features, y in data.torch_batches(4, epoch, shuffle=True, seed=4):
             x, ids = features["x"], features["id"]
@@ -51,6 +56,11 @@ def train_ids(data, epochs, log_dir, step_s=0.0, every_steps=1000, notice_at=Non
             log.flush()
             if attempt == 0 and notice_at == (epoch, step, ctx.rank):
                 os.kill(os.getpid(), signal.SIGTERM)
+            steps_here += 1
+            if hold == (attempt, steps_here):
+                waited = time.monotonic()
+                while noticed() is None and time.monotonic() - waited < 240:
+                    time.sleep(0.05)
             ckpt.step(epoch)
             if step_s:
                 time.sleep(step_s)
@@ -131,6 +141,7 @@ def hf_elastic(log_dir, max_steps=12):
     )
 
     import sparkhvd.torch as st
+    from sparkhvd.elastic.notices import noticed
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _mark(log_dir, "hf")
@@ -168,6 +179,7 @@ def lightning_elastic(log_dir, max_steps=12):
     import torch
 
     import sparkhvd.torch as st
+    from sparkhvd.elastic.notices import noticed
 
     _mark(log_dir, "lightning")
     root = st.output_dir("lightning")

@@ -178,7 +178,7 @@ with DataFrameDataset(df, ["x", "id"], "y") as ds:
     runner = HorovodRunner(np=3, min_np=2, max_np=3, resize_check_s=2, spark=spark,
                            backend="torch", output_dir={out!r})
     result = runner.run(et.train_ids, data=ds, epochs=2, log_dir={logs!r},
-                        step_s=(0.15, 0.6, 0.05))  # slow at 2 ranks: time to grow back
+                        step_s=(0.15, 0.3, 0.05), hold=(1, 3))  # at 2 ranks: until it grows
 print("RESULT " + json.dumps({{"run": runner.last_run_dir.path, "result": result}}), flush=True)
 """
 
@@ -188,7 +188,8 @@ def test_a_decommissioned_worker_shrinks_the_run_and_a_new_one_grows_it_back(tmp
     """A standalone cluster with spark.decommission.enabled, np=3, min_np=2: a worker told to
     decommission (SIGPWR, as decommission-worker.sh sends) mid-epoch -> a checkpoint at the
     step of the notice (at most a step redone per rank), the run goes on with 2 ranks; a new
-    worker -> it grows back to 3 at its next step. Every id once per epoch."""
+    worker -> it grows back to 3 at its next step (the 2 ranks wait at their third step for
+    it, however long the worker takes to come). Every id once per epoch."""
     monkeypatch.setenv("SPARK_WORKER_OPTS", "-Dspark.decommission.enabled=true")
     cluster = conftest.StandaloneCluster(str(tmp_path), workers=3, cores=1)
     logs_dir, out = tmp_path / "logs", tmp_path / "runs"
