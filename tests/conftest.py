@@ -228,33 +228,39 @@ class Azurite:
 
     @classmethod
     def start(cls, data_dir: str, host: str = "127.0.0.1") -> "Azurite":
-        """Start azurite-blob on a free port of ``host`` (127.0.0.1, or the test cluster's bridge
-        address); stop it with :meth:`stop` (by PID). Telemetry is off: nothing leaves the host."""
-        import socket
+        """Start azurite-blob on a port of ``host`` (127.0.0.1, or the test cluster's bridge
+        address) that it chose itself (no free port to race for); stop it with :meth:`stop` (by
+        PID). Telemetry is off: nothing leaves the host."""
+        import re
+        import select
         import subprocess
         import time
 
         if not os.path.exists(AZURITE_BIN):
             raise RuntimeError("Azurite is not installed in .tools/: install Node.js and run "
                                "'make setup'.")
-        service = cls(_free_port(host), host)
-        service.proc = subprocess.Popen(
-            [AZURITE_BIN, "--blobHost", host, "--blobPort", str(service.port),
+        proc = subprocess.Popen(  # port 0: Azurite binds a free one and says which
+            [AZURITE_BIN, "--blobHost", host, "--blobPort", "0",
              "--location", str(data_dir), "--silent", "--loose", "--disableTelemetry",
              # the Azure SDK speaks a newer API version than Azurite 3.35 knows:
              "--skipApiVersionCheck"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, text=True)
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection((host, service.port), timeout=1).close()
+        said = []
+        while time.monotonic() < deadline and \
+                select.select([proc.stdout], [], [], deadline - time.monotonic())[0]:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            said.append(line)
+            found = re.search(r"successfully listens on http://[^\s]+:(\d+)", line)
+            if found:
+                service = cls(int(found.group(1)), host)
+                service.proc = proc
                 return service
-            except OSError:
-                if service.proc.poll() is not None or time.monotonic() > deadline:
-                    service.stop()
-                    raise RuntimeError(
-                        f"Azurite did not start: {service.proc.stderr.read()!r}") from None
-                time.sleep(0.2)
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"Azurite did not start: {''.join(said)}{proc.stderr.read()}")
 
     def stop(self) -> None:
         import subprocess
