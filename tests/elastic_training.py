@@ -141,7 +141,6 @@ def hf_elastic(log_dir, max_steps=12):
     )
 
     import sparkhvd.torch as st
-    from sparkhvd.elastic.notices import noticed
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _mark(log_dir, "hf")
@@ -179,7 +178,6 @@ def lightning_elastic(log_dir, max_steps=12):
     import torch
 
     import sparkhvd.torch as st
-    from sparkhvd.elastic.notices import noticed
 
     _mark(log_dir, "lightning")
     root = st.output_dir("lightning")

@@ -414,12 +414,15 @@ def test_a_hang_across_hosts_names_where_each_rank_is(cluster_spark, tmp_path):
 def _keras_elastic(train, epochs):
     """KerasDistributed on backend="tf" with step checkpoints every 2 steps and the data's
     position; prints ``elastic-log a<attempt>-r<rank> world BEFORE NOW`` once and
-    ``elastic-log ... EPOCH STEP`` per step (Keras' own), slowly enough to be caught mid-epoch."""
+    ``elastic-log ... EPOCH STEP`` per step (Keras' own), slowly enough to be caught mid-epoch.
+    The second attempt's ranks wait after their third step for a notice (the grow, at most
+    240 s): the run is still there when the lost host comes back, however long that takes."""
     import os
     import time
 
     import tensorflow as tf
 
+    from sparkhvd.elastic.notices import noticed
     from sparkhvd.keras import KerasDistributed, world_size_change
 
     kd = KerasDistributed(epochs=epochs, batch_size=4, data=train, every_steps=2, keep=2)
@@ -429,12 +432,19 @@ def _keras_elastic(train, epochs):
     print(f"{tag} world {change.before} {change.now} pid {os.getpid()}", flush=True)
 
     class Steps(tf.keras.callbacks.Callback):
+        done = 0
+
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
 
         def on_train_batch_end(self, batch, logs=None):
             print(f"{tag} {self.epoch} {batch + 1}", flush=True)
-            time.sleep(0.6 if attempt == 2 else 0.1)  # slow at 2 ranks: time to grow back
+            self.done += 1
+            if attempt == 2 and self.done == 3:  # at 2 ranks: until the run grows back
+                waited = time.monotonic()
+                while noticed() is None and time.monotonic() - waited < 240:
+                    time.sleep(0.05)
+            time.sleep(0.1)
 
     with kd.scope():
         model = tf.keras.Sequential([tf.keras.layers.Input((1,)), tf.keras.layers.Dense(1)])

@@ -92,18 +92,22 @@ def test_hanging_rank_times_out(how, tmp_path):
 
 @pytest.mark.timeout(150)
 def test_healthy_ranks_are_aborted_when_one_fails(how, tmp_path):
-    """Rank 1 raises; rank 0 would sleep 10 minutes, then write a marker. The run must end
-    (the 150 s hang guard fails it otherwise), rank 0's process must be gone, the marker never
-    written."""
+    """Rank 1 raises once rank 0 runs; rank 0 would sleep 10 minutes, then write a marker. The
+    run must end (the 150 s hang guard fails it otherwise), rank 0's process must be gone, the
+    marker never written."""
     marker = tmp_path / "rank0-finished"
 
     def one_fails(marker):
         import os
         import time
 
+        started = marker + ".started"
         if os.environ.get("SPARKHVD_RANK", os.environ.get("HOROVOD_RANK")) == "1":
-            time.sleep(1)
+            deadline = time.monotonic() + 100  # rank 0's start is slow on a loaded machine
+            while not os.path.exists(started) and time.monotonic() < deadline:
+                time.sleep(0.05)
             raise ValueError("rank 1 fails")
+        open(started, "w").close()
         time.sleep(600)
         open(marker, "w").write("rank 0 was never stopped")
 
