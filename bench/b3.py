@@ -164,6 +164,8 @@ def case_b3(repeat: int, tiny: bool) -> list[dict]:
     backends = [b for b, module in (("horovod", "horovod"), ("tf", "horovod"),
                                     ("torch", "torch"))
                 if importlib.util.find_spec(module) is not None]
+    if tiny:  # the code runs (tests): every backend takes the same path through it
+        backends = backends[:1]
     rows: list[dict] = []
 
     def train(backend, np_, batch, allreduce=True, env=one_thread):

@@ -139,7 +139,8 @@ def test_a_rank_slow_to_load_its_data_is_named_within_a_minute(spark, tmp_path, 
     assert "rank 0 waits in DDP's gradient all-reduce (in backward)" in straggler["text"]
     assert straggler["text"] in caplog.text  # said on the console
     ranks = record["time_split"]["ranks"]
-    assert ranks["1"]["share"]["data"] > 0.5 and ranks["0"]["share"]["collective"] > 0.5
+    one, zero = ranks["1"]["share"], ranks["0"]["share"]  # each waits where the other does not
+    assert one["data"] > one["collective"] and zero["collective"] > zero["data"], ranks
     assert ranks["0"]["waits_measured"] == ["ddp"] and ranks["0"]["steps_measured"] > 0
     lines = [json.loads(line) for line in open(run_dir.file("timing.jsonl"))]
     assert {line["rank"] for line in lines} == {0, 1}
