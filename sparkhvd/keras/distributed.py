@@ -209,9 +209,10 @@ class KerasDistributed:
             notice writes its own to the end; the function's end waits for the last one). Off
             by default: with synchronous saves a checkpoint exists when its step ends.
         host_copy: where the checkpoints folder is not on rank 0's own disk, rank 0 also keeps
-            the newest checkpoint on its host, and a relaunched rank on that host restores from
-            it (the resume line says "its copy on this host"); on by default, deleted when the
-            function returns (see :mod:`sparkhvd.runfolder.host_copy`).
+            the newest checkpoint on its host, and a relaunch restores from it: rank 0 back on
+            that host reads it (the resume line says "its copy on this host"), else the rank
+            now on that host sends it (:mod:`sparkhvd.runfolder.nearest_copy`); on by default,
+            deleted when the function returns (see :mod:`sparkhvd.runfolder.host_copy`).
 
     In a sparkhvd run the checkpoints also *listen for notices*: SIGTERM to any rank (a node
     about to be reclaimed) or the driver resizing the run makes every rank save after its
@@ -297,7 +298,8 @@ class KerasDistributed:
     def restore(self, model: Any) -> int:
         """Load the latest checkpoint (model, optimizer, state) when resuming, and return the
         epoch to start from. On Horovod rank 0 loads and broadcasts; with the strategy every
-        worker loads the same files. Call after ``model.compile``."""
+        worker loads the same files; with ``host_copy`` every rank takes part (the files may
+        come from any rank's host). Call after ``model.compile``."""
         epoch, state = 0, {}
         if self.resume_store is not None and getattr(model, "optimizer", None) is not None:
             # Every rank creates its optimizer variables now, the same way: they are restored
