@@ -107,15 +107,10 @@ class StrategyCollectives:
         return bytes(out[:n])
 
     def gather(self, held: dict[str, str]) -> list[dict[str, str]]:
-        import numpy as np
-
         text = json.dumps(held, sort_keys=True).encode()
         sizes = self._sizes(len(text))
-        offset = sum(sizes[:self.rank])
-        total = sum(sizes)
-        padded = np.zeros((total + 3) // 4 * 4, dtype=np.uint8)
-        padded[offset:offset + len(text)] = np.frombuffer(text, dtype=np.uint8)
-        everyone = self._words(padded.tobytes(), len(padded))
+        before, total = sum(sizes[:self.rank]), sum(sizes)
+        everyone = self._words(bytes(before) + text + bytes(total - before - len(text)), total)
         found, start = [], 0
         for size in sizes:
             found.append(json.loads(everyone[start:start + size]))

@@ -89,8 +89,8 @@ def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, byte
     (a collective when there are several); ``load`` runs on the ranks in ``loaders`` (default:
     every rank), each with the same record, or on none of them (it may be a collective among
     them). A rank outside ``loaders`` returns ``(None, None, [], "folder")``."""
-    loading = loaders is None or rank in loaders
     readers = set(range(world.size)) if loaders is None else set(loaders)
+    loading = rank in readers
     mine = host_copy.find_all()
     everyone = world.gather({file: copy.sha256 for file, copy in mine.items()})
     record = _decide(store, rank, any(everyone), world)
