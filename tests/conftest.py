@@ -89,6 +89,18 @@ def still_alive(pids, grace=20.0):
     return alive
 
 
+def assert_no_rank_left(runner, grace=20.0):
+    """No rank process of ``runner``'s last run is alive (PIDs from its run.json); the record."""
+    import json
+
+    record = json.loads(open(runner.last_run_dir.file("run.json")).read())
+    pids = [int(p) for p in record["rank_pids"].values()]
+    assert pids, "the run recorded its rank PIDs"
+    alive = still_alive(pids, grace)
+    assert not alive, f"rank processes still alive: {alive}"
+    return record
+
+
 #: The backend a profile trains on when a test is not about the backend: horovod where it is
 #: installed (Spark 3.5 profiles), tf.distribute in the modern one (Spark 4, Keras 3).
 HAS_HOROVOD = importlib.util.find_spec("horovod") is not None

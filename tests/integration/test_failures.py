@@ -2,7 +2,6 @@
 
 After each failure, no rank process the run started may be alive (PIDs from the run's run.json).
 """
-import json
 import os
 import signal
 import threading
@@ -10,13 +9,14 @@ import time
 
 import pytest
 
-from conftest import still_alive
+from conftest import assert_no_rank_left
 from sparkhvd import HorovodRunner, TrainingError
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(params=[
+#: Every way a Spark run starts (the ``how`` fixture's params).
+HOWS = [
     pytest.param({"launcher": "barrier"}, id="barrier", marks=pytest.mark.horovod),
     pytest.param({"launcher": "horovod"}, id="horovod", marks=pytest.mark.horovod),
     pytest.param({"backend": "tf"}, id="tf", marks=pytest.mark.tf_backend),
@@ -24,22 +24,16 @@ pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
                  marks=pytest.mark.connect),
     pytest.param({"backend": "torch"}, id="torch", marks=pytest.mark.torch_backend),
     pytest.param({"backend": "torch", "session": "connect"}, id="torch-connect",
-                 marks=pytest.mark.torch_backend)])
+                 marks=pytest.mark.torch_backend)]
+
+
+@pytest.fixture(params=HOWS)
 def how(request):
     """Every way a Spark run starts: barrier and horovod launchers, the tf and torch backends, and
     a Spark Connect session. The runner's keyword arguments, the session (``spark``) included."""
     kwargs = dict(request.param)
     kwargs["spark"] = request.getfixturevalue(kwargs.pop("session", "spark"))
     return kwargs
-
-
-def assert_no_rank_left(runner, grace=20.0):
-    record = json.loads(open(runner.last_run_dir.file("run.json")).read())
-    pids = [int(p) for p in record["rank_pids"].values()]
-    assert pids, "the run recorded its rank PIDs"
-    alive = still_alive(pids, grace)
-    assert not alive, f"rank processes still alive: {alive}"
-    return record
 
 
 def _session_works(tmp_path, how):
@@ -74,7 +68,11 @@ def test_rank_process_dies(how, tmp_path, death, code):
     _session_works(tmp_path, how)
 
 
+@pytest.mark.parametrize("how", [how for how in HOWS if "launcher" not in how.values[0]],
+                         indirect=True)
 def test_hanging_rank_times_out(how, tmp_path):
+    """The horovod and barrier launchers' timeouts are tested by
+    test_stacks_and_retries.py::test_a_timeout_names_where_each_rank_is (and their aftermath)."""
     def hangs():
         import time
 

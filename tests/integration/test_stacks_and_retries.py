@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from conftest import runner_for, wait_for
+from conftest import assert_no_rank_left, runner_for, wait_for
 from digits_keras import pausing_data, train_pausing
 from sparkhvd import StallError
 
@@ -40,7 +40,8 @@ def rank1_elsewhere():
 
 def test_a_timeout_names_where_each_rank_is(mode, spark_for, tmp_path):
     """rank 1 sits in load_batch(), rank 0 waits for it in allreduce: the TimeoutError says
-    so, and every rank's stacks (all threads) are in logs/stacks-*.txt."""
+    so, and every rank's stacks (all threads) are in logs/stacks-*.txt; no rank process is left
+    and the next run runs (test_failures.py's timeout test, for the launchers)."""
     runner = runner_for(mode, spark_for, tmp_path / "runs")
     with pytest.raises(TimeoutError) as info:
         runner.run(rank1_elsewhere,
@@ -52,9 +53,13 @@ def test_a_timeout_names_where_each_rank_is(mode, spark_for, tmp_path):
     text = open(stacks).read()
     assert "=== rank 0 (pid" in text and "=== rank 1 (pid" in text
     assert '"MainThread"' in text and "load_batch" in text
-    record = json.loads(open(runner.last_run_dir.file("run.json")).read())
+    record = assert_no_rank_left(runner)
     assert record["status"] == "timed out"
     assert record["stacks"] == [os.path.relpath(stacks, runner.last_run_dir.path)]
+    # and the session (or the machine) runs the next run
+    assert runner_for(mode, spark_for, tmp_path / "again").run(lambda: "ok") == "ok"
+    if spark_for is not None:
+        assert spark_for.sparkContext.statusTracker().getActiveJobsIds() == []
 
 
 def silent_for_a_while(seconds):

@@ -1,7 +1,10 @@
 """backend="tf": tf.distribute.MultiWorkerMirroredStrategy on the same runner, no horovod.
 
-Runs in every profile: TF 2.15 + Keras 2 here, and TF >= 2.19 + Keras 3 + numpy 2 in the modern
-profile (`make test PROFILE=modern`), where horovod is not installed at all.
+Runs in the modern profile (`make test PROFILE=modern`: TF >= 2.19 + Keras 3 + numpy 2, no
+horovod at all), what backend="tf" users start with. The tests marked ``keras2`` run on TF 2.15 +
+Keras 2 in the default profile too: the rank's TF_CONFIG, training with the Keras helpers, a plain
+multi-worker script, the demo job on a standalone cluster and the early refusals -- what could
+differ with Keras 2; the rest (resume, data order, DataFrame input) is the same code on both.
 """
 import csv
 import json
@@ -28,6 +31,7 @@ def where_am_i():
             "horovod": any(m.startswith("horovod") for m in sys.modules)}
 
 
+@pytest.mark.keras2
 @pytest.mark.parametrize("np_", [2, -2], ids=["spark", "local"])
 def test_each_rank_gets_its_tf_config_and_no_horovod(any_spark, tmp_path, np_):
     """On a classic session, a Spark Connect session (any_spark), and as local processes."""
@@ -48,6 +52,7 @@ def test_each_rank_gets_its_tf_config_and_no_horovod(any_spark, tmp_path, np_):
     assert record["backend"] == "tf"
 
 
+@pytest.mark.keras2
 def test_workers_train_identically_with_the_keras_helpers(spark, data, tmp_path, rank_lines):
     runner = HorovodRunner(np=2, spark=spark, backend="tf", output_dir=str(tmp_path))
     r0, r1 = runner.run_all(digits_keras.train, **data, epochs=8, warmup_epochs=1)
@@ -249,6 +254,7 @@ def test_a_notice_to_a_keras_rank_costs_at_most_one_step_and_resumes_mid_epoch(s
         assert len(after) == 3 * per_epoch - (per_epoch + step), "the rest of the run, once"
 
 
+@pytest.mark.keras2
 def test_the_demo_job_on_a_standalone_cluster(standalone, tmp_path):
     sparkhvd_cli = os.path.join(os.path.dirname(sys.executable), "sparkhvd")
     job = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "train_digits.py")
@@ -262,6 +268,7 @@ def test_the_demo_job_on_a_standalone_cluster(standalone, tmp_path):
     assert float(line.split("held-out accuracy ")[1].split(",")[0]) >= 0.9
 
 
+@pytest.mark.keras2
 def test_horovod_only_options_are_refused_on_tf():
     assert HorovodRunner(np=3, min_np=2, backend="tf").elastic == (2, 3)  # relaunched, not horovod's
     with pytest.raises(ValueError, match="launcher='horovod' need backend='horovod'"):
@@ -303,6 +310,7 @@ def test_a_function_without_a_strategy_is_refused_before_training(spark, tmp_pat
     assert HorovodRunner(np=-1, backend="tf", output_dir=str(tmp_path)).run(train, epochs=1)
 
 
+@pytest.mark.keras2
 @pytest.mark.timeout(400)
 def test_sparkhvd_run_backend_tf_runs_a_plain_multiworker_script(tmp_path):
     import plaincode
@@ -328,6 +336,7 @@ def pipeline_before_the_strategy(x, y):
     return kd, dataset
 
 
+@pytest.mark.keras2
 def test_a_pipeline_built_before_the_strategy_names_the_rule_and_the_fix(data, tmp_path):
     """TensorFlow's own error says only "Collective ops must be configured at program
     startup"; the TrainingError says what comes first."""
