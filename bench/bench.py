@@ -58,7 +58,8 @@ Cases (each run ``--repeat`` times; median, min and max are reported):
 
 B2 and B4 warm every variant up once, then let the variants take turns.
 
-No benchmark runs in the test suite; tests/test_bench.py runs every case on tiny inputs.
+No benchmark runs in the test suite; tests/integration/test_bench.py runs the harness and some
+cases on tiny inputs (``--tiny`` runs every case so).
 """
 from __future__ import annotations
 

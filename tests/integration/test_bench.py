@@ -1,4 +1,10 @@
-"""The benchmark code runs (tiny inputs, one repetition); numbers are not checked here."""
+"""The benchmark's harness runs (tiny inputs, one repetition); numbers are not checked here.
+
+CI runs the cases that cover the harness end to end -- B1 (every launcher, the goals table), B4,
+B11, B14 and B15 -- and the report; the others (the data path's B2, B3, B6, B7, B9 and the
+straggler's B13, a minute and a half together here) run with `make bench`, as do the torch and
+Spark Connect cases this profile skips.
+"""
 import json
 import os
 import subprocess
@@ -11,16 +17,16 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 @pytest.mark.spark
 @pytest.mark.timeout(900)
-def test_every_case_runs_on_tiny_inputs(tmp_path):
+def test_the_harness_runs_its_cases_on_tiny_inputs(tmp_path):
+    cases = ["B1", "B4", "B11", "B14", "B15"]
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--tiny",
-                          "--repeat", "1", "--out", str(tmp_path)],
+                          "--repeat", "1", "--out", str(tmp_path),
+                          *(arg for case in cases for arg in ("--case", case))],
                          capture_output=True, text=True, timeout=880)
     assert out.returncode == 0, out.stderr[-4000:]
     (result,) = list((tmp_path / "results").glob("*.json"))
     data = json.loads(result.read_text())
-    cases = {r["case"] for r in data["results"]}
-    assert cases == {"B1", "B1C", "B1T", "B2", "B2T", "B3", "B4", "B5", "B6", "B7", "B8", "B9",
-                     "B10", "B11", "B12", "B13", "B14", "B15"}
+    assert {r["case"] for r in data["results"]} == set(cases)
     assert all("median" in r or "skipped" in r for r in data["results"])
     assert data["env"]["versions"]["horovod"] == "0.28.1"
     table = (tmp_path / "RESULTS.md").read_text()
