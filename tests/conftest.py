@@ -81,9 +81,14 @@ def still_alive(pids, grace=20.0):
 
     deadline = time.monotonic() + grace
     alive = list(pids)
+    def running(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:  # gone, between any two looks
+            return False
+
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in alive if running(p)]
         if alive:
             time.sleep(0.3)
     return alive
