@@ -79,14 +79,14 @@ def still_alive(pids, grace=20.0):
 
     import psutil
 
-    deadline = time.monotonic() + grace
-    alive = list(pids)
     def running(pid):
         try:
             return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:  # gone, between any two looks
             return False
 
+    deadline = time.monotonic() + grace
+    alive = list(pids)
     while alive and time.monotonic() < deadline:
         alive = [p for p in alive if running(p)]
         if alive:
