@@ -3,7 +3,8 @@
 
 One process on this machine's CPU (the save path is rank 0's alone: the other ranks only agree
 on a flag), a wide MLP with Adam whose state is about 1 GB (``--tiny``: a few KB), steps of
-batch 64, checkpoints into a local folder with ``keep=2``. Three runs of the same steps:
+batch 64, checkpoints into a local folder with ``keep=2``. Three runs of the same 24 steps, in
+rounds (at least 3; each ratio compares runs of one round), the disk flushed before each:
 
 - no checkpoints;
 - ``step()`` with ``every_steps=1``, synchronous: every step waits for serialising and writing;
@@ -91,6 +92,9 @@ def _run(mode: str, steps: int, tiny: bool, gpu: bool = False, sharded: bool = F
         if ckpt is not None:
             ckpt._finish_save()
         held.clear()
+        # The previous run's files still being written back by the kernel would take this
+        # run's CPU and disk (a synchronous run leaves gigabytes dirty): flushed first.
+        os.sync()
         synchronize()
         t0 = time.perf_counter()
         for i in range(steps):
@@ -319,10 +323,10 @@ def case_b15(repeat: int, tiny: bool, stats: Any) -> list[dict]:
     if importlib.util.find_spec("torch") is None:
         return [{"case": "B15", "variant": "checkpoint every step, async vs sync",
                  "unit": "ratio", "skipped": "needs torch (the torch profile)"}]
-    steps = 3 if tiny else 12
+    steps = 3 if tiny else 24
     got: dict[str, list[dict]] = {"none": [], "sync": [], "async": []}
-    for _ in range(1 if tiny else max(2, repeat)):
-        for mode in got:
+    for _ in range(1 if tiny else max(3, repeat)):  # rounds of the three: the ratios pair runs
+        for mode in got:                            # made minutes apart, not a whole case apart
             got[mode].append(_run(mode, steps, tiny))
     gb = got["none"][0]["state_gb"]
     how = f"MLP+Adam, {gb:.2f} GB of state, {steps} steps, every_steps=1, keep=2, local folder"

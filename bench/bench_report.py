@@ -114,32 +114,37 @@ NOTES = """\
   with 4 MB row groups: read in place 3.3 s (the checks' one Spark job and the footers)
   against 9.4 s materialised and 10.5 s for petastorm's converter.
 - **B15, a checkpoint every step (issue 51)** (`bench/b15.py`, torch profile; one process, a
-  5 x 4096-wide MLP with Adam, 1.01 GB of state, batch 64, about 0.7 s a step on this 2-core
-  VM, `every_steps=1`, `keep=2`, a local folder; 2026-11-27 15:08). Synchronous: a save holds
-  the step 1.96 s (2.36 s before torch's CRC-32s were left out), 0.26x the steps/s of no
-  checkpoints. `async_save=True`: a step is held 0.100 s (the copy into host memory), 0.80x
-  the steps/s of none (goal 0.95x: not met; per round 0.68-0.87x, 2 saves landed in each
-  round's 12 steps; the run before: 0.78x). The run before, with the same code, gave 0.99x (per round 0.81-1.17x,
-  1-2 saves): on 2 cores the ratio follows how many saves land, because every save's CPU --
-  serialising, SHA-256 and the write, about 1.2 core-seconds per GB -- is taken from
-  training. A checkpoint is streamed into its file by `torch.save` (each write releases the
-  GIL; serialising into memory first held it: 0.74-0.82x), and since this round without
-  torch's per-record CRC-32s, which miniz computes at about a core-second per GB and the
-  record's SHA-256 already covers (three rounds each, the same build: 0.89, 0.89, 0.94x with
-  them, 0.95, 0.95, 0.94x without). The writer thread runs at nice 10 (at nice 0 training
+  5 x 4096-wide MLP with Adam, 1.01 GB of state, batch 64, about 1 s a step on this 2-core VM
+  on 2026-11-28, `every_steps=1`, `keep=2`, a local folder; 2026-11-28 02:57). Since this run
+  each mode runs 24 steps (was 12) in at least 3 rounds, and the disk is flushed before each
+  run: a synchronous run leaves gigabytes of dirty pages, and the kernel wrote them back during
+  the async run that came next, on the same 2 cores. Synchronous: a save holds the step 2.47 s,
+  0.28x the steps/s of no checkpoints. `async_save=True`: a step is held 0.15 s (the copy into
+  host memory), **0.93x** the steps/s of none (goal 0.95x: not met; per round 0.90-0.95x; 2-3
+  saves landed in each round's 24 steps, each written in about 10 s beside training). The
+  rounds before this change gave 0.80x (0.68-0.87x) and 0.99x (0.81-1.17x): 12 steps with 1-2
+  saves were too few to tell. On 2 cores the ratio follows how many saves land, because every
+  save's CPU -- serialising, SHA-256 and the write, about 1.2 core-seconds per GB -- is taken
+  from training. A checkpoint is streamed into its file by `torch.save` (each write releases
+  the GIL; serialising into memory first held it: 0.74-0.82x), without torch's per-record
+  CRC-32s, which miniz computes at about a core-second per GB and the record's SHA-256
+  already covers (three rounds each, the same build: 0.89, 0.89, 0.94x with them, 0.95, 0.95,
+  0.94x without). SHA-256 runs at 1.1 GB/s here (SHA-NI; as fast as a copy of fresh memory),
+  so a cheaper digest would save little. The writer thread runs at nice 10 (at nice 0 training
   ran at 0.53x with 5 saves in 12 steps; at 19 the writer starved). Where training runs on
   GPUs and the host's cores wait, the write takes what they leave (B5: 0.87x on an H100,
   measured before the CRC-32s went).
-  **Restore** (`ckpt.restore()`, the same 1 GB state; 2026-11-27 15:08): from this host's copy
-  0.79 s, from the checkpoint folder on `abfss://` (Azurite on this machine) 3.09 s -- 0.26x
-  (goal 0.5x: met; 0.26-0.52x over the runs so far) -- and from a local folder 0.79 s (a folder
-  on the rank's own disk is its nearest copy: no host copy is kept beside it). Another rank's
-  host copy sent over gloo (two processes on this 2-core VM) took 1.79 s, 0.53x Azurite
-  (0.53-1.10x over the runs): Azurite is on loopback too, so the broadcast (1 GB through gloo's
+  **Restore** (`ckpt.restore()`, the same 1 GB state; 2026-11-28 02:57, a slower day than
+  the run before, whose numbers follow in brackets): from this host's copy 1.30 s [0.79 s],
+  from the checkpoint folder on `abfss://` (Azurite on this machine) 7.70 s [3.09 s] -- 0.24x
+  (goal 0.5x: met; 0.24-0.52x over the runs so far) -- and from a local folder 1.60 s [0.79 s]
+  (a folder on the rank's own disk is its nearest copy: no host copy is kept beside it).
+  Another rank's host copy sent over gloo (two processes on this 2-core VM) took 3.55 s
+  [1.79 s], 0.58x Azurite (0.53-1.10x over the runs): Azurite is on loopback too, so the broadcast (1 GB through gloo's
   TCP, checked and loaded on 2 cores shared by both ranks) has little to win on this machine;
   across hosts it replaces one read of the whole state per rank from the blob store.
-  `ShardedCheckpoints` (DCP, one rank): from this host's copy 4.43 s, from Azurite 12.83 s --
-  0.34x. Slower than `Checkpoints` because DCP fills a fresh optimizer's state by running one
+  `ShardedCheckpoints` (DCP, one rank): from this host's copy 5.07 s [4.43 s], from Azurite
+  19.4 s [12.83 s] -- 0.35x [0.34x]. Slower than `Checkpoints` because DCP fills a fresh optimizer's state by running one
   Adam step before loading into it (1.3 s of a 5.3 s restore, profiled), and each file is read
   and checked whole before DCP reads it; since this run DCP reads those bytes where they are
   instead of from a copy written to a temporary folder first (1.5 s of the 5.3 s: 4.0 s after,

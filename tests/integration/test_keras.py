@@ -92,16 +92,28 @@ def test_resume_continues_from_rank0_checkpoint(spark, data, tmp_path, four_epoc
     assert abs(r0["accuracy"] - uninterrupted) <= 0.05
 
 
+def _exact_kw(data) -> dict:
+    """The runs of the exact-resume tests: no shuffling, the weights returned, the resume
+    inside the warm-up."""
+    return dict(**data, shuffle=False, weights=True, warmup_epochs=3)
+
+
+@pytest.fixture(scope="module")
+def four_straight_epochs(spark, data, tmp_path_factory):
+    """Rank 0's result of 4 uninterrupted epochs: what each exact resume must equal."""
+    return HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path_factory.mktemp("a"))).run(
+        digits_keras.train, epochs=4, **_exact_kw(data))
+
+
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_resume_is_exact(spark, data, tmp_path, async_save):
+def test_resume_is_exact(spark, data, tmp_path, async_save, four_straight_epochs):
     """2 epochs, then resume for 2 more (inside the warm-up): the same weights as 4 straight --
     with checkpoints written in the background too (async_save, a save every 2 steps: the
     ranks agree on rank 0's save in flight; the function's end waits for the last one)."""
     import numpy as np
 
-    kw = dict(**data, shuffle=False, weights=True, warmup_epochs=3)
-    straight = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "a")).run(
-        digits_keras.train, epochs=4, **kw)
+    kw = _exact_kw(data)
+    straight = four_straight_epochs
     HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "b")).run(
         digits_keras.train, epochs=2, async_save=async_save, **kw)
     resumed = HorovodRunner(np=2, spark=spark, output_dir=str(tmp_path / "b"),
