@@ -360,11 +360,31 @@ def torch_fit_killed_mid_upload(url, storage_options, epochs=3, host_copy=False,
     return {"start": start, "digest": round(digest, 6)}
 
 
+@pytest.fixture(scope="module")
+def uploads_store(tmp_path_factory):
+    """An Azurite of the mid-upload tests, and the digest of the run they must all end with:
+    4 epochs straight through, no rank killed."""
+    pytest.importorskip("torch")
+    from conftest import Azurite
+
+    base = tmp_path_factory.mktemp("uploads")
+    store = Azurite.start(str(base / "azurite"))
+    try:
+        store.make_container("ckpt")
+        straight = HorovodRunner(np=-2, backend="torch", output_dir=str(base / "a")).run(
+            torch_fit_killed_mid_upload, url=store.url("ckpt", "straight"),
+            storage_options=store.options(), kill=False)
+        yield store, straight["digest"]
+    finally:
+        store.stop()
+
+
 @pytest.mark.torch_backend
+@pytest.mark.azurite
 @pytest.mark.parametrize("host_copy,sharded", [(False, False), (True, False), (True, True)],
                          ids=["from-abfss", "host-copy", "sharded-host-copy"])
 def test_a_rank_killed_while_its_save_uploads_to_abfss_resumes_from_a_complete_checkpoint(
-        tmp_path, host_copy, sharded):
+        tmp_path, host_copy, sharded, uploads_store):
     """async_save to abfss:// (Azurite): rank 0 SIGKILLed in the middle of a background save.
     The relaunch reads the newest checkpoint whose record was written -- the one before, or the
     one cut off if its upload had finished -- never a torn file, and ends with the weights of
@@ -372,39 +392,28 @@ def test_a_rank_killed_while_its_save_uploads_to_abfss_resumes_from_a_complete_c
     read from this host's disk instead of Azurite when it is the newest complete one. Sharded
     (DCP), rank 1 is killed: every rank kept its own files, each rank of the relaunch reads
     every file from this host, whichever checkpoint was the newest complete one."""
-    pytest.importorskip("torch")
-    from conftest import Azurite
+    store, straight_digest = uploads_store
+    folder = f"killed-{int(host_copy)}{int(sharded)}"  # each variant's own checkpoints
+    runner = HorovodRunner(np=-2, backend="torch", output_dir=str(tmp_path / "b"), max_retries=1)
+    result = runner.run(torch_fit_killed_mid_upload, url=store.url("ckpt", folder),
+                        storage_options=store.options(), host_copy=host_copy, sharded=sharded)
+    first, second = runner.last_run_dir.record["attempts"]
+    assert first["status"] == "failed" and "signal 9" in first["retryable"], first
+    restored = second["restored"].rsplit("/", 1)[-1]
+    suffix = "" if sharded else ".pt"
+    assert restored in (f"epoch-0001{suffix}", f"epoch-0002{suffix}"), second
+    assert result["start"] == int(restored[6:10])
+    assert result["digest"] == straight_digest, "the same weights as straight through"
+    copy = runner.last_run_dir.record["resume"]["copy"]
+    if sharded:  # each rank's part is kept before the commit: whichever is the newest
+        assert copy == "host", (copy, restored)
+        from sparkhvd.runfolder import host_copy as copies
 
-    store = Azurite.start(str(tmp_path / "azurite"))
-    try:
-        store.make_container("ckpt")
-        straight = HorovodRunner(np=-2, backend="torch", output_dir=str(tmp_path / "a")).run(
-            torch_fit_killed_mid_upload, url=store.url("ckpt", "straight"),
-            storage_options=store.options(), kill=False)
-        runner = HorovodRunner(np=-2, backend="torch", output_dir=str(tmp_path / "b"),
-                               max_retries=1)
-        result = runner.run(torch_fit_killed_mid_upload, url=store.url("ckpt", "killed"),
-                            storage_options=store.options(), host_copy=host_copy,
-                            sharded=sharded)
-        first, second = runner.last_run_dir.record["attempts"]
-        assert first["status"] == "failed" and "signal 9" in first["retryable"], first
-        restored = second["restored"].rsplit("/", 1)[-1]
-        suffix = "" if sharded else ".pt"
-        assert restored in (f"epoch-0001{suffix}", f"epoch-0002{suffix}"), second
-        assert result["start"] == int(restored[6:10])
-        assert result["digest"] == straight["digest"], "the same weights as straight through"
-        copy = runner.last_run_dir.record["resume"]["copy"]
-        if sharded:  # each rank's part is kept before the commit: whichever is the newest
-            assert copy == "host", (copy, restored)
-            from sparkhvd.runfolder import host_copy as copies
-
-            run_id = runner.last_run_dir.run_id
-            assert not os.path.exists(os.path.join(copies.base_folder(), run_id)), "cleaned"
-        else:
-            assert copy == ("host" if host_copy and restored == "epoch-0001.pt" else
-                            copy if host_copy else "folder"), (copy, restored)
-    finally:
-        store.stop()
+        run_id = runner.last_run_dir.run_id
+        assert not os.path.exists(os.path.join(copies.base_folder(), run_id)), "cleaned"
+    else:
+        assert copy == ("host" if host_copy and restored == "epoch-0001.pt" else
+                        copy if host_copy else "folder"), (copy, restored)
 
 
 def keras_fit_killed(url, storage_options, epochs=4, kill=True, hosts=None):
