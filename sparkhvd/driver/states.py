@@ -95,7 +95,10 @@ class Relaunching(RunState):
         if self.library:
             return f"with your library's own checkpoints in {self.library} (it resumes from " \
                    "them where your code asks it to)"
-        return "from the start (no checkpoints)"
+        # The driver sees the run folder's checkpoints only: helpers given their own url
+        # (``st.Checkpoints(url="abfss://...")``) resume from it without the driver knowing.
+        return "from the start, or from checkpoints kept outside the run folder " \
+               "(none are in it)"
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,14 @@
 """Rank output and reports on the driver: [rank N] lines, verbosity, noise, per-rank files, long
 lines; typed reports kept apart from lines; horovod's text output mapped onto the same types."""
 import logging
+import threading
 
 import pytest
 
 from sparkhvd.common import protocol
 from sparkhvd.common.protocol import Line
 from sparkhvd.driver.inbox import AttemptInbox
+from sparkhvd.driver.launchers.horovod_hooks import OutputStreams
 from sparkhvd.driver.launchers.horovod_spark import HorovodOutput, parse_failure
 from sparkhvd.driver.logs import RankLogRouter, is_noise
 
@@ -139,6 +141,29 @@ def test_horovod_partial_pieces_are_joined_in_the_log(tmp_path, shown):
     router.close()
     assert lines == ["[rank 0] abcdef"]
     assert (tmp_path / "rank-0.log").read_text() == "abcdef\n"
+
+
+def test_the_end_of_a_horovod_run_waits_for_the_output_still_streaming():
+    """horovod's run returns before its output threads end (a 20 MB line was cut short under
+    load): the run's end waits until every stream ended, or went quiet."""
+    streams = OutputStreams()
+    assert streams.wait_until_done(), "nothing open: nothing to wait for"
+    opened, finish, ended = threading.Event(), threading.Event(), threading.Event()
+
+    def a_stream_still_bringing_data():
+        with streams.streaming():
+            opened.set()
+            while not finish.wait(0.02):
+                streams.received()
+        ended.set()
+
+    threading.Thread(target=a_stream_still_bringing_data, daemon=True).start()
+    assert opened.wait(30)
+    threading.Timer(0.3, finish.set).start()
+    assert streams.wait_until_done(quiet_s=30) and ended.is_set()
+
+    with streams.streaming():  # a stream from a host that is gone: no data, never ends
+        assert not streams.wait_until_done(quiet_s=0.2)
 
 
 def test_elastic_process_names_are_parsed():

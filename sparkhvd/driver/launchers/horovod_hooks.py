@@ -8,16 +8,62 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
+import time
 from typing import Any, Callable, Iterator, Optional
 
 from sparkhvd.common.patches import check_horovod_version
 
 __side__ = "driver"
 
+log = logging.getLogger(__name__)
 
-def _send_one_live(self: Any, addr: Any, req: Any, stream: Any = None) -> Any:
-    """horovod's ``BasicClient._send_one``, but streamed output is passed on as it arrives.
+
+class OutputStreams:
+    """The ranks' output streams horovod is still copying to the driver.
+
+    horovod's ``rsh`` starts a thread per rank and stream and never joins it: its run returns
+    once the ranks' exit codes are known, while the last of their output may still be on its
+    way (a 20 MB line, a traceback, under load). The run's end waits here until every stream
+    ended -- or went quiet (a stream from a host that is gone never ends by itself).
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._open = 0
+        self._last_data = time.monotonic()
+
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        with self._changed:
+            self._open += 1
+            self._last_data = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._open -= 1
+                self._changed.notify_all()
+
+    def received(self) -> None:
+        self._last_data = time.monotonic()
+
+    def wait_until_done(self, quiet_s: float = 2.0) -> bool:
+        """Until no stream is open (True), or none brought data for ``quiet_s`` (False)."""
+        with self._changed:
+            while self._open:
+                if time.monotonic() - self._last_data > quiet_s:
+                    log.debug("%d output stream(s) of horovod still open and quiet", self._open)
+                    return False
+                self._changed.wait(0.1)
+        return True
+
+
+def _send_one_live(self: Any, streams: OutputStreams, addr: Any, req: Any,
+                   stream: Any = None) -> Any:
+    """horovod's ``BasicClient._send_one``, but streamed output is passed on as it arrives, and
+    each stream is known to ``streams`` while it lasts.
 
     horovod copies a rank's output with ``shutil.copyfileobj``, whose 64 KiB blocking reads hold
     every line back until 64 KiB piled up or the rank exited. ``read1`` returns what is there.
@@ -27,33 +73,35 @@ def _send_one_live(self: Any, addr: Any, req: Any, stream: Any = None) -> Any:
 
     from horovod.runner.common.util.network import AckStreamResponse
 
-    for attempt in range(self._attempts):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.connect(addr)
-            rfile = sock.makefile("rb")
-            wfile = sock.makefile("wb")
+    with streams.streaming() if stream else contextlib.nullcontext():
+        for attempt in range(self._attempts):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                self._wire.write(req, wfile)
-                resp = self._wire.read(rfile)
-                if stream and isinstance(resp, AckStreamResponse):
-                    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-                    while True:
-                        chunk = rfile.read1(65536)
-                        text = decoder.decode(chunk, final=not chunk)
-                        if text:
-                            stream.write(text)
-                        if not chunk:
-                            break
-                return resp
+                sock.connect(addr)
+                rfile = sock.makefile("rb")
+                wfile = sock.makefile("wb")
+                try:
+                    self._wire.write(req, wfile)
+                    resp = self._wire.read(rfile)
+                    if stream and isinstance(resp, AckStreamResponse):
+                        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+                        while True:
+                            chunk = rfile.read1(65536)
+                            streams.received()
+                            text = decoder.decode(chunk, final=not chunk)
+                            if text:
+                                stream.write(text)
+                            if not chunk:
+                                break
+                    return resp
+                finally:
+                    rfile.close()
+                    wfile.close()
+            except Exception:  # noqa: BLE001 - same retry policy as horovod's
+                if attempt == self._attempts - 1:
+                    raise
             finally:
-                rfile.close()
-                wfile.close()
-        except Exception:  # noqa: BLE001 - same retry policy as horovod's
-            if attempt == self._attempts - 1:
-                raise
-        finally:
-            sock.close()
+                sock.close()
 
 
 @contextlib.contextmanager
@@ -64,7 +112,8 @@ def horovod_driver_hooks(stop: threading.Event, *, elastic: bool, mapper: Callab
     - ``launch_gloo`` gets *our* ``stop`` event instead of installing signal handlers; setting it
       makes horovod abort every rank's command through the task services.
     - The Spark job group name is recorded (``hooks["job_group"]``) to cancel exactly it.
-    - Rank output is streamed to the driver as it is printed (:func:`_send_one_live`).
+    - Rank output is streamed to the driver as it is printed (:func:`_send_one_live`), and
+      ``hooks["streams"]`` (:class:`OutputStreams`) says when the last of it arrived.
     - Spark runs ``mapper`` (``sparkhvd.executor.horovod_spark.spark_task_mapper``) as the task
       function.
     - When a rank exits non-zero the others are stopped at once -- except in ``elastic`` mode,
@@ -74,7 +123,7 @@ def horovod_driver_hooks(stop: threading.Event, *, elastic: bool, mapper: Callab
       machines ``eth0`` is a different network on each, and the ranks cannot reach it.
     """
     check_horovod_version()
-    hooks: dict = {"job_group": None}
+    hooks: dict = {"job_group": None, "streams": OutputStreams()}
     replaced = _replacements(stop, hooks, elastic=elastic, mapper=mapper,
                              driver_host=driver_host)
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in replaced]
@@ -133,7 +182,8 @@ def _replacements(stop: threading.Event, hooks: dict, *, elastic: bool,
         (job_id, "next_job_id", next_job_id),
         (spark_gloo_run, "_exec_command_fn", exec_command_fn),
         (spark_runner, "_make_mapper", make_mapper),
-        (network.BasicClient, "_send_one", lambda _original: _send_one_live),
+        (network.BasicClient, "_send_one",
+         lambda _original: functools.partialmethod(_send_one_live, hooks["streams"])),
         (spark_gloo_run, "launch_gloo", launch_gloo),
         (runner_network, "get_driver_ip",
          lambda original: lambda nics: driver_host or original(nics)),

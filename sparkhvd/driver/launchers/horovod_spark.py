@@ -201,6 +201,7 @@ class HorovodSparkLauncher:
 
         def close() -> None:
             try:
+                hooks["streams"].wait_until_done()  # horovod returns before the output ends
                 output.drain()
             finally:
                 held.close()
