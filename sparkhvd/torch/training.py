@@ -52,6 +52,7 @@ from sparkhvd.runfolder.checkpoint_store import (
     prune,
     restore_newest,
     resume_store,
+    spool_folder,
     write_checkpoint_streamed,
 )
 from sparkhvd.torch.async_save import BackgroundSave, HostSnapshot, ShardedStaging
@@ -554,7 +555,6 @@ class ShardedCheckpoints(_CheckpointsBase):
         """Every rank's shards, then rank 0's commit (or their start: ``async_save``): the
         checkpoint's folder name."""
         import copy
-        import tempfile
 
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
@@ -565,7 +565,7 @@ class ShardedCheckpoints(_CheckpointsBase):
         name = checkpoint_name(done, step or 0)
         info = {"file": name, "sharded": True, "extra": copy.deepcopy(extra),
                 "data": self._data_state(epoch, step)}  # the state at the step
-        local = tempfile.mkdtemp(prefix="sparkhvd-dcp-")
+        local = spool_folder()  # swept if this rank is killed mid-save
         if self._background is not None and self._staging is not None:
             self._background.wait()  # one in flight: every rank's part of it committed
             try:
