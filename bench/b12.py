@@ -3,23 +3,47 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import time
 
 from bench_common import ROOT, local_spark, stats, torch_unavailable
 
+#: B15's model for the recovery rows with about 1 GB of state: 5 layers 4096 wide, Adam.
+WIDE = (4096, 5)
 
-def _b12_train(epochs, steps, log_dir, every_steps=None, step_s=0.05, async_save=False):
-    """B12's rank: a small MLP on synthetic data, ``steps`` steps an epoch, sparkhvd's
-    checkpoints (epoch ends, and every ``every_steps`` steps when set, written in the
-    background with ``async_save``); every step logged as
-    ``attempt epoch step wall-time`` in ``<log_dir>/rank-N.txt``, the rank's PID in
-    ``pid-N-<pid>``."""
+
+def model_and_loss(wide: bool):
+    """B12's model, optimizer and loss of one step: a small MLP with SGD, or (``wide``) B15's
+    5 x 4096 MLP with Adam, 1.01 GB of state -- the same for sparkhvd and for Ray."""
+    import torch
+
+    torch.manual_seed(0)
+    if not wide:
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                    torch.nn.Linear(256, 10))
+        x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+        return model, torch.optim.SGD, {"lr": 0.01}, \
+            lambda m: torch.nn.functional.cross_entropy(m(x), y)
+    width, depth = WIDE
+    layers: list = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    batch = torch.randn(64, width)
+    return torch.nn.Sequential(*layers), torch.optim.Adam, {"lr": 1e-4}, \
+        lambda m: m(batch).square().mean()
+
+
+def _b12_train(epochs, steps, log_dir, every_steps=None, step_s=0.05, async_save=False,
+               wide=False, url=None, storage_options=None, host_copy=True):
+    """B12's rank: :func:`model_and_loss` on synthetic data, ``steps`` steps an epoch,
+    sparkhvd's checkpoints (epoch ends, and every ``every_steps`` steps when set, written in
+    the background with ``async_save``; into ``url`` when given, else the run folder); every
+    step logged as ``attempt epoch step wall-time`` in ``<log_dir>/rank-N.txt``, the rank's
+    PID in ``pid-N-<pid>``."""
     import os
     import time as _time
-
-    import torch
 
     import sparkhvd.torch as st
 
@@ -27,18 +51,18 @@ def _b12_train(epochs, steps, log_dir, every_steps=None, step_s=0.05, async_save
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     open(os.path.join(log_dir, f"pid-{ctx.rank}-{os.getpid()}"), "w").close()
     log = open(os.path.join(log_dir, f"rank-{ctx.rank}.txt"), "a")
-    torch.manual_seed(0)
-    model = ctx.wrap(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
-                                         torch.nn.Linear(256, 10)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ckpt = st.Checkpoints(model, opt, every_steps=every_steps, async_save=async_save)
-    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    module, optimizer, settings, loss_of = model_and_loss(wide)
+    model = ctx.wrap(module)
+    opt = optimizer(model.parameters(), **settings)
+    ckpt = st.Checkpoints(model, opt, url=url, storage_options=storage_options,
+                          every_steps=every_steps, async_save=async_save, host_copy=host_copy,
+                          keep=2 if wide else None)  # 1 GB a save: the newest two
     start = ckpt.restore()
     first = ckpt.restored.get("step", 0) if start == ckpt.restored.get("epoch") else 0
     for epoch in range(start, epochs):
         for step in range(first + 1 if epoch == start else 1, steps + 1):
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
+            loss_of(model).backward()
             opt.step()
             log.write(f"{attempt} {epoch} {step} {_time.time():.3f}\n")
             log.flush()
@@ -49,7 +73,7 @@ def _b12_train(epochs, steps, log_dir, every_steps=None, step_s=0.05, async_save
 
 
 def _b12_once(spark, how: str, every_steps, epochs: int, steps: int, at: tuple[int, int],
-              async_save: bool = False):
+              async_save: bool = False, **train: object):
     """One B12 round: ``how`` ("SIGKILL" a lost rank, "SIGTERM" a notice) to rank 1 after
     step ``at`` = (epoch, step); recovery s (the signal to the first step after resume, on
     rank 0), steps each rank trained again, and (a notice) the seconds from the notice to the
@@ -84,7 +108,7 @@ def _b12_once(spark, how: str, every_steps, epochs: int, steps: int, at: tuple[i
     runner = HorovodRunner(np=2, spark=spark, backend="torch", output_dir=out, max_retries=1)
     runner.run(
         _b12_train, epochs=epochs, steps=steps, log_dir=log_dir, every_steps=every_steps,
-        async_save=async_save)
+        async_save=async_save, **train)
     thread.join(10)
     resumed = [t for a, _, _, t in lines(0) if a == 1]
     redone = []
@@ -94,7 +118,15 @@ def _b12_once(spark, how: str, every_steps, epochs: int, steps: int, at: tuple[i
         redone.append(len(done & again))
     assert runner.last_run_dir is not None
     stopped = runner.last_run_dir.record["attempts"][0].get("preempted") or {}
-    return resumed[0] - sent["at"], max(redone), stopped.get("notice_to_stop_s")
+    speed = steps_per_s([t for a, _, _, t in lines(0) if a == 0])
+    for folder in (log_dir, out):
+        shutil.rmtree(folder, ignore_errors=True)
+    return resumed[0] - sent["at"], max(redone), stopped.get("notice_to_stop_s"), speed
+
+
+def steps_per_s(times: list[float]) -> float:
+    """Rank 0's training speed before the loss, from the wall times of its steps."""
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
 
 
 def case_b12(repeat: int, tiny: bool) -> list[dict]:
@@ -119,7 +151,7 @@ def case_b12(repeat: int, tiny: bool) -> list[dict]:
     to_stop: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(max(1, repeat)):
         for name, (how, every, background) in variants.items():
-            seconds, redone, stop_s = _b12_once(spark, how, every, epochs, steps, at,
+            seconds, redone, stop_s, _ = _b12_once(spark, how, every, epochs, steps, at,
                                                 background)
             recovery[name].append(seconds)
             lost[name].append(float(redone))
@@ -135,29 +167,78 @@ def case_b12(repeat: int, tiny: bool) -> list[dict]:
             rows.append({"case": "B12", "variant": f"{name}: notice to the ranks' stop "
                          "(run.json preempted.notice_to_stop_s)", "unit": "s",
                          **stats(to_stop[name])})
-    return rows + _b12_ray(repeat, epochs, steps, at)
+    return rows + _b12_ray(repeat, epochs, steps, at) + ([] if tiny else wide_rows(spark, repeat))
+
+
+def wide_rows(spark, repeat: int) -> list[dict]:
+    """Recovery with B15's model (1.01 GB of state with Adam; issue 51), np=2: rank 1
+    SIGKILLed at step 4 of the second 8-step epoch, ``async_save`` every step into ``abfss://``
+    on Azurite -- restored from rank 0's host copy, or (``host_copy=False``) from Azurite --
+    against Ray Train v2 on the same machine, a checkpoint every step."""
+    from conftest import Azurite
+
+    epochs, steps, at = 2, 8, (1, 4)
+    work = tempfile.mkdtemp(prefix="bench-b12-wide-")
+    azurite = Azurite.start(os.path.join(work, "azurite"))
+    rows = []
+    try:
+        azurite.make_container("ckpt")
+        variants = {"host copy": True, "abfss:// on Azurite": False}
+        recovery: dict[str, list[float]] = {k: [] for k in variants}
+        redone: dict[str, list[float]] = {k: [] for k in variants}
+        speed: dict[str, list[float]] = {k: [] for k in variants}
+        for round_ in range(max(1, repeat)):
+            for name, host_copy in variants.items():
+                url = azurite.url("ckpt", f"wide-{round_}-{int(host_copy)}")
+                seconds, again, _, rate = _b12_once(
+                    spark, "SIGKILL", 1, epochs, steps, at, True, step_s=0.0, wide=True,
+                    url=url, storage_options=azurite.options(), host_copy=host_copy)
+                recovery[name].append(seconds)
+                redone[name].append(float(again))
+                speed[name].append(rate)
+        for name in variants:
+            how = (f"lost rank (SIGKILL), 1.01 GB of state, async_save every step to abfss://, "
+                   f"restored from the {name}")
+            rows.append({"case": "B12", "variant": f"{how}: recovery", "unit": "s",
+                         **stats(recovery[name])})
+            rows.append({"case": "B12", "variant": f"{how}: steps redone per rank",
+                         "unit": "steps", **stats(redone[name])})
+            rows.append({"case": "B12", "variant": f"{how}: steps/s before the loss",
+                         "unit": "steps/s", **stats(speed[name])})
+        if recovery["host copy"] and recovery["abfss:// on Azurite"]:
+            rows.append({"case": "B12", "variant": "recovery, 1.01 GB of state: host copy / "
+                         "abfss:// folder", "unit": "ratio",
+                         **stats([a / b for a, b in zip(recovery["host copy"],
+                                                        recovery["abfss:// on Azurite"])])})
+    finally:
+        azurite.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return rows + _b12_ray(repeat, epochs, steps, at, every=1, wide=True)
 
 
 RAY_PYTHON = ROOT / ".venv-ray" / "bin" / "python"
 
 
-def _b12_ray(repeat: int, epochs: int, steps: int, at: tuple[int, int]) -> list[dict]:
-    """The same loop on Ray Train v2 on Spark (bench/ray_b12.py), checkpoints every 10 steps,
-    FailureConfig(max_failures=1): in its own network namespace with only the loopback."""
-    import shutil
-
-    name = "Ray Train v2 on Spark, lost worker (SIGKILL), checkpoints every 10"
+def _b12_ray(repeat: int, epochs: int, steps: int, at: tuple[int, int], every: int = 10,
+             wide: bool = False) -> list[dict]:
+    """The same loop on Ray Train v2 on Spark (bench/ray_b12.py), checkpoints every ``every``
+    steps, FailureConfig(max_failures=1): in its own network namespace with only the loopback.
+    ``wide``: B15's model, 1.01 GB of state."""
+    name = (f"Ray Train v2 on Spark, lost worker (SIGKILL), "
+            f"{'1.01 GB of state, ' if wide else ''}checkpoints every "
+            f"{'step' if every == 1 else every}")
     if not RAY_PYTHON.exists() or shutil.which("unshare") is None:
         return [{"case": "B12", "variant": name, "unit": "s",
                  "skipped": "no .venv-ray (make bench CASE=B12 PROFILE=torch makes it) or no "
                             "unshare"}]
-    recovery, redone = [], []
+    recovery, redone, speed = [], [], []
     for _ in range(max(1, repeat)):
         env = {**os.environ, "PATH": f"{RAY_PYTHON.parent}{os.pathsep}{os.environ['PATH']}"}
         done = subprocess.run(
             ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"',
              str(RAY_PYTHON), str(ROOT / "bench" / "ray_b12.py"), str(epochs), str(steps),
-             str(at[0]), str(at[1]), "10", "0.05"],
+             str(at[0]), str(at[1]), str(every), "0.0" if wide else "0.05",
+             "wide" if wide else "small"],
             capture_output=True, text=True, timeout=900, env=env)
         line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
         if not line:
@@ -166,6 +247,8 @@ def _b12_ray(repeat: int, epochs: int, steps: int, at: tuple[int, int]) -> list[
         result = json.loads(line[-1][len("RESULT "):])
         recovery.append(result["recovery_s"])
         redone.append(float(result["redone"]))
+        speed.append(result["steps_per_s"])
     return [{"case": "B12", "variant": f"{name}: recovery", "unit": "s", **stats(recovery)},
             {"case": "B12", "variant": f"{name}: steps redone per rank", "unit": "steps",
-             **stats(redone)}]
+             **stats(redone)}] + ([{"case": "B12", "variant": f"{name}: steps/s before the loss",
+                                    "unit": "steps/s", **stats(speed)}] if wide else [])

@@ -10,9 +10,6 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the Azurite launcher shared with the tests
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the Azurite launcher shared with the tests
-
 
 def stats(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values),

@@ -385,6 +385,17 @@ def goals(rows: list[dict]) -> list[str]:
     if host_ratio is not None:
         out.append(f"| B15 restore from the host copy ≤ 0.5 × from abfss:// | "
                    f"{host_ratio:.2f}× | {'yes' if host_ratio <= 0.5 else 'no'} |")
+    wide = "lost rank (SIGKILL), 1.01 GB of state, async_save every step to abfss://, restored "
+    wide_host, wide_abfss = (get("B12", f"{wide}from the {where}: recovery")
+                             for where in ("host copy", "abfss://"))
+    wide_ray = get("B12", "Ray Train v2 on Spark, lost worker (SIGKILL), 1.01 GB of state, "
+                          "checkpoints every step: recovery")
+    if None not in (wide_host, wide_abfss, wide_ray):
+        met = wide_host <= 0.5 * wide_abfss and wide_host < wide_ray
+        out.append(f"| B12 recovery with 1.01 GB of state: from the host copy ≤ 0.5 × from "
+                   f"abfss://, and faster than Ray Train v2 | {wide_host:.1f} s vs "
+                   f"{wide_abfss:.1f} s ({wide_host / wide_abfss:.2f}×); Ray {wide_ray:.1f} s | "
+                   f"{'yes' if met else 'no'} |")
     peaks_t = sorted((r["rows"], r["median"]) for r in rows if r["case"] == "B2T"
                      and r["variant"].startswith("peak RSS") and "median" in r)
     if len(peaks_t) >= 2:
