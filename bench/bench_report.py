@@ -257,6 +257,18 @@ NOTES = """\
   the newest checkpoint its controller registered -- it polls the workers every 2 s, so a
   report made just before the loss can be missed and the one before is used. Ray's cluster
   start (about 30 s, every task slot held while it is up) is not in its recovery figure.
+  **With 1.01 GB of state** (issue 51; B15's 5 x 4096 MLP with Adam, np=2, two 8-step epochs,
+  rank 1 SIGKILLed at step 4 of the second; `async_save` every step into `abfss://` on
+  Azurite; one round each, run by hand on 2026-11-28 with `b12.wide_rows` and `_b12_ray` --
+  the harness run of these rows filled the disk, because neither side then deleted its old
+  checkpoints, which both now do): recovery from rank 0's host copy 9.5 s, from Azurite
+  24.9 s (0.38x: goal 0.5x met), Ray Train v2 with the same model, a checkpoint every step
+  uploaded with `CheckpointUploadMode.ASYNC`, 17.5 s (sparkhvd's host copy 0.54x Ray). The
+  work lost is the other way round: sparkhvd redid 11 steps a rank, Ray 1. On these 2 cores,
+  which the two ranks fill, the writer thread (nice 10) took longer than the whole first epoch
+  to put a 1 GB save into Azurite, so the newest complete checkpoint was the first step's;
+  Ray's `torch.save` runs inside the step (only its upload is asynchronous), which holds every
+  checkpointing step for the whole serialisation.
 - **B13, the time split's cost** (torch profile, `local[2]`, B3's CNN at np=2 under DDP,
   batch 64 per rank, 150 steps; off and on taking turns, 5 rounds after a warm-up; "on" is the
   sampler and, since issue 49, DDP's timing comm hook). Median ratio on / off 1.04 (rounds 0.91
