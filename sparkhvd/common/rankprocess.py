@@ -21,7 +21,7 @@ import tempfile
 import threading
 from typing import Any, Callable, Mapping, Optional
 
-from sparkhvd.common import protocol
+from sparkhvd.common import owned_temp, protocol
 from sparkhvd.common.proctree import kill_group
 
 __side__ = "common"
@@ -69,7 +69,8 @@ class RankProcess:
         return self.proc.pid if self.proc else None
 
     def start(self) -> "RankProcess":
-        self.work = tempfile.mkdtemp(prefix="sparkhvd-rank-")
+        # named by this process: swept by the next one on the host if this one is killed
+        self.work = tempfile.mkdtemp(prefix=owned_temp.prefix("rank"))
         payload_path = os.path.join(self.work, protocol.PAYLOAD_FILE)
         with open(payload_path, "wb") as f:
             f.write(self.payload)

@@ -16,74 +16,25 @@ import re
 import tempfile
 from typing import IO, Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
+from sparkhvd.common import owned_temp
+
 __side__ = "rank"
 
 T = TypeVar("T")
 
 LATEST = "latest.json"
 
-#: A spool's name: this prefix, what it holds, the writing process' id, a unique tail.
-SPOOL_PREFIX = "sparkhvd-spool-"
-#: A spool of a process that is gone is deleted once it is this old (a spool being written or
-#: uploaded is never left this long between its writes and its upload's open).
-ORPHAN_AFTER_S = 60.0
-_spools_swept: set[str] = set()
-
 
 def spool_file() -> tuple[int, str]:
-    """A temporary file (``mkstemp``) to spool one checkpoint file in before its upload.
-
-    A rank killed mid-upload leaves its spool behind -- as big as the checkpoint, once per
-    kill -- so spools are named with their process' id, and the first spool of each process
-    on a host deletes those of processes that are gone (:func:`remove_orphaned_spools`)."""
-    return tempfile.mkstemp(prefix=_spool_prefix("file"))
+    """A temporary file (``mkstemp``) to spool one checkpoint file in before its upload; named
+    by this process, so that the spool of a rank killed mid-upload (as big as the checkpoint) is
+    deleted by the next process that spools on the host (:mod:`sparkhvd.common.owned_temp`)."""
+    return tempfile.mkstemp(prefix=owned_temp.prefix("spool"))
 
 
 def spool_folder() -> str:
     """:func:`spool_file`, for a folder (``mkdtemp``): DCP's files before they are uploaded."""
-    return tempfile.mkdtemp(prefix=_spool_prefix("dcp"))
-
-
-def _spool_prefix(kind: str) -> str:
-    folder = tempfile.gettempdir()
-    if folder not in _spools_swept:
-        _spools_swept.add(folder)
-        remove_orphaned_spools(folder)
-    return f"{SPOOL_PREFIX}{kind}-{os.getpid()}-"
-
-
-def remove_orphaned_spools(folder: str) -> list[str]:
-    """Delete the spools in ``folder`` whose process is gone and that were last written
-    :data:`ORPHAN_AFTER_S` ago or more; the names deleted."""
-    import shutil
-    import time
-
-    removed = []
-    with contextlib.suppress(OSError):
-        for name in sorted(os.listdir(folder)):
-            parts = name[len(SPOOL_PREFIX):].split("-")
-            if not name.startswith(SPOOL_PREFIX) or len(parts) < 3 or not parts[1].isdigit() \
-                    or _alive(int(parts[1])):
-                continue
-            path = os.path.join(folder, name)
-            with contextlib.suppress(OSError):
-                if time.time() - os.path.getmtime(path) >= ORPHAN_AFTER_S:
-                    if os.path.isdir(path) and not os.path.islink(path):
-                        shutil.rmtree(path)
-                    else:
-                        os.unlink(path)
-                    removed.append(name)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: alive
-        return True
-    return True
+    return tempfile.mkdtemp(prefix=owned_temp.prefix("dcp"))
 
 
 class CheckpointStore:

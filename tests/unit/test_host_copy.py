@@ -497,32 +497,3 @@ def test_a_sharded_checkpoint_restores_at_one_rank_from_both_hosts_copies(sharde
     ranks = _sharded_ranks(run_env, "restore", [str(run_env / "host-a")])
     assert ranks[0]["state"] == sharded_save and ranks[0]["epoch"] == 1
 
-
-def test_spools_a_killed_rank_left_are_deleted_by_the_next_rank_on_the_host(tmp_path):
-    """A rank SIGKILLed mid-upload leaves its spool (as big as the checkpoint) behind: the next
-    process that spools on the host deletes the spools of processes that are gone, once a
-    minute old -- never a live process' spool, nor a file that is not a spool."""
-    import time
-
-    from sparkhvd.runfolder import checkpoint_store as cs
-
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
-    dead, alive = int(gone.stdout), os.getpid()
-    names = {"old_dead_file": f"{cs.SPOOL_PREFIX}file-{dead}-a1", "old_dead_dir":
-             f"{cs.SPOOL_PREFIX}dcp-{dead}-b2", "new_dead": f"{cs.SPOOL_PREFIX}file-{dead}-c3",
-             "old_alive": f"{cs.SPOOL_PREFIX}file-{alive}-d4", "other": "sparkhvd-rank-e5"}
-    for key, name in names.items():
-        path = tmp_path / name
-        if key == "old_dead_dir":
-            path.mkdir()
-            (path / "__0_0.distcp").write_bytes(b"shard")
-        else:
-            path.write_bytes(b"spooled")
-        if key != "new_dead":
-            long_ago = time.time() - 2 * cs.ORPHAN_AFTER_S
-            os.utime(path, (long_ago, long_ago))
-    assert cs.remove_orphaned_spools(str(tmp_path)) == sorted(
-        [names["old_dead_file"], names["old_dead_dir"]])
-    assert sorted(os.listdir(tmp_path)) == sorted(
-        [names["new_dead"], names["old_alive"], names["other"]])
