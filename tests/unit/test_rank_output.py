@@ -165,6 +165,23 @@ def test_the_end_of_a_horovod_run_waits_for_the_output_still_streaming():
     with streams.streaming():  # a stream from a host that is gone: no data, never ends
         assert not streams.wait_until_done(quiet_s=0.2)
 
+    streams = OutputStreams()  # a rank quiet for a while before its last lines and its exit
+    ended.clear()
+
+    def a_quiet_stream_that_ends_soon():
+        with streams.streaming():
+            opened.set()
+            finish.wait(30)
+        ended.set()
+
+    opened.clear()
+    finish.clear()
+    threading.Thread(target=a_quiet_stream_that_ends_soon, daemon=True).start()
+    assert opened.wait(30)
+    streams._last_data -= 60  # its last data a minute ago
+    threading.Timer(0.3, finish.set).start()
+    assert streams.wait_until_done(quiet_s=30) and ended.is_set(), "waited for it to end"
+
 
 def test_elastic_process_names_are_parsed():
     failure = parse_failure(RuntimeError("... Process name: h2-93fc8a[0]\nExit code: 1\n"))

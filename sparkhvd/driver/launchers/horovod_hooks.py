@@ -50,10 +50,13 @@ class OutputStreams:
         self._last_data = time.monotonic()
 
     def wait_until_done(self, quiet_s: float = 2.0) -> bool:
-        """Until no stream is open (True), or none brought data for ``quiet_s`` (False)."""
+        """Until no stream is open (True), or none brought data for ``quiet_s`` since this
+        wait began (False): a rank quiet before its exit may still have its last lines on the
+        way."""
+        began = time.monotonic()
         with self._changed:
             while self._open:
-                if time.monotonic() - self._last_data > quiet_s:
+                if time.monotonic() - max(self._last_data, began) > quiet_s:
                     log.debug("%d output stream(s) of horovod still open and quiet", self._open)
                     return False
                 self._changed.wait(0.1)
