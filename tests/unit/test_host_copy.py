@@ -496,4 +496,3 @@ def test_a_sharded_checkpoint_restores_at_one_rank_from_both_hosts_copies(sharde
     from the folder; the state is the saved one."""
     ranks = _sharded_ranks(run_env, "restore", [str(run_env / "host-a")])
     assert ranks[0]["state"] == sharded_save and ranks[0]["epoch"] == 1
-
