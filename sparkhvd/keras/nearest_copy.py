@@ -26,7 +26,7 @@ class HorovodCollectives:
         self.hvd = collectives
         self.size = int(collectives.size())
 
-    def gather(self, held: dict[str, str]) -> list[dict[str, str]]:
+    def gather(self, held: dict[str, Any]) -> list[dict[str, Any]]:
         return list(self.hvd.allgather_object(held))
 
     def broadcast_record(self, record: Optional[dict], source: int) -> Optional[dict]:
@@ -106,7 +106,7 @@ class StrategyCollectives:
             out += self.summed(part).astype(np.int32).tobytes()
         return bytes(out[:n])
 
-    def gather(self, held: dict[str, str]) -> list[dict[str, str]]:
+    def gather(self, held: dict[str, Any]) -> list[dict[str, Any]]:
         text = json.dumps(held, sort_keys=True).encode()
         sizes = self._sizes(len(text))
         before, total = sum(sizes[:self.rank]), sum(sizes)

@@ -4,6 +4,10 @@ The step copies what it saves into host memory (``sparkhvd.torch``'s host buffer
 stager, Keras' serialised files) and hands the write to this thread; the rules it keeps are
 said in :mod:`sparkhvd.torch.async_save`: one save in flight, a failed write raised by the
 next call, a due save skipped while one is in flight (said once).
+
+A checkpoint committed on its host first (:mod:`sparkhvd.runfolder.host_copy`) is uploaded
+behind the saves by :class:`UploadQueue`, so a slow folder delays the folder's copy, not the
+next save.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import contextlib
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 __side__ = "rank"
@@ -85,11 +90,89 @@ class BackgroundSave:
                   flush=True)
 
 
+@dataclass
+class _Upload:
+    name: str
+    run: Callable[[], None]
+    drop: Callable[[], None]
+    supersedable: bool
+
+
+class UploadQueue:
+    """Uploads of checkpoints already kept on this host, one at a time on a thread of their
+    own, oldest first -- so the folder's ``latest.json`` only moves forward.
+
+    When the uploads lag behind the saves (a large state, a slow store), a *step* checkpoint
+    whose upload has not begun when a newer one is queued is dropped: it stays on this host
+    only (until the newer copy replaces it there) and the newer one is uploaded in its place
+    -- said once. An epoch-end checkpoint is always uploaded. A failed upload is kept and
+    raised by the next call (the later ones still run)."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Condition()
+        self._pending: list[_Upload] = []
+        self._uploading = False
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        #: step checkpoints left on the host only (a newer one came before their upload began)
+        self.dropped = 0
+
+    def put(self, name: str, run: Callable[[], None], drop: Callable[[], None],
+            supersedable: bool) -> None:
+        """Queue ``run`` (the upload of ``name``); ``drop`` lets its file go when it is
+        superseded (``supersedable``: a step checkpoint) before its upload began."""
+        with self._ready:
+            if self._pending and self._pending[-1].supersedable:
+                gone = self._pending.pop()
+                gone.drop()
+                self.dropped += 1
+                if self.dropped == 1:
+                    print(f"checkpoint: {gone.name} is kept on this host only: {name} came "
+                          "before its upload began (uploads lag behind the saves; the newest "
+                          "step checkpoint is uploaded next)", flush=True)
+            self._pending.append(_Upload(name, run, drop, supersedable))
+            self._ready.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="sparkhvd-upload",
+                                                daemon=True)
+                self._thread.start()
+
+    def _work(self) -> None:
+        _yield_cpu()
+        while True:
+            with self._ready:
+                while not self._pending:
+                    self._ready.wait()
+                upload = self._pending.pop(0)
+                self._uploading = True
+            try:
+                upload.run()
+            except BaseException as exc:  # noqa: BLE001 - kept and raised by the training loop
+                self._error = self._error or exc
+            with self._ready:
+                self._uploading = False
+                self._ready.notify_all()
+
+    def wait(self) -> None:
+        """Until every queued upload ended; the first error, if one failed."""
+        with self._ready:
+            while self._pending or self._uploading:
+                self._ready.wait()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        """The error of an upload that failed since the last call, raised once."""
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
 class SavesInBackground:
     """What a checkpoint helper with an optional background writer does with it -- the
     torch helpers and the Keras callback alike. ``_background`` None: saves are synchronous."""
 
     _background: Optional[BackgroundSave] = None
+    _uploads: Optional[UploadQueue] = None  # the saves kept on the host first, uploaded behind
 
     def _writing(self) -> bool:
         """Whether a save of this rank's is still being written in the background."""
@@ -101,9 +184,12 @@ class SavesInBackground:
             self._background.skip(name)
 
     def _finish_save(self) -> None:
-        """Wait until the save in flight is durable (raising its error)."""
+        """Wait until the save in flight is durable, in the checkpoint folder too (raising its
+        error)."""
         if self._background is not None:
             self._background.wait()
+        if self._uploads is not None:
+            self._uploads.wait()
 
     def _finish_quietly(self) -> None:
         with contextlib.suppress(Exception):
@@ -113,3 +199,5 @@ class SavesInBackground:
         """The error of a background save that failed, raised in the training loop."""
         if self._background is not None:
             self._background.raise_error()
+        if self._uploads is not None:
+            self._uploads.raise_error()

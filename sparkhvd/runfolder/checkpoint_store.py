@@ -48,6 +48,13 @@ class CheckpointStore:
         """Whether the folder is on this host's own disk (then it is its nearest copy)."""
         return False
 
+    @property
+    def key(self) -> str:
+        """What names this folder for the host copies kept before their upload to it
+        (:mod:`sparkhvd.runfolder.host_copy`): the same whether the run writes it or, after a
+        relaunch, resumes from it."""
+        return self.describe()
+
     def write(self, name: str, data: bytes) -> None:
         raise NotImplementedError
 
@@ -137,6 +144,15 @@ class RunFolderStore(CheckpointStore):
             path = os.path.join(self.files.local, self._path(name))
             if os.path.exists(path):
                 os.unlink(path)
+
+    @property
+    def key(self) -> str:
+        from sparkhvd.common import protocol
+
+        run_id = os.environ.get(protocol.RUN_ID_ENV, "")
+        own = self.root == "run" or \
+            (self.label or "").rstrip("/").endswith(f"/{run_id}/checkpoints")
+        return f"run folder {run_id}" if own and run_id else self.describe()
 
     def describe(self, name: str = "") -> str:
         if self.label:
@@ -308,22 +324,34 @@ class DigestingWriter:
 
 def write_checkpoint_streamed(store: CheckpointStore, epoch: int, name: str,
                               serialise: Callable[[IO[bytes]], None], info: dict,
-                              step: int = 0, spool: Optional[str] = None) -> dict:
-    """:func:`write_checkpoint` of one file that ``serialise(f)`` writes (``torch.save``):
-    straight into the store's file, or -- ``spool``, a local path -- into that file first and
-    then copied in (the caller keeps the spool: a host copy). The record comes after the file
-    is complete, as always."""
+                              step: int = 0) -> dict:
+    """:func:`write_checkpoint` of one file that ``serialise(f)`` writes (``torch.save``)
+    straight into the store's file; the record comes after the file is complete, as always.
+    (A file serialised on this host first, then copied in: :func:`serialise_into` and
+    :func:`upload_checkpoint`.)"""
     try:
-        if spool is None:
-            with store.open_write(name) as f:
-                written = _serialised(f, serialise)
-        else:
-            with open(spool, "wb") as f:
-                written = _serialised(f, serialise)
-            store.write_file(name, spool)
+        with store.open_write(name) as f:
+            written = _serialised(f, serialise)
         return commit_checkpoint(store, epoch, {name: written}, info, step)
     except OSError as exc:
         raise not_written(store, epoch, exc) from exc
+
+
+def serialise_into(path: str, serialise: Callable[[IO[bytes]], None]) -> dict:
+    """``serialise(f)`` into the local file ``path``; what the record says of it."""
+    with open(path, "wb") as f:
+        return _serialised(f, serialise)
+
+
+def upload_checkpoint(store: CheckpointStore, record: dict, local: Mapping[str, str]) -> dict:
+    """Commit the checkpoint ``record`` (:func:`record_of`) whose files are on this host (name
+    -> local path): the files copied in, then the record and ``latest.json``."""
+    try:
+        for name, path in local.items():
+            store.write_file(name, path)
+        return _commit(store, record)
+    except OSError as exc:
+        raise not_written(store, int(record["epoch"]), exc) from exc
 
 
 def _serialised(f: IO[bytes], serialise: Callable[[IO[bytes]], None]) -> dict:
@@ -373,7 +401,17 @@ def commit_checkpoint(store: CheckpointStore, epoch: int, files: Mapping[str, di
                       info: dict, step: int = 0) -> dict:
     """Write the record of a checkpoint whose ``files`` (name -> :func:`digest`) are in, then
     ``latest.json``. ``step``: steps of epoch ``epoch`` done (0: an epoch-end checkpoint)."""
-    record = {**info, "epoch": epoch, "step": step, "files": dict(files)}
+    return _commit(store, record_of(epoch, files, info, step))
+
+
+def record_of(epoch: int, files: Mapping[str, dict], info: dict, step: int = 0) -> dict:
+    """The record of a checkpoint of ``files`` (name -> :func:`digest`) after ``step`` steps of
+    epoch ``epoch`` (0: an epoch-end checkpoint)."""
+    return {**info, "epoch": epoch, "step": step, "files": dict(files)}
+
+
+def _commit(store: CheckpointStore, record: dict) -> dict:
+    epoch, step = int(record["epoch"]), int(record.get("step") or 0)
     data = json.dumps(record).encode()
     store.write(record_name(epoch, step), data)
     store.write(LATEST, data)
@@ -431,19 +469,19 @@ def _candidates(store: CheckpointStore, problems: list[str]) -> Iterator[dict]:
     newest = _record(store, LATEST, problems) if not names or LATEST in names else None
     order: list[tuple[tuple[int, int], int, str]] = []
     if newest is not None:
-        order.append((_progress(newest), 1, LATEST))  # ties: latest.json's own record
+        order.append((progress(newest), 1, LATEST))  # ties: latest.json's own record
     for name in names:
         match = _RECORD.match(name)
         if match:
             order.append(((int(match.group(1)), int(match.group(2) or 0)), 0, name))
     tried: set[tuple[int, int]] = set()
-    for progress, _, name in sorted(order, reverse=True):
-        if progress in tried:
+    for made, _, name in sorted(order, reverse=True):
+        if made in tried:
             continue
         record = newest if name == LATEST else _record(store, name, problems)
         if record is None:
             continue
-        tried.add(_progress(record))
+        tried.add(progress(record))
         yield record
 
 
@@ -451,7 +489,7 @@ def _record(store: CheckpointStore, name: str, problems: list[str]) -> Optional[
     """The record ``name`` (None: gone, or unreadable -- then a problem)."""
     try:
         record = json.loads(store.read(name))
-        _progress(record)
+        progress(record)
         return dict(record)
     except FileNotFoundError:
         return None
@@ -460,7 +498,8 @@ def _record(store: CheckpointStore, name: str, problems: list[str]) -> Optional[
         return None
 
 
-def _progress(record: dict) -> tuple[int, int]:
+def progress(record: dict) -> tuple[int, int]:
+    """``(epoch, step)`` of a record: which of two checkpoints is newer."""
     return int(record["epoch"]), int(record.get("step") or 0)
 
 

@@ -16,6 +16,14 @@ Rules:
   when its SHA-256 equals the one the run folder's newest complete checkpoint records, so a
   stale, torn or foreign copy is never used (it is read back, checked, and passed over with a
   warning).
+- **committed here first** (PyTorch's :class:`sparkhvd.torch.Checkpoints`, one writer): the
+  copy is kept *with its checkpoint's record* as soon as it is serialised, before its upload
+  to the checkpoint folder begins (:func:`hold` keeps the file for the upload). So a rank
+  killed while a large checkpoint uploads -- or while uploads lag behind every-step saves --
+  loses only the steps since its last copy here: a relaunch restores the newest checkpoint
+  any rank's host holds whole (its checksum checked) when it is newer than the folder's
+  newest. Such a checkpoint survives the loss of a process, not of its host; the folder's is
+  the one a lost host falls back to.
 - **bounded**: a checkpoint is kept when it fits in half the folder's free space (the older
   copy is deleted once the new one is in); otherwise no copy is kept and the older one is
   deleted too, said once on the rank's console.
@@ -38,7 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from sparkhvd.common import protocol
+from sparkhvd.common import owned_temp, protocol
 from sparkhvd.common.identity import current_rank
 
 __side__ = "rank"
@@ -159,23 +167,41 @@ def spool(file: str) -> Optional[str]:
         if os.path.dirname(run) not in _swept:  # once per process, not once per save
             _swept.add(os.path.dirname(run))
             _remove_stale(os.path.dirname(run), keep_name=os.path.basename(run))
+            owned_temp.remove_orphans(where)  # a killed rank's spool and upload hold
     except OSError as exc:
         _said_failed(exc)
         return None
-    return os.path.join(where, f"{_copy_name(file)}.tmp-{os.getpid()}")
+    return os.path.join(where, f"sparkhvd-spool-{os.getpid()}-{_copy_name(file)}")
 
 
-def adopt(file: str, path: str, sha256: str) -> Optional[HostCopy]:
+def adopt(file: str, path: str, sha256: str, record: Optional[dict] = None,
+          store: Optional[str] = None) -> Optional[HostCopy]:
     """Make the complete file at ``path`` (from :func:`spool`) this host's newest copy of the
     one-file checkpoint ``file`` (:func:`adopt_all`). None when not kept."""
-    return adopt_all({file: (path, sha256)}).get(file)
+    return adopt_all({file: (path, sha256)}, record, store).get(file)
 
 
-def adopt_all(spools: Mapping[str, tuple[str, str]]) -> dict[str, HostCopy]:
+def hold(path: str) -> Optional[str]:
+    """A second name for the spooled file ``path`` (a hard link beside it: no copy), for its
+    upload to read after :func:`adopt` -- and a newer save's :func:`adopt`, which deletes this
+    copy -- took the first. The caller deletes it (:func:`discard`). None where the folder's
+    file system has no hard links."""
+    held = f"{path}.upload"
+    try:
+        os.link(path, held)
+    except OSError:
+        return None
+    return held
+
+
+def adopt_all(spools: Mapping[str, tuple[str, str]], record: Optional[dict] = None,
+              store: Optional[str] = None) -> dict[str, HostCopy]:
     """Make the complete files at the spooled paths (checkpoint file -> (path, sha256)) this
     host's newest copy, replacing the one before -- or delete them and keep none when they take
     more than half of what the folder had free (said once). Never an error: empty when not
-    kept."""
+    kept. ``record`` (with ``store``, :attr:`CheckpointStore.key` of the folder it goes to):
+    the checkpoint's record, kept with the files when they are kept before their upload, so a
+    relaunch can restore them before the folder has them (:func:`records`)."""
     if not spools:
         return {}
     where = os.path.dirname(next(iter(spools.values()))[0])
@@ -189,17 +215,19 @@ def adopt_all(spools: Mapping[str, tuple[str, str]]) -> dict[str, HostCopy]:
                       "free space of %s (%d MB); relaunches restore from the run folder. "
                       "Set %s to a larger folder.", ", ".join(spools), total >> 20, where,
                       room >> 20, DIR_ENV)
-            for path, _ in spools.values():
-                _unlink(path)
-            clean_own()
+            for path in [p for p, _ in spools.values()] + [c.path for c in old.values()]:
+                _unlink(path)  # not the folder: an upload may still read a file held there
+            _unlink(os.path.join(where, _META))
             return {}
         kept: dict[str, HostCopy] = {}
         for file, (path, sha256) in spools.items():
             final = os.path.join(where, _copy_name(file))
             os.replace(path, final)  # the new files, then what names them, then the old go
             kept[file] = HostCopy(file, sha256, sizes[file], final)
-        meta = {"files": [{"file": c.file, "sha256": c.sha256, "size": c.size,
-                           "name": os.path.basename(c.path)} for c in kept.values()]}
+        meta: dict = {"files": [{"file": c.file, "sha256": c.sha256, "size": c.size,
+                                 "name": os.path.basename(c.path)} for c in kept.values()]}
+        if record is not None and store is not None:
+            meta.update(record=record, store=store)
         _replace(os.path.join(where, _META), json.dumps(meta).encode())
         for copy in old.values():
             if copy.path not in {c.path for c in kept.values()}:
@@ -233,18 +261,37 @@ def find_all() -> dict[str, HostCopy]:
     """Every copy this host keeps for this run -- each writing rank's newest checkpoint files
     -- by checkpoint file (not yet checked: :meth:`HostCopy.read` checks each). Where two
     ranks' copies name the same file, the newer one."""
-    where = folder()
-    if where is None:
-        return {}
-    try:
-        owners = [os.path.join(where, name) for name in os.listdir(where)
-                  if name.startswith("rank-")]
-    except OSError:
-        return {}
     copies: dict[str, HostCopy] = {}
-    for owner in sorted(owners, key=_meta_time):  # newer ones last: they win
+    for owner in sorted(_owners(), key=_meta_time):  # newer ones last: they win
         copies.update(_read_meta(owner))
     return copies
+
+
+def _owners() -> list[str]:
+    """The folders of the ranks that kept copies on this host for this run."""
+    where = folder()
+    try:
+        return [os.path.join(where, name) for name in os.listdir(where)
+                if name.startswith("rank-")] if where else []
+    except OSError:
+        return []
+
+
+def records(store: str) -> list[dict]:
+    """The records of the checkpoints this host keeps for this run whose copies were kept
+    before their upload to the folder ``store`` (:attr:`CheckpointStore.key`) -- the ones a
+    relaunch may restore before the folder has them. Not checked: their files are, when read."""
+    found = []
+    for owner in _owners():
+        try:
+            with open(os.path.join(owner, _META), "rb") as f:
+                meta = json.loads(f.read())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and meta.get("store") == store and \
+                isinstance(meta.get("record"), dict):
+            found.append(meta["record"])
+    return found
 
 
 def _read_meta(where: str) -> dict[str, HostCopy]:
@@ -269,13 +316,6 @@ def _meta_time(where: str) -> float:
 def clean() -> None:
     """Delete this run's host copies on this host, every rank's (the run is done)."""
     where = folder()
-    if where is not None:
-        shutil.rmtree(where, ignore_errors=True)
-
-
-def clean_own() -> None:
-    """Delete this rank's copy (one over the budget, or no longer wanted)."""
-    where = _own_folder()
     if where is not None:
         shutil.rmtree(where, ignore_errors=True)
 

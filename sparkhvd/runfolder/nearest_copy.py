@@ -6,10 +6,13 @@ those files: read from the run folder, they cross the network once per rank (min
 large model on ``abfss://``). Here, with the framework's collectives (:class:`Collectives`:
 ``torch.distributed``, Horovod or a ``tf.distribute`` strategy):
 
-1. every rank says which copies its host has (one small all-gather);
-2. rank 0 reads the newest complete checkpoint's record from the checkpoint folder and tells
-   every rank its files and checksums (one small broadcast): the one decision, so every rank
-   takes the same path through the collectives below;
+1. every rank says which copies its host has, and the records of those kept before their
+   upload (one small all-gather);
+2. rank 0 reads the newest complete checkpoint's record from the checkpoint folder -- or takes
+   a newer one kept on the hosts first, when the ranks' hosts hold every file of it (its upload
+   had not ended: :mod:`sparkhvd.runfolder.host_copy`) -- and tells every rank its files and
+   checksums (one small broadcast): the one decision, so every rank takes the same path
+   through the collectives below;
 3. for each file, a loading rank whose host has it reads it from disk (checked against the
    checksum); when some loading rank's host has none, the lowest rank that has it sends its
    bytes to every rank over the framework's collectives; a file no rank has (or whose only
@@ -31,6 +34,7 @@ from sparkhvd.runfolder.checkpoint_store import (
     CheckpointStore,
     files_of,
     newest_checked,
+    progress,
     read_copy,
     read_file_checked,
     restore_newest,
@@ -48,8 +52,8 @@ class Collectives(Protocol):
 
     size: int
 
-    def gather(self, held: dict[str, str]) -> list[dict[str, str]]:
-        """Every rank's ``held``, by rank."""
+    def gather(self, held: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's ``held`` (a JSON-able dict), by rank."""
 
     def broadcast_record(self, record: Optional[dict], source: int) -> Optional[dict]:
         """``source``'s record (a JSON-able dict, or None) on every rank."""
@@ -67,7 +71,7 @@ class Alone:
 
     size = 1
 
-    def gather(self, held: dict[str, str]) -> list[dict[str, str]]:
+    def gather(self, held: dict[str, Any]) -> list[dict[str, Any]]:
         return [held]
 
     def broadcast_record(self, record: Optional[dict], source: int) -> Optional[dict]:
@@ -92,8 +96,12 @@ def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, byte
     readers = set(range(world.size)) if loaders is None else set(loaders)
     loading = rank in readers
     mine = host_copy.find_all()
-    everyone = world.gather({file: copy.sha256 for file, copy in mine.items()})
-    record = _decide(store, rank, any(everyone), world)
+    gathered = world.gather({"files": {file: copy.sha256 for file, copy in mine.items()},
+                             "records": host_copy.records(store.key)})
+    everyone: list[dict[str, str]] = [held["files"] for held in gathered]
+    kept_first = [record for held in gathered for record in held["records"]
+                  if _held_whole(record, everyone)]
+    record = _decide(store, rank, any(everyone), kept_first, world)
     problems: list[str] = []
     if record is not None:
         files, copy = _fetch(store, record, mine, everyone, rank, readers, problems, world)
@@ -109,10 +117,12 @@ def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, byte
     return newest, state, problems + skipped, "folder"
 
 
-def _decide(store: CheckpointStore, rank: int, any_copy: bool, world: Collectives
-            ) -> Optional[dict]:
-    """Rank 0's reading of the newest checkpoint's record, the same on every rank; None when
-    no rank has a host copy or the record has no checksums to check a copy against."""
+def _decide(store: CheckpointStore, rank: int, any_copy: bool, kept_first: list[dict],
+            world: Collectives) -> Optional[dict]:
+    """Rank 0's choice, the same on every rank: the newest checkpoint's record in the folder,
+    or a newer one of ``kept_first`` (records of checkpoints the ranks' hosts hold whole,
+    kept before their upload); None when no rank has a host copy or the record has no
+    checksums to check a copy against."""
     if not any_copy:
         return None
     wanted = None
@@ -121,7 +131,23 @@ def _decide(store: CheckpointStore, rank: int, any_copy: bool, world: Collective
             wanted = newest_checked(store)
         except Exception:  # noqa: BLE001 - the folder path below says what is wrong
             wanted = None
+        newer = [r for r in kept_first if wanted is None or progress(r) > progress(wanted)]
+        if newer:
+            first = max(newer, key=progress)
+            print(f"resume: {first.get('file') or 'the newest checkpoint'} was kept on the "
+                  f"ranks' hosts before its upload to {store.describe()} ended; it is newer "
+                  f"than the folder's newest ({(wanted or {}).get('file') or 'none'}): "
+                  "restored from the hosts", flush=True)
+            wanted = first
     return world.broadcast_record(wanted, 0)
+
+
+def _held_whole(record: dict, everyone: list[dict[str, str]]) -> bool:
+    """Whether some rank's host holds each file of ``record`` with its checksum."""
+    files = files_of(record)
+    return bool(files) and all(
+        any(held.get(name) == expected.get("sha256") for held in everyone)
+        for name, expected in files.items())
 
 
 def _fetch(store: CheckpointStore, record: dict, mine: dict[str, host_copy.HostCopy],

@@ -17,6 +17,10 @@ The rules (:class:`sparkhvd.torch.Checkpoints` applies them; its docstring says 
   extra state are copied when the save starts, not when its write ends.
 - **complete or absent**: the file, then its record, then ``latest.json``, as for a synchronous
   save -- a rank killed mid-write leaves the previous complete checkpoint to resume from.
+  With a host copy and the folder elsewhere, "complete" comes twice: on rank 0's host (the
+  file and its record kept there, :mod:`sparkhvd.runfolder.host_copy`) and then in the folder,
+  uploaded behind the saves (:class:`~sparkhvd.runfolder.background_save.UploadQueue`), so the
+  one in flight is the serialisation, not the upload.
 - **errors are not lost**: a failed write is raised by the next ``step()``/``save()``, or when
   the training function ends; the function's end waits for the save in flight
   (:mod:`sparkhvd.common.function_end`), so a rank never reports done before its last checkpoint

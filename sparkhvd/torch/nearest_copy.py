@@ -40,7 +40,7 @@ class TorchCollectives:
 
         self.size = dist.get_world_size()
 
-    def gather(self, held: dict[str, str]) -> list[dict[str, str]]:
+    def gather(self, held: dict[str, Any]) -> list[dict[str, Any]]:
         import torch.distributed as dist
 
         everyone: list = [None] * self.size

@@ -37,7 +37,7 @@ from sparkhvd.common.identity import current_rank
 from sparkhvd.elastic.notices import Preempted, WorldSizeChange, listen, noticed, stop
 from sparkhvd.elastic.notices import world_size_change as _world_size_change
 from sparkhvd.runfolder import host_copy
-from sparkhvd.runfolder.background_save import SavesInBackground
+from sparkhvd.runfolder.background_save import SavesInBackground, UploadQueue
 from sparkhvd.runfolder.checkpoint_store import (
     DISCARD,
     CheckpointStore,
@@ -50,9 +50,12 @@ from sparkhvd.runfolder.checkpoint_store import (
     digest_file,
     not_written,
     prune,
+    record_of,
     restore_newest,
     resume_store,
+    serialise_into,
     spool_folder,
+    upload_checkpoint,
     write_checkpoint_streamed,
 )
 from sparkhvd.torch.async_save import BackgroundSave, HostSnapshot, ShardedStaging
@@ -359,9 +362,15 @@ class Checkpoints(_CheckpointsBase):
         host_copy: when the checkpoint folder is not on rank 0's disk (``abfss://``, or a run
             folder on the driver's host reached through its service), rank 0 also keeps its
             newest checkpoint file on its own host (in the background with ``async_save``),
-            and a relaunched run restores from the nearest copy: ranks on that host read it from disk, the others get it from a rank that has
-            it over the process group, and the checkpoint folder is read only when no rank has
-            a good one (a missing or corrupt copy is said and passed over). The resume line and
+            and a relaunched run restores from the nearest copy: ranks on that host read it
+            from disk, the others get it from a rank that has it over the process group, and
+            the checkpoint folder is read only when no rank has
+            a good one (a missing or corrupt copy is said and passed over). The copy is kept
+            with its record *before* its upload: a relaunch restores it even when its upload
+            never ended (it outlives rank 0's process, not its host), and with ``async_save``
+            uploads run behind the saves -- a step checkpoint still waiting for its upload when
+            a newer one comes is never uploaded (said once; an epoch's end always is). The
+            resume line and
             ``run.json``'s ``resume.copy`` say which was read. Kept in ``$SPARKHVD_HOST_COPY_DIR``
             (default: the temporary folder) when it fits in half its free space, and deleted
             when the function returns (see :mod:`sparkhvd.runfolder.host_copy`). Only inside a
@@ -389,6 +398,8 @@ class Checkpoints(_CheckpointsBase):
             self._background = BackgroundSave()
             #: the state of the save in flight, in host memory (refilled by the next save)
             self._snapshot = HostSnapshot()
+            if host_copy and not self.store.on_this_host:
+                self._uploads = UploadQueue()  # kept on this host first, uploaded behind
             at_function_end(self._finish_save)  # the rank is done when its last save is
             atexit.register(self._finish_quietly)  # ... and so is a torchrun script
 
@@ -412,29 +423,75 @@ class Checkpoints(_CheckpointsBase):
             self._last_save = time.monotonic()
             return name
         self._background.wait()  # one in flight: its buffers are the ones filled now
+        if self._uploads is not None and self.store.committed is None:
+            self._uploads.wait()  # the folder's first: what a relaunch finds to resume from
         held = self._snapshot.take(state)  # the only part the step waits for
         self._last_save = time.monotonic()
         self._background.start(name, lambda: self._persist(held, name, done, step or 0))
         return name
 
     def _persist(self, state: dict, name: str, done: int, step: int) -> None:
-        """Serialise ``state`` and write it, its record and ``latest.json``; prune."""
+        """Serialise ``state`` and write it, its record and ``latest.json``; prune. With
+        ``host_copy`` and a folder elsewhere, the file is serialised on this host and kept
+        there with its record first (:meth:`_kept_here_first`), then uploaded: at once, or
+        behind the saves with ``async_save``."""
         assert self.store is not None  # rank 0 with somewhere to write (see _write)
-        # streamed into a file, never whole in memory: a write to a file releases the GIL, so
-        # a background save does not starve the training thread (B5/B15)
+        info = {"file": name}
+
+        def serialise(f: Any) -> None:
+            save_state(state, f)
+
         spool = (host_copy.spool(name) if self.host_copy and not self.store.on_this_host
                  else None)  # the folder elsewhere: the file is written here, then sent
+        if spool is None:
+            # streamed into a file, never whole in memory: a write to a file releases the
+            # GIL, so a background save does not starve the training thread (B5/B15)
+            write_checkpoint_streamed(self.store, done, name, serialise, info, step)
+            self._saved()
+            return
         try:
-            record = write_checkpoint_streamed(self.store, done, name,
-                                               lambda f: save_state(state, f),
-                                               {"file": name}, step, spool=spool)
-        except BaseException:
-            if spool is not None:
-                host_copy.discard(spool)
+            written = serialise_into(spool, serialise)
+        except BaseException as exc:
+            host_copy.discard(spool)
+            if isinstance(exc, OSError):
+                raise not_written(self.store, done, exc) from exc
             raise
-        if spool is not None:
-            host_copy.adopt(name, spool, record["files"][name]["sha256"])
-        self._saved()
+        upload, drop = self._kept_here_first(name, spool, record_of(done, {name: written},
+                                                                    info, step))
+        if self._uploads is None:
+            upload()
+        else:
+            self._uploads.put(name, upload, drop, supersedable=bool(step))
+
+    def _kept_here_first(self, name: str, spool: str, record: dict
+                         ) -> tuple[Callable[[], None], Callable[[], None]]:
+        """Keep the serialised checkpoint file ``spool`` as this host's copy *with its
+        record* before it is uploaded -- a relaunch restores it from here even when its
+        upload never ended (:mod:`sparkhvd.runfolder.host_copy`) -- and return its upload
+        (the file, the record, ``latest.json``, then prune) and what lets its file go when
+        the upload is superseded. Where the file cannot be held for the upload (no hard
+        links), it is kept here only after its upload, as a plain host copy."""
+        store = self.store
+        assert store is not None
+        sha256 = record["files"][name]["sha256"]
+        held = host_copy.hold(spool)
+
+        def upload() -> None:
+            source = held or spool
+            try:
+                upload_checkpoint(store, record, {name: source})
+            except BaseException:
+                host_copy.discard(source)
+                raise
+            if held is not None:
+                host_copy.discard(held)
+            else:
+                host_copy.adopt(name, spool, sha256)
+            self._saved()
+
+        if held is not None:
+            host_copy.adopt(name, spool, sha256, record, store.key)
+        return upload, lambda: host_copy.discard(held or spool)
 
     def restore(self) -> int:
         """Load the newest usable checkpoint, if resuming; the epoch to start from (0

@@ -321,7 +321,8 @@ def torch_fit_killed_mid_upload(url, storage_options, epochs=3, host_copy=False,
     """Rank 0 saves in the background to ``url`` (``abfss://`` on Azurite), a 2048x2048 layer
     with momentum (about 33 MB); on the first attempt it is SIGKILLed while epoch 2's save is
     being written (serialised and uploaded). Deterministic per epoch, as :func:`torch_fit`.
-    ``host_copy``: rank 0 also keeps its newest checkpoint on its host. ``sharded``: every
+    ``host_copy``: rank 0 also keeps its newest checkpoint on its host, and is killed once
+    epoch 2's is kept there, while it uploads. ``sharded``: every
     rank saves its part with DCP (ShardedCheckpoints, each keeping its files on its host), and
     rank 1 is the one killed."""
     import os
@@ -349,9 +350,12 @@ def torch_fit_killed_mid_upload(url, storage_options, epochs=3, host_copy=False,
         ckpt.save(epoch)
         if kill and epoch == 1 and ctx.rank == int(sharded) and \
                 os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
-            while not ckpt._background.busy:  # the write of epoch-0002.pt has started...
-                time.sleep(0.001)
-            time.sleep(0.05)  # ... and is under way
+            if host_copy and not sharded:  # kept on this host, with its record: its upload
+                ckpt._background.wait()  # is under way (or just ended) when the kill comes
+            else:
+                while not ckpt._background.busy:  # the write of epoch-0002.pt has started...
+                    time.sleep(0.001)
+                time.sleep(0.05)  # ... and is under way
             os.kill(os.getpid(), signal.SIGKILL)
     ckpt._finish_save()
     digest = float(sum(p.detach().double().sum() for p in model.parameters()))
@@ -388,8 +392,9 @@ def test_a_rank_killed_while_its_save_uploads_to_abfss_resumes_from_a_complete_c
     """async_save to abfss:// (Azurite): rank 0 SIGKILLed in the middle of a background save.
     The relaunch reads the newest checkpoint whose record was written -- the one before, or the
     one cut off if its upload had finished -- never a torn file, and ends with the weights of
-    an uninterrupted run. With the host copy, epoch 1's (kept before epoch 2's save began) is
-    read from this host's disk instead of Azurite when it is the newest complete one. Sharded
+    an uninterrupted run. With the host copy, each checkpoint is kept on this host with its
+    record before its upload begins: rank 0 is killed once epoch 2's is, and the relaunch reads
+    it from this host's disk whether or not its upload had ended. Sharded
     (DCP), rank 1 is killed: every rank kept its own files, each rank of the relaunch reads
     every file from this host, whichever checkpoint was the newest complete one."""
     store, straight_digest = uploads_store
@@ -411,9 +416,10 @@ def test_a_rank_killed_while_its_save_uploads_to_abfss_resumes_from_a_complete_c
 
         run_id = runner.last_run_dir.run_id
         assert not os.path.exists(os.path.join(copies.base_folder(), run_id)), "cleaned"
+    elif host_copy:
+        assert (copy, restored) == ("host", "epoch-0002.pt")
     else:
-        assert copy == ("host" if host_copy and restored == "epoch-0001.pt" else
-                        copy if host_copy else "folder"), (copy, restored)
+        assert copy == "folder", (copy, restored)
 
 
 def keras_fit_killed(url, storage_options, epochs=4, kill=True, hosts=None):

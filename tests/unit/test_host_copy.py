@@ -117,6 +117,24 @@ def test_a_folder_a_failed_run_left_is_deleted_a_day_later(run_env):
     assert not os.path.exists(stale) and os.path.exists(fresh) and os.path.exists(saving)
 
 
+def test_a_killed_ranks_spool_and_upload_hold_go_with_the_next_processs_first_save(run_env):
+    """A rank SIGKILLed mid-save leaves its spool, or the hold its upload read from (each as
+    big as the checkpoint), in its folder: named by its process, they go once it is gone."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    rank_folder = os.path.join(host_copy.folder(), "rank-0")
+    os.makedirs(rank_folder)
+    left = [os.path.join(rank_folder, f"sparkhvd-spool-{ended.pid}-epoch-0001.pt{tail}")
+            for tail in ("", ".upload")]
+    live = os.path.join(rank_folder, f"sparkhvd-spool-{os.getpid()}-epoch-0000.pt.upload")
+    for path in (*left, live):
+        with open(path, "wb") as f:
+            f.write(b"torn")
+        os.utime(path, (0, 0))
+    assert _keep("epoch-0002.pt", b"data") is not None
+    assert [os.path.exists(path) for path in (*left, live)] == [False, False, True]
+
+
 # -- a checkpoint of several files (Keras: the model and the optimizer's) -------------------
 def _two_file_checkpoint(tmp_path, epoch: int):
     """A Keras-shaped checkpoint (model file, optimizer file) written to a folder that counts
@@ -330,6 +348,124 @@ def test_when_the_only_copy_is_corrupt_every_rank_reads_the_folder(run_env):
     assert "corrupt" in ranks[1]["out"], ranks[1]["out"]
     resume = [line for line in ranks[0]["out"].splitlines() if "resume: restored" in line]
     assert not _names_a_copy(resume[-1]), ranks[0]["out"]
+
+
+# -- kept on the host first: a relaunch restores what the folder does not have yet -----------
+def _upload_held(run_env):
+    """``st.Checkpoints`` saving every step in the background into a folder whose uploads wait
+    at a gate (a slow ``abfss://``); its store."""
+    import sparkhvd.torch as st
+    from conftest import gated_store
+
+    torch = pytest.importorskip("torch")
+    model, opt = _model_and_opt(torch, seed=0)
+    ckpt = st.Checkpoints(model, opt, url=str(run_env / "ckpt"), resume=False,
+                          async_save=True, every_steps=1)
+    ckpt.store = store = gated_store(str(run_env / "ckpt"))
+    return model, opt, ckpt, store
+
+
+def _train(torch, model, opt) -> None:
+    opt.zero_grad()
+    model(torch.randn(16, 4)).sum().backward()
+    opt.step()
+
+
+def _train_and_step(torch, model, opt, ckpt, epoch: int) -> str:
+    """One optimizer step and ``ckpt.step``; the checkpoint's name, once it is kept here."""
+    _train(torch, model, opt)
+    name = ckpt.step(epoch)
+    ckpt._background.wait()  # serialised and kept on this host; its upload may wait
+    return name
+
+
+def _folder_records(run_env) -> list[str]:
+    return sorted(n for n in os.listdir(run_env / "ckpt") if n.startswith("epoch-")
+                  and n.endswith(".json"))
+
+
+@pytest.mark.parametrize("damage", [None, "corrupt"])
+def test_a_relaunch_restores_the_newest_checkpoint_kept_here_while_its_upload_waits(
+        run_env, capsys, damage):
+    """Saves go on every step while the folder's uploads lag (held at a gate): each is kept on
+    this host with its record first, so a relaunch restores the newest -- not the folder's
+    older newest -- and says so; a step checkpoint queued behind a newer one is never uploaded
+    (said once), an epoch's end always is; once the uploads end the folder has the newest.
+    A corrupt copy falls back to the folder's newest, with a warning."""
+    torch = pytest.importorskip("torch")
+    model, opt, ckpt, store = _upload_held(run_env)
+    _train_and_step(torch, model, opt, ckpt, 0)
+    ckpt._finish_save()  # step 1 is in the folder
+    store.writing.clear()
+    store.gate.clear()
+    _train_and_step(torch, model, opt, ckpt, 0)  # step 2: its upload waits at the gate
+    assert store.writing.wait(10)
+    for _ in range(2):  # steps 3 and 4 are kept here; 3's upload is superseded by 4's
+        _train_and_step(torch, model, opt, ckpt, 0)
+    ckpt.save(0)  # epoch 0's end supersedes step 4's upload, and is never superseded
+    ckpt._background.wait()
+    newest = _train_and_step(torch, model, opt, ckpt, 1)
+    assert newest == "epoch-0001-step-0000001.pt"
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    out = capsys.readouterr().out
+    assert "epoch-0000-step-0000003.pt is kept on this host only" in out, out
+    assert out.count("kept on this host only") == 1, out
+    assert _folder_records(run_env) == ["epoch-0000-step-0000001.json"]
+    if damage:
+        _damage(_one_copy(), damage)
+
+    restored, relaunched, epoch, lines = _restored(torch, run_env, capsys)  # the relaunch
+    state = restored.state_dict()
+    if damage:
+        assert relaunched.restored == {"epoch": 0, "step": 1}, relaunched.restored
+        assert any("WARNING" in line and "corrupt" in line for line in lines), lines
+    else:
+        assert (epoch, relaunched.restored) == (1, {"epoch": 1, "step": 1})
+        assert all(torch.equal(state[k], v) for k, v in saved.items())
+        assert any(f"{newest} was kept on the ranks' hosts before its upload" in line
+                   and "epoch-0000-step-0000001.pt" in line for line in lines), lines
+        assert "its copy on this host" in lines[-1], lines
+
+    store.gate.set()
+    ckpt._finish_save()
+    assert _folder_records(run_env) == [
+        "epoch-0000-step-0000001.json", "epoch-0000-step-0000002.json",
+        "epoch-0001-step-0000001.json", "epoch-0001.json"]
+    assert json.loads((run_env / "ckpt" / "latest.json").read_text())["file"] == newest
+    leftovers = [n for n in os.listdir(os.path.dirname(_one_copy().path)) if ".upload" in n]
+    assert leftovers == [], "each upload's hold on its file is let go"
+
+
+def test_a_checkpoint_whose_upload_failed_is_sent_to_a_rank_on_a_new_host(run_env):
+    """A synchronous save whose upload fails (the folder keeps the epoch before) is still on
+    rank 0's host: both ranks of the relaunch restore it, one of them over the process group;
+    a run resuming from another folder never takes it."""
+    torch = pytest.importorskip("torch")
+    import sparkhvd.torch as st
+    from conftest import gated_store
+
+    model, opt = _model_and_opt(torch, seed=0)
+    ckpt = st.Checkpoints(model, opt, url=str(run_env / "ckpt"), resume=False)
+    ckpt.store = store = gated_store(str(run_env / "ckpt"))
+    ckpt.save(0)
+    _train(torch, model, opt)
+    store.fail = OSError(28, "No space left on device")
+    with pytest.raises(OSError, match="checkpoint of epoch 2 not written"):
+        ckpt.save(1)
+    assert _one_copy().file == "epoch-0002.pt" and _folder_records(run_env) == ["epoch-0001.json"]
+    saved = _as_lists(model.state_dict())
+    ranks = _two_ranks(run_env, [str(run_env / "host-b"), str(run_env / "host-a")])
+    assert [r["epoch"] for r in ranks] == [2, 2], [r["out"] for r in ranks]
+    assert ranks[0]["state"] == saved and ranks[1]["state"] == saved
+    assert "another rank's host copy" in [line for line in ranks[0]["out"].splitlines()
+                                          if "resume:" in line][-1], ranks[0]["out"]
+    shutil.copytree(run_env / "ckpt", run_env / "elsewhere")
+    from sparkhvd.runfolder import nearest_copy
+    from sparkhvd.runfolder.checkpoint_store import UrlStore
+
+    record, _, _, _ = nearest_copy.restore_nearest(UrlStore(str(run_env / "elsewhere")), _load,
+                                                   0, nearest_copy.Alone())
+    assert record["file"] == "epoch-0001.pt", "another folder's newest, not this one's copy"
 
 
 # -- st.ShardedCheckpoints: every rank keeps its own files ----------------------------------
