@@ -411,7 +411,7 @@ def record_of(epoch: int, files: Mapping[str, dict], info: dict, step: int = 0) 
 
 
 def _commit(store: CheckpointStore, record: dict) -> dict:
-    epoch, step = int(record["epoch"]), int(record.get("step") or 0)
+    epoch, step = progress(record)
     data = json.dumps(record).encode()
     store.write(record_name(epoch, step), data)
     store.write(LATEST, data)

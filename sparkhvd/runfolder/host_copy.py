@@ -281,28 +281,28 @@ def records(store: str) -> list[dict]:
     """The records of the checkpoints this host keeps for this run whose copies were kept
     before their upload to the folder ``store`` (:attr:`CheckpointStore.key`) -- the ones a
     relaunch may restore before the folder has them. Not checked: their files are, when read."""
-    found = []
-    for owner in _owners():
-        try:
-            with open(os.path.join(owner, _META), "rb") as f:
-                meta = json.loads(f.read())
-        except (OSError, ValueError):
-            continue
-        if isinstance(meta, dict) and meta.get("store") == store and \
-                isinstance(meta.get("record"), dict):
-            found.append(meta["record"])
-    return found
+    metas = (_load_meta(owner) for owner in _owners())
+    return [meta["record"] for meta in metas
+            if meta.get("store") == store and isinstance(meta.get("record"), dict)]
+
+
+def _load_meta(where: str) -> dict:
+    """The list one rank keeps in ``where`` (empty: none, or unreadable)."""
+    try:
+        with open(os.path.join(where, _META), "rb") as f:
+            meta = json.loads(f.read())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def _read_meta(where: str) -> dict[str, HostCopy]:
     """The copies one rank kept in ``where`` (empty: none, or their list is unreadable)."""
     try:
-        with open(os.path.join(where, _META), "rb") as f:
-            meta = json.loads(f.read())
         return {str(m["file"]): HostCopy(str(m["file"]), str(m["sha256"]), int(m["size"]),
                                          os.path.join(where, str(m["name"])))
-                for m in meta["files"]}
-    except (OSError, ValueError, KeyError, TypeError):
+                for m in _load_meta(where).get("files", [])}
+    except (KeyError, TypeError, ValueError):
         return {}
 
 
