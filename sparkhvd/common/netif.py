@@ -74,18 +74,18 @@ class PortReservation:
     and ``SO_REUSEPORT`` and never listening, which keeps every other ``bind(0)`` and outgoing
     connection off it while the rank's own server (gRPC, torch's ``TCPStore``) can still bind
     and listen on it. Close it when the ranks have ended.
+
+    Held on the wildcard address (IPv6's, which covers IPv4 too, where the host has it): the
+    ranks' servers listen on every address, so a port held on one address only could still be
+    handed to another process binding another (``127.0.0.1``, port 0) -- and gRPC's wildcard
+    bind then fails with "Address already in use" ("Could not start gRPC server").
     """
 
-    def __init__(self, address: str, count: int) -> None:
+    def __init__(self, count: int) -> None:
         self._held: list[socket.socket] = []
         try:
             for _ in range(count):
-                sock = socket.socket()
-                self._held.append(sock)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if hasattr(socket, "SO_REUSEPORT"):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-                sock.bind((address or "", 0))
+                self._held.append(_held_port())
         except BaseException:
             self.close()
             raise
@@ -102,3 +102,28 @@ class PortReservation:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _held_port() -> socket.socket:
+    """A socket bound to a free port on every address of the host (see
+    :class:`PortReservation`), not listening: IPv6's dual-stack wildcard, or IPv4's where the
+    host has no IPv6."""
+    try:
+        return _bound(socket.AF_INET6, "::")
+    except OSError:
+        return _bound(socket.AF_INET, "")
+
+
+def _bound(family: socket.AddressFamily, wildcard: str) -> socket.socket:
+    sock = socket.socket(family)
+    try:
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4's addresses too
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if hasattr(socket, "SO_REUSEPORT"):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((wildcard, 0))
+    except BaseException:
+        sock.close()
+        raise
+    return sock

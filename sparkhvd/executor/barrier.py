@@ -209,7 +209,7 @@ def barrier_task(spec: protocol.TaskSpec) -> tuple[int, dict, list, Optional[byt
     channel = _connect(spec.driver, min(float(spec.start_timeout), CONNECT_TIMEOUT_S))
     address = channel.sock.getsockname()[0] if channel else route_address(spec.driver[0])
     # Held until the ranks end, so no other task on this host is handed the same port.
-    with PortReservation(address, spec.ranks_per_task
+    with PortReservation(spec.ranks_per_task
                          if get_backend(spec.backend).needs_port else 0) as reserved:
         return _task_with_ports(spec, context, partition, started, channel, host, address,
                                 reserved.ports, gpus)

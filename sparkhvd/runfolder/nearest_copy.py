@@ -137,7 +137,7 @@ def _decide(store: CheckpointStore, rank: int, any_copy: bool, kept_first: list[
             print(f"resume: {first.get('file') or 'the newest checkpoint'} was kept on the "
                   f"ranks' hosts before its upload to {store.describe()} ended; it is newer "
                   f"than the folder's newest ({(wanted or {}).get('file') or 'none'}): "
-                  "restored from the hosts", flush=True)
+                  "reading it from the hosts", flush=True)
             wanted = first
     return world.broadcast_record(wanted, 0)
 

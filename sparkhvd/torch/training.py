@@ -40,6 +40,7 @@ from sparkhvd.runfolder import host_copy
 from sparkhvd.runfolder.background_save import SavesInBackground, UploadQueue
 from sparkhvd.runfolder.checkpoint_store import (
     DISCARD,
+    LATEST,
     CheckpointStore,
     RunFolderStore,
     UrlStore,
@@ -394,6 +395,7 @@ class Checkpoints(_CheckpointsBase):
             self.store = DISCARD  # one writer; every rank reads
         elif host_copy and self.store is not None:
             at_function_return(_drop_host_copy)  # the run is done: the copy can go
+        self._found_latest = False  # see _folder_resumable
         if async_save and self.rank == 0 and self.store is not None:
             self._background = BackgroundSave()
             #: the state of the save in flight, in host memory (refilled by the next save)
@@ -423,12 +425,22 @@ class Checkpoints(_CheckpointsBase):
             self._last_save = time.monotonic()
             return name
         self._background.wait()  # one in flight: its buffers are the ones filled now
-        if self._uploads is not None and self.store.committed is None:
+        if self._uploads is not None and not self._folder_resumable():
             self._uploads.wait()  # the folder's first: what a relaunch finds to resume from
         held = self._snapshot.take(state)  # the only part the step waits for
         self._last_save = time.monotonic()
         self._background.start(name, lambda: self._persist(held, name, done, step or 0))
         return name
+
+    def _folder_resumable(self) -> bool:
+        """Whether the folder already has a ``latest.json`` a relaunch can resume from: one
+        this process committed, or one an earlier attempt left (asked of the folder until
+        this process has committed one). Until then a save waits for the upload before it,
+        so a relaunch never finds the folder empty."""
+        assert self.store is not None
+        if self.store.committed is None and not self._found_latest:
+            self._found_latest = self.store.exists(LATEST)
+        return self.store.committed is not None or self._found_latest
 
     def _persist(self, state: dict, name: str, done: int, step: int) -> None:
         """Serialise ``state`` and write it, its record and ``latest.json``; prune. With

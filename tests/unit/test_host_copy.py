@@ -436,6 +436,27 @@ def test_a_relaunch_restores_the_newest_checkpoint_kept_here_while_its_upload_wa
     assert leftovers == [], "each upload's hold on its file is let go"
 
 
+def test_a_relaunchs_first_upload_holds_no_save_up_when_the_folder_has_a_checkpoint(run_env):
+    """A process waits for its first upload before its next save only while the folder has no
+    ``latest.json`` to resume from: a relaunch whose folder has an earlier attempt's goes on
+    saving while that upload waits."""
+    torch = pytest.importorskip("torch")
+    model, opt, ckpt, store = _upload_held(run_env)
+    _train_and_step(torch, model, opt, ckpt, 0)
+    ckpt._finish_save()  # the earlier attempt's checkpoint and latest.json are in the folder
+    model, opt, again, store = _upload_held(run_env)  # the relaunched process
+    store.gate.clear()
+    _train_and_step(torch, model, opt, again, 1)  # its first: the upload waits at the gate
+    assert store.writing.wait(10)
+    assert _train_and_step(torch, model, opt, again, 1) == "epoch-0001-step-0000002.pt"
+    assert _folder_records(run_env) == ["epoch-0000-step-0000001.json"], "nothing waited"
+    store.gate.set()
+    again._finish_save()
+    assert _folder_records(run_env) == ["epoch-0000-step-0000001.json",
+                                        "epoch-0001-step-0000001.json",
+                                        "epoch-0001-step-0000002.json"]
+
+
 def test_a_checkpoint_whose_upload_failed_is_sent_to_a_rank_on_a_new_host(run_env):
     """A synchronous save whose upload fails (the folder keeps the epoch before) is still on
     rank 0's host: both ranks of the relaunch restore it, one of them over the process group;

@@ -136,19 +136,20 @@ def test_a_reserved_port_is_kept_from_others_until_closed_and_the_ranks_server_c
 
     from sparkhvd.common.netif import PortReservation
 
-    with PortReservation("127.0.0.1", 2) as reserved:
+    with PortReservation(2) as reserved:
         assert len(set(reserved.ports)) == 2
         for _ in range(200):  # nobody else is handed it ...
             with socket.socket() as other:
                 other.bind(("127.0.0.1", 0))
                 assert other.getsockname()[1] not in reserved.ports
-        with socket.socket() as plain, pytest.raises(OSError):
-            plain.bind(("127.0.0.1", reserved.ports[0]))
-        # ... but the rank's server binds and listens on it, as gRPC and TCPStore do
-        with socket.socket() as server:
+        for address in ("127.0.0.1", "127.0.0.2"):  # ... on any of the host's addresses
+            with socket.socket() as plain, pytest.raises(OSError):
+                plain.bind((address, reserved.ports[0]))
+        # ... but the rank's server binds and listens on it, as gRPC does (every address)
+        with socket.socket(socket.AF_INET6) as server:
             server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            server.bind(("127.0.0.1", reserved.ports[0]))
+            server.bind(("::", reserved.ports[0]))
             server.listen(1)
             socket.create_connection(("127.0.0.1", reserved.ports[0]), timeout=5).close()
         with socket.socket() as server:  # SO_REUSEADDR alone (libuv's TCPStore) will do too

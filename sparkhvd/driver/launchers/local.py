@@ -120,7 +120,7 @@ def _start_ranks(spec: LaunchSpec, backend: Any, run_env: dict[str, str], sink: 
     slots: dict[int, TaskInfo] = {}
     for task in range(spec.tasks):  # groups of ranks_per_task play the Spark tasks
         ports = held.enter_context(PortReservation(
-            "127.0.0.1", spec.ranks_per_task if backend.needs_port else 0)).ports
+            spec.ranks_per_task if backend.needs_port else 0)).ports
         slots.update(rank_slots(task, "localhost", "127.0.0.1", ports, spec.ranks_per_task,
                                 spec.node_per_task))
     plan = backend.assign(slots)
