@@ -215,6 +215,9 @@ class Resumed:
     #: which copy rank 0 read: ``"folder"`` (the checkpoint folder), ``"host"`` (the copy kept
     #: on its own host) or ``"peer"`` (another rank's host copy, sent over the process group)
     copy: str = "folder"
+    #: False for a checkpoint kept on the hosts whose upload had not ended: ``source`` names
+    #: where the folder would have it, but the folder does not
+    uploaded: bool = True
 
 
 @dataclass

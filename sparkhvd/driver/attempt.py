@@ -157,6 +157,8 @@ class Attempt:
         resumed = self.outcome.resumed
         if resumed is not None:
             entry["restored"] = resumed.source
+            if not resumed.uploaded:
+                entry["uploaded"] = False  # restored from the hosts; not in the folder
             if resumed.skipped:
                 entry["skipped"] = list(resumed.skipped)
         if self.error is not None and self.status != "preempted":

@@ -609,10 +609,12 @@ COPIES = {"folder": "", "host": " (its copy on this host)",
 
 
 def announce_resume(store: CheckpointStore, file: Optional[str] = None, epoch: int = 0,
-                    problems: Sequence[str] = (), step: int = 0, copy: str = "folder") -> None:
+                    problems: Sequence[str] = (), step: int = 0, copy: str = "folder",
+                    uploaded: bool = True) -> None:
     """Rank 0 says what it resumed from (``file`` None: nothing found) and which copy of it it
-    read, on its console line and to the driver (``run.json``'s ``resume``), for every
-    framework's helpers."""
+    read -- and, ``uploaded`` False, that the folder does not have it (kept on the hosts
+    before an upload that never ended) -- on its console line and to the driver
+    (``run.json``'s ``resume``), for every framework's helpers."""
     from sparkhvd.common import protocol
     from sparkhvd.common.events import emit
 
@@ -627,9 +629,10 @@ def announce_resume(store: CheckpointStore, file: Optional[str] = None, epoch: i
     # one numbering: the training loop's epoch index, as the checkpoint files name it
     # (epoch-0001-step-0000040 is step 40 of the loop's epoch 1; epoch-0002 continues at 2)
     at = f"epoch {epoch}" + (f" after its step {step}" if step else "")
-    print(f"resume: restored {where}{COPIES[copy]}; continuing at {at}", flush=True)
+    unsent = "" if uploaded else "; its upload had not ended: the folder does not have it"
+    print(f"resume: restored {where}{COPIES[copy]}{unsent}; continuing at {at}", flush=True)
     emit(protocol.Resumed(rank=0, source=where, epoch=epoch, skipped=list(problems), step=step,
-                          copy=copy))
+                          copy=copy, uploaded=uploaded))
 
 
 def resume_store(resume: object, own: Optional[CheckpointStore],

@@ -138,7 +138,7 @@ def _decide(store: CheckpointStore, rank: int, any_copy: bool, kept_first: list[
                   f"ranks' hosts before its upload to {store.describe()} ended; it is newer "
                   f"than the folder's newest ({(wanted or {}).get('file') or 'none'}): "
                   "reading it from the hosts", flush=True)
-            wanted = first
+            wanted = {**first, "uploaded": False}  # for the resume line and run.json
     return world.broadcast_record(wanted, 0)
 
 

@@ -196,6 +196,8 @@ class RunRecord(Mapping[str, Any]):
             if resumed.step:
                 restored["step"] = resumed.step
             restored["copy"] = resumed.copy
+            if not resumed.uploaded:
+                restored["uploaded"] = False  # restored from the hosts; not in the folder
             if resumed.skipped:
                 restored["skipped"] = list(resumed.skipped)
             return {"resume": restored, "resumed_from": requested}

@@ -315,12 +315,12 @@ class _CheckpointsBase(SavesInBackground):
         return record, state, skipped, copy
 
     def _announce(self, file: str, epoch: int, step: int, skipped: list,
-                  copy: str = "folder") -> None:
+                  copy: str = "folder", uploaded: bool = True) -> None:
         self.restored = {**self.restored, "epoch": epoch, "step": step}
         if step:  # steps counted without data= go on from the restored one
             self._counted = (epoch, step)
         if self.rank == 0 and self.resume_from is not None:
-            announce_resume(self.resume_from, file, epoch, skipped, step, copy)
+            announce_resume(self.resume_from, file, epoch, skipped, step, copy, uploaded)
 
 
 class Checkpoints(_CheckpointsBase):
@@ -372,7 +372,8 @@ class Checkpoints(_CheckpointsBase):
             uploads run behind the saves -- a step checkpoint still waiting for its upload when
             a newer one comes is never uploaded (said once; an epoch's end always is). The
             resume line and
-            ``run.json``'s ``resume.copy`` say which was read. Kept in ``$SPARKHVD_HOST_COPY_DIR``
+            ``run.json``'s ``resume.copy`` say which was read (and ``resume.uploaded``
+            is false for one the folder never got). Kept in ``$SPARKHVD_HOST_COPY_DIR``
             (default: the temporary folder) when it fits in half its free space, and deleted
             when the function returns (see :mod:`sparkhvd.runfolder.host_copy`). Only inside a
             sparkhvd run.
@@ -531,7 +532,7 @@ class Checkpoints(_CheckpointsBase):
         self.restored = dict(state.get("extra") or {})
         self._restore_data(state.get("data"))
         self._announce(record["file"], int(state["epoch"]), int(state.get("step") or 0),
-                       skipped, copy)
+                       skipped, copy, record.get("uploaded", True))
         return int(state["epoch"])
 
 

@@ -386,12 +386,16 @@ def _folder_records(run_env) -> list[str]:
 
 @pytest.mark.parametrize("damage", [None, "corrupt"])
 def test_a_relaunch_restores_the_newest_checkpoint_kept_here_while_its_upload_waits(
-        run_env, capsys, damage):
+        run_env, capsys, monkeypatch, damage):
     """Saves go on every step while the folder's uploads lag (held at a gate): each is kept on
     this host with its record first, so a relaunch restores the newest -- not the folder's
-    older newest -- and says so; a step checkpoint queued behind a newer one is never uploaded
-    (said once), an epoch's end always is; once the uploads end the folder has the newest.
-    A corrupt copy falls back to the folder's newest, with a warning."""
+    older newest -- and says so, in its resume line and in run.json (the folder does not have
+    it); a step checkpoint queued behind a newer one is never uploaded (said once), an epoch's
+    end always is; once the uploads end the folder has the newest. A corrupt copy falls back
+    to the folder's newest, with a warning."""
+    from sparkhvd.common import events
+    from sparkhvd.runfolder.record import RunRecord
+
     torch = pytest.importorskip("torch")
     model, opt, ckpt, store = _upload_held(run_env)
     _train_and_step(torch, model, opt, ckpt, 0)
@@ -414,17 +418,27 @@ def test_a_relaunch_restores_the_newest_checkpoint_kept_here_while_its_upload_wa
     if damage:
         _damage(_one_copy(), damage)
 
+    sent: list = []
+    monkeypatch.setattr(events, "emit", sent.append)
     restored, relaunched, epoch, lines = _restored(torch, run_env, capsys)  # the relaunch
     state = restored.state_dict()
+    (resumed,) = sent  # what the driver gets, and writes into run.json
+    record = RunRecord(str(run_env / "run.json"), run_id="r", output="o", versions={})
+    record.attempt_ended({"attempt": 2}, resumed)
     if damage:
         assert relaunched.restored == {"epoch": 0, "step": 1}, relaunched.restored
         assert any("WARNING" in line and "corrupt" in line for line in lines), lines
+        assert (resumed.copy, resumed.uploaded) == ("folder", True)
+        assert "uploaded" not in record["resume"] and "upload" not in lines[-1], lines
     else:
         assert (epoch, relaunched.restored) == (1, {"epoch": 1, "step": 1})
         assert all(torch.equal(state[k], v) for k, v in saved.items())
         assert any(f"{newest} was kept on the ranks' hosts before its upload" in line
                    and "epoch-0000-step-0000001.pt" in line for line in lines), lines
         assert "its copy on this host" in lines[-1], lines
+        assert "its upload had not ended: the folder does not have it" in lines[-1], lines
+        assert (record["resume"]["copy"], record["resume"]["uploaded"]) == ("host", False)
+        assert record["resume"]["restored"].endswith(newest)
 
     store.gate.set()
     ckpt._finish_save()
