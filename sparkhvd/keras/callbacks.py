@@ -260,7 +260,8 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
             raised at the next step or when the function ends (which waits for the last one).
         host_copy: where the folder is not on the writing rank's own disk (``abfss://``, a
             run folder on the driver's host), that rank also keeps the newest checkpoint's
-            files on its host, for a relaunched rank there to restore from
+            files on its host with their record, before writing them to the folder, for a
+            relaunched rank there to restore from -- even when that write never ended
             (:mod:`sparkhvd.runfolder.host_copy`); deleted when the function returns.
     """
 
@@ -403,13 +404,18 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
         return name
 
     def _write(self, epoch: int, step: int, files: dict, info: dict) -> None:
-        """The files, their record and ``latest.json``; then the newest ``keep`` are kept."""
-        from sparkhvd.runfolder.checkpoint_store import prune, write_checkpoint
+        """With ``host_copy``, this host's copy of the files *with their record* first -- a
+        relaunch restores it even when the write below never ends or fails
+        (:mod:`sparkhvd.runfolder.host_copy`); then the files, their record and
+        ``latest.json`` in the folder; then the newest ``keep`` are kept."""
+        from sparkhvd.runfolder.checkpoint_store import digest, prune, record_of, write_checkpoint
 
-        record = write_checkpoint(self.store, epoch, files, info, step)
+        digests = {name: digest(data) for name, data in files.items()}
         if self.host_copy:
-            host_copies.keep({name: (data, record["files"][name]["sha256"])
-                              for name, data in files.items()})
+            host_copies.keep({name: (data, digests[name]["sha256"])
+                              for name, data in files.items()},
+                             record_of(epoch, digests, info, step), self.store.key)
+        write_checkpoint(self.store, epoch, files, info, step, digests)
         if self.keep:
             prune(self.store, self.keep)
 

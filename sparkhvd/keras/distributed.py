@@ -209,10 +209,12 @@ class KerasDistributed:
             notice writes its own to the end; the function's end waits for the last one). Off
             by default: with synchronous saves a checkpoint exists when its step ends.
         host_copy: where the checkpoints folder is not on rank 0's own disk, rank 0 also keeps
-            the newest checkpoint on its host, and a relaunch restores from it: rank 0 back on
-            that host reads it (the resume line says "its copy on this host"), else the rank
-            now on that host sends it (:mod:`sparkhvd.runfolder.nearest_copy`); on by default,
-            deleted when the function returns (see :mod:`sparkhvd.runfolder.host_copy`).
+            the newest checkpoint on its host -- with its record, before writing it to the
+            folder, so a relaunch restores it even when that write never ended -- and a
+            relaunch restores from it: rank 0 back on that host reads it (the resume line says
+            "its copy on this host"), else the rank now on that host sends it
+            (:mod:`sparkhvd.runfolder.nearest_copy`); on by default, deleted when the function
+            returns (see :mod:`sparkhvd.runfolder.host_copy`).
 
     In a sparkhvd run the checkpoints also *listen for notices*: SIGTERM to any rank (a node
     about to be reclaimed) or the driver resizing the run makes every rank save after its
@@ -327,7 +329,7 @@ class KerasDistributed:
                 state["step"] = step
                 if self.rank == 0:
                     announce_resume(self.resume_store, info["file"], epoch, problems, step,
-                                    copy)
+                                    copy, info.get("uploaded", True))
         if self.resume_store is not None:
             epoch, state = self.flavour.share((epoch, state))
         self.initial_epoch, self.state = int(epoch), dict(state)

@@ -368,14 +368,16 @@ def _serialised(f: IO[bytes], serialise: Callable[[IO[bytes]], None]) -> dict:
 
 
 def write_checkpoint(store: CheckpointStore, epoch: int, files: Mapping[str, bytes],
-                     info: dict, step: int = 0) -> dict:
-    """Write a checkpoint: its files, then its record (each file's size and checksum), then
-    ``latest.json`` -- so a record never names a file that is not complete."""
+                     info: dict, step: int = 0, digests: Optional[Mapping[str, dict]] = None
+                     ) -> dict:
+    """Write a checkpoint: its files, then its record (each file's size and checksum:
+    ``digests`` when already taken), then ``latest.json`` -- so a record never names a file
+    that is not complete."""
     try:
         for name, data in files.items():
             store.write(name, data)
-        return commit_checkpoint(store, epoch, {n: digest(d) for n, d in files.items()}, info,
-                                 step)
+        return commit_checkpoint(store, epoch, digests or {n: digest(d) for n, d in
+                                                           files.items()}, info, step)
     except OSError as exc:
         raise not_written(store, epoch, exc) from exc
 

@@ -16,9 +16,10 @@ Rules:
   when its SHA-256 equals the one the run folder's newest complete checkpoint records, so a
   stale, torn or foreign copy is never used (it is read back, checked, and passed over with a
   warning).
-- **committed here first** (PyTorch's :class:`sparkhvd.torch.Checkpoints`, one writer): the
-  copy is kept *with its checkpoint's record* as soon as it is serialised, before its upload
-  to the checkpoint folder begins (:func:`hold` keeps the file for the upload). So a rank
+- **committed here first** (one writer: PyTorch's :class:`sparkhvd.torch.Checkpoints`, and
+  Keras' checkpoints): the copy is kept *with its checkpoint's record* as soon as it is
+  serialised, before its upload to the checkpoint folder begins (:func:`hold` keeps
+  PyTorch's file for the upload; Keras' files are uploaded from memory). So a rank
   killed while a large checkpoint uploads -- or while uploads lag behind every-step saves --
   loses only the steps since its last copy here: a relaunch restores the newest checkpoint
   any rank's host holds whole (its checksum checked) when it is newer than the folder's
@@ -109,9 +110,11 @@ def _own_folder() -> Optional[str]:
     return os.path.join(where, f"rank-{current_rank().rank}") if where else None
 
 
-def keep(files: Mapping[str, tuple[bytes, str]]) -> dict[str, HostCopy]:
+def keep(files: Mapping[str, tuple[bytes, str]], record: Optional[dict] = None,
+         store: Optional[str] = None) -> dict[str, HostCopy]:
     """Keep one checkpoint's files (name -> (bytes, sha256)) as this host's newest copy,
-    replacing the one before. Empty when they were not kept (no run, over the budget, a failing
+    replacing the one before -- with its ``record`` when kept before their upload to ``store``
+    (:func:`adopt_all`). Empty when they were not kept (no run, over the budget, a failing
     disk: said once, never an error -- the run folder has the checkpoint)."""
     spools: dict[str, tuple[str, str]] = {}
     for file, (data, sha256) in files.items():
@@ -126,7 +129,7 @@ def keep(files: Mapping[str, tuple[bytes, str]]) -> dict[str, HostCopy]:
             _said_failed(exc)
             break
     else:
-        return adopt_all(spools)
+        return adopt_all(spools, record, store)
     for path, _ in spools.values():
         _unlink(path)
     return {}

@@ -78,3 +78,52 @@ def test_a_failed_background_write_is_raised_at_the_next_step(tmp_path):
         _fit(tmp_path, store, steps=40)
     function_ended(returned=False)  # nothing left in flight to raise
     assert not (tmp_path / "ckpt" / "latest.json").exists()
+
+
+def test_a_checkpoint_is_kept_on_the_host_with_its_record_before_its_write(
+        tmp_path, monkeypatch, capsys):
+    """The folder elsewhere (``abfss://``): the writing rank keeps each checkpoint's files and
+    record on its host *before* it writes them there, so a write that fails (or never ends)
+    still leaves a checkpoint a relaunch restores -- newer than the folder's newest, said in
+    the resume line and marked not uploaded."""
+    from sparkhvd.common import protocol
+    from sparkhvd.runfolder import host_copy, nearest_copy
+    from sparkhvd.runfolder.checkpoint_store import announce_resume
+
+    monkeypatch.setenv(protocol.RUN_ID_ENV, "20261128-run")
+    monkeypatch.setenv(host_copy.DIR_ENV, str(tmp_path / "host"))
+    store = gated_store(str(tmp_path / "ckpt"))
+    store.__class__ = type("Elsewhere", (type(store),), {"on_this_host": False})
+    at_step_2: list = []
+
+    class FailFromStep2(tf.keras.callbacks.Callback):  # runs before the saver's step 2
+        seen = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen += 1
+            if self.seen == 2:
+                at_step_2.extend(w.copy() for w in self.model.get_weights())
+                store.fail = OSError(28, "No space left on device")
+
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.layers.Input((3,)), tf.keras.layers.Dense(1)])
+    model.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="mse")
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+    saver = RankZeroCheckpoint(store, every_steps=1)
+    with pytest.raises(OSError, match="No space left"):
+        model.fit(x, x.sum(1), batch_size=4, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[FailFromStep2(), saver])
+    assert json.loads((tmp_path / "ckpt" / "latest.json").read_text())["step"] == 1
+    (kept,) = host_copy.records(store.key)
+    assert kept["step"] == 2 and set(kept["files"]) == set(host_copy.find_all())
+
+    store.fail = None
+    fresh = tf.keras.Sequential([tf.keras.layers.Input((3,)), tf.keras.layers.Dense(1)])
+    fresh.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="mse")
+    checkpoints.build_optimizer(fresh.optimizer, fresh)
+    record, problems, copy = checkpoints.restore_nearest(store, fresh, 0, nearest_copy.Alone())
+    assert (record["step"], copy, record["uploaded"]) == (2, "host", False), (record, problems)
+    for got, want in zip(fresh.get_weights(), at_step_2):
+        np.testing.assert_array_equal(got, want)  # step 2's state, which the folder never got
+    announce_resume(store, record["file"], 0, problems, 2, copy, record["uploaded"])
+    assert "its upload had not ended" in capsys.readouterr().out.splitlines()[-1]
