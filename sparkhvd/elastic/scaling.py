@@ -12,7 +12,7 @@ The policy decides only (:meth:`ScalingPolicy.size_now` answers place, wait or s
 never sleeps or raises): the run acts on it. The slots are counted by
 :func:`sparkhvd.spark.slots.free_slots`: on classic sessions from the executors Spark has
 (those being decommissioned, and those this run lost, left out) less the slots other jobs
-hold; on Spark Connect, which shows no executors, from the session's declared slots less the
+hold or, under FIFO scheduling, wait for; on Spark Connect, which shows no executors, from the session's declared slots less the
 executors this run saw lost.
 """
 from __future__ import annotations

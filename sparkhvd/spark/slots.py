@@ -222,21 +222,39 @@ def check_slots(target, np: int, *, wait_s: float = 0.0, ranks_per_task: int = 1
 
 
 def busy_slots(sc, ignore: frozenset = frozenset()) -> tuple[int, list[str]]:
-    """How many task slots other jobs' running tasks hold now, and those jobs (``job 3
-    'description'``), from Spark's status tracker. ``(0, [])`` where it cannot tell.
-    ``ignore``: job ids not to count (a run's own attempt that is ending)."""
+    """How many task slots other jobs hold or will take first, and those jobs (``job 3
+    'description' (1 task(s))``), from Spark's status tracker. ``(0, [])`` where it cannot
+    tell. ``ignore``: job ids not to count (a run's own attempt that is ending).
+
+    A running task holds one slot. Under Spark's default FIFO scheduler a task of an earlier
+    job's submitted stage that is still waiting for a slot takes the next one freed before any
+    stage submitted after it: it is counted too, or a relaunch counted the instant a lost
+    attempt's slots come free would see them free, place a barrier stage on them, and wait
+    behind that job until ``start_timeout``. Under the FAIR scheduler slots are shared between
+    pools, so only running tasks count."""
     try:
         tracker = sc.statusTracker()
-        busy, jobs = 0, []  # a running task holds one slot
+        fifo = str(sc.getConf().get("spark.scheduler.mode", "FIFO")).upper() == "FIFO"
+        submitted = set(tracker.getActiveStageIds())
+        busy, jobs = 0, []
         for job_id in tracker.getActiveJobsIds():
             if job_id in ignore:
                 continue
             info = tracker.getJobInfo(job_id)
-            running = sum(getattr(tracker.getStageInfo(stage), "numActiveTasks", 0) or 0
-                          for stage in (info.stageIds if info else []))
-            if running:
-                busy += running
-                jobs.append(f"job {job_id}{_job_name(sc, job_id)} ({running} task(s))")
+            running = waiting = 0
+            for stage in (info.stageIds if info else []):
+                found = tracker.getStageInfo(stage) if stage in submitted else None
+                if found is None:
+                    continue
+                running += found.numActiveTasks or 0
+                if fifo:
+                    waiting += max(0, (found.numTasks or 0) - (found.numActiveTasks or 0)
+                                   - (found.numCompletedTasks or 0))
+            if running or waiting:
+                busy += running + waiting
+                held = f"{running} task(s)" + (f", {waiting} waiting for a slot" if waiting
+                                               else "")
+                jobs.append(f"job {job_id}{_job_name(sc, job_id)} ({held})")
         return busy, jobs
     except Exception as exc:  # noqa: BLE001 - best effort: a tracker that cannot answer
         log.debug("could not read the running jobs from Spark's status tracker: %s", exc)
@@ -260,6 +278,7 @@ def _free_enough(sc, found: SlotCount, tasks: int, ranks_per_task: int,
     said = False
     while True:
         busy, jobs = busy_slots(sc)
+        busy = min(busy, found.slots)  # a job's waiting tasks may outnumber the slots
         if found.slots - busy >= tasks:
             return found
         if time.monotonic() >= deadline:
@@ -312,7 +331,7 @@ def free_slots(view: Any, lost: Iterable[str] = (), lost_tasks: int = 0,
 
     Classic: the slots of the live executors that are neither being decommissioned nor among
     ``lost`` (executor ids this run saw lost, until Spark itself drops them), less the slots
-    other jobs' running tasks hold (``ended``: the tag of this run's attempt that just ended,
+    other jobs hold or wait for (:func:`busy_slots`; ``ended``: the tag of this run's attempt that just ended,
     whose tasks may still be stopping). Connect: the session's slots less ``lost_tasks`` (the
     tasks this run saw vanish with their executor)."""
     if view.connect:

@@ -16,6 +16,7 @@ import pytest
 import conftest
 import elastic_training as et
 from sparkhvd import DataFrameDataset, HorovodRunner
+from sparkhvd.spark.slots import busy_slots
 
 torch = pytest.importorskip("torch")
 
@@ -273,8 +274,7 @@ def _grow_back(spark, tmp_path, store):
         _when(rank_1_pid, "rank 1 mid-epoch")
         # another job waits for a slot (Spark's FIFO: the first slot freed is its own) ...
         threading.Thread(target=lambda: _hold_one_slot(sc), daemon=True).start()
-        _when(lambda: sc.statusTracker().getJobIdsForGroup("elastic-test-blocker"),
-              "the other job to wait for a slot")
+        _when(lambda: busy_slots(sc)[0] >= 3, "the other job to wait for a slot")  # 2 ranks + it
         os.kill(rank_1_pid(), signal.SIGKILL)  # ... and gets rank 1's
         _when(lambda: len(et.read_logs(logs_dir).get(1, {})) == 1, "the run at 1 rank")
         _when(lambda: et.read_logs(logs_dir)[1][0]["steps"], "a step at 1 rank")
@@ -285,9 +285,12 @@ def _grow_back(spark, tmp_path, store):
         runner = HorovodRunner(np=2, min_np=1, max_np=2, resize_check_s=3, spark=spark,
                                backend="torch", output_dir=str(tmp_path / "r"))
         thread.start()
-        runner.run(et.train_ids, data=ds, epochs=3, log_dir=str(logs_dir), every_steps=2,
-                   step_s=[0.1, 0.25, 0.05], url=store.url("ckpt", "grow"),
-                   storage_options=store.options())
+        try:
+            runner.run(et.train_ids, data=ds, epochs=3, log_dir=str(logs_dir), every_steps=2,
+                       step_s=[0.1, 0.25, 0.05], url=store.url("ckpt", "grow"),
+                       storage_options=store.options())
+        finally:  # a failed run must not leave the other job holding a slot for later tests
+            sc.cancelJobGroup("elastic-test-blocker")
     thread.join(5)
     record = runner.last_run_dir.record
     assert [a["size"] for a in record["attempts"]] == [2, 1, 2], record["attempts"]
@@ -336,7 +339,10 @@ def test_hf_and_lightning_resume_their_own_checkpoints_through_a_resize(
     runner = HorovodRunner(np=2, min_np=1, max_np=2, spark=spark, backend="torch",
                            output_dir=str(tmp_path / "r"), mlflow="elastic" if tracking else None)
     thread.start()
-    result = runner.run(fn, log_dir=str(logs))
+    try:
+        result = runner.run(fn, log_dir=str(logs))
+    finally:  # a failed run must not leave the other job holding a slot for later tests
+        sc.cancelJobGroup("elastic-test-blocker")
     thread.join(5)
     record = runner.last_run_dir.record
     assert [a["size"] for a in record["attempts"]] == [1, 2], record["attempts"]

@@ -236,13 +236,13 @@ def test_stopped_session_is_named_before_and_during_a_run(tmp_path):
 
 # -- other jobs hold the task slots -----------------------------------------------------------
 class _SlotHolder:
-    """Another Spark job holding both task slots of the session until released (as a second
-    notebook on a shared cluster does)."""
+    """Another Spark job holding ``tasks`` task slots of the session (both, by default) until
+    released (as a second notebook on a shared cluster does); ``wait``: until its tasks run."""
 
-    def __init__(self, spark, tmp_path):
+    def __init__(self, spark, tmp_path, tasks=2, name="holds the slots", wait=True):
         import threading
 
-        self.spark, self.release = spark, str(tmp_path / "release")
+        self.spark, self.release = spark, str(tmp_path / f"release-{name.replace(' ', '-')}")
         release = self.release
 
         def hold(_):
@@ -254,22 +254,50 @@ class _SlotHolder:
             yield 1
 
         def run():
-            spark.sparkContext.setJobGroup("slot-holder", "holds the slots")
-            spark.sparkContext.parallelize(range(2), 2).mapPartitions(hold).collect()
+            spark.sparkContext.setJobGroup(name.replace(" ", "-"), name)
+            spark.sparkContext.parallelize(range(tasks), tasks).mapPartitions(hold).collect()
 
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
         tracker = spark.sparkContext.statusTracker()
-        assert wait_for(lambda: sum(
+        assert not wait or wait_for(lambda: sum(
             tracker.getStageInfo(s).numActiveTasks for s in tracker.getActiveStageIds()
-            if tracker.getStageInfo(s) is not None) == 2, 60), "the holder's tasks never started"
+            if tracker.getStageInfo(s) is not None) == tasks, 60), \
+            "the holder's tasks never started"
 
-    def free(self):
+    def free(self, alone=True):
+        """Release the slots: True once its job ended (``alone``: and no job at all is left)."""
         open(self.release, "w").close()
         self.thread.join(60)
         tracker = self.spark.sparkContext.statusTracker()
         # Had the run's barrier job stayed queued, it would start now and show up here.
-        return wait_for(lambda: not tracker.getActiveJobsIds(), 60)
+        return not self.thread.is_alive() and (
+            not alone or wait_for(lambda: not tracker.getActiveJobsIds(), 60))
+
+
+def test_a_job_waiting_for_a_slot_is_counted_as_holding_the_next_one_freed(spark, tmp_path):
+    """Spark's FIFO scheduler gives a freed slot to the job that waited for it first: the slot
+    count an elastic run places or grows by counts another job's task still waiting as holding
+    one. Counted free, the slot a lost attempt frees would get a barrier stage that waits
+    behind that job until start_timeout."""
+    from sparkhvd.spark.slots import busy_slots, free_slots
+    from sparkhvd.spark.sparkview import SparkView
+
+    sc, view = spark.sparkContext, SparkView(spark)
+    holder = _SlotHolder(spark, tmp_path)  # both of local[2]'s slots
+    waiter = _SlotHolder(spark, tmp_path, tasks=1, name="waits for a slot", wait=False)
+    try:
+        assert wait_for(lambda: busy_slots(sc)[0] == 3, 60), busy_slots(sc)
+        assert free_slots(view) == 0
+        assert any("'waits for a slot' (0 task(s), 1 waiting for a slot)" in job
+                   for job in busy_slots(sc)[1]), busy_slots(sc)
+    finally:
+        assert holder.free(alone=False)
+    try:
+        assert wait_for(lambda: busy_slots(sc)[0] == 1, 60), busy_slots(sc)  # it runs now
+        assert free_slots(view) == 1
+    finally:
+        assert waiter.free()
 
 
 def _marks(marker):
