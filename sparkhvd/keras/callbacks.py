@@ -19,7 +19,7 @@ from sparkhvd.common.events import emit
 from sparkhvd.common.function_end import at_function_end, at_function_return
 from sparkhvd.keras import checkpoints
 from sparkhvd.runfolder import host_copy as host_copies
-from sparkhvd.runfolder.background_save import BackgroundSave, SavesInBackground
+from sparkhvd.runfolder.background_save import BackgroundSave, SavesInBackground, UploadQueue
 
 __side__ = "rank"
 
@@ -258,6 +258,10 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
             once; ``agree`` then takes and returns a third flag, the writer's ``busy``), an
             epoch's save waits for it, a notice writes its own to the end. A failed write is
             raised at the next step or when the function ends (which waits for the last one).
+            With ``host_copy``, a save ends once its files are kept on the host; their write
+            to the folder is queued behind the saves (a step checkpoint superseded before its
+            write began stays on the host only, said once), so a slow folder delays the
+            folder's copy, not the next save.
         host_copy: where the folder is not on the writing rank's own disk (``abfss://``, a
             run folder on the driver's host), that rank also keeps the newest checkpoint's
             files on its host with their record, before writing them to the folder, for a
@@ -297,6 +301,8 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
         self._background: Optional[BackgroundSave] = None
         if async_save and write:
             self._background = BackgroundSave()
+            if self.host_copy:
+                self._uploads = UploadQueue()  # kept on this host first, uploaded behind
             at_function_end(self._finish_save)  # the rank is done when its last save is
             atexit.register(self._finish_quietly)
 
@@ -389,10 +395,11 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
         name = checkpoints.checkpoint_name(epoch, step)
         if self._background is not None:  # the writer, async_save
             self._background.wait()  # one in flight
+            self._wait_for_first_upload()  # the folder's first: what a relaunch finds
             name, files, info = checkpoints.serialise(self.model, epoch, state, step)
             self._background.start(name, lambda: self._write(epoch, step, files, info))
             if to_the_end:
-                self._background.wait()
+                self._finish_save()  # in the folder too before the ranks stop
         elif self.write:
             name, files, info = checkpoints.serialise(self.model, epoch, state, step)
             self._write(epoch, step, files, info)
@@ -407,14 +414,29 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
         """With ``host_copy``, this host's copy of the files *with their record* first -- a
         relaunch restores it even when the write below never ends or fails
         (:mod:`sparkhvd.runfolder.host_copy`); then the files, their record and
-        ``latest.json`` in the folder; then the newest ``keep`` are kept."""
-        from sparkhvd.runfolder.checkpoint_store import digest, prune, record_of, write_checkpoint
+        ``latest.json`` in the folder -- at once, or (``async_save``) queued behind the saves,
+        a step checkpoint superseded by a newer one before its upload began staying on this
+        host only (:class:`~sparkhvd.runfolder.background_save.UploadQueue`); then the newest
+        ``keep`` are kept."""
+        from sparkhvd.runfolder.checkpoint_store import digest, record_of
 
         digests = {name: digest(data) for name, data in files.items()}
         if self.host_copy:
             host_copies.keep({name: (data, digests[name]["sha256"])
                               for name, data in files.items()},
                              record_of(epoch, digests, info, step), self.store.key)
+
+        def upload() -> None:
+            self._upload(epoch, step, files, info, digests)
+
+        if self._uploads is None:
+            upload()
+        else:  # its files leave memory with it when superseded
+            self._uploads.put(info["file"], upload, lambda: None, supersedable=bool(step))
+
+    def _upload(self, epoch: int, step: int, files: dict, info: dict, digests: dict) -> None:
+        from sparkhvd.runfolder.checkpoint_store import prune, write_checkpoint
+
         write_checkpoint(self.store, epoch, files, info, step, digests)
         if self.keep:
             prune(self.store, self.keep)

@@ -16,7 +16,9 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
+
+from sparkhvd.runfolder.checkpoint_store import LATEST
 
 __side__ = "rank"
 
@@ -173,6 +175,23 @@ class SavesInBackground:
 
     _background: Optional[BackgroundSave] = None
     _uploads: Optional[UploadQueue] = None  # the saves kept on the host first, uploaded behind
+    _found_latest = False  # an earlier attempt's latest.json is in the folder (found once)
+    store: Any  # the checkpoints folder (a CheckpointStore)
+
+    def _folder_resumable(self) -> bool:
+        """Whether the folder already has a ``latest.json`` a relaunch can resume from: one
+        this process committed, or one an earlier attempt left (asked of the folder until
+        this process has committed one). Until then a save waits for the upload before it,
+        so a relaunch never finds the folder empty."""
+        if self.store.committed is None and not self._found_latest:
+            self._found_latest = self.store.exists(LATEST)
+        return self.store.committed is not None or self._found_latest
+
+    def _wait_for_first_upload(self) -> None:
+        """Before a save with uploads behind: the one before it in the folder first while the
+        folder has nothing to resume from (:meth:`_folder_resumable`)."""
+        if self._uploads is not None and not self._folder_resumable():
+            self._uploads.wait()
 
     def _writing(self) -> bool:
         """Whether a save of this rank's is still being written in the background."""

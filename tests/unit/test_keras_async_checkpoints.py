@@ -127,3 +127,59 @@ def test_a_checkpoint_is_kept_on_the_host_with_its_record_before_its_write(
         np.testing.assert_array_equal(got, want)  # step 2's state, which the folder never got
     announce_resume(store, record["file"], 0, problems, 2, copy, record["uploaded"])
     assert "its upload had not ended" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_uploads_lag_behind_the_saves_on_the_host_and_a_superseded_step_stays_there(
+        tmp_path, monkeypatch, capsys):
+    """``async_save`` with the folder elsewhere: a save ends once its files are kept on the
+    host, and their write to the folder is queued behind -- so a slow folder (a gate holds step
+    2's write) skips no save. A step checkpoint superseded before its write began stays on
+    the host only (said once); the epoch's end is always written; the function's end waits."""
+    from sparkhvd.common import protocol
+    from sparkhvd.runfolder import host_copy
+
+    monkeypatch.setenv(protocol.RUN_ID_ENV, "20261128-run")
+    monkeypatch.setenv(host_copy.DIR_ENV, str(tmp_path / "host"))
+    store = gated_store(str(tmp_path / "ckpt"))
+    store.__class__ = type("Elsewhere", (type(store),), {"on_this_host": False})
+    savers: list = []
+
+    class SlowFolder(tf.keras.callbacks.Callback):  # runs before the saver's save of the step
+        seen = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen += 1
+            saver = savers[0]
+            saver._background.wait()  # a real step outlasts keeping the last save on the host
+            if self.seen == 2:
+                saver._uploads.wait()  # step 1 is in the folder ...
+                store.gate.clear()  # ... and step 2's write will wait here
+
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.layers.Input((3,)), tf.keras.layers.Dense(1)])
+    model.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="mse")
+    x = np.random.default_rng(0).normal(size=(24, 3)).astype("float32")
+    savers.append(RankZeroCheckpoint(store, every_steps=1, async_save=True))
+    model.fit(x, x.sum(1), batch_size=4, epochs=1, verbose=0, shuffle=False,
+              callbacks=[SlowFolder(), savers[0]])
+    saver = savers[0]
+    saver._background.wait()  # the epoch's save is kept on the host in the background too
+    saved = [n.rsplit(".", 1)[0] for n in saver.saved]
+    assert saved == [f"epoch-0000-step-000000{k}" for k in range(1, 7)] + ["epoch-0001"], saved
+    assert store.writing.is_set() and _records(tmp_path) == ["epoch-0000-step-0000001.json"]
+    (kept,) = host_copy.records(store.key)  # the newest, with its record, for a relaunch
+    assert (kept["epoch"], kept["step"]) == (1, 0), kept
+    out = capsys.readouterr().out
+    assert out.count("is kept on this host only") == 1, out
+    assert "epoch-0000-step-0000003" in out and "skipped" not in out, out
+
+    store.gate.set()
+    function_ended()  # waits for the uploads queued
+    assert _records(tmp_path) == ["epoch-0000-step-0000001.json",
+                                  "epoch-0000-step-0000002.json", "epoch-0001.json"]
+    assert json.loads((tmp_path / "ckpt" / "latest.json").read_text())["epoch"] == 1
+
+
+def _records(tmp_path) -> list:
+    return sorted(n for n in (p.name for p in (tmp_path / "ckpt").iterdir())
+                  if n.startswith("epoch-") and n.endswith(".json"))
