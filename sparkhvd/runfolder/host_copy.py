@@ -16,10 +16,12 @@ Rules:
   when its SHA-256 equals the one the run folder's newest complete checkpoint records, so a
   stale, torn or foreign copy is never used (it is read back, checked, and passed over with a
   warning).
-- **committed here first** (one writer: PyTorch's :class:`sparkhvd.torch.Checkpoints`, and
-  Keras' checkpoints): the copy is kept *with its checkpoint's record* as soon as it is
-  serialised, before its upload to the checkpoint folder begins (:func:`hold` keeps
-  PyTorch's file for the upload; Keras' files are uploaded from memory). So a rank
+- **committed here first**: the copy is kept *with its checkpoint's record* as soon as it is
+  serialised, before its upload to the checkpoint folder begins -- PyTorch's
+  :class:`sparkhvd.torch.Checkpoints` and Keras' checkpoints (one writer), and every rank's
+  shards of a :class:`sparkhvd.torch.ShardedCheckpoints` once the ranks have gathered their
+  files' checksums into the record (:func:`hold` keeps PyTorch's files for the upload;
+  Keras' files are uploaded from memory). So a rank
   killed while a large checkpoint uploads -- or while uploads lag behind every-step saves --
   loses only the steps since its last copy here: a relaunch restores the newest checkpoint
   any rank's host holds whole (its checksum checked) when it is newer than the folder's
@@ -135,10 +137,13 @@ def keep(files: Mapping[str, tuple[bytes, str]], record: Optional[dict] = None,
     return {}
 
 
-def keep_moved(files: Mapping[str, tuple[str, str]]) -> dict[str, HostCopy]:
+def keep_moved(files: Mapping[str, tuple[str, str]], record: Optional[dict] = None,
+               store: Optional[str] = None) -> dict[str, HostCopy]:
     """:func:`keep` for files already on this host's disk (checkpoint file -> (path, sha256)):
-    moved into this run's host-copy folder, not copied (they are not needed where they are).
-    Empty when not kept (a file that cannot be moved: none is)."""
+    moved into this run's host-copy folder, not copied (they are not needed where they are;
+    an upload still to read one holds a second name for it: :func:`hold`) -- with ``record``
+    when kept before their upload to ``store``. Empty when not kept (a file that cannot be
+    moved: none is)."""
     spools: dict[str, tuple[str, str]] = {}
     for file, (path, sha256) in files.items():
         spooled = spool(file)
@@ -152,7 +157,7 @@ def keep_moved(files: Mapping[str, tuple[str, str]]) -> dict[str, HostCopy]:
             break
         spools[file] = (spooled, sha256)
     else:
-        return adopt_all(spools)
+        return adopt_all(spools, record, store)
     for spooled, _ in spools.values():
         discard(spooled)
     return {}

@@ -40,7 +40,6 @@ from sparkhvd.runfolder import host_copy
 from sparkhvd.runfolder.background_save import SavesInBackground, UploadQueue
 from sparkhvd.runfolder.checkpoint_store import (
     DISCARD,
-    LATEST,
     CheckpointStore,
     RunFolderStore,
     UrlStore,
@@ -396,7 +395,6 @@ class Checkpoints(_CheckpointsBase):
             self.store = DISCARD  # one writer; every rank reads
         elif host_copy and self.store is not None:
             at_function_return(_drop_host_copy)  # the run is done: the copy can go
-        self._found_latest = False  # see _folder_resumable
         if async_save and self.rank == 0 and self.store is not None:
             self._background = BackgroundSave()
             #: the state of the save in flight, in host memory (refilled by the next save)
@@ -426,22 +424,11 @@ class Checkpoints(_CheckpointsBase):
             self._last_save = time.monotonic()
             return name
         self._background.wait()  # one in flight: its buffers are the ones filled now
-        if self._uploads is not None and not self._folder_resumable():
-            self._uploads.wait()  # the folder's first: what a relaunch finds to resume from
+        self._wait_for_first_upload()  # the folder's first: what a relaunch finds
         held = self._snapshot.take(state)  # the only part the step waits for
         self._last_save = time.monotonic()
         self._background.start(name, lambda: self._persist(held, name, done, step or 0))
         return name
-
-    def _folder_resumable(self) -> bool:
-        """Whether the folder already has a ``latest.json`` a relaunch can resume from: one
-        this process committed, or one an earlier attempt left (asked of the folder until
-        this process has committed one). Until then a save waits for the upload before it,
-        so a relaunch never finds the folder empty."""
-        assert self.store is not None
-        if self.store.committed is None and not self._found_latest:
-            self._found_latest = self.store.exists(LATEST)
-        return self.store.committed is not None or self._found_latest
 
     def _persist(self, state: dict, name: str, done: int, step: int) -> None:
         """Serialise ``state`` and write it, its record and ``latest.json``; prune. With
@@ -571,8 +558,10 @@ class ShardedCheckpoints(_CheckpointsBase):
             Each rank's background work gathers on a gloo group of its own.
         host_copy: when the checkpoint folder is not on the ranks' disks (``abfss://``, or a
             run folder on the driver's host), every rank also keeps its newest files on its
-            own host (moved there from DCP's folder, no second copy in memory), and a
-            relaunched run restores from the nearest copy: each file is read from the host's
+            own host (moved there from DCP's folder, no second copy in memory) with the
+            checkpoint's record -- every rank's checksums, gathered first -- *before* it
+            uploads them, so a checkpoint an upload never finished is restored from the hosts
+            when they hold it whole and it is newer than the folder's; and a relaunched run restores from the nearest copy: each file is read from the host's
             disk where some rank on that host kept it (any rank's: ranks relaunched at another
             number read them too), sent over the process group by a rank whose host has it,
             and read from the folder only when no rank has a good copy. As
@@ -657,22 +646,43 @@ class ShardedCheckpoints(_CheckpointsBase):
 
     def _commit(self, name: str, done: int, step: int, info: dict, local: str,
                 written: Callable[[], Any], group: Any = None) -> None:
-        """After ``written()`` (DCP's files in ``local``): this rank's files into the folder,
-        every rank's list gathered on ``group``, and rank 0 writes the record -- only when every
-        rank's part is in. A rank that failed still takes part in the gather (with its error),
-        so no rank waits forever and no checkpoint is committed without it."""
-        import torch.distributed as dist
-
+        """After ``written()`` (DCP's files in ``local``): every rank's files and checksums
+        gathered on ``group`` into the checkpoint's record; with ``host_copy`` each rank keeps
+        its files on its host with that record *before* uploading them (a relaunch restores
+        them even when an upload never ends); then each rank's files into the folder, and rank
+        0 writes the record -- only when every rank's part is in. A rank that failed still
+        takes part in each gather (with its error), so no rank waits forever and no checkpoint
+        is committed without it."""
         assert self.store is not None  # a rank with somewhere to write (see _write)
         mine: dict[str, Any] = {}
         error: Optional[BaseException] = None
         try:
-            written()
-            mine = self._copy_in(name, local)
-        except BaseException as exc:  # noqa: BLE001 - raised below, after the gather
-            error = exc
+            try:
+                written()
+                mine = self._digests(name, local)
+            except BaseException as exc:  # noqa: BLE001 - raised below, after the gather
+                error = exc
+            everyone = self._gathered(name, done, mine, error, group)
+            shards = {k: v for part in everyone for k, v in sorted(part.items())}
+            record = record_of(done, shards, info, step)
+            try:
+                self._copy_in(name, local, mine, record)
+            except BaseException as exc:  # noqa: BLE001 - raised below, after the gather
+                error = exc
+            self._gathered(name, done, {}, error, group)
         finally:
             shutil.rmtree(local, ignore_errors=True)
+        if self.rank == 0:
+            commit_checkpoint(self.store, done, shards, info, step)
+        self._saved()
+
+    def _gathered(self, name: str, done: int, mine: dict, error: Optional[BaseException],
+                  group: Any) -> list[dict]:
+        """Every rank's part (``mine``, or ``error``), gathered on ``group``; raises on every
+        rank when some rank's part failed."""
+        import torch.distributed as dist
+
+        assert self.store is not None
         everyone: list[Any] = [_part_of(mine, error)]
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
@@ -687,27 +697,39 @@ class ShardedCheckpoints(_CheckpointsBase):
             raise OSError(f"checkpoint {name} not committed: rank {rank}'s part was not "
                           f"written ({why}); the one before it is still the newest complete "
                           "checkpoint")
-        if self.rank == 0:
-            shards = {k: v for part in everyone for k, v in sorted(part.items())}
-            commit_checkpoint(self.store, done, shards, info, step)
-        self._saved()
+        return everyone
 
-    def _copy_in(self, name: str, local: str) -> dict[str, Any]:
-        """This rank's files in ``local`` into the folder: name -> size, SHA-256 and rank. With
-        ``host_copy``, then moved into this host's copy."""
+    def _digests(self, name: str, local: str) -> dict[str, Any]:
+        """This rank's files in ``local``: their name in the folder -> size, SHA-256 and
+        rank."""
+        return {f"{name}/{os.path.relpath(os.path.join(root, file), local)}":
+                {**digest_file(os.path.join(root, file)), "rank": self.rank}
+                for root, _, files in os.walk(local) for file in files}
+
+    def _copy_in(self, name: str, local: str, mine: dict[str, Any], record: dict) -> None:
+        """This rank's files in ``local`` (``mine``) into the folder. With ``host_copy``, moved
+        into this host's copy with the checkpoint's ``record`` first, the upload reading a
+        second name of each (:func:`host_copy.hold`, left in ``local``); where a file cannot
+        have one, they are kept here only after their upload, without the record."""
         assert self.store is not None
-        mine: dict[str, Any] = {}
-        moved: dict[str, tuple[str, str]] = {}
-        for root, _, files in os.walk(local):
-            for file in files:
-                path = os.path.join(root, file)
-                rel = f"{name}/{os.path.relpath(path, local)}"
-                mine[rel] = {**digest_file(path), "rank": self.rank}
-                self.store.write_file(rel, path)
-                moved[rel] = (path, mine[rel]["sha256"])
-        if self._keeps_copies():
+        paths = {rel: os.path.join(local, rel[len(name) + 1:]) for rel in mine}
+        moved = {rel: (path, mine[rel]["sha256"]) for rel, path in paths.items()}
+        first = self._keeps_copies()
+        sources = dict(paths)
+        if first:
+            held = {rel: host_copy.hold(path) for rel, path in paths.items()}
+            if all(held.values()):
+                sources = {rel: str(path) for rel, path in held.items()}
+                host_copy.keep_moved(moved, record, self.store.key)
+            else:
+                first = False
+                for path in held.values():
+                    if path is not None:
+                        host_copy.discard(path)
+        for rel, path in sorted(sources.items()):
+            self.store.write_file(rel, path)
+        if self._keeps_copies() and not first:
             host_copy.keep_moved(moved)
-        return mine
 
     def restore(self) -> int:
         """Load the newest checkpoint into the model and optimizer, if resuming (every rank);
@@ -738,7 +760,8 @@ class ShardedCheckpoints(_CheckpointsBase):
         epoch = int(record["epoch"])
         self.restored = dict(record.get("extra") or {})
         self._restore_data(record.get("data"))
-        self._announce(record["file"], epoch, int(record.get("step") or 0), skipped, copy)
+        self._announce(record["file"], epoch, int(record.get("step") or 0), skipped, copy,
+                       record.get("uploaded", True))
         return epoch
 
 

@@ -533,11 +533,20 @@ _SHARDED_RANK = textwrap.dedent("""
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     model(torch.randn(16, 4)).sum().backward()
     opt.step()
+    if mode == "save-fail" and os.environ["RANK"] == "1":  # its upload fails: a full disk
+        def write_file(self, name, path):
+            raise OSError(28, "No space left on device")
+        UrlStore.write_file = write_file
     ckpt = st.ShardedCheckpoints(model, opt, url=url, resume=mode == "restore")
-    epoch = ckpt.restore() if mode == "restore" else ckpt.save(0, seen=5) and 0
+    failed = None
+    try:
+        epoch = ckpt.restore() if mode == "restore" else ckpt.save(0, seen=5) and 0
+    except OSError as exc:
+        epoch, failed = None, str(exc)
     state = {k: v.tolist() for k, v in model.state_dict().items()}
     with open(out, "w") as f:
-        json.dump({"epoch": epoch, "state": state, "restored": ckpt.restored}, f)
+        json.dump({"epoch": epoch, "state": state, "restored": ckpt.restored,
+                   "failed": failed}, f)
     if int(world) > 1:
         dist.destroy_process_group()
     sys.stdout.flush()
@@ -564,6 +573,23 @@ def _sharded_ranks(tmp_path, mode: str, host_dirs: list[str]) -> list[dict]:
     assert [p.returncode for p in procs] == [0] * world, outs
     return [{**json.loads((tmp_path / f"{mode}-r{rank}").read_text()), "out": out}
             for rank, out in enumerate(outs)]
+
+
+def test_a_sharded_checkpoint_is_kept_on_the_hosts_before_its_upload(run_env):
+    """Every rank keeps its shards on its host with the checkpoint's record -- gathered from
+    every rank -- before uploading them: rank 1's upload fails (a full disk), so the folder
+    never gets the checkpoint and both ranks raise; a relaunch on the same hosts restores it
+    from the hosts whole, saying its upload had not ended."""
+    pytest.importorskip("torch")
+    hosts = [str(run_env / "host-a"), str(run_env / "host-b")]
+    saved = _sharded_ranks(run_env, "save-fail", hosts)
+    assert all(r["failed"] and "No space left" in r["failed"] for r in saved), saved
+    assert not (run_env / "ckpt" / "latest.json").exists()
+    ranks = _sharded_ranks(run_env, "restore", hosts)
+    assert [(r["epoch"], r["state"] == saved[0]["state"]) for r in ranks] == [(1, True)] * 2
+    assert ranks[0]["restored"]["seen"] == 5
+    line = _resume_line(ranks[0])
+    assert "its upload had not ended: the folder does not have it" in line, ranks[0]["out"]
 
 
 def _resume_line(rank_zero: dict) -> str:
