@@ -561,8 +561,9 @@ class ShardedCheckpoints(_CheckpointsBase):
             own host (moved there from DCP's folder, no second copy in memory) with the
             checkpoint's record -- every rank's checksums, gathered first -- *before* it
             uploads them, so a checkpoint an upload never finished is restored from the hosts
-            when they hold it whole and it is newer than the folder's; and a relaunched run restores from the nearest copy: each file is read from the host's
-            disk where some rank on that host kept it (any rank's: ranks relaunched at another
+            when they hold it whole and it is newer than the folder's; and a relaunched run
+            restores from the nearest copy: each file is read from the host's disk where
+            some rank on that host kept it (any rank's: ranks relaunched at another
             number read them too), sent over the process group by a rank whose host has it,
             and read from the folder only when no rank has a good copy. As
             :class:`Checkpoints`' ``host_copy``: checked against the record, said in the
