@@ -331,8 +331,8 @@ def free_slots(view: Any, lost: Iterable[str] = (), lost_tasks: int = 0,
 
     Classic: the slots of the live executors that are neither being decommissioned nor among
     ``lost`` (executor ids this run saw lost, until Spark itself drops them), less the slots
-    other jobs hold or wait for (:func:`busy_slots`; ``ended``: the tag of this run's attempt that just ended,
-    whose tasks may still be stopping). Connect: the session's slots less ``lost_tasks`` (the
+    other jobs hold or wait for (:func:`busy_slots`; ``ended``: the tag of this run's attempt
+    that just ended, whose tasks may still be stopping). Connect: the session's slots less ``lost_tasks`` (the
     tasks this run saw vanish with their executor)."""
     if view.connect:
         return max(0, slots_without_context(view).slots - lost_tasks)

@@ -715,21 +715,17 @@ class ShardedCheckpoints(_CheckpointsBase):
         assert self.store is not None
         paths = {rel: os.path.join(local, rel[len(name) + 1:]) for rel in mine}
         moved = {rel: (path, mine[rel]["sha256"]) for rel, path in paths.items()}
-        first = self._keeps_copies()
-        sources = dict(paths)
+        keeps = self._keeps_copies()
+        held = {rel: host_copy.hold(path) for rel, path in paths.items()} if keeps else {}
+        first = keeps and all(held.values())
         if first:
-            held = {rel: host_copy.hold(path) for rel, path in paths.items()}
-            if all(held.values()):
-                sources = {rel: str(path) for rel, path in held.items()}
-                host_copy.keep_moved(moved, record, self.store.key)
-            else:
-                first = False
-                for path in held.values():
-                    if path is not None:
-                        host_copy.discard(path)
-        for rel, path in sorted(sources.items()):
-            self.store.write_file(rel, path)
-        if self._keeps_copies() and not first:
+            host_copy.keep_moved(moved, record, self.store.key)
+        else:
+            for link in filter(None, held.values()):
+                host_copy.discard(link)
+        for rel, path in sorted((held if first else paths).items()):
+            self.store.write_file(rel, str(path))
+        if keeps and not first:
             host_copy.keep_moved(moved)
 
     def restore(self) -> int:
