@@ -36,7 +36,8 @@ def model_and_loss(wide: bool):
 
 
 def _b12_train(epochs, steps, log_dir, every_steps=None, step_s=0.05, async_save=False,
-               wide=False, url=None, storage_options=None, host_copy=True):
+               wide=False, url=None, storage_options=None, host_copy=True,
+               memory_snapshots=False):
     """B12's rank: :func:`model_and_loss` on synthetic data, ``steps`` steps an epoch,
     sparkhvd's checkpoints (epoch ends, and every ``every_steps`` steps when set, written in
     the background with ``async_save``; into ``url`` when given, else the run folder); every
@@ -56,6 +57,7 @@ def _b12_train(epochs, steps, log_dir, every_steps=None, step_s=0.05, async_save
     opt = optimizer(model.parameters(), **settings)
     ckpt = st.Checkpoints(model, opt, url=url, storage_options=storage_options,
                           every_steps=every_steps, async_save=async_save, host_copy=host_copy,
+                          memory_snapshots=memory_snapshots,
                           keep=2 if wide else None)  # 1 GB a save: the newest two
     start = ckpt.restore()
     first = ckpt.restored.get("step", 0) if start == ckpt.restored.get("epoch") else 0
@@ -183,16 +185,18 @@ def wide_rows(spark, repeat: int) -> list[dict]:
     rows = []
     try:
         azurite.make_container("ckpt")
-        variants = {"host copy": True, "abfss:// on Azurite": False}
+        variants = {"host copy": (True, False), "abfss:// on Azurite": (False, False),
+                    "host copy, memory_snapshots=True (the newest step's state)": (True, True)}
         recovery: dict[str, list[float]] = {k: [] for k in variants}
         redone: dict[str, list[float]] = {k: [] for k in variants}
         speed: dict[str, list[float]] = {k: [] for k in variants}
         for round_ in range(max(1, repeat)):
-            for name, host_copy in variants.items():
-                url = azurite.url("ckpt", f"wide-{round_}-{int(host_copy)}")
+            for name, (host_copy, snapshots) in variants.items():
+                url = azurite.url("ckpt", f"wide-{round_}-{int(host_copy)}{int(snapshots)}")
                 seconds, again, _, rate = _b12_once(
                     spark, "SIGKILL", 1, epochs, steps, at, True, step_s=0.0, wide=True,
-                    url=url, storage_options=azurite.options(), host_copy=host_copy)
+                    url=url, storage_options=azurite.options(), host_copy=host_copy,
+                    memory_snapshots=snapshots)
                 recovery[name].append(seconds)
                 redone[name].append(float(again))
                 speed[name].append(rate)

@@ -9,7 +9,9 @@ rounds (at least 3; each ratio compares runs of one round), the disk flushed bef
 - no checkpoints;
 - ``step()`` with ``every_steps=1``, synchronous: every step waits for serialising and writing;
 - the same with ``async_save=True``: a step waits for the host copy; a save due while one is
-  still being written is skipped (so "every step" becomes "as often as the disk allows").
+  still being written is skipped (so "every step" becomes "as often as the disk allows");
+- the same with ``memory_snapshots=True`` too (its slot files in ``/dev/shm``): every step's
+  state is kept as a memory snapshot, a save due while one is written included.
 
 Reported: training steps/s of each and their ratio to none (goal: async >= 0.95 x none), the
 time a step is held by a save (host copy vs the whole synchronous save), and how many saves
@@ -69,12 +71,16 @@ def _run(mode: str, steps: int, tiny: bool, gpu: bool = False, sharded: bool = F
 
     model, opt, batch, params = _model(tiny, gpu)
     folder = tempfile.mkdtemp(prefix="bench-b15-")
+    host = os.path.join(folder, "host")
+    if mode == "snapshots" and os.path.isdir("/dev/shm"):  # as the docs advise for them
+        host = tempfile.mkdtemp(prefix="bench-b15-", dir="/dev/shm")
     os.environ.update({"SPARKHVD_RUN_ID": RUN_ID,  # rank 0's host copy, as in a run
-                       "SPARKHVD_HOST_COPY_DIR": os.path.join(folder, "host")})
+                       "SPARKHVD_HOST_COPY_DIR": host})
     kind = st.ShardedCheckpoints if sharded else st.Checkpoints
+    snapshots = {"memory_snapshots": True} if mode == "snapshots" else {}
     ckpt = None if mode == "none" else kind(
         model, opt, url=folder, resume=False, every_steps=1, keep=2,
-        async_save=mode == "async")
+        async_save=mode in ("async", "snapshots"), **snapshots)
     held: list[float] = []
     synchronize = torch.cuda.synchronize if gpu else (lambda: None)
     try:
@@ -111,6 +117,7 @@ def _run(mode: str, steps: int, tiny: bool, gpu: bool = False, sharded: bool = F
         for key in ("SPARKHVD_RUN_ID", "SPARKHVD_HOST_COPY_DIR"):
             os.environ.pop(key, None)
         shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(host, ignore_errors=True)
 
 
 def _restore_s(folder: str, tiny: bool, host_copy: bool,
@@ -290,7 +297,7 @@ def gpu_rows(repeat: int, tiny: bool, stats: Any) -> list[dict]:
     steps = 3 if tiny else 12
     for sharded in (False, True):  # a synchronous save takes seconds: fewer steps of it
         kind = "ShardedCheckpoints" if sharded else "Checkpoints"
-        got: dict[str, list[dict]] = {"none": [], "sync": [], "async": []}
+        got: dict[str, list[dict]] = {"none": [], "sync": [], "async": [], "snapshots": []}
         try:
             for _ in range(max(1, repeat)):
                 for mode in got:
@@ -304,7 +311,7 @@ def gpu_rows(repeat: int, tiny: bool, stats: Any) -> list[dict]:
                          "unit": "-", "skipped": f"failed: {type(exc).__name__}: {exc}"[:300]})
             continue
         how = f"{kind}, {gb:.2f} GB of GPU state, {steps} steps, every_steps=1, local folder"
-        for mode in ("sync", "async"):
+        for mode in ("sync", "async", "snapshots"):
             rows.append({"case": "B5", "variant": f"a step held by a save, {mode}, {how}",
                          "unit": "s", "gpu": gpu, **stats([r["held_s"] for r in got[mode]])})
             rows.append({"case": "B5", "variant": f"{mode} / none (steps/s), {how}",
@@ -324,7 +331,7 @@ def case_b15(repeat: int, tiny: bool, stats: Any) -> list[dict]:
         return [{"case": "B15", "variant": "checkpoint every step, async vs sync",
                  "unit": "ratio", "skipped": "needs torch (the torch profile)"}]
     steps = 3 if tiny else 24
-    got: dict[str, list[dict]] = {"none": [], "sync": [], "async": []}
+    got: dict[str, list[dict]] = {"none": [], "sync": [], "async": [], "snapshots": []}
     for _ in range(1 if tiny else max(3, repeat)):  # rounds of the three: the ratios pair runs
         for mode in got:                            # made minutes apart, not a whole case apart
             got[mode].append(_run(mode, steps, tiny))
@@ -333,7 +340,7 @@ def case_b15(repeat: int, tiny: bool, stats: Any) -> list[dict]:
     rows = [{"case": "B15", "variant": f"steps/s, checkpoints: {mode}, {how}",
              "unit": "steps/s", **stats([r["steps_per_s"] for r in runs])}
             for mode, runs in got.items()]
-    for mode in ("sync", "async"):
+    for mode in ("sync", "async", "snapshots"):
         rows.append({"case": "B15", "variant": f"{mode} / none (steps/s)", "unit": "ratio",
                      **stats([a["steps_per_s"] / b["steps_per_s"]
                               for a, b in zip(got[mode], got["none"])])})
@@ -342,4 +349,7 @@ def case_b15(repeat: int, tiny: bool, stats: Any) -> list[dict]:
     rows.append({"case": "B15", "variant": f"saves written in {steps} steps, async "
                  "(the rest skipped while one was in flight)", "unit": "saves",
                  **stats([float(r["saves"]) for r in got["async"]])})
+    rows.append({"case": "B15", "variant": f"saves written in {steps} steps, async with "
+                 "memory_snapshots (the rest kept as snapshots)", "unit": "saves",
+                 **stats([float(r["saves"]) for r in got["snapshots"]])})
     return rows + restore_rows(repeat, tiny, stats)

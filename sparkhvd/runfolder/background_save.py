@@ -3,7 +3,8 @@
 The step copies what it saves into host memory (``sparkhvd.torch``'s host buffers, DCP's
 stager, Keras' serialised files) and hands the write to this thread; the rules it keeps are
 said in :mod:`sparkhvd.torch.async_save`: one save in flight, a failed write raised by the
-next call, a due save skipped while one is in flight (said once).
+next call, a due save skipped -- or kept as a memory snapshot -- while one is in flight (said
+once).
 
 A checkpoint committed on its host first (:mod:`sparkhvd.runfolder.host_copy`) is uploaded
 behind the saves by :class:`UploadQueue`, so a slow folder delays the folder's copy, not the
@@ -83,10 +84,15 @@ class BackgroundSave:
         if error is not None:
             raise error
 
-    def skip(self, due: str) -> None:
-        """A save came due while :attr:`name` is being written: skipped, said once per save."""
+    def skip(self, due: str, snapshot: bool = False) -> None:
+        """A save came due while :attr:`name` is being written: skipped -- or (``snapshot``)
+        kept as a memory snapshot on this host only -- said once per save."""
         self.skipped += 1
-        if self.skipped == 1:
+        if self.skipped == 1 and snapshot:
+            print(f"checkpoint: {due} kept in memory on this host only: {self.name} is still "
+                  "being written (async_save: a save that comes due while one is in flight is "
+                  "a snapshot of the step's state, not written to the folder)", flush=True)
+        elif self.skipped == 1:
             print(f"checkpoint: {due} skipped: {self.name} is still being written "
                   "(async_save: a save that comes due while one is in flight is skipped)",
                   flush=True)

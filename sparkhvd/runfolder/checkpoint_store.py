@@ -631,7 +631,10 @@ def announce_resume(store: CheckpointStore, file: Optional[str] = None, epoch: i
     # one numbering: the training loop's epoch index, as the checkpoint files name it
     # (epoch-0001-step-0000040 is step 40 of the loop's epoch 1; epoch-0002 continues at 2)
     at = f"epoch {epoch}" + (f" after its step {step}" if step else "")
-    unsent = "" if uploaded else "; its upload had not ended: the folder does not have it"
+    unsent = "" if uploaded else (
+        "; a memory snapshot of that step: the folder does not have it"
+        if file.endswith(".snapshot") else
+        "; its upload had not ended: the folder does not have it")
     print(f"resume: restored {where}{COPIES[copy]}{unsent}; continuing at {at}", flush=True)
     emit(protocol.Resumed(rank=0, source=where, epoch=epoch, skipped=list(problems), step=step,
                           copy=copy, uploaded=uploaded))

@@ -35,11 +35,19 @@ Rules:
   each writing rank keeps its own files (rank 0 writes PyTorch's and Keras' checkpoints; every
   rank writes its shards of a sharded one), and a relaunched rank reads every copy its host
   has, whichever rank kept it.
+- **a snapshot of the newest step** (PyTorch's ``memory_snapshots=True``): every due save's
+  state is copied into one of three slot files in this rank's folder
+  (:mod:`sparkhvd.torch.snapshot_ring`, mapped into memory) and named by ``snapshot.json`` with
+  its record once whole -- a commit by renaming that list, so a process killed mid-copy leaves
+  the slot before it named. Its "checksum" is an identity
+  (:data:`SNAPSHOT`), not a digest: hashing every step's state would cost more than copying
+  it; it is read back whole (its size and the snapshot's own end marker are checked).
 - **cleaned**: when the training function returns on the writing rank (the run is done), and a
   folder left by a run that failed is deleted by the next run on that host a day later.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -62,6 +70,11 @@ FREE_SHARE = 0.5
 STALE_S = 24 * 3600.0
 
 _META = "host-copy.json"
+#: The list naming this rank's newest memory snapshot (beside :data:`_META`'s files).
+_SNAPSHOT_META = "snapshot.json"
+_METAS = (_META, _SNAPSHOT_META)
+#: How a memory snapshot's "sha256" begins: an identity of that snapshot, not a digest.
+SNAPSHOT = "snapshot:"
 _said: set = set()
 _swept: set = set()  # the base folders this process looked for stale runs in (once each)
 
@@ -89,6 +102,8 @@ class HostCopy:
         if len(data) != self.size:
             raise ValueError(f"host copy {self.path} truncated ({len(data):,} of "
                              f"{self.size:,} bytes)")
+        if self.sha256.startswith(SNAPSHOT):
+            return data  # whole by its commit; the snapshot's reader checks its end marker
         if hashlib.sha256(data).hexdigest() != self.sha256:
             raise ValueError(f"host copy {self.path} corrupt (checksum mismatch)")
         return data
@@ -202,6 +217,54 @@ def hold(path: str) -> Optional[str]:
     return held
 
 
+def snapshot_slot(slot: int) -> Optional[str]:
+    """The path of this rank's memory-snapshot slot file ``slot`` (made by
+    :mod:`sparkhvd.torch.snapshot_ring`), its folder made; None outside a run or where the
+    folder cannot be made (said once)."""
+    where = _own_folder()
+    if where is None:
+        return None
+    try:
+        os.makedirs(where, exist_ok=True)
+    except OSError as exc:
+        _said_failed(exc)
+        return None
+    return os.path.join(where, f"snapshot-{slot}")
+
+
+def committed_snapshot() -> Optional[str]:
+    """The slot file this rank's ``snapshot.json`` names (an earlier process's, after a
+    relaunch): the one a new snapshot must not overwrite. None: none."""
+    where = _own_folder()
+    files = _load_meta(where, _SNAPSHOT_META).get("files") if where else None
+    try:
+        return os.path.join(str(where), str(files[0]["name"])) if files else None
+    except (KeyError, TypeError, IndexError):
+        return None
+
+
+def commit_snapshot(file: str, path: str, size: int, record: dict, store: str) -> bool:
+    """Name the whole snapshot at ``path`` (``size`` bytes) this rank's newest, as the copy of
+    the checkpoint file ``file`` of ``record`` (kept before any upload to ``store``): one
+    rename of ``snapshot.json``. False when it could not be written (said once)."""
+    meta = {"files": [{"file": file, "sha256": record["files"][file]["sha256"], "size": size,
+                       "name": os.path.basename(path)}], "record": record, "store": store}
+    try:
+        _replace(os.path.join(os.path.dirname(path), _SNAPSHOT_META), json.dumps(meta).encode())
+    except OSError as exc:
+        _said_failed(exc)
+        return False
+    return True
+
+
+def free_bytes(path: str) -> int:
+    """What the file system of ``path``'s folder has free (0 when it cannot say)."""
+    try:
+        return shutil.disk_usage(os.path.dirname(path)).free
+    except OSError:
+        return 0
+
+
 def adopt_all(spools: Mapping[str, tuple[str, str]], record: Optional[dict] = None,
               store: Optional[str] = None) -> dict[str, HostCopy]:
     """Make the complete files at the spooled paths (checkpoint file -> (path, sha256)) this
@@ -271,7 +334,8 @@ def find_all() -> dict[str, HostCopy]:
     ranks' copies name the same file, the newer one."""
     copies: dict[str, HostCopy] = {}
     for owner in sorted(_owners(), key=_meta_time):  # newer ones last: they win
-        copies.update(_read_meta(owner))
+        for meta in _METAS:
+            copies.update(_read_meta(owner, meta))
     return copies
 
 
@@ -289,36 +353,38 @@ def records(store: str) -> list[dict]:
     """The records of the checkpoints this host keeps for this run whose copies were kept
     before their upload to the folder ``store`` (:attr:`CheckpointStore.key`) -- the ones a
     relaunch may restore before the folder has them. Not checked: their files are, when read."""
-    metas = (_load_meta(owner) for owner in _owners())
+    metas = (_load_meta(owner, meta) for owner in _owners() for meta in _METAS)
     return [meta["record"] for meta in metas
             if meta.get("store") == store and isinstance(meta.get("record"), dict)]
 
 
-def _load_meta(where: str) -> dict:
-    """The list one rank keeps in ``where`` (empty: none, or unreadable)."""
+def _load_meta(where: str, name: str = _META) -> dict:
+    """The list ``name`` one rank keeps in ``where`` (empty: none, or unreadable)."""
     try:
-        with open(os.path.join(where, _META), "rb") as f:
+        with open(os.path.join(where, name), "rb") as f:
             meta = json.loads(f.read())
     except (OSError, ValueError):
         return {}
     return meta if isinstance(meta, dict) else {}
 
 
-def _read_meta(where: str) -> dict[str, HostCopy]:
-    """The copies one rank kept in ``where`` (empty: none, or their list is unreadable)."""
+def _read_meta(where: str, name: str = _META) -> dict[str, HostCopy]:
+    """The copies one rank's list ``name`` names in ``where`` (empty: none, or the list is
+    unreadable)."""
     try:
         return {str(m["file"]): HostCopy(str(m["file"]), str(m["sha256"]), int(m["size"]),
                                          os.path.join(where, str(m["name"])))
-                for m in _load_meta(where).get("files", [])}
+                for m in _load_meta(where, name).get("files", [])}
     except (KeyError, TypeError, ValueError):
         return {}
 
 
 def _meta_time(where: str) -> float:
-    try:
-        return os.path.getmtime(os.path.join(where, _META))
-    except OSError:
-        return 0.0
+    times = [0.0]
+    for name in _METAS:
+        with contextlib.suppress(OSError):
+            times.append(os.path.getmtime(os.path.join(where, name)))
+    return max(times)
 
 
 def clean() -> None:

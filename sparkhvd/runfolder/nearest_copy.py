@@ -133,10 +133,14 @@ def _decide(store: CheckpointStore, rank: int, any_copy: bool, kept_first: list[
             wanted = None
         newer = [r for r in kept_first if wanted is None or progress(r) > progress(wanted)]
         if newer:
-            first = max(newer, key=progress)
-            print(f"resume: {first.get('file') or 'the newest checkpoint'} was kept on the "
-                  f"ranks' hosts before its upload to {store.describe()} ended; it is newer "
-                  f"than the folder's newest ({(wanted or {}).get('file') or 'none'}): "
+            # a checkpoint file before a memory snapshot of the same step: its SHA-256 is checked
+            first = max(newer, key=lambda r: (progress(r), not r.get("snapshot")))
+            kept = ("is a snapshot of that step's state kept in memory on the ranks' hosts "
+                    "(it was never written to the folder)" if first.get("snapshot") else
+                    f"was kept on the ranks' hosts before its upload to {store.describe()} "
+                    "ended")
+            print(f"resume: {first.get('file') or 'the newest checkpoint'} {kept}; it is "
+                  f"newer than the folder's newest ({(wanted or {}).get('file') or 'none'}): "
                   "reading it from the hosts", flush=True)
             wanted = {**first, "uploaded": False}  # for the resume line and run.json
     return world.broadcast_record(wanted, 0)

@@ -10,8 +10,9 @@ write to the checkpoint folder then run on a background thread while training go
 The rules (:class:`sparkhvd.torch.Checkpoints` applies them; its docstring says them to users):
 
 - **one save in flight per rank.** A save that ``step()``'s cadence makes due while one is being
-  written is *skipped* (training never waits for storage; the rank's log says so once per save
-  in flight); an explicit ``save()`` waits for the one in flight, then starts its own; a notice
+  written is *skipped* -- or, with ``memory_snapshots``, kept as a memory snapshot on the host
+  (:mod:`sparkhvd.torch.snapshot_ring`) -- training never waits for storage; the rank's log says
+  which once per save in flight; an explicit ``save()`` waits for the one in flight, then starts its own; a notice
   waits for it and writes its own to the end before every rank stops.
 - **what is saved is the state at the step**: model, optimizer, the data's position and the
   extra state are copied when the save starts, not when its write ends.

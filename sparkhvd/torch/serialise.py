@@ -1,5 +1,6 @@
-"""How ``Checkpoints`` serialises a state into its file: ``torch.save`` without its CRC-32s;
-and how ``ShardedCheckpoints`` gives DCP files it already read and checked.
+"""How ``Checkpoints`` serialises a state into its file: ``torch.save`` without its CRC-32s,
+and reads it back (or a memory snapshot of it); and how ``ShardedCheckpoints`` gives DCP files
+it already read and checked.
 
 A checkpoint's record already carries the SHA-256 of the whole file (computed as the bytes
 pass, :class:`sparkhvd.runfolder.checkpoint_store.DigestingWriter`), and every read checks it.
@@ -48,6 +49,19 @@ def save_state(state: Any, f: IO[bytes]) -> None:
 
     with _crc32_off():
         torch.save(state, f)
+
+
+def load_state(data: bytes, device: Any) -> Any:
+    """What :func:`save_state` wrote (its tensors on ``device``), or a memory snapshot of the
+    state (:mod:`sparkhvd.torch.snapshot_ring`; its tensors on the CPU, for
+    ``load_state_dict`` to copy where they belong)."""
+    import torch
+
+    from sparkhvd.torch import snapshot_ring
+
+    if snapshot_ring.is_snapshot(data):
+        return snapshot_ring.load_snapshot(data)
+    return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
 
 
 def reader_of(files: Mapping[str, bytes], folder: str) -> Any:

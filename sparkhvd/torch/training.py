@@ -60,8 +60,9 @@ from sparkhvd.runfolder.checkpoint_store import (
 )
 from sparkhvd.torch.async_save import BackgroundSave, HostSnapshot, ShardedStaging
 from sparkhvd.torch.nearest_copy import restore_nearest
-from sparkhvd.torch.serialise import reader_of, save_state
+from sparkhvd.torch.serialise import load_state, reader_of, save_state
 from sparkhvd.torch.side_group import side_group
+from sparkhvd.torch.snapshot_ring import SLOTS, SnapshotRing
 
 __side__ = "rank"
 
@@ -203,6 +204,7 @@ class _CheckpointsBase(SavesInBackground):
         self._last_save = time.monotonic()
         self._counted = (-1, 0)  # (epoch, steps) when there is no data to count them
         self._background: Optional[BackgroundSave] = None  # set by Checkpoints(async_save=True)
+        self._ring: Optional[SnapshotRing] = None  # ... and its saves due meanwhile
         self.host_copy = False  # each kind sets its own
 
     def step(self, epoch: int, **extra: Any) -> Optional[str]:
@@ -223,7 +225,7 @@ class _CheckpointsBase(SavesInBackground):
         if not (by_steps or by_time or notice):
             return None
         if busy and not notice:  # async_save: due while the last one is still being written
-            self._skip(self._name(epoch, done))
+            self._due_while_writing(epoch, done, extra)
             return None
         return self._checkpoint(epoch, done, extra, notice) or self._name(epoch, done)
 
@@ -249,6 +251,11 @@ class _CheckpointsBase(SavesInBackground):
 
     def _write(self, epoch: int, step: Optional[int], extra: dict) -> Optional[str]:
         raise NotImplementedError  # each kind writes its own
+
+    def _due_while_writing(self, epoch: int, step: int, extra: dict) -> None:
+        """A save came due while one is being written: skipped (said once per save in
+        flight)."""
+        self._skip(self._name(epoch, step))
 
     def _agree(self, by_time: bool, notice: bool, busy: bool) -> tuple[bool, bool, bool]:
         """Whether to checkpoint now, the same on every rank: rank 0's clock decides
@@ -352,7 +359,8 @@ class Checkpoints(_CheckpointsBase):
             the model and optimizer state in host RAM; pinned, on a side stream, for GPU
             tensors); serialising and writing go on while it trains. One save in flight: a save
             ``step()``'s cadence makes due meanwhile is *skipped* (said once per save in
-            flight), an explicit ``save()`` waits for it, a notice waits and writes its own
+            flight; see ``memory_snapshots``), an explicit ``save()`` waits for it, a notice
+            waits and writes its own
             to the end before the ranks stop. What is saved is the state at the step (data
             position and extra state too); the checkpoint is complete only when its record and
             ``latest.json`` are written, so a rank killed mid-write resumes from the one
@@ -376,6 +384,20 @@ class Checkpoints(_CheckpointsBase):
             (default: the temporary folder) when it fits in half its free space, and deleted
             when the function returns (see :mod:`sparkhvd.runfolder.host_copy`). Only inside a
             sparkhvd run.
+        memory_snapshots: with ``async_save`` and ``host_copy``, inside a sparkhvd run: every
+            due save's state is first kept as a *memory snapshot* on rank 0's host (copied into
+            one of three slot files mapped into memory in the host-copy folder -- three more
+            copies of the state there; ``$SPARKHVD_HOST_COPY_DIR=/dev/shm`` for memory speed --
+            and named the newest once whole), and a save due while one is written is a snapshot
+            instead of skipped. A lost process then costs the step in progress, not the seconds
+            a save takes to serialise; a relaunch on that host restores the newest snapshot when
+            it is newer than every checkpoint file (ranks elsewhere get it over the process
+            group; the folder never gets it: the next save written goes there). The step waits
+            for the copy of its buffers; the parameters and the optimizer's state are copied on
+            a thread while the next step's forward and backward run, and every torch
+            optimizer's next ``step()`` waits for that copy. The price is a copy of the state
+            each due step, on a core training may want (B15 measures it). Off by default. See
+            :mod:`sparkhvd.torch.snapshot_ring`.
 
     ``save(epoch)`` after an epoch, ``save(epoch, step=k)`` after step ``k`` of it (a mid-epoch
     checkpoint: ``epoch-000N-step-000000K.pt``), or ``step(epoch)`` after every step and the
@@ -386,7 +408,8 @@ class Checkpoints(_CheckpointsBase):
                  storage_options: Optional[dict] = None, resume: Any = None,
                  data: Any = None, every_steps: Optional[int] = None,
                  every_seconds: Optional[float] = None, keep: Optional[int] = None,
-                 async_save: bool = False, host_copy: bool = True) -> None:
+                 async_save: bool = False, host_copy: bool = True,
+                 memory_snapshots: bool = False) -> None:
         super().__init__(model, optimizer, url=url, storage_options=storage_options,
                          resume=resume, data=data, every_steps=every_steps,
                          every_seconds=every_seconds, keep=keep)
@@ -399,6 +422,8 @@ class Checkpoints(_CheckpointsBase):
             self._background = BackgroundSave()
             #: the state of the save in flight, in host memory (refilled by the next save)
             self._snapshot = HostSnapshot()
+            if memory_snapshots and host_copy:  # every due save's state kept here first
+                self._ring = SnapshotRing.here()
             if host_copy and not self.store.on_this_host:
                 self._uploads = UploadQueue()  # kept on this host first, uploaded behind
             at_function_end(self._finish_save)  # the rank is done when its last save is
@@ -413,22 +438,92 @@ class Checkpoints(_CheckpointsBase):
         if self.rank != 0 or self.store is None:
             self._last_save = time.monotonic()
             return None
-        done = epoch + 1 if not step else epoch
+        done, state = self._state(epoch, step, extra)
         name = self._name(done, step or 0)
-        state = {"model": unwrap(self.model).state_dict(),
-                 "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-                 "epoch": done, "step": step or 0, "extra": extra,
-                 "data": self._data_state(epoch, step)}
         if self._background is None:
             self._persist(state, name, done, step or 0)
             self._last_save = time.monotonic()
             return name
         self._background.wait()  # one in flight: its buffers are the ones filled now
         self._wait_for_first_upload()  # the folder's first: what a relaunch finds
+        ring = self._ring
+        kept = (self._keep_in_memory(state, self._snapshot_name(done, step or 0), done,
+                                     step or 0, hold=True) if ring is not None else None)
+        if ring is not None and kept is not None:  # written from its memory snapshot
+
+            def persist() -> None:
+                try:
+                    ring.wait()  # the parameters' copy ended
+                    self._persist(kept, name, done, step or 0)
+                finally:
+                    ring.release()
+
+            self._last_save = time.monotonic()
+            self._background.start(name, persist)
+            return name
         held = self._snapshot.take(state)  # the only part the step waits for
         self._last_save = time.monotonic()
         self._background.start(name, lambda: self._persist(held, name, done, step or 0))
         return name
+
+    def _state(self, epoch: int, step: Optional[int], extra: dict) -> tuple[int, dict]:
+        """The epoch a checkpoint after ``step`` of ``epoch`` names, and the state it saves."""
+        done = epoch + 1 if not step else epoch
+        return done, {"model": unwrap(self.model).state_dict(),
+                      "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                      "epoch": done, "step": step or 0, "extra": extra,
+                      "data": self._data_state(epoch, step)}
+
+    def _due_while_writing(self, epoch: int, step: int, extra: dict) -> None:
+        """A save came due while one is being written: rank 0 keeps the step's state as a
+        memory snapshot on its host (:mod:`sparkhvd.torch.snapshot_ring`), said once per save
+        in flight -- or skips it where no snapshot can be kept."""
+        ring, background, store = self._ring, self._background, self.store
+        if self.rank != 0 or ring is None or background is None or store is None:
+            return super()._due_while_writing(epoch, step, extra)
+        done, state = self._state(epoch, step, extra)
+        file = self._snapshot_name(done, step)
+        if self._keep_in_memory(state, file, done, step, hold=False) is not None:
+            self._last_save = time.monotonic()
+            background.skip(file, snapshot=True)
+            return
+        super()._due_while_writing(epoch, step, extra)
+
+    def _snapshot_name(self, done: int, step: int) -> str:
+        return f"{checkpoint_name(done, step)}.snapshot"
+
+    def _keep_in_memory(self, state: dict, file: str, done: int, step: int,
+                        hold: bool) -> Any:
+        """``state`` as rank 0's newest memory snapshot (:class:`SnapshotRing`): its copy
+        there, or None -- and no more snapshots, said -- when it does not fit."""
+        assert self._ring is not None and self.store is not None
+        kept = self._ring.keep(state, file, record_of(done, {}, {}, step), self.store.key,
+                               self._changed_by_step(), hold)
+        if kept is None:
+            self._ring = None
+            print(f"checkpoint: no memory snapshot kept: {SLOTS} more copies of the state do "
+                  f"not fit in half the free space of the host-copy folder; a save due while "
+                  f"one is written is skipped. Set {host_copy.DIR_ENV} to a larger folder.",
+                  flush=True)
+        return kept
+
+    def _changed_by_step(self) -> set[int]:
+        """The data pointers of what only an optimizer step changes -- the parameters and the
+        optimizer's state -- when a torch optimizer trains the model (a memory snapshot
+        copies them while the next step's forward and backward run); none otherwise."""
+        import torch
+
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            return set()
+        tensors = [*unwrap(self.model).parameters(),
+                   *(value for state in self.optimizer.state.values()
+                     for value in state.values() if isinstance(value, torch.Tensor))]
+        return {t.data_ptr() for t in tensors}
+
+    def _finish_save(self) -> None:
+        if self._ring is not None:
+            self._ring.wait()
+        super()._finish_save()
 
     def _persist(self, state: dict, name: str, done: int, step: int) -> None:
         """Serialise ``state`` and write it, its record and ``latest.json``; prune. With
@@ -506,8 +601,7 @@ class Checkpoints(_CheckpointsBase):
 
         def load(record: dict, files: dict) -> dict:
             device = next(iter(unwrap(self.model).parameters()), torch.zeros(0)).device
-            state = torch.load(io.BytesIO(files[record["file"]]), map_location=device,
-                               weights_only=False)
+            state = load_state(files[record["file"]], device)
             unwrap(self.model).load_state_dict(state["model"])
             if self.optimizer is not None and state.get("optimizer"):
                 self.optimizer.load_state_dict(state["optimizer"])

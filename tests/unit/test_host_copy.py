@@ -38,8 +38,9 @@ def _sha(data: bytes) -> str:
 
 
 def _one_copy():
-    """This host's copy of a one-file checkpoint (None: none kept)."""
-    copies = host_copy.find_all()
+    """This host's copy of a one-file checkpoint file (None: none kept), not a memory
+    snapshot."""
+    copies = {k: v for k, v in host_copy.find_all().items() if not k.endswith(".snapshot")}
     assert len(copies) <= 1, copies
     return next(iter(copies.values()), None)
 
@@ -693,3 +694,189 @@ def test_a_sharded_checkpoint_restores_at_one_rank_from_both_hosts_copies(sharde
     from the folder; the state is the saved one."""
     ranks = _sharded_ranks(run_env, "restore", [str(run_env / "host-a")])
     assert ranks[0]["state"] == sharded_save and ranks[0]["epoch"] == 1
+
+
+# -- memory snapshots of the saves due while one is written (sparkhvd.torch.snapshot_ring) ------
+def _bn_model_and_opt(torch, seed: int):
+    """A model with an int64 buffer (BatchNorm's count) and Adam's state, trained one step."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train(torch, model, opt)
+    return model, opt
+
+
+def _full_state(model, opt) -> dict:
+    """Model and optimizer state, copied (tensors as lists: comparable after a reload)."""
+    def plain(value):
+        if hasattr(value, "tolist"):
+            return value.tolist()
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+    return plain({"model": model.state_dict(), "optimizer": opt.state_dict()})
+
+
+def test_saves_due_while_one_is_written_are_memory_snapshots_and_a_relaunch_restores_the_newest(
+        run_env, capsys, monkeypatch):
+    """With ``memory_snapshots``, while a save is serialised (held here at a gate: a 1 GB state
+    takes seconds), the saves ``step()`` makes due are not skipped: each step's state is copied into a slot file on this
+    host and named the newest snapshot (said once). A relaunch restores the newest one --
+    model, Adam's moments, BatchNorm's int64 count, the extra state -- newer than any file,
+    and says it came from a snapshot on this host; a damaged snapshot falls back, with a
+    warning, to the newest checkpoint file."""
+    torch = pytest.importorskip("torch")
+    model, opt = _bn_model_and_opt(torch, seed=0)
+    ckpt, gate, saved = _snapshots_while_a_save_is_held(torch, run_env, monkeypatch, model, opt)
+    out = capsys.readouterr().out
+    assert out.count("kept in memory on this host only") == 1, out
+    assert "epoch-0000-step-0000002.snapshot kept in memory" in out, out
+    slots = sorted(n for n in os.listdir(os.path.dirname(host_copy.snapshot_slot(0)))
+                   if n.startswith("snapshot-"))
+    # step 1 is written from slot 0 (held while it is), steps 2-4 take turns in the others
+    assert slots == ["snapshot-0", "snapshot-1", "snapshot-2"]
+    snapshot = host_copy.find_all()["epoch-0000-step-0000004.snapshot"]
+    assert snapshot.path.endswith("snapshot-1")
+
+    restored, relaunched, epoch, lines = _relaunched(torch, run_env, capsys)
+    assert (epoch, relaunched.restored) == (0, {"seen": 4, "epoch": 0, "step": 4})
+    assert _full_state(*restored) == saved[4]
+    assert any("a snapshot of that step's state kept in memory on the ranks' hosts" in line
+               for line in lines), lines
+    assert "epoch-0000-step-0000004.snapshot (its copy on this host); a memory snapshot of " \
+        "that step: the folder does not have it" in lines[-1], lines
+
+    gate.set()
+    ckpt._finish_save()  # step 1's file: now the newest checkpoint *file*
+    with open(snapshot.path, "r+b") as f:  # the snapshot's end marker overwritten
+        f.seek(snapshot.size - 4)
+        f.write(b"\0" * 4)
+    restored, relaunched, epoch, lines = _relaunched(torch, run_env, capsys)
+    assert relaunched.restored == {"seen": 1, "epoch": 0, "step": 1}, lines
+    assert any("WARNING" in line and "snapshot" in line for line in lines), lines
+
+
+def _snapshots_while_a_save_is_held(torch, run_env, monkeypatch, model, opt):
+    """``Checkpoints(async_save=True, every_steps=1)``: step 1's save held while it is
+    serialised (at a gate), steps 2-4 due meanwhile. The Checkpoints, the gate, and the full
+    state after steps 2, 3 and 4."""
+    import threading
+
+    import sparkhvd.torch as st
+    from sparkhvd.torch import training
+
+    gate, serialising = threading.Event(), threading.Event()
+    real_save = training.save_state
+
+    def held_save(state, f):
+        serialising.set()
+        assert gate.wait(60)
+        real_save(state, f)
+
+    monkeypatch.setattr(training, "save_state", held_save)
+    ckpt = st.Checkpoints(model, opt, url=str(run_env / "ckpt"), resume=False,
+                          async_save=True, every_steps=1, memory_snapshots=True)
+    _train(torch, model, opt)
+    assert ckpt.step(0, seen=1) == "epoch-0000-step-0000001.pt"
+    assert serialising.wait(10)  # step 1 is being serialised: held
+    saved = {}
+    for step in (2, 3, 4):
+        _train(torch, model, opt)
+        assert ckpt.step(0, seen=step) is None  # kept in memory, no file
+        saved[step] = _full_state(model, opt)
+    # The parameters and Adam's moments are copied while the next step computes: its
+    # optimizer step waits for that copy, so step 4's snapshot has step 4's values.
+    model(torch.randn(16, 4)).sum().backward()
+    opt.step()
+    assert _full_state(model, opt) != saved[4]
+    return ckpt, gate, saved
+
+
+def test_a_rank_on_a_new_host_gets_the_newest_snapshot_from_the_rank_that_has_it(
+        run_env, monkeypatch):
+    """Relaunched at two ranks on two hosts, where only rank 1's host has the snapshot: rank 0
+    gets its bytes over the process group, and both load step 4's state."""
+    torch = pytest.importorskip("torch")
+    model, opt = _model_and_opt(torch, seed=0)
+    ckpt, gate, saved = _snapshots_while_a_save_is_held(torch, run_env, monkeypatch, model, opt)
+    ranks = _two_ranks(run_env, [str(run_env / "host-b"), str(run_env / "host-a")])
+    assert [r["epoch"] for r in ranks] == [0, 0]
+    assert ranks[0]["state"] == ranks[1]["state"] == saved[4]["model"]
+    assert "step-0000004.snapshot (another rank's host copy" in ranks[0]["out"], ranks[0]["out"]
+    gate.set()
+    ckpt._finish_save()
+
+
+def _relaunched(torch, run_env, capsys):
+    """A relaunched rank 0's model and optimizer after ``restore()``, its Checkpoints, the
+    epoch and its resume lines."""
+    import sparkhvd.torch as st
+
+    model, opt = _bn_model_and_opt(torch, seed=7)
+    ckpt = st.Checkpoints(model, opt, url=str(run_env / "ckpt"), resume=True)
+    epoch = ckpt.restore()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "resume:" in line]
+    return (model, opt), ckpt, epoch, lines
+
+
+_KILLED_MID_COPY = textwrap.dedent("""
+    import json, os, signal, sys, threading
+    import torch
+    import sparkhvd.torch as st
+    from sparkhvd.torch import snapshot_ring, training
+
+    training.save_state = lambda state, f: threading.Event().wait()  # never serialised
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ckpt = st.Checkpoints(model, opt, url=sys.argv[1], resume=False, async_save=True,
+                          every_steps=1, memory_snapshots=True)
+    kill_at = int(sys.argv[3])
+    copy_later = snapshot_ring._Slot.copy_later
+    snapshots = []
+
+    def copy_half_then_die(slot, pairs):  # on the thread that copies a snapshot's parameters
+        snapshots.append(len(pairs))
+        if len(snapshots) == kill_at:  # every step's save is a snapshot: step kill_at's
+            copy_later(slot, pairs[:len(pairs) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        copy_later(slot, pairs)
+
+    snapshot_ring._Slot.copy_later = copy_half_then_die
+    for step in range(1, kill_at + 1):
+        opt.zero_grad()
+        model(torch.randn(16, 4)).sum().backward()
+        opt.step()
+        if step == kill_at - 1:
+            with open(sys.argv[2], "w") as f:
+                json.dump({k: v.tolist() for k, v in model.state_dict().items()}, f)
+        ckpt.step(0, seen=step)
+    model(torch.randn(16, 4)).sum().backward()
+    opt.step()  # waits for step 6's copy, which the kill cuts short
+    os._exit(3)
+""")
+
+
+def test_a_rank_killed_while_copying_a_snapshot_restores_the_one_before(run_env, capsys):
+    """A real process SIGKILLed in the middle of copying step 6's state into a slot (on the
+    thread that copies the parameters and Adam's moments while the next step runs): the
+    relaunch restores step 5's snapshot whole (the slot being filled was never named), not
+    a torn step 6."""
+    torch = pytest.importorskip("torch")
+    script = run_env / "killed.py"
+    script.write_text(_KILLED_MID_COPY)
+    env = {**os.environ, host_copy.DIR_ENV: os.environ[host_copy.DIR_ENV],
+           protocol.RUN_ID_ENV: os.environ[protocol.RUN_ID_ENV]}
+    done = subprocess.run([sys.executable, str(script), str(run_env / "ckpt"),
+                           str(run_env / "step5.json"), "6"], env=env, capture_output=True,
+                          text=True, timeout=150)
+    assert done.returncode == -9, done.stdout + done.stderr
+    assert "kept in memory on this host only" in done.stdout, done.stdout
+    (model, _), relaunched, epoch, lines = _relaunched(torch, run_env, capsys)
+    assert (epoch, relaunched.restored) == (0, {"seen": 5, "epoch": 0, "step": 5}), lines
+    expected = json.loads((run_env / "step5.json").read_text())
+    assert _as_lists(model.state_dict()) == expected

@@ -1,0 +1,318 @@
+"""Memory snapshots (``st.Checkpoints(..., async_save=True, memory_snapshots=True)``): the
+newest step's state kept in memory-mapped files on rank 0's host, so a lost process costs the
+step in progress, not the seconds a large save takes to serialise.
+
+A background save of a 1 GB state takes seconds to serialise and write (B15); meanwhile the
+saves that come due cannot start, so a rank killed then loses every step since the last one
+whose file was whole -- 4 steps a rank with a checkpoint due every step (B12). Copying the
+state into host memory takes a tenth of a step. So every due save is first copied into a
+*slot*: a file in this rank's host-copy folder (:mod:`sparkhvd.runfolder.host_copy`;
+``$SPARKHVD_HOST_COPY_DIR=/dev/shm`` keeps it in memory) mapped into the process, each tensor
+at a fixed offset in a mapping of its own, reused from one snapshot to the next. Then the slot
+is named this rank's newest snapshot (``snapshot.json``, with its record: one rename). A save
+that is written to the folder is serialised from its slot, which is held until then; a save
+due while one is written is a snapshot only. Three slots take turns -- the one named newest,
+the one a save is written from, the one being filled -- so the one named is never the one
+being filled: a process killed mid-copy leaves the snapshot before it.
+
+The step waits only for what the next step's forward could change (buffers such as
+BatchNorm's statistics, the data's position, the extra state): the parameters and the
+optimizer's state change only in an optimizer step, so they are copied on a thread (one core)
+while the next step's forward and backward run, and every torch optimizer's ``step()`` first
+waits for that copy (a global optimizer step pre-hook).
+
+The files outlive the process (not its host): a relaunch on that host restores the newest
+snapshot when it is newer than every checkpoint file (:mod:`sparkhvd.runfolder.nearest_copy`;
+ranks elsewhere get its bytes over the process group) -- and the folder never gets it: the
+next save that is written goes there.
+
+A slot file is the tensors' bytes, then the state's structure (a pickle whose tensors name
+their offsets), its length and :data:`MAGIC` -- so one read gives everything, and a slot that
+does not end with the marker is not a snapshot.
+
+Bounded: the three slots must fit in half of what their folder has free
+(:data:`sparkhvd.runfolder.host_copy.FREE_SHARE`); otherwise no snapshot is kept (said once)
+and the saves go on as without ``memory_snapshots``.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import mmap
+import os
+import pickle
+import threading
+import uuid
+import warnings
+import weakref
+from typing import Any, Collection, Iterator, Optional
+
+from sparkhvd.runfolder import host_copy
+from sparkhvd.torch.async_save import HostSnapshot, StagingCopies
+
+__side__ = "rank"
+
+#: How a snapshot file ends.
+MAGIC = b"SPARKHVD-SNAPSHOT-1"
+#: Slots taking turns: one named newest, one a save is written from, one being filled.
+SLOTS = 3
+_ALIGN = mmap.ALLOCATIONGRANULARITY  # every tensor's offset: where a mapping may begin
+
+
+def is_snapshot(data: bytes) -> bool:
+    """Whether ``data`` is a whole snapshot file."""
+    return data.endswith(MAGIC)
+
+
+def load_snapshot(data: bytes) -> Any:
+    """The state a snapshot file holds, its tensors copies on the CPU (nothing shares ``data``).
+
+    Raises:
+        ValueError: ``data`` is not a whole snapshot.
+    """
+    import torch
+
+    if not is_snapshot(data):
+        raise ValueError("not a whole snapshot (its end marker is missing)")
+    end = len(data) - len(MAGIC)
+    length = int.from_bytes(data[end - 8:end], "little")
+    structure = data[end - 8 - length:end - 8]
+
+    class Reader(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            offset, dtype, shape = pid
+            kind = getattr(torch, dtype.split(".")[-1])
+            count = 1
+            for n in shape:
+                count *= n
+            if not count:
+                return torch.empty(shape, dtype=kind)
+            with warnings.catch_warnings():  # read-only bytes: only copied from
+                warnings.simplefilter("ignore", UserWarning)
+                view = torch.frombuffer(data, dtype=kind, count=count, offset=offset)
+            return view.reshape(shape).clone()
+
+    return Reader(io.BytesIO(structure)).load()
+
+
+def _tensors(value: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """Each tensor of a state and its path, as :class:`HostSnapshot` walks it."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, (*path, key))
+    elif isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        for i, item in enumerate(value):
+            yield from _tensors(item, (*path, i))
+
+
+class _Slot(HostSnapshot):
+    """A :class:`HostSnapshot` whose buffers are regions of one file mapped into memory."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(StagingCopies())
+        self.path = path
+        self._layout: list = []
+        self._offsets: dict[int, tuple[int, str, tuple]] = {}  # id(buffer) -> its place
+        self.end = 0  # bytes of tensors (the structure follows)
+        self._later: set[int] = set()
+        self._pairs: list = []
+
+    def plan(self, state: Any, room: int) -> bool:
+        """Lay the file out for ``state``'s tensors when their shapes or dtypes changed (a new
+        file: an old mapping still read stays valid). False when the slots at this size would
+        take more than ``room``."""
+        import torch
+
+        layout = [(path, tuple(t.shape), t.dtype, t.numel() * t.element_size())
+                  for path, t in _tensors(state)]
+        if layout == self._layout:
+            return True
+        places, end = {}, 0
+        for path, _, _, size in layout:
+            end = -(-end // _ALIGN) * _ALIGN
+            places[path] = end
+            end += size
+        if SLOTS * end > room:
+            return False
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._buffers, self._offsets = {}, {}
+        try:
+            os.ftruncate(fd, end)
+            for path, shape, dtype, size in layout:
+                at = places[path]
+                # a mapping of its own: each buffer has its own storage, so torch.save of
+                # the slot's tensors (the save written from it) writes each on its own
+                buffer = (torch.frombuffer(mmap.mmap(fd, size, offset=at), dtype=torch.uint8)
+                          if size else torch.empty(0, dtype=torch.uint8)).view(dtype).view(shape)
+                self._buffers[path] = buffer
+                self._offsets[id(buffer)] = (at, str(dtype), shape)
+        finally:
+            os.close(fd)
+        self._layout, self.end = layout, end
+        return True
+
+    def take_now(self, state: Any, later: Collection[int]) -> tuple[Any, list]:
+        """:meth:`take` of what may change before the next optimizer step (buffers, plain
+        values); the tensors whose data pointers are in ``later`` (parameters, the optimizer's
+        state: only an optimizer step changes them) are left as (buffer, tensor) pairs for
+        :meth:`copy_later`. The state's copy (its later tensors' buffers not yet filled), and
+        those pairs."""
+        self._later, self._pairs = set(later) - {0}, []
+        try:
+            taken = self.take(state)
+            return taken, self._pairs
+        finally:
+            self._later = set()
+
+    def _tensor(self, tensor: Any, path: tuple, on_gpu: list) -> Any:
+        if tensor.data_ptr() in self._later:
+            self._taken.add(path)
+            buffer = self._buffers[path]  # laid out by plan()
+            self._pairs.append((buffer, tensor.detach()))
+            return buffer
+        return super()._tensor(tensor, path, on_gpu)
+
+    def copy_later(self, pairs: list) -> None:
+        """Fill the buffers :meth:`take_now` left (GPU tensors on a side stream)."""
+        on_gpu = [(b, t) for b, t in pairs if self.copies.on_gpu(t)]
+        for buffer, tensor in pairs:
+            if not self.copies.on_gpu(tensor):
+                self.copies.copy_on_host(buffer, tensor)
+        if on_gpu:
+            self.copies.copy_from_gpu(on_gpu)
+
+    def structure(self, taken: Any) -> bytes:
+        """What follows the tensors in the file: ``taken``'s structure (its tensors named by
+        their offsets), its length and :data:`MAGIC`."""
+        offsets = self._offsets
+
+        class Writer(pickle.Pickler):
+            def persistent_id(self, obj: Any) -> Any:
+                return offsets.get(id(obj))
+
+        out = io.BytesIO()
+        Writer(out, protocol=pickle.HIGHEST_PROTOCOL).dump(taken)
+        tail = out.getvalue()
+        return tail + len(tail).to_bytes(8, "little") + MAGIC
+
+    def write_tail(self, tail: bytes) -> int:
+        """Write :meth:`structure` after the tensors; the file's size."""
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            os.pwrite(fd, tail, self.end)
+            os.ftruncate(fd, self.end + len(tail))
+        finally:
+            os.close(fd)
+        return self.end + len(tail)
+
+
+_RINGS: weakref.WeakSet = weakref.WeakSet()  # the rings whose copies an optimizer step awaits
+
+
+def _before_optimizer_step(*_: Any) -> None:
+    """Every torch optimizer's step first waits for the snapshots being copied (their
+    parameters and optimizer state are what it changes)."""
+    for ring in list(_RINGS):
+        ring.wait()
+
+
+_hooked: list = []
+
+
+class SnapshotRing:
+    """Rank 0's newest step states, in :data:`SLOTS` slot files taking turns (see the module)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self._slots = [_Slot(path) for path in paths]
+        named = host_copy.committed_snapshot()  # an earlier process's: not overwritten first
+        #: the slot named newest, and the one a save is being written from: never filled
+        self._named = next((i for i, path in enumerate(paths) if path == named), None)
+        self._held: Optional[int] = None
+        self._copying: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def here(cls) -> Optional[SnapshotRing]:
+        """The ring of this rank in this run's host-copy folder; None outside a run."""
+        paths = [host_copy.snapshot_slot(i) for i in range(SLOTS)]
+        return cls([p for p in paths if p]) if all(paths) else None
+
+    def keep(self, state: Any, file: str, record: dict, store: str,
+             later: Collection[int] = (), hold: bool = False) -> Optional[Any]:
+        """Copy ``state`` into a free slot and name it this rank's newest snapshot, the copy of
+        ``file`` (``record``'s, without its files: added here); the state's copy there (its
+        tensors the slot's), or None when the slots do not fit (nothing written).
+
+        The tensors whose data pointers are in ``later`` (the parameters and the optimizer's
+        state) are copied on a thread while training goes on, and every torch optimizer's next
+        ``step()`` waits for them (:meth:`wait` too); the rest now. ``hold``: the slot is
+        not filled again until :meth:`release` (a save is written from the copy)."""
+        self.wait()  # the snapshot before is named first
+        index = next(i for i in range(SLOTS) if i not in (self._named, self._held))
+        slot = self._slots[index]
+        room = host_copy.FREE_SHARE * (  # what the slots take counts as free
+            host_copy.free_bytes(slot.path) + sum(s.end for s in self._slots))
+        if not slot.plan(state, int(room)):
+            return None
+        taken, pairs = slot.take_now(state, later)
+        tail = slot.structure(taken)  # the step's plain values, pickled now
+        if hold:
+            self._held = index
+
+        def finish() -> None:
+            slot.copy_later(pairs)
+            size = slot.write_tail(tail)
+            named = {**record, "file": file, "snapshot": True, "files": {file: {
+                "size": size, "sha256": host_copy.SNAPSHOT + uuid.uuid4().hex}}}
+            if host_copy.commit_snapshot(file, slot.path, size, named, store):
+                self._named = index
+
+        if not pairs:
+            finish()
+            return taken
+        if not _hooked:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _hooked.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+        _RINGS.add(self)
+
+        def run() -> None:
+            import torch
+
+            # one core: a second OpenMP team beside training's would oversubscribe the cores,
+            # and their spinning cost training half its speed on two cores (B15)
+            torch.set_num_threads(1)
+            try:
+                finish()
+            except BaseException as exc:  # noqa: BLE001 - raised by the next wait()
+                self._error = exc
+
+        self._copying = threading.Thread(target=run, name="sparkhvd-snapshot", daemon=True)
+        self._copying.start()
+        return taken
+
+    def wait(self) -> None:
+        """Until the snapshot being copied is named newest (on any thread); its error, once."""
+        copying = self._copying
+        if copying is not None:
+            copying.join()
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def release(self) -> None:
+        """The save written from the held slot has read it: it may be filled again."""
+        self._held = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one slot's tensors take."""
+        return max(s.end for s in self._slots)
