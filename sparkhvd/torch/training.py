@@ -410,6 +410,11 @@ class Checkpoints(_CheckpointsBase):
                  every_seconds: Optional[float] = None, keep: Optional[int] = None,
                  async_save: bool = False, host_copy: bool = True,
                  memory_snapshots: bool = False) -> None:
+        if memory_snapshots and not (async_save and host_copy):
+            raise ValueError("memory_snapshots=True needs async_save=True and host_copy=True "
+                             "(a snapshot is the step's copy of a background save, kept on "
+                             f"the host); got async_save={async_save!r}, "
+                             f"host_copy={host_copy!r}")
         super().__init__(model, optimizer, url=url, storage_options=storage_options,
                          resume=resume, data=data, every_steps=every_steps,
                          every_seconds=every_seconds, keep=keep)
@@ -422,7 +427,7 @@ class Checkpoints(_CheckpointsBase):
             self._background = BackgroundSave()
             #: the state of the save in flight, in host memory (refilled by the next save)
             self._snapshot = HostSnapshot()
-            if memory_snapshots and host_copy:  # every due save's state kept here first
+            if memory_snapshots:  # every due save's state kept on this host first
                 self._ring = SnapshotRing.here()
             if host_copy and not self.store.on_this_host:
                 self._uploads = UploadQueue()  # kept on this host first, uploaded behind

@@ -880,3 +880,15 @@ def test_a_rank_killed_while_copying_a_snapshot_restores_the_one_before(run_env,
     assert (epoch, relaunched.restored) == (0, {"seen": 5, "epoch": 0, "step": 5}), lines
     expected = json.loads((run_env / "step5.json").read_text())
     assert _as_lists(model.state_dict()) == expected
+
+
+@pytest.mark.parametrize("settings", [{}, {"async_save": True, "host_copy": False}])
+def test_memory_snapshots_without_a_background_save_on_the_host_is_a_clear_error(
+        tmp_path, settings):
+    torch = pytest.importorskip("torch")
+    import sparkhvd.torch as st
+
+    model, opt = _model_and_opt(torch, seed=0)
+    with pytest.raises(ValueError, match="memory_snapshots=True needs async_save=True and "
+                                         "host_copy=True"):
+        st.Checkpoints(model, opt, url=str(tmp_path), memory_snapshots=True, **settings)
