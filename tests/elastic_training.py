@@ -124,11 +124,26 @@ def _mark(log_dir, name):
          "w").close()
 
 
-def hf_elastic(log_dir, max_steps=12):
+def _held_until_killed(step, hold_from):
+    """On the run's first attempt, from step ``hold_from`` on, wait to be killed (the test
+    kills this rank once the job it waited behind ended): the run cannot end before the
+    relaunch it tests, however long that job takes to end (a 2-minute cap)."""
+    import time
+
+    if hold_from is None or step < hold_from or \
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def hf_elastic(log_dir, max_steps=12, hold_from=None):
     """A Hugging Face Trainer that resumes from its own checkpoints in the run folder after any
     relaunch, at any world size -- the one line: ``resume_from_checkpoint=
     st.last_checkpoint(output_dir)`` (the newest *complete* one: a rank killed while the Trainer
-    wrote one leaves it torn). Logs each step's global step and world size."""
+    wrote one leaves it torn). Logs each step's global step and world size; ``hold_from``:
+    :func:`_held_until_killed`."""
     import time
 
     import torch
@@ -158,6 +173,7 @@ def hf_elastic(log_dir, max_steps=12):
             with open(os.path.join(log_dir, f"steps-{args.process_index}.txt"), "a") as f:
                 f.write(f"{state.global_step} {args.world_size}\n")
             time.sleep(0.2)
+            _held_until_killed(state.global_step, hold_from)
 
     args = TrainingArguments(output_dir=out, max_steps=max_steps, per_device_train_batch_size=4,
                              save_strategy="steps", save_steps=2, learning_rate=1e-3, seed=0,
@@ -168,10 +184,10 @@ def hf_elastic(log_dir, max_steps=12):
     return {"world": args.world_size, "step": trainer.state.global_step}
 
 
-def lightning_elastic(log_dir, max_steps=12):
+def lightning_elastic(log_dir, max_steps=12, hold_from=None):
     """Lightning's Trainer resuming from its own ``last.ckpt`` in the run folder -- the one
     line: ``trainer.fit(..., ckpt_path="last")`` -- with devices and nodes as this attempt's
-    world has them."""
+    world has them; ``hold_from``: :func:`_held_until_killed`."""
     import time
 
     import lightning as L
@@ -195,6 +211,7 @@ def lightning_elastic(log_dir, max_steps=12):
             with open(os.path.join(log_dir, f"steps-{self.global_rank}.txt"), "a") as f:
                 f.write(f"{self.global_step} {self.trainer.world_size}\n")
             time.sleep(0.2)
+            _held_until_killed(self.global_step, hold_from)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05)

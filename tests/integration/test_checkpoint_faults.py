@@ -422,6 +422,83 @@ def test_a_rank_killed_while_its_save_uploads_to_abfss_resumes_from_a_complete_c
         assert copy == "folder", (copy, restored)
 
 
+def torch_fit_with_memory_snapshots(url, epochs=2, steps=6, kill_at=None):
+    """Adam and BatchNorm under DDP, a checkpoint due every step with ``memory_snapshots``,
+    data seeded by (epoch, step, rank). ``kill_at`` = (epoch, step): on the first attempt rank
+    0's first save is written and its second never ends (a slow disk: every later due save is
+    a memory snapshot), and rank 1 is SIGKILLed after that step."""
+    import os
+    import signal
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    import sparkhvd.torch as st
+    from sparkhvd.torch import training
+
+    ctx = st.setup()
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if kill_at and first_attempt and ctx.rank == 0:
+        write, calls = training.save_state, []
+
+        def slow_disk(state, f):
+            calls.append(1)
+            if len(calls) > 1:
+                threading.Event().wait()  # never ends: the rank is torn down first
+            write(state, f)
+
+        training.save_state = slow_disk
+    torch.manual_seed(0)
+    model = ctx.wrap(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                         torch.nn.Linear(8, 1)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ckpt = st.Checkpoints(model, opt, url=url, every_steps=1, async_save=True,
+                          memory_snapshots=True)
+    start = ckpt.restore()
+    after = ckpt.restored.get("step", 0) if start == ckpt.restored.get("epoch") else 0
+    for epoch in range(start, epochs):
+        for step in range(after + 1 if epoch == start else 1, steps + 1):
+            seed = epoch * 1000 + step * 10 + ctx.rank
+            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(seed))
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            ckpt.step(epoch)
+            if first_attempt and kill_at == (epoch, step) and ctx.rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.save(epoch)
+    ckpt._finish_save()
+    digest = float(sum(p.detach().double().sum() for p in model.parameters()))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return {"start": start, "digest": round(digest, 6)}
+
+
+@pytest.mark.torch_backend
+def test_a_lost_rank_costs_at_most_the_step_in_progress_with_memory_snapshots(tmp_path):
+    """np=2 on local Spark, Adam + BatchNorm, a checkpoint due every step with
+    ``memory_snapshots=True``; rank 0's second save never finishes writing, so steps 3 on are
+    kept as memory snapshots only; rank 1 is SIGKILLed after step 4. The relaunch restores the
+    newest snapshot from rank 0's host -- step 4, or step 3 when step 4's copy was still in
+    flight -- not the folder's step 1, and ends with the weights of an uninterrupted run
+    (model, Adam's moments and BatchNorm's statistics restored exactly)."""
+    pytest.importorskip("torch")
+    straight = HorovodRunner(np=-2, backend="torch", output_dir=str(tmp_path / "a")).run(
+        torch_fit_with_memory_snapshots, url=str(tmp_path / "straight"))
+    runner = HorovodRunner(np=-2, backend="torch", output_dir=str(tmp_path / "b"), max_retries=1)
+    result = runner.run(torch_fit_with_memory_snapshots, url=str(tmp_path / "killed"),
+                        kill_at=(0, 4))
+    first, second = runner.last_run_dir.record["attempts"]
+    assert first["status"] == "failed" and "signal 9" in first["retryable"], first
+    restored = second["restored"].rsplit("/", 1)[-1]
+    assert restored in ("epoch-0000-step-0000003.snapshot",
+                        "epoch-0000-step-0000004.snapshot"), second
+    resume = runner.last_run_dir.record["resume"]
+    assert (resume["copy"], resume["uploaded"]) == ("host", False), resume
+    assert result["digest"] == straight["digest"], "the same weights as straight through"
+
+
 def keras_fit_killed(url, storage_options, epochs=4, kill=True, hosts=None, async_save=False):
     """A small deterministic Keras fit checkpointing to ``url`` every epoch; on the run's first
     attempt rank 0 is SIGKILLed as epoch 3 begins (epoch 2's checkpoint written, or with

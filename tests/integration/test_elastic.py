@@ -340,7 +340,7 @@ def test_hf_and_lightning_resume_their_own_checkpoints_through_a_resize(
                            output_dir=str(tmp_path / "r"), mlflow="elastic" if tracking else None)
     thread.start()
     try:
-        result = runner.run(fn, log_dir=str(logs))
+        result = runner.run(fn, log_dir=str(logs), hold_from=4)
     finally:  # a failed run must not leave the other job holding a slot for later tests
         sc.cancelJobGroup("elastic-test-blocker")
     thread.join(5)
