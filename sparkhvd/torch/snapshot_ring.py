@@ -45,7 +45,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from typing import Any, Collection, Iterator, Optional
+from typing import Any, Callable, Collection, Iterator, Optional
 
 from sparkhvd.runfolder import host_copy
 from sparkhvd.torch.async_save import HostSnapshot, StagingCopies
@@ -110,7 +110,8 @@ def _tensors(value: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
 
 
 class _Slot(HostSnapshot):
-    """A :class:`HostSnapshot` whose buffers are regions of one file mapped into memory."""
+    """A :class:`HostSnapshot` whose buffers are regions of one file, each mapped into
+    memory on its own."""
 
     def __init__(self, path: str) -> None:
         super().__init__(StagingCopies())
@@ -121,10 +122,10 @@ class _Slot(HostSnapshot):
         self._later: set[int] = set()
         self._pairs: list = []
 
-    def plan(self, state: Any, room: int) -> bool:
+    def plan(self, state: Any, room: Callable[[], float]) -> bool:
         """Lay the file out for ``state``'s tensors when their shapes or dtypes changed (a new
         file: an old mapping still read stays valid). False when the slots at this size would
-        take more than ``room``."""
+        take more than ``room()`` (asked only then: the layout rarely changes)."""
         import torch
 
         layout = [(path, tuple(t.shape), t.dtype, t.numel() * t.element_size())
@@ -136,7 +137,7 @@ class _Slot(HostSnapshot):
             end = -(-end // _ALIGN) * _ALIGN
             places[path] = end
             end += size
-        if SLOTS * end > room:
+        if SLOTS * end > room():
             return False
         with contextlib.suppress(OSError):
             os.unlink(self.path)
@@ -257,9 +258,11 @@ class SnapshotRing:
         self.wait()  # the snapshot before is named first
         index = next(i for i in range(SLOTS) if i not in (self._named, self._held))
         slot = self._slots[index]
-        room = host_copy.FREE_SHARE * (  # what the slots take counts as free
-            host_copy.free_bytes(slot.path) + sum(s.end for s in self._slots))
-        if not slot.plan(state, int(room)):
+        def room() -> float:  # what the slots take counts as free
+            return host_copy.FREE_SHARE * (
+                host_copy.free_bytes(slot.path) + sum(s.end for s in self._slots))
+
+        if not slot.plan(state, room):
             return None
         taken, pairs = slot.take_now(state, later)
         tail = slot.structure(taken)  # the step's plain values, pickled now
