@@ -77,12 +77,40 @@ def test_the_example_runs_as_written(name, tmp_path, request):
     # library, no TensorFlow C++ start-up lines from Spark's workers. Spark's own
     # TorchDistributor (the "before" of a migration example) runs torchrun, whose agents race
     # to its exit barrier and sometimes log a traceback there: not sparkhvd's to silence
-    ours = "\n".join(line for line in out.stderr.splitlines()
-                     if "torch/distributed/elastic/agent/server/api.py" not in line)
+    ours = "\n".join(line for line in _without_py4j_network_errors(out.stderr).splitlines()
+                      if "torch/distributed/elastic/agent/server/api.py" not in line)
     for noise in ("Traceback", "oneDNN custom operations"):
         assert noise not in ours, out.stderr[-5000:]
     for pattern in example.leaves:
         assert list(tmp_path.glob(pattern)), f"{name} left no {pattern}"
+
+
+def _without_py4j_network_errors(stderr: str) -> str:
+    """``stderr`` less py4j's own record of a JVM socket reset on one call ("Exception while
+    sending command." on the root logger, then a traceback that ends in ``Py4JNetworkError``).
+    py4j logs it itself, at ERROR, whatever its caller then does; in CI it came once, between
+    horovod.spark.run's stage and sparkhvd's, in a run that then succeeded. Any other traceback
+    still fails the example."""
+    kept: list[str] = []
+    inside = False
+    for line in stderr.splitlines():
+        if line.startswith("ERROR:root:Exception while sending command."):
+            inside = True
+        if not inside:
+            kept.append(line)
+        elif line.startswith("py4j.protocol.Py4JNetworkError"):
+            inside = False
+    return "\n".join(kept)
+
+
+def test_only_py4j_s_own_network_error_records_are_left_out():
+    record = ("ERROR:root:Exception while sending command.\nTraceback (most recent call last):\n"
+              "ConnectionResetError: [Errno 104] Connection reset by peer\n\nDuring handling ...\n"
+              "Traceback (most recent call last):\n"
+              "py4j.protocol.Py4JNetworkError: Error while sending or receiving")
+    assert _without_py4j_network_errors(f"a\n{record}\nb") == "a\nb"
+    other = "Traceback (most recent call last):\nValueError: x"
+    assert "Traceback" in _without_py4j_network_errors(f"{record}\n{other}")
 
 
 @pytest.mark.spark
