@@ -97,8 +97,8 @@ class Relaunching(RunState):
                    "them where your code asks it to)"
         # The driver sees the run folder's checkpoints only: helpers given their own url
         # (``st.Checkpoints(url="abfss://...")``) resume from it without the driver knowing.
-        return "from the start, or from checkpoints kept outside the run folder " \
-               "(none are in it)"
+        return "from the start, or from checkpoints the run folder does not have (none are " \
+               "in it): in your helpers' own url, or kept on the ranks' hosts"
 
 
 @dataclass(frozen=True)

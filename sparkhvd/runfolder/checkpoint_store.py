@@ -650,13 +650,19 @@ def resume_store(resume: object, own: Optional[CheckpointStore],
     URL resumes from that folder (a run folder's ``checkpoints/`` when it has one); ``False``
     never resumes. A relaunch of the run (a retry or a resize: attempt 2 on) whose checkpoints
     go to a URL of the user's (``own``, not the run folder, so the driver cannot see them)
-    resumes from there when it holds one -- with ``None`` as with ``True``.
+    resumes from there when it holds one -- with ``None`` as with ``True``. A relaunch the
+    driver asked nothing of (the run folder had no checkpoint) resumes from ``own`` too: the
+    ranks' hosts may keep a checkpoint the folder does not have yet (kept before its upload,
+    a memory snapshot), and only the ranks see those. The rule reads nothing a rank's host
+    has, so every rank takes the same path into the restore's collectives.
     """
     from sparkhvd.common import protocol
 
     requested = os.environ.get(protocol.RESUME_URL_ENV)
     relaunched = int(os.environ.get(protocol.ATTEMPT_ENV) or 1) > 1
     if resume is None and relaunched and isinstance(own, UrlStore) and own.exists(LATEST):
+        return own
+    if resume is None and relaunched and not requested:
         return own
     if resume is None:
         resume = bool(requested)

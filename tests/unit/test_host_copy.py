@@ -451,6 +451,48 @@ def test_a_relaunch_restores_the_newest_checkpoint_kept_here_while_its_upload_wa
     assert leftovers == [], "each upload's hold on its file is let go"
 
 
+def test_a_relaunch_restores_a_checkpoint_kept_here_before_the_folder_had_any(
+        run_env, capsys, monkeypatch):
+    """The run's first checkpoint is kept on this host while its upload waits, and the rank
+    is lost: the folder has no ``latest.json`` yet, so the driver asks no resume. The
+    relaunch (attempt 2, ``resume=None``) still restores the host's copy; the first attempt
+    never resumes; a relaunch with no checkpoint anywhere says it trains from scratch."""
+    import sparkhvd.torch as st
+
+    torch = pytest.importorskip("torch")
+    monkeypatch.delenv(protocol.RESUME_URL_ENV, raising=False)
+    monkeypatch.setenv(protocol.ATTEMPT_ENV, "1")
+    model, opt, ckpt, store = _upload_held(run_env)
+    store.gate.clear()
+    newest = _train_and_step(torch, model, opt, ckpt, 0)  # kept here; its upload waits
+    assert store.writing.wait(10) and not (run_env / "ckpt" / "latest.json").exists()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    capsys.readouterr()
+
+    def relaunched(url: str) -> tuple:
+        fresh, fresh_opt = _model_and_opt(torch, seed=1)
+        again = st.Checkpoints(fresh, fresh_opt, url=url)
+        epoch = again.restore()
+        lines = [line for line in capsys.readouterr().out.splitlines() if "resume:" in line]
+        return fresh, again, epoch, lines
+
+    _, first, epoch, lines = relaunched(str(run_env / "ckpt"))
+    assert (first.resume_from, epoch, lines) == (None, 0, [])
+    monkeypatch.setenv(protocol.ATTEMPT_ENV, "2")
+    fresh, again, epoch, lines = relaunched(str(run_env / "ckpt"))
+    assert again.restored == {"epoch": 0, "step": 1}, lines
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+    assert any(f"{newest} was kept on the ranks' hosts before its upload" in line
+               and "newest (none)" in line for line in lines), lines
+    assert "its upload had not ended: the folder does not have it" in lines[-1], lines
+    store.gate.set()
+    ckpt._finish_save()
+    _, nothing, epoch, lines = relaunched(str(run_env / "elsewhere"))
+    assert epoch == 0 and nothing.restored == {}
+    assert lines == [f"resume: no checkpoint under {run_env / 'elsewhere'}; training from "
+                     "scratch"], lines
+
+
 def test_a_relaunchs_first_upload_holds_no_save_up_when_the_folder_has_a_checkpoint(run_env):
     """A process waits for its first upload before its next save only while the folder has no
     ``latest.json`` to resume from: a relaunch whose folder has an earlier attempt's goes on

@@ -63,8 +63,9 @@ def test_the_resume_line_numbers_epochs_as_the_checkpoint_files_do(tmp_path, cap
 def test_a_relaunch_resumes_from_the_users_checkpoint_url_and_a_first_attempt_does_not(
         tmp_path, monkeypatch):
     """``url=`` checkpoints are out of the driver's sight: a relaunch of the run (attempt 2 on)
-    resumes from them with the default ``resume=None``; the first attempt starts fresh, and a
-    relaunch with nothing there falls back to what the driver asked."""
+    resumes from them with the default ``resume=None``; the first attempt starts fresh. A
+    relaunch with nothing there takes what the driver asked -- and when it asked nothing, its
+    own folder still (the ranks' hosts may keep what the folder does not have yet)."""
     from sparkhvd.common import protocol
     from sparkhvd.runfolder.checkpoint_store import UrlStore, resume_store, write_checkpoint
 
@@ -77,7 +78,10 @@ def test_a_relaunch_resumes_from_the_users_checkpoint_url_and_a_first_attempt_do
     monkeypatch.setenv(protocol.ATTEMPT_ENV, "2")
     assert resume_store(None, own) is own
     assert resume_store(False, own) is None
-    assert resume_store(None, empty) is None
+    assert resume_store(None, empty) is empty
+    monkeypatch.setenv(protocol.RESUME_URL_ENV, "file:///earlier/checkpoints")
+    assert resume_store(None, empty).label == "file:///earlier/checkpoints"
+    assert resume_store(None, own) is own
 
 
 def test_a_resume_reads_the_newest_record_not_every_record_of_the_folder(tmp_path):
