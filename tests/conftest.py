@@ -112,6 +112,18 @@ HAS_HOROVOD = importlib.util.find_spec("horovod") is not None
 PROFILE_BACKEND = "horovod" if HAS_HOROVOD else "tf"
 
 
+@pytest.fixture(autouse=True)
+def _function_end_work_stays_in_its_test():
+    """Checkpoint helpers made in the test process register their function-end work there (as
+    a rank's do, for its one function): forgotten after each test, so a test that failed while
+    its save was held does not make a later test's ``function_ended()`` wait for it."""
+    yield
+    from sparkhvd.common import function_end
+
+    function_end._CALLBACKS.clear()
+    function_end._ON_RETURN.clear()
+
+
 @pytest.fixture
 def backend():
     """The profile's backend (see PROFILE_BACKEND), for tests of what sits beside training."""

@@ -158,6 +158,11 @@ class _Slot(HostSnapshot):
         self._layout, self.end = layout, end
         return True
 
+    def unmap(self) -> None:
+        """Let go of the mappings (the file stays as it is); the next :meth:`plan` lays a new
+        file out."""
+        self._buffers, self._offsets, self._layout = {}, {}, []
+
     def take_now(self, state: Any, later: Collection[int]) -> tuple[Any, list]:
         """:meth:`take` of what may change before the next optimizer step (buffers, plain
         values); the tensors whose data pointers are in ``later`` (parameters, the optimizer's
@@ -169,7 +174,7 @@ class _Slot(HostSnapshot):
             taken = self.take(state)
             return taken, self._pairs
         finally:
-            self._later = set()
+            self._later, self._pairs = set(), []  # the caller's now: the tensors are not kept
 
     def _tensor(self, tensor: Any, path: tuple, on_gpu: list) -> Any:
         if tensor.data_ptr() in self._later:
@@ -314,6 +319,15 @@ class SnapshotRing:
     def release(self) -> None:
         """The save written from the held slot has read it: it may be filled again."""
         self._held = None
+
+    def close(self) -> None:
+        """The training function ended: the slots' mappings go now, not with the process (a
+        process that makes many Checkpoints would hold them all). The files stay -- the
+        newest is what a relaunch restores -- and a later :meth:`keep` maps a slot again."""
+        self.wait()
+        _RINGS.discard(self)
+        for slot in self._slots:
+            slot.unmap()
 
     @property
     def nbytes(self) -> int:

@@ -432,7 +432,16 @@ class Checkpoints(_CheckpointsBase):
             if host_copy and not self.store.on_this_host:
                 self._uploads = UploadQueue()  # kept on this host first, uploaded behind
             at_function_end(self._finish_save)  # the rank is done when its last save is
+            at_function_end(self._let_go)  # ... and then its host memory goes
             atexit.register(self._finish_quietly)  # ... and so is a torchrun script
+
+    def _let_go(self) -> None:
+        """After the last save: the host memory kept between saves (the background save's
+        buffers, the snapshot slots' mappings) goes when the function ends, not with the
+        process; a later save takes it again."""
+        self._snapshot = HostSnapshot()
+        if self._ring is not None:
+            self._ring.close()
 
     def _name(self, epoch: int, step: int) -> str:
         return f"{checkpoint_name(epoch, step)}.pt"

@@ -800,6 +800,13 @@ def test_saves_due_while_one_is_written_are_memory_snapshots_and_a_relaunch_rest
     assert relaunched.restored == {"seen": 1, "epoch": 0, "step": 1}, lines
     assert any("WARNING" in line and "snapshot" in line for line in lines), lines
 
+    # the function ends (raising: the run relaunches): its slot mappings go, the files stay
+    mapped = [os.path.join(os.path.dirname(snapshot.path), n) for n in slots]
+    assert any(path in open("/proc/self/maps").read() for path in mapped)
+    function_ended(returned=False)
+    assert not [path for path in mapped if path in open("/proc/self/maps").read()]
+    assert all(os.path.exists(path) for path in mapped)
+
 
 def _snapshots_while_a_save_is_held(torch, run_env, monkeypatch, model, opt):
     """``Checkpoints(async_save=True, every_steps=1)``: step 1's save held while it is
