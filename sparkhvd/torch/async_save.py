@@ -36,7 +36,7 @@ the rules above hold for them too, with every rank's part committed together.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from sparkhvd.runfolder.background_save import BackgroundSave
 
@@ -128,7 +128,7 @@ class HostSnapshot:
             if hasattr(value, "_metadata"):
                 out._metadata = copy.deepcopy(value._metadata)
             return out
-        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        if _walked_sequence(value):
             items = [self._copy(v, (*path, i), on_gpu) for i, v in enumerate(value)]
             return items if isinstance(value, list) else tuple(items)
         return copy.deepcopy(value)
@@ -144,6 +144,26 @@ class HostSnapshot:
         else:
             self.copies.copy_on_host(buffer, tensor)
         return buffer
+
+
+def _walked_sequence(value: Any) -> bool:
+    """A list or tuple whose items a state's walk goes into (a named tuple is a plain value,
+    deep-copied whole)."""
+    return isinstance(value, (list, tuple)) and not hasattr(value, "_fields")
+
+
+def tensors_of(value: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """Each tensor of a state and its path, as :meth:`HostSnapshot.take` walks it."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from tensors_of(item, (*path, key))
+    elif _walked_sequence(value):
+        for i, item in enumerate(value):
+            yield from tensors_of(item, (*path, i))
 
 
 class ShardedStaging:

@@ -45,10 +45,10 @@ import threading
 import uuid
 import warnings
 import weakref
-from typing import Any, Callable, Collection, Iterator, Optional
+from typing import Any, Callable, Collection, Optional
 
 from sparkhvd.runfolder import host_copy
-from sparkhvd.torch.async_save import HostSnapshot, StagingCopies
+from sparkhvd.torch.async_save import HostSnapshot, StagingCopies, tensors_of
 
 __side__ = "rank"
 
@@ -95,20 +95,6 @@ def load_snapshot(data: bytes) -> Any:
     return Reader(io.BytesIO(structure)).load()
 
 
-def _tensors(value: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
-    """Each tensor of a state and its path, as :class:`HostSnapshot` walks it."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        yield path, value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _tensors(item, (*path, key))
-    elif isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        for i, item in enumerate(value):
-            yield from _tensors(item, (*path, i))
-
-
 class _Slot(HostSnapshot):
     """A :class:`HostSnapshot` whose buffers are regions of one file, each mapped into
     memory on its own."""
@@ -129,7 +115,7 @@ class _Slot(HostSnapshot):
         import torch
 
         layout = [(path, tuple(t.shape), t.dtype, t.numel() * t.element_size())
-                  for path, t in _tensors(state)]
+                  for path, t in tensors_of(state)]
         if layout == self._layout:
             return True
         places, end = {}, 0
