@@ -87,6 +87,25 @@ class StagingCopies:
     def copy_on_host(buffer: Any, tensor: Any) -> None:
         buffer.copy_(tensor)
 
+    @staticmethod
+    def pin(buffer: Any) -> bool:
+        """Page-lock a host buffer torch did not allocate (a memory snapshot's slot mapping),
+        as DCP's stager does its shared memory (``cudaHostRegister``), so a copy from the GPU
+        into it runs on the side stream without holding the host; False where CUDA refuses
+        (the copy into it is then a pageable one)."""
+        import torch
+
+        size = buffer.numel() * buffer.element_size()
+        return bool(size) and int(torch.cuda.cudart().cudaHostRegister(
+            buffer.data_ptr(), size, 1)) == 0  # 1: cudaHostRegisterPortable
+
+    @staticmethod
+    def unpin(buffer: Any) -> None:
+        """Undo :meth:`pin` (before the mapping goes)."""
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
 
 class HostSnapshot:
     """A state (nested dicts, lists and tuples of tensors and plain values) copied into host

@@ -19,7 +19,10 @@ The step waits only for what the next step's forward could change (buffers such 
 BatchNorm's statistics, the data's position, the extra state): the parameters and the
 optimizer's state change only in an optimizer step, so they are copied on a thread (one core)
 while the next step's forward and backward run, and every torch optimizer's ``step()`` first
-waits for that copy (a global optimizer step pre-hook).
+waits for that copy (a global optimizer step pre-hook). A GPU tensor's region is registered
+with CUDA (``cudaHostRegister``, as DCP's stager does its shared memory), so its copy runs on a
+side stream like a background save's into pinned buffers; it is unregistered before its mapping
+goes (a new layout, or the training function's end, which lets every mapping go).
 
 The files outlive the process (not its host): a relaunch on that host restores the newest
 snapshot when it is newer than every checkpoint file (:mod:`sparkhvd.runfolder.nearest_copy`;
@@ -99,9 +102,10 @@ class _Slot(HostSnapshot):
     """A :class:`HostSnapshot` whose buffers are regions of one file, each mapped into
     memory on its own."""
 
-    def __init__(self, path: str) -> None:
-        super().__init__(StagingCopies())
+    def __init__(self, path: str, copies: Optional[StagingCopies] = None) -> None:
+        super().__init__(copies or StagingCopies())
         self.path = path
+        self._pinned: list = []  # buffers page-locked for copies from the GPU
         self._layout: list = []
         self._offsets: dict[int, tuple[int, str, tuple]] = {}  # id(buffer) -> its place
         self.end = 0  # bytes of tensors (the structure follows)
@@ -114,12 +118,12 @@ class _Slot(HostSnapshot):
         take more than ``room()`` (asked only then: the layout rarely changes)."""
         import torch
 
-        layout = [(path, tuple(t.shape), t.dtype, t.numel() * t.element_size())
-                  for path, t in tensors_of(state)]
+        layout = [(path, tuple(t.shape), t.dtype, t.numel() * t.element_size(),
+                   self.copies.on_gpu(t)) for path, t in tensors_of(state)]
         if layout == self._layout:
             return True
         places, end = {}, 0
-        for path, _, _, size in layout:
+        for path, _, _, size, _ in layout:
             end = -(-end // _ALIGN) * _ALIGN
             places[path] = end
             end += size
@@ -128,10 +132,10 @@ class _Slot(HostSnapshot):
         with contextlib.suppress(OSError):
             os.unlink(self.path)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        self._buffers, self._offsets = {}, {}
+        self.unmap()
         try:
             os.ftruncate(fd, end)
-            for path, shape, dtype, size in layout:
+            for path, shape, dtype, size, on_gpu in layout:
                 at = places[path]
                 # a mapping of its own: each buffer has its own storage, so torch.save of
                 # the slot's tensors (the save written from it) writes each on its own
@@ -139,14 +143,19 @@ class _Slot(HostSnapshot):
                           if size else torch.empty(0, dtype=torch.uint8)).view(dtype).view(shape)
                 self._buffers[path] = buffer
                 self._offsets[id(buffer)] = (at, str(dtype), shape)
+                if on_gpu and size and self.copies.pin(buffer):  # a GPU copy: asynchronous
+                    self._pinned.append(buffer)
         finally:
             os.close(fd)
         self._layout, self.end = layout, end
         return True
 
     def unmap(self) -> None:
-        """Let go of the mappings (the file stays as it is); the next :meth:`plan` lays a new
-        file out."""
+        """Let go of the mappings (the file stays as it is; page-locked ones are unlocked
+        first); the next :meth:`plan` lays a new file out."""
+        for buffer in self._pinned:
+            self.copies.unpin(buffer)
+        self._pinned = []
         self._buffers, self._offsets, self._layout = {}, {}, []
 
     def take_now(self, state: Any, later: Collection[int]) -> tuple[Any, list]:

@@ -238,6 +238,45 @@ def test_gpu_tensors_go_into_pinned_buffers_in_one_side_stream_copy_per_save():
     assert copies.batches == [2, 2]  # one wait for the side stream per save
 
 
+class FakeRegisteringCopies(FakeGpuCopies):
+    """... and records the buffers page-locked (``cudaHostRegister``) and unlocked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.locked: dict[int, int] = {}  # data pointer -> bytes
+
+    def pin(self, buffer) -> bool:
+        assert buffer.data_ptr() not in self.locked
+        self.locked[buffer.data_ptr()] = buffer.numel() * buffer.element_size()
+        return True
+
+    def unpin(self, buffer) -> None:
+        del self.locked[buffer.data_ptr()]
+
+
+def test_a_snapshot_slots_mappings_are_page_locked_for_gpu_copies_and_unlocked_first(tmp_path):
+    """A memory snapshot's slot is a file mapped into memory, not torch's pinned memory: its
+    regions are registered with CUDA (as DCP's stager does its shared memory) so the copies
+    from the GPU are asynchronous, and unregistered before their mappings go -- when the
+    layout changes and when the function ends."""
+    from sparkhvd.torch.snapshot_ring import _Slot
+
+    copies = FakeRegisteringCopies()
+    slot = _Slot(str(tmp_path / "snapshot-0"), copies)
+    state = {"w": torch.ones(1024), "b": torch.zeros(3), "empty": torch.zeros(0), "n": 4}
+    assert slot.plan(state, lambda: 1e12)
+    assert sorted(copies.locked.values()) == [12, 4096]  # the empty one has nothing to lock
+    taken, pairs = slot.take_now(state, {state["w"].data_ptr()})
+    slot.copy_later(pairs)
+    assert torch.equal(taken["w"], state["w"]) and copies.batches == [2, 1]  # now, later
+    assert slot.plan(state, lambda: 1e12) and len(copies.locked) == 2, "same layout: kept"
+    state["w"] = torch.ones(2048)
+    assert slot.plan(state, lambda: 1e12)
+    assert sorted(copies.locked.values()) == [12, 8192]
+    slot.unmap()
+    assert copies.locked == {}
+
+
 def _sharded(tmp_path, model, opt, **kw):
     ckpt = st.ShardedCheckpoints(model, opt, url=str(tmp_path / "ckpt"), resume=False,
                                  async_save=True, **kw)
