@@ -21,13 +21,19 @@ large model on ``abfss://``). Here, with the framework's collectives (:class:`Co
    ranks read the checkpoint folder as before
    (:func:`sparkhvd.runfolder.checkpoint_store.restore_newest`).
 
+A checkpoint of shards (DCP's: a ``.metadata`` index and a file per rank) need not reach every
+rank whole: with :class:`Needs`, the index comes first, each loading rank says which byte
+ranges of which files its own load reads (its DCP load plan; one small all-gather), and a rank
+that lacks a file gets only those ranges (:mod:`sparkhvd.runfolder.file_pieces`) -- so under
+FSDP a restore moves each rank's shards once, not every rank's file to every rank.
+
 Which ranks load is the framework's: every rank with torch and ``tf.distribute``, rank 0 on
 Horovod (it broadcasts the weights itself). Returns which copy was used, for the resume line
 and ``run.json`` (``resume.copy``): the farthest any file came from.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Optional, Protocol
+from typing import Any, Callable, Collection, Optional, Protocol, Union
 
 from sparkhvd.runfolder import host_copy
 from sparkhvd.runfolder.checkpoint_store import (
@@ -39,6 +45,7 @@ from sparkhvd.runfolder.checkpoint_store import (
     read_file_checked,
     restore_newest,
 )
+from sparkhvd.runfolder.file_pieces import FilePieces, Span, cut, wanted_spans
 
 __side__ = "rank"
 
@@ -66,6 +73,22 @@ class Collectives(Protocol):
         """Whether ``ok`` holds on every rank."""
 
 
+class Needs(Protocol):
+    """What of a checkpoint's files a rank's load reads, where that is less than all of them."""
+
+    def index(self, record: dict) -> Collection[str]:
+        """The files every loading rank reads whole first (a DCP checkpoint's ``.metadata``)."""
+
+    def spans(self, record: dict, index: dict[str, bytes]
+              ) -> Optional[dict[str, Optional[list[Span]]]]:
+        """From the index files' bytes: the files this rank's load reads, each with the byte
+        ranges it reads (None: the whole file); None: every file whole."""
+
+
+#: What one rank reads of each file: file -> rank -> its ranges (None: the whole file).
+Wants = dict[str, dict[int, Optional[list[Span]]]]
+
+
 class Alone:
     """The collectives of a run of one rank."""
 
@@ -85,14 +108,17 @@ class Alone:
         return ok
 
 
-def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, bytes]], Any],
-                    rank: int, world: Collectives, loaders: Optional[Collection[int]] = None
+def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, Any]], Any],
+                    rank: int, world: Collectives, loaders: Optional[Collection[int]] = None,
+                    needs: Optional[Needs] = None
                     ) -> tuple[Optional[dict], Any, list[str], str]:
     """``(record, load's value, problems, copy)``: the newest checkpoint in ``store``, read from
     the nearest copy -- ``copy`` is ``"host"``, ``"peer"`` or ``"folder"``. Call on every rank
     (a collective when there are several); ``load`` runs on the ranks in ``loaders`` (default:
     every rank), each with the same record, or on none of them (it may be a collective among
-    them). A rank outside ``loaders`` returns ``(None, None, [], "folder")``."""
+    them). It gets every file's bytes -- or, with ``needs``, the files its load reads, each as
+    bytes or as the :class:`FilePieces` it reads. A rank outside ``loaders`` returns
+    ``(None, None, [], "folder")``."""
     readers = set(range(world.size)) if loaders is None else set(loaders)
     loading = rank in readers
     mine = host_copy.find_all()
@@ -104,7 +130,8 @@ def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, byte
     record = _decide(store, rank, any(everyone), kept_first, world)
     problems: list[str] = []
     if record is not None:
-        files, copy = _fetch(store, record, mine, everyone, rank, readers, problems, world)
+        files, copy = _fetch_needed(store, record, mine, everyone, rank, readers, problems,
+                                    world, needs)
         if files is not None and loading:
             try:
                 return record, load(record, files), problems, copy
@@ -154,29 +181,76 @@ def _held_whole(record: dict, everyone: list[dict[str, str]]) -> bool:
         for name, expected in files.items())
 
 
-def _fetch(store: CheckpointStore, record: dict, mine: dict[str, host_copy.HostCopy],
-           everyone: list[dict[str, str]], rank: int, readers: set[int], problems: list[str],
-           world: Collectives) -> tuple[Optional[dict[str, bytes]], str]:
-    """For a loading rank, each of the checkpoint's files from this host's copy, else from the
-    lowest rank that holds it (a collective whenever some loading rank does not), else from
-    the folder; and the farthest copy read. None (on every rank) when some loading rank could
-    not get every file."""
-    files: dict[str, bytes] = {}
+def _fetch_needed(store: CheckpointStore, record: dict, mine: dict[str, host_copy.HostCopy],
+                  everyone: list[dict[str, str]], rank: int, readers: set[int],
+                  problems: list[str], world: Collectives, needs: Optional[Needs]
+                  ) -> tuple[Optional[dict[str, Any]], str]:
+    """:func:`_fetch` of every file whole for every loading rank -- or, with ``needs``, of the
+    index files first, then of what each loading rank's load reads of the others."""
+    expected = sorted(files_of(record))
+    whole: Wants = {name: dict.fromkeys(readers) for name in expected}
+    if needs is None:
+        files, farthest = _fetch(store, record, expected, mine, everyone, rank, whole,
+                                 problems, world)
+        return files, FARTHEST[farthest]
+    first = sorted(set(needs.index(record)) & set(expected))
+    files, farthest = _fetch(store, record, first, mine, everyone, rank, whole, problems,
+                             world)
+    if files is None:
+        return None, FARTHEST[2]
+    spans = None
+    if rank in readers:
+        try:
+            spans = needs.spans(record, files)
+        except Exception:  # noqa: BLE001 - every file whole, as without needs; load says why
+            spans = None
+    said = world.gather({"spans": spans})
+    wants: Wants = {name: {r: said[r]["spans"][name] for r in sorted(readers)
+                           if said[r]["spans"] is not None and name in said[r]["spans"]}
+                    for name in expected if name not in first}
+    for name in wants:
+        wants[name].update({r: None for r in readers if said[r]["spans"] is None})
+    rest, farther = _fetch(store, record, sorted(wants), mine, everyone, rank, wants,
+                           problems, world)
+    if rest is None:
+        return None, FARTHEST[2]
+    return {**files, **rest}, FARTHEST[max(farthest, farther)]
+
+
+def _fetch(store: CheckpointStore, record: dict, names: list[str],
+           mine: dict[str, host_copy.HostCopy], everyone: list[dict[str, str]], rank: int,
+           wants: Wants, problems: list[str], world: Collectives
+           ) -> tuple[Optional[dict[str, Any]], int]:
+    """For each of ``names`` (the checkpoint's files), for the ranks that read it (``wants``,
+    the same on every rank): this host's copy, else what they read of the lowest rank's that
+    holds it (a collective whenever some reader does not), else the folder's; and the farthest
+    copy read (an index of :data:`FARTHEST`). None (on every rank) when some reader could not
+    get a file."""
+    files: dict[str, Union[bytes, FilePieces]] = {}
     farthest = 0
     complete = True
     said = len(problems)
-    reading = rank in readers
-    for name, expected in sorted(files_of(record).items()):
+    expected_of = files_of(record)
+    for name in names:
+        expected = expected_of[name]
+        readers = set(wants[name])
+        reading = rank in readers
         holders = [r for r, held in enumerate(everyone) if held.get(name) == expected["sha256"]]
-        lacking = readers.difference(holders)  # the same on every rank
+        lacking = sorted(readers.difference(holders))  # the same on every rank
         sends = bool(holders) and bool(lacking)
-        data = read_copy(store, name, expected, mine.get(name), problems) \
+        held = read_copy(store, name, expected, mine.get(name), problems) \
             if rank in holders and (reading or (sends and rank == holders[0])) else None
+        data: Union[bytes, FilePieces, None] = held
         where = 0
         if sends:
-            sent = world.broadcast_bytes(data if rank == holders[0] else None, holders[0], rank)
+            spans = wanted_spans([wants[name][r] for r in lacking])
+            payload = held if spans is None or held is None else cut(held, spans)
+            sent = world.broadcast_bytes(payload if rank == holders[0] else None, holders[0],
+                                         rank)
             if data is None and sent is not None and reading:
-                data, where = sent, 1
+                data = sent if spans is None else FilePieces.of(int(expected["size"]), spans,
+                                                                sent)
+                where = 1
         if not reading:
             continue
         if data is None and complete:
@@ -190,5 +264,5 @@ def _fetch(store: CheckpointStore, record: dict, mine: dict[str, host_copy.HostC
         for problem in problems[said:]:
             print(f"resume: WARNING: {problem}", flush=True)
     if not world.everyone(complete):
-        return None, FARTHEST[2]
-    return files, FARTHEST[farthest]
+        return None, 2
+    return files, farthest

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 
 from sparkhvd.runfolder import nearest_copy
 from sparkhvd.runfolder.checkpoint_store import CheckpointStore
+from sparkhvd.runfolder.file_pieces import Span, merged
 from sparkhvd.torch.side_group import side_group
 
 __side__ = "rank"
@@ -19,17 +20,47 @@ __side__ = "rank"
 CHUNK = 256 << 20
 
 
-def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, bytes]], Any],
-                    rank: int) -> tuple[Optional[dict], Any, list[str], str]:
+def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, Any]], Any],
+                    rank: int, needs: Optional[nearest_copy.Needs] = None
+                    ) -> tuple[Optional[dict], Any, list[str], str]:
     """``(record, load's value, problems, copy)``: the newest checkpoint in ``store``, read from
     the nearest copy -- ``copy`` is ``"host"``, ``"peer"`` or ``"folder"``. Call on every rank
     (a collective when there are several; ``load`` may be one too: every rank calls it with
-    the same record, or none does)."""
+    the same record, or none does), with what ``needs`` says it reads (default: every file)."""
     import torch.distributed as dist
 
     world: nearest_copy.Collectives = TorchCollectives() \
         if dist.is_initialized() and dist.get_world_size() > 1 else nearest_copy.Alone()
-    return nearest_copy.restore_nearest(store, load, rank, world)
+    return nearest_copy.restore_nearest(store, load, rank, world, needs=needs)
+
+
+class DcpNeeds:
+    """What of a DCP checkpoint this rank's load reads (:class:`nearest_copy.Needs`): its
+    ``.metadata`` whole, then the byte ranges of the items that DCP's default load plan for
+    ``state()`` names -- under FSDP its own shards and the few replicated items DCP wrote into
+    other ranks' files, not those files whole."""
+
+    def __init__(self, state: Callable[[], dict]) -> None:
+        self.state = state
+
+    def index(self, record: dict) -> set[str]:
+        return {f"{record['file']}/.metadata"}
+
+    def spans(self, record: dict, index: dict[str, bytes]
+              ) -> dict[str, Optional[list[Span]]]:
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        from sparkhvd.torch.serialise import reader_of
+
+        metadata = reader_of(index, record["file"]).read_metadata()
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(self.state(), metadata, is_coordinator=False)
+        wanted: dict[str, list[Span]] = {}
+        for item in planner.create_local_plan().items:
+            stored = metadata.storage_data[item.storage_index]
+            wanted.setdefault(f"{record['file']}/{stored.relative_path}", []).append(
+                (int(stored.offset), int(stored.length)))
+        return {name: merged(spans) for name, spans in wanted.items()}
 
 
 class TorchCollectives:

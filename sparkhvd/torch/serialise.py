@@ -18,6 +18,8 @@ import os
 import threading
 from typing import IO, Any, Iterator, Mapping
 
+from sparkhvd.runfolder.file_pieces import FilePieces
+
 __side__ = "rank"
 
 _lock = threading.Lock()
@@ -64,18 +66,21 @@ def load_state(data: bytes, device: Any) -> Any:
     return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
 
 
-def reader_of(files: Mapping[str, bytes], folder: str) -> Any:
+def reader_of(files: Mapping[str, Any], folder: str) -> Any:
     """A DCP storage reader of the checkpoint ``folder``'s files, already in memory (name in the
-    checkpoint folder -> bytes, read and checked against the record): DCP reads its slices of
-    them where they are, not from a copy written to disk first (that write was 1.5 s of a
-    5.3 s restore of a 1 GB state, B15)."""
+    checkpoint folder -> bytes, read and checked against the record, or the
+    :class:`~sparkhvd.runfolder.file_pieces.FilePieces` of it this rank's load reads): DCP
+    reads its slices of them where they are, not from a copy written to disk first (that
+    write was 1.5 s of a 5.3 s restore of a 1 GB state, B15)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class InMemory(FileSystem):
         @contextlib.contextmanager
         def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-            yield io.BytesIO(by_path[str(path)])  # shares the bytes: nothing copied
+            data = by_path[str(path)]
+            # shares the bytes: nothing copied
+            yield data.stream() if isinstance(data, FilePieces) else io.BytesIO(data)
 
     reader = FileSystemReader(f"/{folder}")
     by_path = {str(reader.fs.concat_path(reader.path, os.path.relpath(name, folder))): data

@@ -59,7 +59,7 @@ from sparkhvd.runfolder.checkpoint_store import (
     write_checkpoint_streamed,
 )
 from sparkhvd.torch.async_save import BackgroundSave, HostSnapshot, ShardedStaging
-from sparkhvd.torch.nearest_copy import restore_nearest
+from sparkhvd.torch.nearest_copy import DcpNeeds, restore_nearest
 from sparkhvd.torch.serialise import load_state, reader_of, save_state
 from sparkhvd.torch.side_group import side_group
 from sparkhvd.torch.snapshot_ring import SLOTS, SnapshotRing
@@ -307,15 +307,16 @@ class _CheckpointsBase(SavesInBackground):
         if self.data is not None and state:
             self.data.load_state_dict(state)
 
-    def _read_newest(self, load: Callable[[dict, dict[str, bytes]], Any]
+    def _read_newest(self, load: Callable[[dict, dict[str, Any]], Any],
+                     needs: Optional[DcpNeeds] = None
                      ) -> tuple[Optional[dict], Any, list, str]:
         """``(record, load's value, problems, copy)`` of the newest checkpoint to resume from:
-        from the nearest copy with ``host_copy`` (a collective), else from the folder; rank 0
-        says when there was none."""
+        from the nearest copy with ``host_copy`` (a collective; ``needs``: each rank gets what
+        its load reads), else from the folder; rank 0 says when there was none."""
         assert self.resume_from is not None
         if not self.host_copy:
             return (*_newest(self.resume_from, load, self.rank), "folder")
-        record, state, skipped, copy = restore_nearest(self.resume_from, load, self.rank)
+        record, state, skipped, copy = restore_nearest(self.resume_from, load, self.rank, needs)
         if (record is None or state is None) and self.rank == 0:
             announce_resume(self.resume_from)
         return record, state, skipped, copy
@@ -852,7 +853,7 @@ class ShardedCheckpoints(_CheckpointsBase):
             dcp.load(state, storage_reader=reader_of(files, record["file"]))
             return state
 
-        record, state, skipped, copy = self._read_newest(load)
+        record, state, skipped, copy = self._read_newest(load, DcpNeeds(self._state))
         if record is None or state is None:
             return 0
         if self.optimizer is None:

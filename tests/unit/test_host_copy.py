@@ -572,10 +572,26 @@ _SHARDED_RANK = textwrap.dedent("""
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}",
                                 rank=int(os.environ["RANK"]), world_size=int(world))
     torch.manual_seed(0 if mode == "save" else 1)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 1))
+    if os.environ.get("FSDP"):  # each rank holds its shard of every parameter (FSDP2)
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (int(world),))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model(torch.randn(16, 4)).sum().backward()
+    model(torch.randn(16, 256)).sum().backward()
     opt.step()
+    from sparkhvd.torch import nearest_copy
+    got = []  # bytes this rank got from another rank's host copy
+    broadcast_bytes = nearest_copy.TorchCollectives.broadcast_bytes
+    def counted(self, data, source, rank):
+        sent = broadcast_bytes(self, data, source, rank)
+        if rank != source and sent is not None:
+            got.append(len(sent))
+        return sent
+    nearest_copy.TorchCollectives.broadcast_bytes = counted
     if mode == "save-fail" and os.environ["RANK"] == "1":  # its upload fails: a full disk
         def write_file(self, name, path):
             raise OSError(28, "No space left on device")
@@ -586,10 +602,11 @@ _SHARDED_RANK = textwrap.dedent("""
         epoch = ckpt.restore() if mode == "restore" else ckpt.save(0, seen=5) and 0
     except OSError as exc:
         epoch, failed = None, str(exc)
-    state = {k: v.tolist() for k, v in model.state_dict().items()}
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).tolist()
+             for k, v in model.state_dict().items()}
     with open(out, "w") as f:
         json.dump({"epoch": epoch, "state": state, "restored": ckpt.restored,
-                   "failed": failed}, f)
+                   "failed": failed, "got": got}, f)
     if int(world) > 1:
         dist.destroy_process_group()
     sys.stdout.flush()
@@ -597,9 +614,11 @@ _SHARDED_RANK = textwrap.dedent("""
 """)
 
 
-def _sharded_ranks(tmp_path, mode: str, host_dirs: list[str]) -> list[dict]:
+def _sharded_ranks(tmp_path, mode: str, host_dirs: list[str], fsdp: bool = False) -> list[dict]:
     """``mode`` ("save" or "restore") a ShardedCheckpoints in ``tmp_path/ckpt`` with one real
-    rank per host-copy folder (its "host"), in a gloo group met through a file."""
+    rank per host-copy folder (its "host"), in a gloo group met through a file (``fsdp``: the
+    model sharded by FSDP2); each rank's result, with ``got``: the sizes of what it got from
+    other ranks' host copies."""
     script = tmp_path / "sharded_rank.py"
     script.write_text(_SHARDED_RANK)
     world, rendezvous = len(host_dirs), tmp_path / f"rendezvous-{mode}-{len(os.listdir(tmp_path))}"
@@ -607,7 +626,8 @@ def _sharded_ranks(tmp_path, mode: str, host_dirs: list[str]) -> list[dict]:
     for rank, folder in enumerate(host_dirs):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
                "SPARKHVD_RANK": str(rank), "SPARKHVD_SIZE": str(world),
-               host_copy.DIR_ENV: folder, protocol.RUN_ID_ENV: "20261126-run"}
+               host_copy.DIR_ENV: folder, protocol.RUN_ID_ENV: "20261126-run",
+               **({"FSDP": "1"} if fsdp else {})}
         procs.append(subprocess.Popen(
             [sys.executable, str(script), mode, str(tmp_path / "ckpt"),
              str(tmp_path / f"{mode}-r{rank}"), str(rendezvous), str(world)],
@@ -633,6 +653,36 @@ def test_a_sharded_checkpoint_is_kept_on_the_hosts_before_its_upload(run_env):
     assert ranks[0]["restored"]["seen"] == 5
     line = _resume_line(ranks[0])
     assert "its upload had not ended: the folder does not have it" in line, ranks[0]["out"]
+
+
+def test_an_fsdp_relaunch_gets_only_what_each_ranks_load_reads_of_the_other_ranks_files(
+        run_env):
+    """FSDP2 shards every parameter, and DCP writes each replicated item (the optimizer's
+    settings, Adam's step counts) into one rank's file. Relaunched on the same hosts, each rank
+    reads its own file on its host and gets from the other rank only the byte ranges its load
+    plan reads of that rank's file -- a few kilobytes, not the file -- and none from the folder
+    (its shard files are deleted); the state is the one saved. On a new host, rank 0 gets the
+    ranges it reads of both ranks' files from rank 1, whose host now has them."""
+    pytest.importorskip("torch")
+    hosts = [str(run_env / "host-a"), str(run_env / "host-b")]
+    saved = _sharded_ranks(run_env, "save", hosts, fsdp=True)
+    assert saved[0]["state"] == saved[1]["state"]
+    folder = run_env / "ckpt" / "epoch-0001"
+    sizes = {p.name: p.stat().st_size for p in folder.iterdir()}
+    for name in sizes:
+        if name != ".metadata":
+            (folder / name).unlink()
+    ranks = _sharded_ranks(run_env, "restore", hosts, fsdp=True)
+    assert [(r["epoch"], r["state"] == saved[0]["state"]) for r in ranks] == [(1, True)] * 2
+    shard_file = min(size for name, size in sizes.items() if name != ".metadata")
+    for r in ranks:  # rank 1 also gets the .metadata, which rank 0 keeps
+        assert sum(n for n in r["got"] if n != sizes[".metadata"]) < shard_file / 10, \
+            (sizes, [x["got"] for x in ranks])
+    assert "(its copy on this host)" not in _resume_line(ranks[0])  # ranges from rank 1
+    _move_copies(run_env, "host-a", "host-b")
+    ranks = _sharded_ranks(run_env, "restore", [str(run_env / "host-new"), hosts[1]], fsdp=True)
+    assert [r["state"] == saved[0]["state"] for r in ranks] == [True, True]
+    assert "another rank's host copy" in _resume_line(ranks[0]), ranks[0]["out"]
 
 
 def _resume_line(rank_zero: dict) -> str:

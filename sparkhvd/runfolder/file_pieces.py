@@ -1,0 +1,106 @@
+"""Parts of a checkpoint file: the byte ranges a rank's load reads, without the rest.
+
+A DCP checkpoint spreads the items every rank holds -- an optimizer's settings and step
+counts -- over the ranks' files (DCP writes each replicated item once), so with FSDP's shards a
+rank's load reads its own shards' file and a few kilobytes of every other rank's. Sending it
+those files whole would make a restore move ``np`` times the state; sending the ranges it reads
+moves the state once (:mod:`sparkhvd.runfolder.nearest_copy`). :class:`FilePieces` holds such
+ranges where they sit in the file, and reads like the file as long as only they are read.
+"""
+from __future__ import annotations
+
+import bisect
+import io
+from typing import Iterable, Optional, Sequence
+
+__side__ = "rank"
+
+#: A range of a file: (offset, length).
+Span = tuple[int, int]
+
+
+def merged(spans: Iterable[Span]) -> list[Span]:
+    """``spans`` sorted, the overlapping and touching ones merged."""
+    out: list[Span] = []
+    for offset, length in sorted(spans):
+        if out and offset <= out[-1][0] + out[-1][1]:
+            start = out[-1][0]
+            out[-1] = (start, max(out[-1][1], offset + length - start))
+        else:
+            out.append((offset, length))
+    return out
+
+
+def wanted_spans(wants: Sequence[Optional[list[Span]]]) -> Optional[list[Span]]:
+    """The ranges that cover what each of ``wants`` reads (None: the whole file, as soon as one
+    of them reads it whole)."""
+    if any(want is None for want in wants):
+        return None
+    return merged(span for want in wants if want is not None for span in want)
+
+
+def cut(data: bytes, spans: list[Span]) -> bytes:
+    """``data``'s ``spans``, one after the other (what :meth:`FilePieces.of` takes back)."""
+    return b"".join(data[offset:offset + length] for offset, length in spans)
+
+
+class FilePieces:
+    """A file of ``size`` bytes of which only ``pieces`` (offset -> bytes) are here."""
+
+    def __init__(self, size: int, pieces: dict[int, bytes]) -> None:
+        self.size = size
+        self._offsets = sorted(pieces)
+        self._pieces = pieces
+
+    @classmethod
+    def of(cls, size: int, spans: list[Span], joined: bytes) -> FilePieces:
+        """The pieces :func:`cut` joined from ``spans`` of a file of ``size`` bytes."""
+        pieces, at = {}, 0
+        for offset, length in spans:
+            pieces[offset] = joined[at:at + length]
+            at += length
+        return cls(size, pieces)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(piece) for piece in self._pieces.values())
+
+    def stream(self) -> io.RawIOBase:
+        """A seekable stream that reads like the file, within the pieces (reading outside
+        them is an error: the load plan asked for less than it reads)."""
+        return _PiecesStream(self)
+
+    def read(self, offset: int, size: int) -> bytes:
+        i = bisect.bisect_right(self._offsets, offset) - 1
+        if i >= 0:
+            start = self._offsets[i]
+            piece = self._pieces[start]
+            if offset + size <= start + len(piece):
+                return piece[offset - start:offset - start + size]
+        raise ValueError(f"bytes {offset}-{offset + size} of the file were not fetched")
+
+
+class _PiecesStream(io.RawIOBase):
+    def __init__(self, pieces: FilePieces) -> None:
+        self._pieces, self._at = pieces, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._pieces.size}[whence]
+        self._at = base + offset
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        size = max(0, min(len(buffer), self._pieces.size - self._at))
+        if size:
+            buffer[:size] = self._pieces.read(self._at, size)
+            self._at += size
+        return size
