@@ -839,9 +839,10 @@ class ShardedCheckpoints(_CheckpointsBase):
 
     def restore(self) -> int:
         """Load the newest checkpoint into the model and optimizer, if resuming (every rank);
-        the epoch to start from (0 otherwise). Every rank reads every file (DCP spreads the
-        items every rank holds -- optimizer settings, step counts -- over all ranks' files),
-        from the nearest copy (``host_copy``)."""
+        the epoch to start from (0 otherwise). From the nearest copy (``host_copy``), a rank
+        gets what its DCP load plan reads: its own shards, and of the other ranks' files the
+        items every rank holds (optimizer settings, step counts: DCP writes each into one
+        rank's file) -- byte ranges, not the files; from the folder, every file whole."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
