@@ -660,9 +660,8 @@ def resume_store(resume: object, own: Optional[CheckpointStore],
 
     requested = os.environ.get(protocol.RESUME_URL_ENV)
     relaunched = int(os.environ.get(protocol.ATTEMPT_ENV) or 1) > 1
-    if resume is None and relaunched and isinstance(own, UrlStore) and own.exists(LATEST):
-        return own
-    if resume is None and relaunched and not requested:
+    if resume is None and relaunched and (
+            not requested or isinstance(own, UrlStore) and own.exists(LATEST)):
         return own
     if resume is None:
         resume = bool(requested)

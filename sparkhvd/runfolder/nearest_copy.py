@@ -204,12 +204,10 @@ def _fetch_needed(store: CheckpointStore, record: dict, mine: dict[str, host_cop
             spans = needs.spans(record, files)
         except Exception:  # noqa: BLE001 - every file whole, as without needs; load says why
             spans = None
-    said = world.gather({"spans": spans})
-    wants: Wants = {name: {r: said[r]["spans"][name] for r in sorted(readers)
-                           if said[r]["spans"] is not None and name in said[r]["spans"]}
+    said = [held["spans"] for held in world.gather({"spans": spans})]
+    wants: Wants = {name: {r: None if said[r] is None else said[r][name] for r in sorted(readers)
+                           if said[r] is None or name in said[r]}
                     for name in expected if name not in first}
-    for name in wants:
-        wants[name].update({r: None for r in readers if said[r]["spans"] is None})
     rest, farther = _fetch(store, record, sorted(wants), mine, everyone, rank, wants,
                            problems, world)
     if rest is None:
