@@ -22,6 +22,9 @@ this host's copy (``host_copy``), another rank's host copy sent over a gloo proc
 processes, one "host" each), the checkpoint folder on the local disk, and an ``abfss://``
 folder on Azurite (goal: the nearest copy <= 0.5 x the run-folder path); and the same state as a
 ``ShardedCheckpoints`` (DCP) checkpoint at one rank, from this host's copy and from Azurite.
+And a resume of the model sharded by FSDP2 at np=2 on new hosts from Azurite: the bytes each
+rank reads of the folder (the items its load plan reads, against every file whole as records
+without the items' CRC-32s make it read).
 """
 from __future__ import annotations
 
@@ -178,6 +181,114 @@ def _peer_restore_s(folder: str, tiny: bool, holder_dir: str) -> float:
     return float(json.loads(outs[0].strip().splitlines()[-1])["s"])
 
 
+_FSDP = """
+import json, os, sys, time
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+sys.path.insert(0, sys.argv[4])
+import b15, sparkhvd.torch as st
+from sparkhvd.runfolder.checkpoint_store import UrlStore
+dist.init_process_group("gloo")
+model, opt, batch, _ = b15._model(sys.argv[3] == "tiny")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+for layer in model:
+    if isinstance(layer, torch.nn.Linear):
+        fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+model(batch).square().mean().backward()
+opt.step()
+read = [0]
+for method in ("read", "read_range"):
+    def counting(self, name, *span, _original=getattr(UrlStore, method)):
+        data = _original(self, name, *span)
+        read[0] += len(data)
+        return data
+    setattr(UrlStore, method, counting)
+ckpt = st.ShardedCheckpoints(model, opt, url=sys.argv[2], resume=sys.argv[1] == "restore",
+                             storage_options=json.loads(os.environ["B15_OPTIONS"]))
+dist.barrier()
+t0 = time.perf_counter()
+ckpt.restore() if sys.argv[1] == "restore" else ckpt.save(0)
+print(json.dumps({"s": time.perf_counter() - t0, "read": read[0]}))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def _fsdp_ranks(mode: str, url: str, options: dict, tiny: bool) -> list[dict]:
+    """``mode`` ("save" or "restore") a ``ShardedCheckpoints`` of the B15 model under FSDP2
+    at np=2 (two processes, gloo), each rank on a "host" with no copies: each rank's seconds
+    and bytes read of the folder."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "SPARKHVD_RANK": str(rank),
+               "SPARKHVD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "SPARKHVD_HOST_COPY_DIR": tempfile.mkdtemp(prefix="bench-b15-new-host-"),
+               "SPARKHVD_RUN_ID": RUN_ID, "B15_OPTIONS": json.dumps(options)}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", _FSDP, mode, url, "tiny" if tiny else "full",
+             os.path.dirname(os.path.abspath(__file__))], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True))
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+
+
+def _without_item_checksums(azurite: Any, folder: str) -> None:
+    """The records of the checkpoint in ``folder`` as written before they kept each item's
+    CRC-32: a restore then reads every file it needs whole."""
+    from sparkhvd import storage
+
+    options = azurite.options()
+    for name in storage.listdir(azurite.url("ckpt", folder), options):
+        if name.endswith(".json"):
+            url = azurite.url("ckpt", f"{folder}/{name}")
+            record = json.loads(storage.read_bytes(url, options))
+            for entry in record["files"].values():
+                entry.pop("pieces", None)
+            storage.write_bytes(url, json.dumps(record).encode(), options)
+
+
+def fsdp_folder_rows(azurite: Any, repeat: int, tiny: bool, stats: Any) -> list[dict]:
+    """A resume on new hosts (no host copies) of an FSDP2 checkpoint at np=2 from ``abfss://``:
+    the bytes each rank reads of the folder, per byte of state, and the restore's seconds --
+    reading the items its DCP load plan reads, and every file whole as before."""
+    options = azurite.options()
+    url = azurite.url("ckpt", "b15-fsdp")
+    _fsdp_ranks("save", url, options, tiny)
+    state = sum(_sizes(azurite, "b15-fsdp"))
+    got: dict[str, list[dict]] = {"the items its load plan reads": [], "every file whole": []}
+    for how in got:
+        if how == "every file whole":
+            _without_item_checksums(azurite, "b15-fsdp")
+        for _ in range(max(1, min(repeat, 3))):
+            got[how].extend(_fsdp_ranks("restore", url, options, tiny))
+    rows = []
+    for how, ranks in got.items():
+        variant = (f"resume of an FSDP2 ShardedCheckpoints at np=2 on new hosts from abfss:// "
+                   f"on Azurite ({state / 1e9:.2f} GB of files), each rank reading {how}")
+        rows.append({"case": "B15", "variant": f"bytes read per rank / the files' bytes, "
+                     f"{variant}", "unit": "ratio", **stats([r["read"] / state for r in ranks])})
+        rows.append({"case": "B15", "variant": f"restore, {variant}", "unit": "s",
+                     **stats([r["s"] for r in ranks])})
+    return rows
+
+
+def _sizes(azurite: Any, folder: str) -> list[int]:
+    """The sizes of the newest checkpoint's files in ``folder``, from its record."""
+    from sparkhvd import storage
+
+    record = json.loads(storage.read_bytes(azurite.url("ckpt", f"{folder}/latest.json"),
+                                           azurite.options()))
+    return [int(entry["size"]) for entry in record["files"].values()]
+
+
 @contextlib.contextmanager
 def _host_copies_in(folder: str) -> Iterator[None]:
     """Host copies kept and read in ``folder`` meanwhile (a host of its own)."""
@@ -230,6 +341,7 @@ def restore_rows(repeat: int, tiny: bool, stats: Any) -> list[dict]:
                                                azurite.options(), sharded=True)
                     assert used == ("host" if copy else "folder"), (name, used)
                     got.setdefault(name, []).append(seconds)
+        fsdp = fsdp_folder_rows(azurite, repeat, tiny, stats)
         how = f"{_model(tiny)[3] * 12 / 1e9:.2f} GB of state"
         rows = [{"case": "B15", "variant": f"restore from {name}, {how}", "unit": "s",
                  **stats(values)} for name, values in got.items()]
@@ -242,7 +354,7 @@ def restore_rows(repeat: int, tiny: bool, stats: Any) -> list[dict]:
         rows.append({"case": "B15", "variant": "restore, ShardedCheckpoints (DCP): this host's "
                      "copy / abfss:// folder", "unit": "ratio",
                      **stats([a / b for a, b in zip(near, far)])})
-        return rows
+        return rows + fsdp
     finally:
         if azurite is not None:
             azurite.stop()

@@ -4,19 +4,34 @@ A DCP checkpoint spreads the items every rank holds -- an optimizer's settings a
 counts -- over the ranks' files (DCP writes each replicated item once), so with FSDP's shards a
 rank's load reads its own shards' file and a few kilobytes of every other rank's. Sending it
 those files whole would make a restore move ``np`` times the state; sending the ranges it reads
-moves the state once (:mod:`sparkhvd.runfolder.nearest_copy`). :class:`FilePieces` holds such
+moves the state once (:mod:`sparkhvd.runfolder.nearest_copy`), and so does reading them from the
+run folder, each item checked against the CRC-32 its record keeps
+(:func:`sparkhvd.runfolder.checkpoint_store.read_file_checked`). :class:`FilePieces` holds such
 ranges where they sit in the file, and reads like the file as long as only they are read.
 """
 from __future__ import annotations
 
 import bisect
 import io
-from typing import Iterable, Optional, Sequence
+from typing import Collection, Iterable, Optional, Protocol, Sequence
 
 __side__ = "rank"
 
 #: A range of a file: (offset, length).
 Span = tuple[int, int]
+
+
+class Needs(Protocol):
+    """What of a checkpoint's files a rank's load reads, where that is less than all of them
+    (:class:`sparkhvd.torch.nearest_copy.DcpNeeds`)."""
+
+    def index(self, record: dict) -> Collection[str]:
+        """The files every loading rank reads whole first (a DCP checkpoint's ``.metadata``)."""
+
+    def spans(self, record: dict, index: dict[str, bytes]
+              ) -> Optional[dict[str, Optional[list[Span]]]]:
+        """From the index files' bytes: the files this rank's load reads, each with the byte
+        ranges it reads (None: the whole file); None: every file whole."""
 
 
 def merged(spans: Iterable[Span]) -> list[Span]:

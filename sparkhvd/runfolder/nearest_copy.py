@@ -45,7 +45,7 @@ from sparkhvd.runfolder.checkpoint_store import (
     read_file_checked,
     restore_newest,
 )
-from sparkhvd.runfolder.file_pieces import FilePieces, Span, cut, wanted_spans
+from sparkhvd.runfolder.file_pieces import FilePieces, Needs, Span, cut, wanted_spans
 
 __side__ = "rank"
 
@@ -71,18 +71,6 @@ class Collectives(Protocol):
 
     def everyone(self, ok: bool) -> bool:
         """Whether ``ok`` holds on every rank."""
-
-
-class Needs(Protocol):
-    """What of a checkpoint's files a rank's load reads, where that is less than all of them."""
-
-    def index(self, record: dict) -> Collection[str]:
-        """The files every loading rank reads whole first (a DCP checkpoint's ``.metadata``)."""
-
-    def spans(self, record: dict, index: dict[str, bytes]
-              ) -> Optional[dict[str, Optional[list[Span]]]]:
-        """From the index files' bytes: the files this rank's load reads, each with the byte
-        ranges it reads (None: the whole file); None: every file whole."""
 
 
 #: What one rank reads of each file: file -> rank -> its ranges (None: the whole file).
@@ -140,7 +128,7 @@ def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, Any]
                                 f"({type(exc).__name__}: {str(exc)[:200]})")
     if not loading:
         return None, None, [], "folder"
-    newest, state, skipped = restore_newest(store, load)
+    newest, state, skipped = restore_newest(store, load, needs)
     return newest, state, problems + skipped, "folder"
 
 
@@ -252,7 +240,8 @@ def _fetch(store: CheckpointStore, record: dict, names: list[str],
         if not reading:
             continue
         if data is None and complete:
-            data, where = read_file_checked(store, name, expected, problems), 2
+            data, where = read_file_checked(store, name, expected, problems,
+                                            wants[name][rank]), 2
         if data is None:
             complete = False  # every broadcast still taken part in
             continue

@@ -123,16 +123,22 @@ class RunFiles:
         self._request({"op": "put", "root": "run", "path": path, "size": len(data)},
                       body=io.BytesIO(data))
 
-    def read_bytes(self, path: str, *, root: str = "run") -> bytes:
-        """The content of ``path`` in the run folder, or in the resume source (``root="resume"``)."""
+    def read_bytes(self, path: str, *, root: str = "run",
+                   span: Optional[tuple[int, int]] = None) -> bytes:
+        """The content of ``path`` in the run folder, or in the resume source (``root="resume"``)
+        -- with ``span`` (offset, length), only those bytes of it (fewer where it ends first)."""
         import io
 
         path = clean_path(path)
         if root == "run" and self.local:
             with open(os.path.join(self.local, path), "rb") as f:
-                return f.read()
+                if span is None:
+                    return f.read()
+                f.seek(span[0])
+                return f.read(span[1])
         out = io.BytesIO()
-        self._request({"op": "get", "root": root, "path": path}, sink=out)
+        self._request({"op": "get", "root": root, "path": path,
+                       **({} if span is None else {"span": list(span)})}, sink=out)
         return out.getvalue()
 
     def listdir(self, path: str = "", *, root: str = "run") -> list[str]:

@@ -17,7 +17,7 @@ import secrets
 import socket
 import socketserver
 import threading
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from sparkhvd.common import protocol
 from sparkhvd.common.fileio import atomic_open
@@ -77,17 +77,28 @@ class RunFileService(socketserver.ThreadingTCPServer):
             raise PermissionError(f"the {root!r} files are read-only")
         return os.path.join(self.run_path, clean_path(path))
 
-    def read(self, root: str, path: str) -> bytes:
+    def read(self, root: str, path: str, span: Optional[Sequence[int]] = None) -> bytes:
+        """The file at ``path`` -- or, with ``span`` (offset, length), those bytes of it (fewer
+        where it ends first): what a rank's restore reads of a large checkpoint file."""
         path = clean_path(path)
+        if span is not None:
+            offset, length = (int(n) for n in span)
+            if offset < 0 or length < 0:
+                raise ValueError(f"bad byte range {list(span)!r}")
         if root == "run":
             with open(os.path.join(self.run_path, path), "rb") as f:
-                return f.read()
+                if span is None:
+                    return f.read()
+                f.seek(offset)
+                return f.read(length)
         if self.resume is None:
             raise FileNotFoundError("this run does not resume from anything")
         from sparkhvd import storage
 
         url, options = self.resume
-        return storage.read_bytes(f"{url.rstrip('/')}/{path}", options)
+        if span is None:
+            return storage.read_bytes(f"{url.rstrip('/')}/{path}", options)
+        return storage.read_range(f"{url.rstrip('/')}/{path}", offset, length, options)
 
     def listdir(self, root: str, path: str) -> list[str]:
         """Names directly below a folder (empty when there is none)."""
@@ -170,7 +181,7 @@ class _Handler(socketserver.StreamRequestHandler):
                 server.received.append(clean_path(path))
                 send_json(sock, {"ok": True, "size": size})
             elif op == "get":
-                data = server.read(root, path)
+                data = server.read(root, path, request.get("span"))
                 send_json(sock, {"ok": True, "size": len(data)})
                 sock.sendall(data)
             elif op == "exists":

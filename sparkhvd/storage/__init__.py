@@ -29,6 +29,7 @@ from sparkhvd.storage.files import (
     open_atomic,
     preflight,
     read_bytes,
+    read_range,
     write_bytes,
     write_file,
     write_or_spill,
@@ -37,6 +38,6 @@ from sparkhvd.storage.location import RETRIES, Location, public_url, resolve
 
 __side__ = "shared"
 
-__all__ = ["StorageError", "redact", "remember_secret", "resolve", "read_bytes", "write_bytes",
-           "open_atomic", "exists", "listdir", "delete", "preflight", "write_or_spill",
+__all__ = ["StorageError", "redact", "remember_secret", "resolve", "read_bytes", "read_range",
+           "write_bytes", "open_atomic", "exists", "listdir", "delete", "preflight", "write_or_spill",
            "public_url", "Location", "RETRIES", "write_file", "delegate", "diagnose"]

@@ -30,6 +30,18 @@ def read_bytes(target: "Location | str", storage_options: Optional[Mapping[str, 
         return loc.fs.cat_file(loc.path, max_concurrency=TRANSFER_CONCURRENCY)
 
 
+def read_range(target: "Location | str", offset: int, length: int,
+               storage_options: Optional[Mapping[str, Any]] = None) -> bytes:
+    """``length`` bytes of a file or blob from ``offset`` (fewer where it ends first): the part
+    of a large checkpoint file a rank reads, without the rest."""
+    loc = as_location(target, storage_options)
+    with explained(loc, "read"):
+        if loc.is_local:
+            return loc.fs.cat_file(loc.path, start=offset, end=offset + length)
+        return loc.fs.cat_file(loc.path, start=offset, end=offset + length,
+                               max_concurrency=TRANSFER_CONCURRENCY)
+
+
 def exists(target: "Location | str", storage_options: Optional[Mapping[str, Any]] = None) -> bool:
     """Whether a file, blob or folder exists."""
     loc = as_location(target, storage_options)

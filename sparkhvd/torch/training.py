@@ -39,6 +39,7 @@ from sparkhvd.elastic.notices import world_size_change as _world_size_change
 from sparkhvd.runfolder import host_copy
 from sparkhvd.runfolder.background_save import SavesInBackground, UploadQueue
 from sparkhvd.runfolder.checkpoint_store import (
+    CHECK_BLOCK,
     DISCARD,
     CheckpointStore,
     RunFolderStore,
@@ -174,9 +175,10 @@ def _store(url: Optional[str], storage_options: Optional[dict]) -> Optional[Chec
     return RunFolderStore("run") if run_files().available else None
 
 
-def _newest(resume_from: Any, load: Callable, rank: int) -> tuple[Any, Any, list]:
+def _newest(resume_from: Any, load: Callable, rank: int, needs: Optional[DcpNeeds] = None
+            ) -> tuple[Any, Any, list]:
     """``restore_newest``, and rank 0 says so when there was nothing to resume from."""
-    record, state, skipped = restore_newest(resume_from, load)
+    record, state, skipped = restore_newest(resume_from, load, needs)
     if (record is None or state is None) and rank == 0:
         announce_resume(resume_from)
     return record, state, skipped
@@ -315,7 +317,7 @@ class _CheckpointsBase(SavesInBackground):
         its load reads), else from the folder; rank 0 says when there was none."""
         assert self.resume_from is not None
         if not self.host_copy:
-            return (*_newest(self.resume_from, load, self.rank), "folder")
+            return (*_newest(self.resume_from, load, self.rank, needs), "folder")
         record, state, skipped, copy = restore_nearest(self.resume_from, load, self.rank, needs)
         if (record is None or state is None) and self.rank == 0:
             announce_resume(self.resume_from)
@@ -768,8 +770,7 @@ class ShardedCheckpoints(_CheckpointsBase):
         error: Optional[BaseException] = None
         try:
             try:
-                written()
-                mine = self._digests(name, local)
+                mine = self._digests(name, local, written())
             except BaseException as exc:  # noqa: BLE001 - raised below, after the gather
                 error = exc
             everyone = self._gathered(name, done, mine, error, group)
@@ -809,12 +810,22 @@ class ShardedCheckpoints(_CheckpointsBase):
                           "checkpoint")
         return everyone
 
-    def _digests(self, name: str, local: str) -> dict[str, Any]:
-        """This rank's files in ``local``: their name in the folder -> size, SHA-256 and
-        rank."""
-        return {f"{name}/{os.path.relpath(os.path.join(root, file), local)}":
-                {**digest_file(os.path.join(root, file)), "rank": self.rank}
-                for root, _, files in os.walk(local) for file in files}
+    def _digests(self, name: str, local: str, metadata: Any) -> dict[str, Any]:
+        """This rank's files in ``local``: their name in the folder -> size, SHA-256, the
+        CRC-32 of each item DCP wrote there (``metadata``: what ``dcp.save`` returned on
+        every rank; 16 MiB pieces without it) -- a restore from the folder reads and checks
+        only the items its load plan reads -- and rank."""
+        starts: dict[str, set[int]] = {}
+        for stored in (getattr(metadata, "storage_data", None) or {}).values():
+            starts.setdefault(str(stored.relative_path), set()).add(int(stored.offset))
+        out = {}
+        for root, _, files in os.walk(local):
+            for file in files:
+                path = os.path.join(root, file)
+                rel = os.path.relpath(path, local)
+                cuts = starts.get(rel) or range(0, os.path.getsize(path), CHECK_BLOCK)
+                out[f"{name}/{rel}"] = {**digest_file(path, cuts), "rank": self.rank}
+        return out
 
     def _copy_in(self, name: str, local: str, mine: dict[str, Any], record: dict) -> None:
         """This rank's files in ``local`` (``mine``) into the folder. With ``host_copy``, moved
@@ -842,7 +853,9 @@ class ShardedCheckpoints(_CheckpointsBase):
         the epoch to start from (0 otherwise). From the nearest copy (``host_copy``), a rank
         gets what its DCP load plan reads: its own shards, and of the other ranks' files the
         items every rank holds (optimizer settings, step counts: DCP writes each into one
-        rank's file) -- byte ranges, not the files; from the folder, every file whole."""
+        rank's file) -- byte ranges, not the files; from the folder, the same items, each
+        checked by the CRC-32 the record keeps of it (every file whole from a checkpoint
+        written before records kept them)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 

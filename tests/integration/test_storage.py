@@ -15,6 +15,8 @@ def test_local_roundtrip(tmp_path, as_url):
     base = ("file://" if as_url else "") + str(tmp_path)
     storage.write_bytes(base + "/a/model.h5", b"weights")
     assert storage.read_bytes(base + "/a/model.h5") == b"weights"
+    assert storage.read_range(base + "/a/model.h5", 2, 3) == b"igh"
+    assert storage.read_range(base + "/a/model.h5", 5, 10) == b"ts", "fewer at the end"
     assert storage.exists(base + "/a/model.h5")
     assert storage.listdir(base + "/a") == ["model.h5"]
     storage.delete(base + "/a", recursive=True)
@@ -76,6 +78,8 @@ def test_abfss_roundtrip_100mb(azurite):
     back = storage.read_bytes(url, azurite.options())
     assert hashlib.sha256(back).digest() == hashlib.sha256(data).digest()
     assert storage.listdir(azurite.url("models", "roundtrip"), azurite.options()) == ["model.bin"]
+    part = storage.read_range(url, (50 << 20) - 7, 3 << 20, azurite.options())
+    assert part == data[(50 << 20) - 7:(53 << 20) - 7], "a range of a blob, not the blob"
 
 
 def test_abfss_interrupted_write_is_invisible(azurite):

@@ -1,11 +1,16 @@
 """The byte ranges of a checkpoint file a rank's load reads (sparkhvd.runfolder.file_pieces):
-what a rank that lacks the file is sent instead of the file."""
+what a rank that lacks the file is sent instead of the file, and what it reads of the file from
+the run folder (the pieces that hold them, each checked against the record's CRC-32)."""
 from __future__ import annotations
 
+import hashlib
 import io
+import zlib
 
 import pytest
 
+from sparkhvd.runfolder import checkpoint_store
+from sparkhvd.runfolder.checkpoint_store import UrlStore
 from sparkhvd.runfolder.file_pieces import FilePieces, cut, merged, wanted_spans
 
 
@@ -27,3 +32,73 @@ def test_the_pieces_read_like_the_file_where_they_were_cut():
     stream.seek(30)
     with pytest.raises(ValueError, match="not fetched"):
         stream.read(4)
+
+
+# -- the same ranges read from the run folder, whole blocks each checked ---------------------
+class _CountedStore(UrlStore):
+    """A checkpoint folder on this disk that keeps the byte ranges read of it."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.ranges: list[tuple[int, int]] = []
+
+    def read_range(self, name: str, offset: int, length: int) -> bytes:
+        self.ranges.append((offset, length))
+        return super().read_range(name, offset, length)
+
+
+@pytest.fixture
+def shard(tmp_path):
+    """A 512-byte shard file of items at 0, 64, 128, ... 448 (DCP's offsets), its record's
+    entry, its bytes."""
+    data = bytes(range(256)) * 2
+    (tmp_path / "shard.distcp").write_bytes(data)
+    expected = checkpoint_store.digest_file(str(tmp_path / "shard.distcp"), range(0, 512, 64))
+    return _CountedStore(str(tmp_path)), expected, data
+
+
+def test_a_file_is_checked_in_the_pieces_between_its_items(tmp_path, monkeypatch):
+    """Each piece's CRC-32, from each cut to the next, whatever the read size."""
+    monkeypatch.setattr(checkpoint_store, "CHECK_BLOCK", 7)  # pieces span reads
+    data = bytes(range(256)) * 2
+    (tmp_path / "f").write_bytes(data)
+    cuts = [100, 3, 511, 600, 0]
+    digest = checkpoint_store.digest_file(str(tmp_path / "f"), cuts)
+    assert digest["size"] == 512 and digest["sha256"] == hashlib.sha256(data).hexdigest()
+    assert digest["pieces"] == [[0, zlib.crc32(data[:3])], [3, zlib.crc32(data[3:100])],
+                                [100, zlib.crc32(data[100:511])], [511, zlib.crc32(data[511:])]]
+    assert "pieces" not in checkpoint_store.digest_file(str(tmp_path / "f"))
+
+
+def test_a_part_of_a_shard_is_read_from_the_folder_as_the_pieces_that_hold_it(shard):
+    store, expected, data = shard
+    assert [offset for offset, _ in expected["pieces"]] == list(range(0, 512, 64))
+    problems: list[str] = []
+    pieces = checkpoint_store.read_file_checked(store, "shard.distcp", expected, problems,
+                                                [(70, 10), (200, 60)])
+    assert isinstance(pieces, FilePieces) and not problems
+    assert store.ranges == [(64, 64), (192, 128)], "whole pieces, one read per run of them"
+    stream = pieces.stream()
+    stream.seek(200)
+    assert stream.read(60) == data[200:260]
+    whole = checkpoint_store.read_file_checked(store, "shard.distcp", {
+        k: v for k, v in expected.items() if k != "pieces"}, problems, [(70, 10)])
+    assert whole == data and not problems, "a record without the pieces' CRC-32s: the file"
+
+
+def test_a_changed_piece_is_found_when_it_is_read_and_a_short_file_is_said(shard, tmp_path):
+    store, expected, data = shard
+    changed = bytearray(data)
+    changed[300] ^= 1
+    (tmp_path / "shard.distcp").write_bytes(bytes(changed))
+    problems: list[str] = []
+    assert checkpoint_store.read_file_checked(store, "shard.distcp", expected, problems,
+                                              [(70, 10)]) is not None, "not in a piece read"
+    assert checkpoint_store.read_file_checked(store, "shard.distcp", expected, problems,
+                                              [(290, 4)]) is None
+    assert problems == [f"{store.describe('shard.distcp')}: checksum mismatch in bytes "
+                        "256-320 (corrupt)"]
+    (tmp_path / "shard.distcp").write_bytes(data[:250])
+    assert checkpoint_store.read_file_checked(store, "shard.distcp", expected, problems,
+                                              [(200, 60)]) is None
+    assert "truncated or changed (bytes 192-320 of 512 read as 58)" in problems[-1]

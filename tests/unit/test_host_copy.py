@@ -592,6 +592,13 @@ _SHARDED_RANK = textwrap.dedent("""
             got.append(len(sent))
         return sent
     nearest_copy.TorchCollectives.broadcast_bytes = counted
+    read = {}  # bytes this rank read of each file of the folder
+    for method in ("read", "read_range"):
+        def counting(self, name, *span, _original=getattr(UrlStore, method)):
+            data = _original(self, name, *span)
+            read[name] = read.get(name, 0) + len(data)
+            return data
+        setattr(UrlStore, method, counting)
     if mode == "save-fail" and os.environ["RANK"] == "1":  # its upload fails: a full disk
         def write_file(self, name, path):
             raise OSError(28, "No space left on device")
@@ -606,7 +613,7 @@ _SHARDED_RANK = textwrap.dedent("""
              for k, v in model.state_dict().items()}
     with open(out, "w") as f:
         json.dump({"epoch": epoch, "state": state, "restored": ckpt.restored,
-                   "failed": failed, "got": got}, f)
+                   "failed": failed, "got": got, "read": read}, f)
     if int(world) > 1:
         dist.destroy_process_group()
     sys.stdout.flush()
@@ -617,8 +624,9 @@ _SHARDED_RANK = textwrap.dedent("""
 def _sharded_ranks(tmp_path, mode: str, host_dirs: list[str], fsdp: bool = False) -> list[dict]:
     """``mode`` ("save" or "restore") a ShardedCheckpoints in ``tmp_path/ckpt`` with one real
     rank per host-copy folder (its "host"), in a gloo group met through a file (``fsdp``: the
-    model sharded by FSDP2); each rank's result, with ``got``: the sizes of what it got from
-    other ranks' host copies."""
+    model sharded by FSDP2); each rank's result, with
+    ``got``: the sizes of what it got from other ranks' host copies, and ``read``: the bytes
+    it read of each file of the folder."""
     script = tmp_path / "sharded_rank.py"
     script.write_text(_SHARDED_RANK)
     world, rendezvous = len(host_dirs), tmp_path / f"rendezvous-{mode}-{len(os.listdir(tmp_path))}"
@@ -683,6 +691,31 @@ def test_an_fsdp_relaunch_gets_only_what_each_ranks_load_reads_of_the_other_rank
     ranks = _sharded_ranks(run_env, "restore", [str(run_env / "host-new"), hosts[1]], fsdp=True)
     assert [r["state"] == saved[0]["state"] for r in ranks] == [True, True]
     assert "another rank's host copy" in _resume_line(ranks[0]), ranks[0]["out"]
+
+
+def test_an_fsdp_resume_on_new_hosts_reads_of_the_folder_the_items_each_ranks_load_reads(
+        run_env):
+    """No host has a copy (the run resumed on a new cluster): each rank reads its own shard
+    file from the folder and, of the other rank's, only the items its load plan reads (each
+    checked against the CRC-32 the record keeps of it) -- the state once, not every file to
+    every rank; the state is the one saved."""
+    pytest.importorskip("torch")
+    saved = _sharded_ranks(run_env, "save", [str(run_env / "host-a"), str(run_env / "host-b")],
+                           fsdp=True)
+    record = json.loads((run_env / "ckpt" / "latest.json").read_text())
+    owner = {name: int(f["rank"]) for name, f in record["files"].items()
+             if name.endswith(".distcp")}
+    assert sorted(owner.values()) == [0, 1] and all(
+        len(f["pieces"]) > 1 for name, f in record["files"].items() if name in owner), record
+    ranks = _sharded_ranks(run_env, "restore", [str(run_env / "new-a"), str(run_env / "new-b")],
+                           fsdp=True)
+    assert [(r["epoch"], r["state"] == saved[0]["state"]) for r in ranks] == [(1, True)] * 2
+    assert not _names_a_copy(_resume_line(ranks[0])), ranks[0]["out"]
+    for rank, r in enumerate(ranks):
+        own = [n for name, n in r["read"].items() if owner.get(name) == rank]
+        others = sum(n for name, n in r["read"].items() if owner.get(name) not in (None, rank))
+        size = record["files"][next(name for name, o in owner.items() if o != rank)]["size"]
+        assert own and others < size / 10, (rank, r["read"], size)
 
 
 def _resume_line(rank_zero: dict) -> str:
