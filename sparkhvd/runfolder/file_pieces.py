@@ -76,10 +76,6 @@ class FilePieces:
             at += length
         return cls(size, pieces)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(len(piece) for piece in self._pieces.values())
-
     def stream(self) -> io.RawIOBase:
         """A seekable stream that reads like the file, within the pieces (reading outside
         them is an error: the load plan asked for less than it reads)."""

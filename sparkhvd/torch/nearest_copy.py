@@ -37,11 +37,21 @@ def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, Any]
 class DcpNeeds:
     """What of a DCP checkpoint this rank's load reads (:class:`nearest_copy.Needs`): its
     ``.metadata`` whole, then the byte ranges of the items that DCP's default load plan for
-    ``state()`` names -- under FSDP its own shards and the few replicated items DCP wrote into
+    :attr:`state` names -- under FSDP its own shards and the few replicated items DCP wrote into
     other ranks' files, not those files whole."""
 
     def __init__(self, state: Callable[[], dict]) -> None:
-        self.state = state
+        self._build = state
+        self._state: Optional[dict] = None
+
+    @property
+    def state(self) -> dict:
+        """The state dict DCP plans the load from and the load fills: built once, and only
+        when there is a checkpoint to load (building an optimizer's with
+        ``get_state_dict`` gives a fresh optimizer its state)."""
+        if self._state is None:
+            self._state = self._build()
+        return self._state
 
     def index(self, record: dict) -> set[str]:
         return {f"{record['file']}/.metadata"}
@@ -54,7 +64,7 @@ class DcpNeeds:
 
         metadata = reader_of(index, record["file"]).read_metadata()
         planner = DefaultLoadPlanner()
-        planner.set_up_planner(self.state(), metadata, is_coordinator=False)
+        planner.set_up_planner(self.state, metadata, is_coordinator=False)
         wanted: dict[str, list[Span]] = {}
         for item in planner.create_local_plan().items:
             stored = metadata.storage_data[item.storage_index]

@@ -862,12 +862,13 @@ class ShardedCheckpoints(_CheckpointsBase):
         if self.resume_from is None:
             return 0
 
-        def load(record: dict, files: dict) -> dict:
-            state = self._state()
-            dcp.load(state, storage_reader=reader_of(files, record["file"]))
-            return state
+        needs = DcpNeeds(self._state)
 
-        record, state, skipped, copy = self._read_newest(load, DcpNeeds(self._state))
+        def load(record: dict, files: dict) -> dict:
+            dcp.load(needs.state, storage_reader=reader_of(files, record["file"]))
+            return needs.state
+
+        record, state, skipped, copy = self._read_newest(load, needs)
         if record is None or state is None:
             return 0
         if self.optimizer is None:
