@@ -352,10 +352,22 @@ def _owners() -> list[str]:
 def records(store: str) -> list[dict]:
     """The records of the checkpoints this host keeps for this run whose copies were kept
     before their upload to the folder ``store`` (:attr:`CheckpointStore.key`) -- the ones a
-    relaunch may restore before the folder has them. Not checked: their files are, when read."""
+    relaunch may restore before the folder has them. Not checked: their files are, when read.
+    Without each file's ``pieces`` (the CRC-32s a read of parts of the folder's copy checks;
+    thousands for a large sharded checkpoint): every rank gathers every rank's records, and a
+    checkpoint restored from here is not read from the folder."""
     metas = (_load_meta(owner, meta) for owner in _owners() for meta in _METAS)
-    return [meta["record"] for meta in metas
+    return [_without_pieces(meta["record"]) for meta in metas
             if meta.get("store") == store and isinstance(meta.get("record"), dict)]
+
+
+def _without_pieces(record: dict) -> dict:
+    files = record.get("files")
+    if not isinstance(files, dict):
+        return record
+    return {**record, "files": {name: {k: v for k, v in entry.items() if k != "pieces"}
+                                if isinstance(entry, dict) else entry
+                                for name, entry in files.items()}}
 
 
 def _load_meta(where: str, name: str = _META) -> dict:

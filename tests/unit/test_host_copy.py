@@ -60,6 +60,19 @@ def _keep(file: str, data: bytes, sha256=None):
     return host_copy.keep({file: (data, sha256 or _sha(data))}).get(file)
 
 
+def test_the_records_every_rank_gathers_leave_out_the_pieces_only_a_folder_read_checks(
+        run_env):
+    """A sharded checkpoint's record keeps the CRC-32 of every item of every rank's file
+    (thousands); a relaunch gathers every rank's kept records, so they come without them."""
+    data = b"shard" * 50
+    record = {"epoch": 1, "step": 0, "file": "epoch-0001", "files": {
+        "epoch-0001/__0_0.distcp": {"size": len(data), "sha256": _sha(data),
+                                    "pieces": [[0, 1], [100, 2]], "rank": 0}}}
+    host_copy.keep({"epoch-0001/__0_0.distcp": (data, _sha(data))}, record, "the folder")
+    assert host_copy.records("the folder") == [{**record, "files": {
+        "epoch-0001/__0_0.distcp": {"size": len(data), "sha256": _sha(data), "rank": 0}}}]
+
+
 def test_only_the_newest_copy_is_kept_and_it_is_checked_when_read(run_env):
     first = _keep("epoch-0001.pt", b"one" * 100)
     second = _keep("epoch-0002.pt", b"two" * 100)
