@@ -134,6 +134,11 @@ NOTES = """\
   ran at 0.53x with 5 saves in 12 steps; at 19 the writer starved). Where training runs on
   GPUs and the host's cores wait, the write takes what they leave (B5: 0.87x on an H100,
   measured before the CRC-32s went).
+  On 2026-11-29 00:16 the table's run gave async 0.85x (0.79-0.95x per round), none at 1.44
+  steps/s (1.55 the day before). The same 24-step loop run alternately at this commit and at
+  the one before it (702bfdf; 3 rounds each, the disk flushed before each run): 0.88x (0.83-
+  0.93x) and 0.90x (0.87-0.91x) -- the spread of this VM, not a change: the save path of
+  `Checkpoints` did not change.
   **Restore** (`ckpt.restore()`, the same 1 GB state; 2026-11-28 02:57, a slower day than
   the run before, whose numbers follow in brackets): from this host's copy 1.30 s [0.79 s],
   from the checkpoint folder on `abfss://` (Azurite on this machine) 7.70 s [3.09 s] -- 0.24x
@@ -149,6 +154,15 @@ NOTES = """\
   and checked whole before DCP reads it; since this run DCP reads those bytes where they are
   instead of from a copy written to a temporary folder first (1.5 s of the 5.3 s: 4.0 s after,
   in the same profile).
+  **A sharded resume on new hosts reads each rank's share of the folder** (2026-11-29 00:16;
+  the same model under FSDP2 at np=2, saved to Azurite, resumed by two ranks whose hosts keep
+  no copy). Each rank now reads of the folder the items its DCP load plan reads -- 0.50 of the
+  files' 1.01 GB each, 1.00x the state in all -- each item checked against the CRC-32 the
+  record keeps of it; restore 7.5 s. Read as before (every file it needs whole, as records
+  without those CRC-32s still make it), one rank read 1.00 of the files and the other 0.50:
+  DCP writes each replicated item (Adam's step counts) into one rank's file, so a rank needs
+  a few kilobytes of another's; restore 10.6 s (0.71x with the items). At np ranks, a rank
+  read up to np files whole.
 - **B2T since each rank reads its share (issue 48)** (rank 0 of 2, 400k rows x 784 float32,
   streamed, 512 KB row groups). `torch_batches` 261k rows/s per rank = 1.23x its ceiling --
   pyarrow reading the row groups rank 0 reads (its partitions'), one dataset scan per file
@@ -415,6 +429,12 @@ def goals(rows: list[dict]) -> list[str]:
     if lost is not None:
         out.append(f"| B12 work lost with 1.01 GB of state, async every step: ≤ 1 step per rank | "
                    f"{lost:.1f} step(s) | {'yes' if lost <= 1 else 'no'} |")
+    kept = get("B12", f"{wide}from the host copy, memory_snapshots=True (the newest step's "
+                      "state): steps redone per rank")
+    if kept is not None:
+        out.append(f"| B12 work lost with 1.01 GB of state, async every step with "
+                   f"memory_snapshots=True: ≤ 1 step per rank | {kept:.1f} step(s) | "
+                   f"{'yes' if kept <= 1 else 'no'} |")
     peaks_t = sorted((r["rows"], r["median"]) for r in rows if r["case"] == "B2T"
                      and r["variant"].startswith("peak RSS") and "median" in r)
     if len(peaks_t) >= 2:
