@@ -1,9 +1,10 @@
 """The run-folder service's wire format, shared by the driver's service and a rank's client.
 
 Wire format (one TCP connection per client): a JSON hello ``{"token": ...}``, then requests
-``{"op": "put"|"get"|"exists", "root": "run"|"resume", "path": ..., "size": n}`` (``put`` followed
-by ``n`` raw bytes), each answered by ``{"ok": true, "size": n}`` (``get`` followed by the bytes),
-or ``{"ok": false, "error": ...}``.
+``{"op": "put"|"get"|"exists"|"list", "root": "run"|"resume", "path": ..., "size": n}`` (``put``
+followed by ``n`` raw bytes; ``get`` with ``"span": [offset, length]`` asks for those bytes of the
+file only), each answered by ``{"ok": true, "size": n}`` (``get`` followed by the bytes), or
+``{"ok": false, "error": ...}``.
 """
 from __future__ import annotations
 
