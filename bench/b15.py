@@ -169,7 +169,8 @@ def _peer_restore_s(folder: str, tiny: bool, holder_dir: str) -> float:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for rank, copies in enumerate([tempfile.mkdtemp(prefix="bench-b15-empty-"), holder_dir]):
+    empty = tempfile.mkdtemp(prefix="empty-", dir=os.path.dirname(holder_dir))  # removed with it
+    for rank, copies in enumerate([empty, holder_dir]):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "SPARKHVD_RANK": str(rank),
                "SPARKHVD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "SPARKHVD_HOST_COPY_DIR": copies, "SPARKHVD_RUN_ID": RUN_ID}
@@ -217,10 +218,10 @@ os._exit(0)
 """
 
 
-def _fsdp_ranks(mode: str, url: str, options: dict, tiny: bool) -> list[dict]:
+def _fsdp_ranks(mode: str, url: str, options: dict, tiny: bool, work: str) -> list[dict]:
     """``mode`` ("save" or "restore") a ``ShardedCheckpoints`` of the B15 model under FSDP2
-    at np=2 (two processes, gloo), each rank on a "host" with no copies: each rank's seconds
-    and bytes read of the folder."""
+    at np=2 (two processes, gloo), each rank on a "host" with no copies (a new folder in
+    ``work``): each rank's seconds and bytes read of the folder."""
     import socket
 
     with socket.socket() as s:
@@ -230,7 +231,7 @@ def _fsdp_ranks(mode: str, url: str, options: dict, tiny: bool) -> list[dict]:
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "SPARKHVD_RANK": str(rank),
                "SPARKHVD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "SPARKHVD_HOST_COPY_DIR": tempfile.mkdtemp(prefix="bench-b15-new-host-"),
+               "SPARKHVD_HOST_COPY_DIR": tempfile.mkdtemp(prefix="new-host-", dir=work),
                "SPARKHVD_RUN_ID": RUN_ID, "B15_OPTIONS": json.dumps(options)}
         procs.append(subprocess.Popen(
             [sys.executable, "-c", _FSDP, mode, url, "tiny" if tiny else "full",
@@ -261,14 +262,18 @@ def fsdp_folder_rows(azurite: Any, repeat: int, tiny: bool, stats: Any) -> list[
     reading the items its DCP load plan reads, and every file whole as before."""
     options = azurite.options()
     url = azurite.url("ckpt", "b15-fsdp")
-    _fsdp_ranks("save", url, options, tiny)
-    state = sum(_sizes(azurite, "b15-fsdp"))
+    work = tempfile.mkdtemp(prefix="bench-b15-fsdp-")  # the ranks' hosts' copies
     got: dict[str, list[dict]] = {"the items its load plan reads": [], "every file whole": []}
-    for how in got:
-        if how == "every file whole":
-            _without_item_checksums(azurite, "b15-fsdp")
-        for _ in range(max(1, min(repeat, 3))):
-            got[how].extend(_fsdp_ranks("restore", url, options, tiny))
+    try:
+        _fsdp_ranks("save", url, options, tiny, work)
+        state = sum(_sizes(azurite, "b15-fsdp"))
+        for how in got:
+            if how == "every file whole":
+                _without_item_checksums(azurite, "b15-fsdp")
+            for _ in range(max(1, min(repeat, 3))):
+                got[how].extend(_fsdp_ranks("restore", url, options, tiny, work))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     rows = []
     for how, ranks in got.items():
         variant = (f"resume of an FSDP2 ShardedCheckpoints at np=2 on new hosts from abfss:// "
