@@ -30,7 +30,14 @@ from typing import (
 )
 
 from sparkhvd.common import owned_temp
-from sparkhvd.runfolder.file_pieces import FilePieces, Needs, Span, merged
+from sparkhvd.runfolder.file_pieces import (
+    FilePieces,
+    Needs,
+    Span,
+    index_files,
+    load_plan,
+    merged,
+)
 
 __side__ = "rank"
 
@@ -572,18 +579,14 @@ def _read_checked(store: CheckpointStore, record: dict, problems: list[str],
     changed, a problem said) -- with ``needs``, its index files, then only what this rank's
     load reads of the others (:class:`FilePieces` where that is less than the file)."""
     expected_of = _files_of(record)
-    first = sorted(set(needs.index(record)) & set(expected_of)) if needs else sorted(expected_of)
     files: dict[str, Any] = {}
-    for name in first:
+    for name in index_files(needs, record, expected_of):
         files[name] = read_file_checked(store, name, expected_of[name], problems)
         if files[name] is None:
             return None
     if needs is None:
         return files
-    try:
-        spans: Optional[dict[str, Optional[list[Span]]]] = needs.spans(record, files)
-    except Exception:  # noqa: BLE001 - every file whole, as without needs; load says why
-        spans = None
+    spans = load_plan(needs, record, files)
     for name, expected in expected_of.items():
         if name in files or (spans is not None and name not in spans):
             continue

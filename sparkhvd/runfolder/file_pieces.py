@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import bisect
 import io
-from typing import Collection, Iterable, Optional, Protocol, Sequence
+from typing import Any, Collection, Iterable, Optional, Protocol, Sequence
 
 __side__ = "rank"
 
 #: A range of a file: (offset, length).
 Span = tuple[int, int]
+#: What a rank's load reads of a checkpoint's files: each file it reads with its byte ranges
+#: (None: the whole file; a file not named is not read); None: every file whole.
+Plan = Optional[dict[str, Optional[list[Span]]]]
 
 
 class Needs(Protocol):
@@ -28,10 +31,27 @@ class Needs(Protocol):
     def index(self, record: dict) -> Collection[str]:
         """The files every loading rank reads whole first (a DCP checkpoint's ``.metadata``)."""
 
-    def spans(self, record: dict, index: dict[str, bytes]
-              ) -> Optional[dict[str, Optional[list[Span]]]]:
+    def spans(self, record: dict, index: dict[str, bytes]) -> Plan:
         """From the index files' bytes: the files this rank's load reads, each with the byte
         ranges it reads (None: the whole file); None: every file whole."""
+
+
+def index_files(needs: Optional[Needs], record: dict, names: Iterable[str]) -> list[str]:
+    """Which of a checkpoint's files (``names``) a rank reads first, whole: ``needs``' index
+    files -- every file without ``needs``. The one rule for the folder
+    (:func:`sparkhvd.runfolder.checkpoint_store.restore_newest`) and for the host copies
+    (:func:`sparkhvd.runfolder.nearest_copy.restore_nearest`)."""
+    names = set(names)
+    return sorted(names & set(needs.index(record)) if needs is not None else names)
+
+
+def load_plan(needs: Needs, record: dict, index: dict[str, Any]) -> Plan:
+    """What this rank's load reads of the rest, from the index files' bytes -- every file whole
+    when ``needs`` cannot say (a broken index: the load that reads it then says why)."""
+    try:
+        return needs.spans(record, index)
+    except Exception:  # noqa: BLE001 - every file whole, as without needs; the load says why
+        return None
 
 
 def merged(spans: Iterable[Span]) -> list[Span]:

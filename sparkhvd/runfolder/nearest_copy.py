@@ -45,7 +45,15 @@ from sparkhvd.runfolder.checkpoint_store import (
     read_file_checked,
     restore_newest,
 )
-from sparkhvd.runfolder.file_pieces import FilePieces, Needs, Span, cut, wanted_spans
+from sparkhvd.runfolder.file_pieces import (
+    FilePieces,
+    Needs,
+    Span,
+    cut,
+    index_files,
+    load_plan,
+    wanted_spans,
+)
 
 __side__ = "rank"
 
@@ -181,17 +189,12 @@ def _fetch_needed(store: CheckpointStore, record: dict, mine: dict[str, host_cop
         files, farthest = _fetch(store, record, expected, mine, everyone, rank, whole,
                                  problems, world)
         return files, FARTHEST[farthest]
-    first = sorted(set(needs.index(record)) & set(expected))
+    first = index_files(needs, record, expected)
     files, farthest = _fetch(store, record, first, mine, everyone, rank, whole, problems,
                              world)
     if files is None:
         return None, FARTHEST[2]
-    spans = None
-    if rank in readers:
-        try:
-            spans = needs.spans(record, files)
-        except Exception:  # noqa: BLE001 - every file whole, as without needs; load says why
-            spans = None
+    spans = load_plan(needs, record, files) if rank in readers else None
     said = [held["spans"] for held in world.gather({"spans": spans})]
     wants: Wants = {name: {r: None if said[r] is None else said[r][name] for r in sorted(readers)
                            if said[r] is None or name in said[r]}

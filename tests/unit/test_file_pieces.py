@@ -11,13 +11,43 @@ import pytest
 
 from sparkhvd.runfolder import checkpoint_store
 from sparkhvd.runfolder.checkpoint_store import UrlStore
-from sparkhvd.runfolder.file_pieces import FilePieces, cut, merged, wanted_spans
+from sparkhvd.runfolder.file_pieces import (
+    FilePieces,
+    cut,
+    index_files,
+    load_plan,
+    merged,
+    wanted_spans,
+)
 
 
 def test_ranges_are_merged_and_one_whole_reader_takes_the_file_whole():
     assert merged([(10, 5), (0, 4), (4, 2), (12, 10), (30, 1)]) == [(0, 6), (10, 12), (30, 1)]
     assert wanted_spans([[(0, 4)], [(2, 4), (20, 2)]]) == [(0, 6), (20, 2)]
     assert wanted_spans([[(0, 4)], None]) is None
+
+
+def test_the_index_comes_first_and_a_plan_that_cannot_be_made_reads_every_file_whole():
+    """The one rule the folder's reads and the host copies' share."""
+
+    class Dcp:
+        def __init__(self, plan):
+            self.plan = plan
+
+        def index(self, record):
+            return [".metadata", "not-in-this-checkpoint"]
+
+        def spans(self, record, index):
+            if isinstance(self.plan, Exception):
+                raise self.plan
+            return self.plan
+
+    names = ["__1_0.distcp", ".metadata", "__0_0.distcp"]
+    assert index_files(Dcp(None), {}, names) == [".metadata"]
+    assert index_files(None, {}, names) == sorted(names), "without needs every file, whole"
+    plan = {"__0_0.distcp": [(0, 10)]}
+    assert load_plan(Dcp(plan), {}, {".metadata": b""}) == plan
+    assert load_plan(Dcp(ValueError("torn .metadata")), {}, {".metadata": b""}) is None
 
 
 def test_the_pieces_read_like_the_file_where_they_were_cut():
