@@ -248,7 +248,8 @@ def commit_snapshot(file: str, path: str, size: int, record: dict, store: str) -
     the checkpoint file ``file`` of ``record`` (kept before any upload to ``store``): one
     rename of ``snapshot.json``. False when it could not be written (said once)."""
     meta = {"files": [{"file": file, "sha256": record["files"][file]["sha256"], "size": size,
-                       "name": os.path.basename(path)}], "record": record, "store": store}
+                       "name": os.path.basename(path)}], "record": _kept_record(record),
+            "store": store}
     try:
         _replace(os.path.join(os.path.dirname(path), _SNAPSHOT_META), json.dumps(meta).encode())
     except OSError as exc:
@@ -298,7 +299,7 @@ def adopt_all(spools: Mapping[str, tuple[str, str]], record: Optional[dict] = No
         meta: dict = {"files": [{"file": c.file, "sha256": c.sha256, "size": c.size,
                                  "name": os.path.basename(c.path)} for c in kept.values()]}
         if record is not None and store is not None:
-            meta.update(record=record, store=store)
+            meta.update(record=_kept_record(record), store=store)
         _replace(os.path.join(where, _META), json.dumps(meta).encode())
         for copy in old.values():
             if copy.path not in {c.path for c in kept.values()}:
@@ -352,16 +353,18 @@ def _owners() -> list[str]:
 def records(store: str) -> list[dict]:
     """The records of the checkpoints this host keeps for this run whose copies were kept
     before their upload to the folder ``store`` (:attr:`CheckpointStore.key`) -- the ones a
-    relaunch may restore before the folder has them. Not checked: their files are, when read.
-    Without each file's ``pieces`` (the CRC-32s a read of parts of the folder's copy checks;
-    thousands for a large sharded checkpoint): every rank gathers every rank's records, and a
-    checkpoint restored from here is not read from the folder."""
+    relaunch may restore before the folder has them, as :func:`_kept_record` wrote them. Not
+    checked: their files are, when read."""
     metas = (_load_meta(owner, meta) for owner in _owners() for meta in _METAS)
-    return [_without_pieces(meta["record"]) for meta in metas
+    return [meta["record"] for meta in metas
             if meta.get("store") == store and isinstance(meta.get("record"), dict)]
 
 
-def _without_pieces(record: dict) -> dict:
+def _kept_record(record: dict) -> dict:
+    """A checkpoint's record as a host copy keeps it: without each file's ``pieces`` (the
+    CRC-32s a read of parts of the folder's copy checks; thousands for a large sharded
+    checkpoint) -- every rank gathers every rank's kept records (:func:`records`), and a
+    checkpoint restored from here is not read from the folder."""
     files = record.get("files")
     if not isinstance(files, dict):
         return record

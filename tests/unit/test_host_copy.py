@@ -63,14 +63,19 @@ def _keep(file: str, data: bytes, sha256=None):
 def test_the_records_every_rank_gathers_leave_out_the_pieces_only_a_folder_read_checks(
         run_env):
     """A sharded checkpoint's record keeps the CRC-32 of every item of every rank's file
-    (thousands); a relaunch gathers every rank's kept records, so they come without them."""
+    (thousands); a relaunch gathers every rank's kept records, so they are kept without them
+    -- written so, not only left out when read."""
     data = b"shard" * 50
     record = {"epoch": 1, "step": 0, "file": "epoch-0001", "files": {
         "epoch-0001/__0_0.distcp": {"size": len(data), "sha256": _sha(data),
                                     "pieces": [[0, 1], [100, 2]], "rank": 0}}}
     host_copy.keep({"epoch-0001/__0_0.distcp": (data, _sha(data))}, record, "the folder")
-    assert host_copy.records("the folder") == [{**record, "files": {
-        "epoch-0001/__0_0.distcp": {"size": len(data), "sha256": _sha(data), "rank": 0}}}]
+    kept = {**record, "files": {
+        "epoch-0001/__0_0.distcp": {"size": len(data), "sha256": _sha(data), "rank": 0}}}
+    assert host_copy.records("the folder") == [kept]
+    on_disk = [json.loads(p.read_text()) for p in run_env.rglob("host-copy.json")]
+    assert [meta["record"] for meta in on_disk] == [kept]
+    assert record["files"]["epoch-0001/__0_0.distcp"]["pieces"]  # the caller's is untouched
 
 
 def test_only_the_newest_copy_is_kept_and_it_is_checked_when_read(run_env):
