@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import threading
 
 import pytest
@@ -86,6 +87,23 @@ def test_a_save_due_while_one_is_in_flight_is_skipped_and_said_once(tmp_path, ca
     assert ckpt.step(0) == "epoch-0000-step-0000005.pt"  # idle again: the next one is taken
     function_ended()
     assert _latest(tmp_path)["step"] == 5
+
+
+def test_the_background_write_runs_below_the_training_threads_priority():
+    """Serialising and writing take the CPU the step leaves idle: on Linux each thread has its
+    own nice value, and the writer's is above the caller's."""
+    from sparkhvd.runfolder.background_save import BackgroundSave
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    if nice() >= 19:
+        pytest.skip("this process already runs at the lowest priority")
+    seen: list[int] = []
+    background = BackgroundSave()
+    background.start("probe", lambda: seen.append(nice()))
+    background.wait()
+    assert seen and seen[0] > nice(), seen
 
 
 def test_every_seconds_counts_from_the_step_a_background_save_was_taken_at(tmp_path):
