@@ -177,9 +177,24 @@ def _peer_restore_s(folder: str, tiny: bool, holder_dir: str) -> float:
         procs.append(subprocess.Popen(
             [sys.executable, "-c", _PEER, folder, "tiny" if tiny else "full",
              os.path.dirname(os.path.abspath(__file__))], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, text=True))
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    return float(json.loads(outs[0].strip().splitlines()[-1])["s"])
+            stderr=subprocess.PIPE, text=True))
+    return float(_last_lines(procs, "peer restore", 600)[0]["s"])
+
+
+def _last_lines(procs: list, what: str, timeout_s: float) -> list[dict]:
+    """Each rank process's last line of output, as JSON -- or an error that names the rank
+    that printed none, its error's last line and its stderr's end (a rank that died says
+    why)."""
+    ends = [p.communicate(timeout=timeout_s) for p in procs]
+    got = []
+    for rank, (out, err) in enumerate(ends):
+        lines = out.strip().splitlines()
+        if not lines:  # its error's last line first: a failed case keeps 200 characters
+            said = [line for line in err.strip().splitlines() if line.strip()] or ["(nothing)"]
+            raise RuntimeError(f"{what}: rank {rank} exited {procs[rank].returncode}: "
+                               f"{said[-1][:300]} -- its stderr ends: {err[-1500:]}")
+        got.append(json.loads(lines[-1]))
+    return got
 
 
 _FSDP = """
@@ -236,9 +251,8 @@ def _fsdp_ranks(mode: str, url: str, options: dict, tiny: bool, work: str) -> li
         procs.append(subprocess.Popen(
             [sys.executable, "-c", _FSDP, mode, url, "tiny" if tiny else "full",
              os.path.dirname(os.path.abspath(__file__))], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, text=True))
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+            stderr=subprocess.PIPE, text=True))
+    return _last_lines(procs, f"FSDP2 {mode}", 900)
 
 
 def _without_item_checksums(azurite: Any, folder: str) -> None:
