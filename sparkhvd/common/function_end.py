@@ -7,15 +7,36 @@ again, quietly, however the function ended. Outside a sparkhvd rank (a torchrun 
 helper also registers with :mod:`atexit`. Work for a function that *returned* -- the run is
 done, so a rank's host copy of its checkpoints can go -- registers with :func:`at_function_return`
 and runs only then, after the rest.
+
+A helper registers its methods :func:`held_weakly`: these lists, and :mod:`atexit`, would
+otherwise keep every helper -- and the host buffers it holds, gigabytes for a large model --
+for as long as the process lives, in a process that makes several (a notebook's kernel, a
+script, a benchmark).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 __side__ = "common"
 
 _CALLBACKS: list[Callable[[], None]] = []
 _ON_RETURN: list[Callable[[], None]] = []
+
+
+def held_weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """A call of the bound ``method`` that does not keep its object alive: nothing once the
+    object is gone. Safe for a helper's "wait for the save in flight": the thread or queue that
+    runs a save holds the helper until the save ends, so a gone helper has nothing left to
+    wait for."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 def at_function_end(callback: Callable[[], None]) -> None:

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from sparkhvd.common import protocol
 from sparkhvd.common.events import emit
-from sparkhvd.common.function_end import at_function_end, at_function_return
+from sparkhvd.common.function_end import at_function_end, at_function_return, held_weakly
 from sparkhvd.keras import checkpoints
 from sparkhvd.runfolder import host_copy as host_copies
 from sparkhvd.runfolder.background_save import BackgroundSave, SavesInBackground, UploadQueue
@@ -303,8 +303,10 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
             self._background = BackgroundSave()
             if self.host_copy:
                 self._uploads = UploadQueue()  # kept on this host first, uploaded behind
-            at_function_end(self._finish_save)  # the rank is done when its last save is
-            atexit.register(self._finish_quietly)
+            # the rank is done when its last save is (held weakly: a dropped callback's
+            # files in memory go with it)
+            at_function_end(held_weakly(self._finish_save))
+            atexit.register(held_weakly(self._finish_quietly))
 
     def position(self) -> tuple[int, int, int]:
         """``(epoch, samples, step)`` of the data now: epochs done, then rows of the next one

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.events import emit
-from sparkhvd.common.function_end import at_function_end, at_function_return
+from sparkhvd.common.function_end import at_function_end, at_function_return, held_weakly
 from sparkhvd.common.identity import current_rank
 from sparkhvd.elastic.notices import Preempted, WorldSizeChange, listen, noticed, stop
 from sparkhvd.elastic.notices import world_size_change as _world_size_change
@@ -434,9 +434,11 @@ class Checkpoints(_CheckpointsBase):
                 self._ring = SnapshotRing.here()
             if host_copy and not self.store.on_this_host:
                 self._uploads = UploadQueue()  # kept on this host first, uploaded behind
-            at_function_end(self._finish_save)  # the rank is done when its last save is
-            at_function_end(self._let_go)  # ... and then its host memory goes
-            atexit.register(self._finish_quietly)  # ... and so is a torchrun script
+            # The rank is done when its last save is, and then its host memory goes; so is a
+            # torchrun script. Held weakly: a dropped helper's buffers go with it.
+            at_function_end(held_weakly(self._finish_save))
+            at_function_end(held_weakly(self._let_go))
+            atexit.register(held_weakly(self._finish_quietly))
 
     def _let_go(self) -> None:
         """After the last save: the host memory kept between saves (the background save's
@@ -697,9 +699,10 @@ class ShardedCheckpoints(_CheckpointsBase):
             at_function_return(_drop_host_copy)  # the run is done: the copies can go
         if async_save and self.store is not None:
             self._background = BackgroundSave()
-            self._staging = ShardedStaging(self._finish_save)
-            at_function_end(self._finish_and_release)  # done when its part is committed
-            atexit.register(self._finish_quietly)
+            self._staging = ShardedStaging(held_weakly(self._finish_save))
+            # done when its part is committed (held weakly: a dropped helper's buffers go)
+            at_function_end(held_weakly(self._finish_and_release))
+            atexit.register(held_weakly(self._finish_quietly))
 
     def _keeps_copies(self) -> bool:
         return bool(self.host_copy and self.store is not None and not self.store.on_this_host)

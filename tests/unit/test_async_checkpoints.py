@@ -106,6 +106,32 @@ def test_the_background_write_runs_below_the_training_threads_priority():
     assert seen and seen[0] > nice(), seen
 
 
+@pytest.mark.parametrize("kind", ["Checkpoints", "ShardedCheckpoints"])
+def test_a_dropped_helper_is_freed_but_its_save_in_flight_still_finishes(tmp_path, kind):
+    """The function-end and exit waits do not keep a helper (and its host buffers: gigabytes
+    for a large model) alive in a process that makes several; a save still in flight holds
+    its helper until it is written, so the function's end still waits for it."""
+    import gc
+    import weakref
+
+    model, opt = _model_and_opt()
+    ckpt, store = (_checkpoints if kind == "Checkpoints" else _sharded)(
+        tmp_path, model, opt, every_steps=1)
+    _train_step(model, opt)
+    store.gate.clear()
+    name = ckpt.step(0)
+    store.writing.wait(10)
+    helper = weakref.ref(ckpt)
+    del ckpt
+    gc.collect()
+    assert helper() is not None, "the save in flight holds its helper"
+    store.gate.set()
+    function_ended()  # waits for it
+    assert _latest(tmp_path)["file"] == name
+    gc.collect()
+    assert helper() is None, "nothing else holds a helper whose saves ended"
+
+
 def test_every_seconds_counts_from_the_step_a_background_save_was_taken_at(tmp_path):
     model, opt = _model_and_opt()
     ckpt, store = _checkpoints(tmp_path, model, opt, every_seconds=3600)

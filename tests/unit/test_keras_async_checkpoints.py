@@ -183,3 +183,18 @@ def test_uploads_lag_behind_the_saves_on_the_host_and_a_superseded_step_stays_th
 def _records(tmp_path) -> list:
     return sorted(n for n in (p.name for p in (tmp_path / "ckpt").iterdir())
                   if n.startswith("epoch-") and n.endswith(".json"))
+
+
+def test_a_callback_whose_saves_ended_is_freed(tmp_path):
+    """The function-end and exit waits do not keep the callback (and the files it holds in
+    memory) alive in a process that fits several models, such as a notebook's kernel."""
+    import gc
+    import weakref
+
+    store = gated_store(str(tmp_path / "ckpt"))
+    model, saver = _fit(tmp_path, store)
+    function_ended()
+    callback = weakref.ref(saver)
+    del saver, model
+    gc.collect()
+    assert callback() is None
