@@ -174,27 +174,52 @@ def _peer_restore_s(folder: str, tiny: bool, holder_dir: str) -> float:
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "SPARKHVD_RANK": str(rank),
                "SPARKHVD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "SPARKHVD_HOST_COPY_DIR": copies, "SPARKHVD_RUN_ID": RUN_ID}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", _PEER, folder, "tiny" if tiny else "full",
-             os.path.dirname(os.path.abspath(__file__))], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True))
+        procs.append(_rank(_PEER, [folder, "tiny" if tiny else "full"], env))
     return float(_last_lines(procs, "peer restore", 600)[0]["s"])
 
 
+def _rank(script: str, args: list[str], env: dict) -> subprocess.Popen:
+    """A rank process running ``script`` with ``args`` (then this folder, to import ``b15``
+    from). Its output goes to files, not pipes: a rank that writes much while another is
+    waited for cannot block on a full pipe."""
+    out, err = (tempfile.TemporaryFile("w+") for _ in range(2))
+    proc = subprocess.Popen([sys.executable, "-c", script, *args,
+                             os.path.dirname(os.path.abspath(__file__))],
+                            env=env, stdout=out, stderr=err, text=True)
+    proc.outputs = (out, err)  # type: ignore[attr-defined]
+    return proc
+
+
+def _read_all(f: Any) -> str:
+    """All a rank wrote to the file ``f``, which is closed."""
+    with f:
+        f.seek(0)
+        return f.read()
+
+
 def _last_lines(procs: list, what: str, timeout_s: float) -> list[dict]:
-    """Each rank process's last line of output, as JSON -- or an error that names the rank
-    that printed none, its error's last line and its stderr's end (a rank that died says
-    why)."""
-    ends = [p.communicate(timeout=timeout_s) for p in procs]
-    got = []
-    for rank, (out, err) in enumerate(ends):
-        lines = out.strip().splitlines()
-        if not lines:  # its error's last line first: a failed case keeps 200 characters
-            said = [line for line in err.strip().splitlines() if line.strip()] or ["(nothing)"]
-            raise RuntimeError(f"{what}: rank {rank} exited {procs[rank].returncode}: "
-                               f"{said[-1][:300]} -- its stderr ends: {err[-1500:]}")
-        got.append(json.loads(lines[-1]))
-    return got
+    """Each rank process's (:func:`_rank`) last line of output, as JSON -- or an error that
+    names the rank that printed none, its error's last line and its stderr's end (a rank that
+    died says why; the log has all of its stderr)."""
+    try:
+        return [_last_line(proc, rank, what, timeout_s) for rank, proc in enumerate(procs)]
+    finally:  # one that failed or timed out leaves none behind (its peer may wait for it)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _last_line(proc: subprocess.Popen, rank: int, what: str, timeout_s: float) -> dict:
+    proc.wait(timeout=timeout_s)
+    out, err = (_read_all(f) for f in proc.outputs)  # type: ignore[attr-defined]
+    lines = out.strip().splitlines()
+    if not lines:  # its error's last line first: a failed case keeps 200 characters
+        _log.error("%s: rank %d exited %s; its stderr:\n%s", what, rank, proc.returncode, err)
+        said = [line for line in err.strip().splitlines() if line.strip()] or ["(nothing)"]
+        raise RuntimeError(f"{what}: rank {rank} exited {proc.returncode}: "
+                           f"{said[-1][:300]} -- its stderr ends: {err[-1500:]}")
+    return json.loads(lines[-1])
 
 
 _FSDP = """
@@ -248,10 +273,7 @@ def _fsdp_ranks(mode: str, url: str, options: dict, tiny: bool, work: str) -> li
                "SPARKHVD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "SPARKHVD_HOST_COPY_DIR": tempfile.mkdtemp(prefix="new-host-", dir=work),
                "SPARKHVD_RUN_ID": RUN_ID, "B15_OPTIONS": json.dumps(options)}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", _FSDP, mode, url, "tiny" if tiny else "full",
-             os.path.dirname(os.path.abspath(__file__))], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True))
+        procs.append(_rank(_FSDP, [mode, url, "tiny" if tiny else "full"], env))
     return _last_lines(procs, f"FSDP2 {mode}", 900)
 
 
