@@ -130,38 +130,45 @@ NOTES = """\
   CRC-32s, which miniz computes at about a core-second per GB and the record's SHA-256
   already covers (three rounds each, the same build: 0.89, 0.89, 0.94x with them, 0.95, 0.95,
   0.94x without). SHA-256 runs at 1.1 GB/s here (SHA-NI; as fast as a copy of fresh memory),
-  so a cheaper digest would save little. The writer thread runs at nice 10 (at nice 0 training
-  ran at 0.53x with 5 saves in 12 steps; at 19 the writer starved). Where training runs on
-  GPUs and the host's cores wait, the write takes what they leave (B5: 0.87x on an H100,
-  measured before the CRC-32s went).
-  On 2026-11-29 00:16 the table's run gave async 0.85x (0.79-0.95x per round), none at 1.44
-  steps/s (1.55 the day before). The same 24-step loop run alternately at this commit and at
-  the one before it (702bfdf; 3 rounds each, the disk flushed before each run): 0.88x (0.83-
-  0.93x) and 0.90x (0.87-0.91x) -- the spread of this VM, not a change: the save path of
-  `Checkpoints` did not change.
-  **Restore** (`ckpt.restore()`, the same 1 GB state; 2026-11-28 02:57, a slower day than
-  the run before, whose numbers follow in brackets): from this host's copy 1.30 s [0.79 s],
-  from the checkpoint folder on `abfss://` (Azurite on this machine) 7.70 s [3.09 s] -- 0.24x
-  (goal 0.5x: met; 0.24-0.52x over the runs so far) -- and from a local folder 1.60 s [0.79 s]
-  (a folder on the rank's own disk is its nearest copy: no host copy is kept beside it).
-  Another rank's host copy sent over gloo (two processes on this 2-core VM) took 3.55 s
-  [1.79 s], 0.58x Azurite (0.53-1.10x over the runs): Azurite is on loopback too, so the broadcast (1 GB through gloo's
-  TCP, checked and loaded on 2 cores shared by both ranks) has little to win on this machine;
-  across hosts it replaces one read of the whole state per rank from the blob store.
-  `ShardedCheckpoints` (DCP, one rank): from this host's copy 5.07 s [4.43 s], from Azurite
-  19.4 s [12.83 s] -- 0.35x [0.34x]. Slower than `Checkpoints` because DCP fills a fresh optimizer's state by running one
+  so a cheaper digest would save little. Where training runs on GPUs and the host's cores
+  wait, the write takes what they leave (B5: 0.87x on an H100, measured before the CRC-32s
+  went, with the writer at nice 10).
+  **The table's run (2026-11-29 10:16): async 0.99x** (0.95-0.99x per round; goal met), a
+  step held 0.06 s, 1 save landing in each round's 24 steps (about one every 16 s); with
+  `memory_snapshots=True` 0.84x; synchronous 0.27x. Two changes since the run before (00:16:
+  0.85x, 0.79-0.95x per round). The writer thread runs at nice 19, not 10: on 2 cores that
+  training keeps busy it takes less of the step's CPU, so fewer saves land (at nice 0 training
+  ran at 0.53x with 5 saves in 12 steps; at 10, 0.85-0.88x with a save about every 10 s).
+  And until this run every async helper the case made stayed in memory with its host buffers
+  (the function-end and exit waits held it): 2.35 GB per async run, 1.37 GB per
+  `memory_snapshots` run, about 19 GB of this 24 GB VM by the restore rows. Three full runs of
+  the case failed there (Azurite, starved, passed the SDK's 60 s read timeout under the FSDP2
+  resume), and the restores before them ran short of memory. The helpers are now held weakly;
+  the case took 13.3 min instead of 18.8.
+  **Restore** (`ckpt.restore()`, the same 1 GB state; 2026-11-29 10:16, the 00:16 run's
+  numbers in brackets): from this host's copy 0.61 s [0.71 s], from the checkpoint folder on
+  `abfss://` (Azurite on this machine) 2.20 s [2.36 s] -- 0.28x (goal 0.5x: met; 0.24-0.52x
+  over the runs so far) -- and from a local folder 0.57 s [0.60 s] (a folder on the rank's own
+  disk is its nearest copy: no host copy is kept beside it). Another rank's host copy sent
+  over gloo (two processes on this 2-core VM) took 0.99 s [2.61 s], 0.45x Azurite [1.13x: the
+  leaked helpers' memory]; Azurite is on loopback too, so the broadcast (1 GB through gloo's
+  TCP, checked and loaded on 2 cores shared by both ranks) has less to win on this machine
+  than across hosts, where it replaces one read of the whole state per rank from the blob
+  store. `ShardedCheckpoints` (DCP, one rank): from this host's copy 2.39 s [3.75 s], from
+  Azurite 8.07 s [9.98 s] -- 0.30x [0.39x]. Slower than `Checkpoints` because DCP fills a fresh optimizer's state by running one
   Adam step before loading into it (1.3 s of a 5.3 s restore, profiled), and each file is read
   and checked whole before DCP reads it; since this run DCP reads those bytes where they are
   instead of from a copy written to a temporary folder first (1.5 s of the 5.3 s: 4.0 s after,
   in the same profile).
   **A sharded resume on new hosts reads each rank's share of the folder** (2026-11-29 00:16;
+  10:16 in brackets;
   the same model under FSDP2 at np=2, saved to Azurite, resumed by two ranks whose hosts keep
   no copy). Each rank now reads of the folder the items its DCP load plan reads -- 0.50 of the
   files' 1.01 GB each, 1.00x the state in all -- each item checked against the CRC-32 the
-  record keeps of it; restore 7.5 s. Read as before (every file it needs whole, as records
+  record keeps of it; restore 7.5 s [6.3 s]. Read as before (every file it needs whole, as records
   without those CRC-32s still make it), one rank read 1.00 of the files and the other 0.50:
   DCP writes each replicated item (Adam's step counts) into one rank's file, so a rank needs
-  a few kilobytes of another's; restore 10.6 s (0.71x with the items). At np ranks, a rank
+  a few kilobytes of another's; restore 10.6 s [8.9 s] (0.71x [0.70x] with the items). At np ranks, a rank
   read up to np files whole.
 - **B2T since each rank reads its share (issue 48)** (rank 0 of 2, 400k rows x 784 float32,
   streamed, 512 KB row groups). `torch_batches` 261k rows/s per rank = 1.23x its ceiling --
