@@ -293,6 +293,13 @@ NOTES = """\
   to 0.28 steps/s against sparkhvd's 0.31 (host copy) and 0.36 (folder only; fewer saves are
   serialised when each waits for its upload). sparkhvd's 4 steps are the serialisation's time
   at nice 10 on saturated cores: each save due meanwhile is skipped (goal <= 1: not met here).
+  The table's run (2026-11-29 10:35, the writer at nice 19): host copy 8.7 s (4 steps redone;
+  4-11 over the rounds), Azurite 14.9 s (11 steps), **0.58x: the goal is not met in this
+  run** -- the host copy's recovery went from 10.2 s (01:55) to 8.7 s, but the Azurite path's
+  from 23.5 s to 14.9 s (14.0-20.8), and Ray's from 16.6 s to 12.5 s: a faster day for the
+  paths that read the blob store. Both figures include the relaunch and the first step after
+  it (about 3 s at these 0.3 steps/s), which the host copy cannot shorten; B15's restores
+  alone give 0.28x. With `memory_snapshots=True`: 1 step redone, 8.7 s.
 - **B13, the time split's cost** (torch profile, `local[2]`, B3's CNN at np=2 under DDP,
   batch 64 per rank, 150 steps; off and on taking turns, 5 rounds after a warm-up; "on" is the
   sampler and, since issue 49, DDP's timing comm hook). Median ratio on / off 1.04 (rounds 0.91
