@@ -117,8 +117,6 @@ def _run(mode: str, steps: int, tiny: bool, gpu: bool = False, sharded: bool = F
                 "held_s": statistics.median(held) if held else 0.0,
                 "state_gb": state_bytes / 1e9, "torch": torch.__version__}
     finally:
-        if ckpt is not None:  # this process runs many: the snapshot slots' mappings go now
-            ckpt._ring = None  # (a rank's go when its process ends)
         for key in ("SPARKHVD_RUN_ID", "SPARKHVD_HOST_COPY_DIR"):
             os.environ.pop(key, None)
         shutil.rmtree(folder, ignore_errors=True)
