@@ -42,7 +42,7 @@ def _b12_train(epochs, steps, log_dir, every_steps=None, step_s=0.05, async_save
     sparkhvd's checkpoints (epoch ends, and every ``every_steps`` steps when set, written in
     the background with ``async_save``; into ``url`` when given, else the run folder); every
     step logged as ``attempt epoch step wall-time`` in ``<log_dir>/rank-N.txt``, the rank's
-    PID in ``pid-N-<pid>``."""
+    PID in ``pid-N-<pid>``, the seconds its ``restore()`` took in ``restore-N-<attempt>``."""
     import os
     import time as _time
 
@@ -59,7 +59,10 @@ def _b12_train(epochs, steps, log_dir, every_steps=None, step_s=0.05, async_save
                           every_steps=every_steps, async_save=async_save, host_copy=host_copy,
                           memory_snapshots=memory_snapshots,
                           keep=2 if wide else None)  # 1 GB a save: the newest two
+    began = _time.monotonic()
     start = ckpt.restore()
+    with open(os.path.join(log_dir, f"restore-{ctx.rank}-{attempt}"), "w") as f:
+        f.write(f"{_time.monotonic() - began:.3f}")
     first = ckpt.restored.get("step", 0) if start == ckpt.restored.get("epoch") else 0
     for epoch in range(start, epochs):
         for step in range(first + 1 if epoch == start else 1, steps + 1):
@@ -78,8 +81,9 @@ def _b12_once(spark, how: str, every_steps, epochs: int, steps: int, at: tuple[i
               async_save: bool = False, **train: object):
     """One B12 round: ``how`` ("SIGKILL" a lost rank, "SIGTERM" a notice) to rank 1 after
     step ``at`` = (epoch, step); recovery s (the signal to the first step after resume, on
-    rank 0), steps each rank trained again, and (a notice) the seconds from the notice to the
-    ranks' stop that run.json records (None for a lost rank)."""
+    rank 0), steps each rank trained again, (a notice) the seconds from the notice to the
+    ranks' stop that run.json records (None for a lost rank), rank 0's steps/s before, and
+    the seconds of that recovery its ``restore()`` took."""
     import signal as _signal
     import threading
 
@@ -121,9 +125,12 @@ def _b12_once(spark, how: str, every_steps, epochs: int, steps: int, at: tuple[i
     assert runner.last_run_dir is not None
     stopped = runner.last_run_dir.record["attempts"][0].get("preempted") or {}
     speed = steps_per_s([t for a, _, _, t in lines(0) if a == 0])
+    with open(os.path.join(log_dir, "restore-0-1")) as f:
+        restore_s = float(f.read())
     for folder in (log_dir, out):
         shutil.rmtree(folder, ignore_errors=True)
-    return resumed[0] - sent["at"], max(redone), stopped.get("notice_to_stop_s"), speed
+    return resumed[0] - sent["at"], max(redone), stopped.get("notice_to_stop_s"), speed, \
+        restore_s
 
 
 def steps_per_s(times: list[float]) -> float:
@@ -153,8 +160,8 @@ def case_b12(repeat: int, tiny: bool) -> list[dict]:
     to_stop: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(max(1, repeat)):
         for name, (how, every, background) in variants.items():
-            seconds, redone, stop_s, _ = _b12_once(spark, how, every, epochs, steps, at,
-                                                background)
+            seconds, redone, stop_s, _, _ = _b12_once(spark, how, every, epochs, steps, at,
+                                                   background)
             recovery[name].append(seconds)
             lost[name].append(float(redone))
             if stop_s is not None:
@@ -190,21 +197,25 @@ def wide_rows(spark, repeat: int) -> list[dict]:
         recovery: dict[str, list[float]] = {k: [] for k in variants}
         redone: dict[str, list[float]] = {k: [] for k in variants}
         speed: dict[str, list[float]] = {k: [] for k in variants}
+        restoring: dict[str, list[float]] = {k: [] for k in variants}
         for round_ in range(max(1, repeat)):
             for name, (host_copy, snapshots) in variants.items():
                 url = azurite.url("ckpt", f"wide-{round_}-{int(host_copy)}{int(snapshots)}")
-                seconds, again, _, rate = _b12_once(
+                seconds, again, _, rate, restore_s = _b12_once(
                     spark, "SIGKILL", 1, epochs, steps, at, True, step_s=0.0, wide=True,
                     url=url, storage_options=azurite.options(), host_copy=host_copy,
                     memory_snapshots=snapshots)
                 recovery[name].append(seconds)
                 redone[name].append(float(again))
                 speed[name].append(rate)
+                restoring[name].append(restore_s)
         for name in variants:
             how = (f"lost rank (SIGKILL), 1.01 GB of state, async_save every step to abfss://, "
                    f"restored from the {name}")
             rows.append({"case": "B12", "variant": f"{how}: recovery", "unit": "s",
                          **stats(recovery[name])})
+            rows.append({"case": "B12", "variant": f"{how}: of which ckpt.restore() on rank 0",
+                         "unit": "s", **stats(restoring[name])})
             rows.append({"case": "B12", "variant": f"{how}: steps redone per rank",
                          "unit": "steps", **stats(redone[name])})
             rows.append({"case": "B12", "variant": f"{how}: steps/s before the loss",

@@ -598,14 +598,15 @@ def _read_checked(store: CheckpointStore, record: dict, problems: list[str],
 
 
 def read_copy(store: CheckpointStore, name: str, expected: Optional[dict], copy: Any,
-              problems: list[str]) -> Optional[bytes]:
+              problems: list[str], mapped: bool = False) -> Union[bytes, memoryview, None]:
     """The host copy ``copy`` of the checkpoint file ``name`` when it is the one the record
-    names and reads back whole; None otherwise (a copy that does not read back is a
-    problem)."""
+    names and reads back whole (``mapped``: as a view of the file mapped into memory, see
+    :meth:`~sparkhvd.runfolder.host_copy.HostCopy.read`); None otherwise (a copy that does
+    not read back is a problem)."""
     if copy is None or expected is None or copy.sha256 != expected.get("sha256"):
         return None
     try:
-        return bytes(copy.read())  # checked against the same size and SHA-256
+        return copy.read(mapped)  # checked against the same size and SHA-256
     except ValueError as exc:
         problems.append(f"{exc}; read {store.describe(name)} instead")
         return None

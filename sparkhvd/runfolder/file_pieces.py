@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import io
-from typing import Any, Collection, Iterable, Optional, Protocol, Sequence
+from typing import Any, Collection, Iterable, Mapping, Optional, Protocol, Sequence, Union
 
 __side__ = "rank"
 
@@ -74,15 +74,27 @@ def wanted_spans(wants: Sequence[Optional[list[Span]]]) -> Optional[list[Span]]:
     return merged(span for want in wants if want is not None for span in want)
 
 
-def cut(data: bytes, spans: list[Span]) -> bytes:
+def cut(data: Union[bytes, memoryview], spans: list[Span]) -> bytes:
     """``data``'s ``spans``, one after the other (what :meth:`FilePieces.of` takes back)."""
     return b"".join(data[offset:offset + length] for offset, length in spans)
 
 
-class FilePieces:
-    """A file of ``size`` bytes of which only ``pieces`` (offset -> bytes) are here."""
+def as_stream(data: Union[bytes, memoryview, FilePieces]) -> io.IOBase:
+    """A seekable stream that reads like the file ``data`` holds -- its bytes, a view of it
+    mapped into memory, or the :class:`FilePieces` of it that are here -- without a copy of
+    them (a reader that reads into its own buffers copies each byte once)."""
+    if isinstance(data, FilePieces):
+        return data.stream()
+    if isinstance(data, bytes):
+        return io.BytesIO(data)  # shares an immutable bytes object
+    return FilePieces(len(data), {0: data}).stream()
 
-    def __init__(self, size: int, pieces: dict[int, bytes]) -> None:
+
+class FilePieces:
+    """A file of ``size`` bytes of which only ``pieces`` (offset -> bytes, or views of a
+    mapped file) are here."""
+
+    def __init__(self, size: int, pieces: Mapping[int, Union[bytes, memoryview]]) -> None:
         self.size = size
         self._offsets = sorted(pieces)
         self._pieces = pieces
@@ -101,7 +113,7 @@ class FilePieces:
         them is an error: the load plan asked for less than it reads)."""
         return _PiecesStream(self)
 
-    def read(self, offset: int, size: int) -> bytes:
+    def read(self, offset: int, size: int) -> Union[bytes, memoryview]:
         i = bisect.bisect_right(self._offsets, offset) - 1
         if i >= 0:
             start = self._offsets[i]

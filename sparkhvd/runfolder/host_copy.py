@@ -50,12 +50,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Union
 
 from sparkhvd.common import owned_temp, protocol
 from sparkhvd.common.identity import current_rank
@@ -88,21 +89,34 @@ class HostCopy:
     size: int
     path: str
 
-    def read(self) -> bytes:
+    def read(self, mapped: bool = False) -> Union[bytes, memoryview]:
         """The file's bytes, checked against the size and checksum kept with it.
+
+        ``mapped``: a read-only view of the file mapped into memory instead of a copy of it
+        (a memory snapshot's slot, rewritten in place by later saves, is still copied). A
+        reader that loads from the view saves a copy of the whole state and as much memory
+        (B12: 0.9 s of a 1 GB restore's 2.5 s); the file is never changed in place, only
+        replaced, so the view stays what was checked.
 
         Raises:
             ValueError: the copy is missing, truncated or corrupt (why, in words).
         """
+        snapshot = self.sha256.startswith(SNAPSHOT)
         try:
             with open(self.path, "rb") as f:
-                data = f.read()
+                size = os.fstat(f.fileno()).st_size
+                if size != self.size:
+                    raise ValueError(f"host copy {self.path} truncated ({size:,} of "
+                                     f"{self.size:,} bytes)")
+                data: Union[bytes, memoryview] = \
+                    memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) \
+                    if mapped and size and not snapshot else f.read()
         except OSError as exc:
             raise ValueError(f"host copy {self.path} unreadable ({exc})") from None
         if len(data) != self.size:
             raise ValueError(f"host copy {self.path} truncated ({len(data):,} of "
                              f"{self.size:,} bytes)")
-        if self.sha256.startswith(SNAPSHOT):
+        if snapshot:
             return data  # whole by its commit; the snapshot's reader checks its end marker
         if hashlib.sha256(data).hexdigest() != self.sha256:
             raise ValueError(f"host copy {self.path} corrupt (checksum mismatch)")

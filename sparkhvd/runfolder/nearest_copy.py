@@ -106,15 +106,17 @@ class Alone:
 
 def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, Any]], Any],
                     rank: int, world: Collectives, loaders: Optional[Collection[int]] = None,
-                    needs: Optional[Needs] = None
+                    needs: Optional[Needs] = None, mapped: bool = False
                     ) -> tuple[Optional[dict], Any, list[str], str]:
     """``(record, load's value, problems, copy)``: the newest checkpoint in ``store``, read from
     the nearest copy -- ``copy`` is ``"host"``, ``"peer"`` or ``"folder"``. Call on every rank
     (a collective when there are several); ``load`` runs on the ranks in ``loaders`` (default:
     every rank), each with the same record, or on none of them (it may be a collective among
     them). It gets every file's bytes -- or, with ``needs``, the files its load reads, each as
-    bytes or as the :class:`FilePieces` it reads. A rank outside ``loaders`` returns
-    ``(None, None, [], "folder")``."""
+    bytes or as the :class:`FilePieces` it reads. ``mapped``: ``load`` also takes a file
+    read from this host's disk as a read-only ``memoryview`` of it mapped into memory, not a
+    copy (:func:`~sparkhvd.runfolder.file_pieces.as_stream` reads either). A rank outside
+    ``loaders`` returns ``(None, None, [], "folder")``."""
     readers = set(range(world.size)) if loaders is None else set(loaders)
     loading = rank in readers
     mine = host_copy.find_all()
@@ -127,7 +129,7 @@ def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, Any]
     problems: list[str] = []
     if record is not None:
         files, copy = _fetch_needed(store, record, mine, everyone, rank, readers, problems,
-                                    world, needs)
+                                    world, needs, mapped)
         if files is not None and loading:
             try:
                 return record, load(record, files), problems, copy
@@ -179,19 +181,19 @@ def _held_whole(record: dict, everyone: list[dict[str, str]]) -> bool:
 
 def _fetch_needed(store: CheckpointStore, record: dict, mine: dict[str, host_copy.HostCopy],
                   everyone: list[dict[str, str]], rank: int, readers: set[int],
-                  problems: list[str], world: Collectives, needs: Optional[Needs]
-                  ) -> tuple[Optional[dict[str, Any]], str]:
+                  problems: list[str], world: Collectives, needs: Optional[Needs],
+                  mapped: bool) -> tuple[Optional[dict[str, Any]], str]:
     """:func:`_fetch` of every file whole for every loading rank -- or, with ``needs``, of the
     index files first, then of what each loading rank's load reads of the others."""
     expected = sorted(files_of(record))
     whole: Wants = {name: dict.fromkeys(readers) for name in expected}
     if needs is None:
         files, farthest = _fetch(store, record, expected, mine, everyone, rank, whole,
-                                 problems, world)
+                                 problems, world, mapped)
         return files, FARTHEST[farthest]
     first = index_files(needs, record, expected)
     files, farthest = _fetch(store, record, first, mine, everyone, rank, whole, problems,
-                             world)
+                             world, mapped)
     if files is None:
         return None, FARTHEST[2]
     spans = load_plan(needs, record, files) if rank in readers else None
@@ -200,7 +202,7 @@ def _fetch_needed(store: CheckpointStore, record: dict, mine: dict[str, host_cop
                            if said[r] is None or name in said[r]}
                     for name in expected if name not in first}
     rest, farther = _fetch(store, record, sorted(wants), mine, everyone, rank, wants,
-                           problems, world)
+                           problems, world, mapped)
     if rest is None:
         return None, FARTHEST[2]
     return {**files, **rest}, FARTHEST[max(farthest, farther)]
@@ -208,14 +210,14 @@ def _fetch_needed(store: CheckpointStore, record: dict, mine: dict[str, host_cop
 
 def _fetch(store: CheckpointStore, record: dict, names: list[str],
            mine: dict[str, host_copy.HostCopy], everyone: list[dict[str, str]], rank: int,
-           wants: Wants, problems: list[str], world: Collectives
+           wants: Wants, problems: list[str], world: Collectives, mapped: bool = False
            ) -> tuple[Optional[dict[str, Any]], int]:
     """For each of ``names`` (the checkpoint's files), for the ranks that read it (``wants``,
     the same on every rank): this host's copy, else what they read of the lowest rank's that
     holds it (a collective whenever some reader does not), else the folder's; and the farthest
     copy read (an index of :data:`FARTHEST`). None (on every rank) when some reader could not
-    get a file."""
-    files: dict[str, Union[bytes, FilePieces]] = {}
+    get a file. ``mapped``: this host's copies as views of the files mapped into memory."""
+    files: dict[str, Union[bytes, memoryview, FilePieces]] = {}
     farthest = 0
     complete = True
     said = len(problems)
@@ -227,15 +229,15 @@ def _fetch(store: CheckpointStore, record: dict, names: list[str],
         holders = [r for r, held in enumerate(everyone) if held.get(name) == expected["sha256"]]
         lacking = sorted(readers.difference(holders))  # the same on every rank
         sends = bool(holders) and bool(lacking)
-        held = read_copy(store, name, expected, mine.get(name), problems) \
+        held = read_copy(store, name, expected, mine.get(name), problems, mapped) \
             if rank in holders and (reading or (sends and rank == holders[0])) else None
-        data: Union[bytes, FilePieces, None] = held
+        data: Union[bytes, memoryview, FilePieces, None] = held
         where = 0
         if sends:
             spans = wanted_spans([wants[name][r] for r in lacking])
-            payload = held if spans is None or held is None else cut(held, spans)
-            sent = world.broadcast_bytes(payload if rank == holders[0] else None, holders[0],
-                                         rank)
+            payload = None if held is None or rank != holders[0] else \
+                bytes(held) if spans is None else cut(held, spans)  # a mapped view: copied
+            sent = world.broadcast_bytes(payload, holders[0], rank)
             if data is None and sent is not None and reading:
                 data = sent if spans is None else FilePieces.of(int(expected["size"]), spans,
                                                                 sent)

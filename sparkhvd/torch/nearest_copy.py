@@ -26,12 +26,14 @@ def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, Any]
     """``(record, load's value, problems, copy)``: the newest checkpoint in ``store``, read from
     the nearest copy -- ``copy`` is ``"host"``, ``"peer"`` or ``"folder"``. Call on every rank
     (a collective when there are several; ``load`` may be one too: every rank calls it with
-    the same record, or none does), with what ``needs`` says it reads (default: every file)."""
+    the same record, or none does), with what ``needs`` says it reads (default: every file).
+    ``load`` gets this host's copies as views of the files mapped into memory
+    (:func:`sparkhvd.torch.serialise.load_state` and DCP's reader read them in place)."""
     import torch.distributed as dist
 
     world: nearest_copy.Collectives = TorchCollectives() \
         if dist.is_initialized() and dist.get_world_size() > 1 else nearest_copy.Alone()
-    return nearest_copy.restore_nearest(store, load, rank, world, needs=needs)
+    return nearest_copy.restore_nearest(store, load, rank, world, needs=needs, mapped=True)
 
 
 class DcpNeeds:

@@ -13,12 +13,11 @@ from the training threads by a background save (B15: async / none 0.89-0.94x wit
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import threading
-from typing import IO, Any, Iterator, Mapping
+from typing import IO, Any, Iterator, Mapping, Union
 
-from sparkhvd.runfolder.file_pieces import FilePieces
+from sparkhvd.runfolder.file_pieces import as_stream
 
 __side__ = "rank"
 
@@ -53,17 +52,18 @@ def save_state(state: Any, f: IO[bytes]) -> None:
         torch.save(state, f)
 
 
-def load_state(data: bytes, device: Any) -> Any:
+def load_state(data: Union[bytes, memoryview], device: Any) -> Any:
     """What :func:`save_state` wrote (its tensors on ``device``), or a memory snapshot of the
     state (:mod:`sparkhvd.torch.snapshot_ring`; its tensors on the CPU, for
-    ``load_state_dict`` to copy where they belong)."""
+    ``load_state_dict`` to copy where they belong). ``data``: the file's bytes, or a view of
+    a host copy mapped into memory, read into the tensors without a copy of the file."""
     import torch
 
     from sparkhvd.torch import snapshot_ring
 
     if snapshot_ring.is_snapshot(data):
         return snapshot_ring.load_snapshot(data)
-    return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
+    return torch.load(as_stream(data), map_location=device, weights_only=False)
 
 
 def reader_of(files: Mapping[str, Any], folder: str) -> Any:
@@ -80,7 +80,7 @@ def reader_of(files: Mapping[str, Any], folder: str) -> Any:
         def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
             data = by_path[str(path)]
             # shares the bytes: nothing copied
-            yield data.stream() if isinstance(data, FilePieces) else io.BytesIO(data)
+            yield as_stream(data)
 
     reader = FileSystemReader(f"/{folder}")
     by_path = {str(reader.fs.concat_path(reader.path, os.path.relpath(name, folder))): data

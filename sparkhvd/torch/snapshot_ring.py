@@ -48,7 +48,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from typing import Any, Callable, Collection, Optional
+from typing import Any, Callable, Collection, Optional, Union
 
 from sparkhvd.runfolder import host_copy
 from sparkhvd.torch.async_save import HostSnapshot, StagingCopies, tensors_of
@@ -62,12 +62,12 @@ SLOTS = 3
 _ALIGN = mmap.ALLOCATIONGRANULARITY  # every tensor's offset: where a mapping may begin
 
 
-def is_snapshot(data: bytes) -> bool:
-    """Whether ``data`` is a whole snapshot file."""
-    return data.endswith(MAGIC)
+def is_snapshot(data: Union[bytes, memoryview]) -> bool:
+    """Whether ``data`` (a file's bytes, or a view of it) is a whole snapshot file."""
+    return bytes(data[-len(MAGIC):]) == MAGIC
 
 
-def load_snapshot(data: bytes) -> Any:
+def load_snapshot(data: Union[bytes, memoryview]) -> Any:
     """The state a snapshot file holds, its tensors copies on the CPU (nothing shares ``data``).
 
     Raises:

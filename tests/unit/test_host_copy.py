@@ -85,16 +85,22 @@ def test_only_the_newest_copy_is_kept_and_it_is_checked_when_read(run_env):
     assert not os.path.exists(first.path)  # the older copy goes once the newer one is in
     found = _one_copy()
     assert found == second and found.read() == b"two" * 100
+    view = found.read(mapped=True)  # the file mapped into memory, checked the same way
+    assert isinstance(view, memoryview) and view == b"two" * 100
+    view.release()
     with open(found.path, "r+b") as f:
         f.write(b"X")
-    with pytest.raises(ValueError, match="corrupt"):
-        found.read()
+    for mapped in (False, True):
+        with pytest.raises(ValueError, match="corrupt"):
+            found.read(mapped)
     os.truncate(found.path, 10)
-    with pytest.raises(ValueError, match="truncated"):
-        found.read()
+    for mapped in (False, True):
+        with pytest.raises(ValueError, match="truncated"):
+            found.read(mapped)
     os.unlink(found.path)
-    with pytest.raises(ValueError, match="unreadable"):
-        found.read()
+    for mapped in (False, True):
+        with pytest.raises(ValueError, match="unreadable"):
+            found.read(mapped)
 
 
 def test_a_copy_over_the_budget_is_not_kept_and_said_once(run_env, monkeypatch, capsys):
@@ -274,6 +280,22 @@ def test_a_relaunch_on_the_same_host_reads_the_host_copy(run_env, capsys):
     assert epoch == 1 and ckpt.restored["seen"] == 5
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
     assert "its copy on this host" in lines[-1], lines
+
+
+def test_a_torch_restore_reads_this_hosts_copy_in_place(run_env, capsys, monkeypatch):
+    """No copy of the file in memory before torch reads it: the restore loads from a view of
+    the host copy mapped into memory (B12: 0.9 s of a 1 GB restore's 2.5 s)."""
+    torch = pytest.importorskip("torch")
+    from sparkhvd.torch import training
+
+    saved = _saved_run(torch, run_env)
+    given = []
+    load_state = training.load_state
+    monkeypatch.setattr(training, "load_state",
+                        lambda data, device: given.append(type(data)) or load_state(data, device))
+    model, _, epoch, lines = _restored(torch, run_env, capsys)
+    assert given == [memoryview] and "its copy on this host" in lines[-1], (given, lines)
+    assert epoch == 1 and all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
 
 
 @pytest.mark.parametrize("damage", ["deleted", "corrupt"])
