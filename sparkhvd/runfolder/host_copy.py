@@ -95,8 +95,8 @@ class HostCopy:
         ``mapped``: a read-only view of the file mapped into memory instead of a copy of it
         (a memory snapshot's slot, rewritten in place by later saves, is still copied). A
         reader that loads from the view saves a copy of the whole state and as much memory
-        (B12: 0.9 s of a 1 GB restore's 2.5 s); the file is never changed in place, only
-        replaced, so the view stays what was checked.
+        (0.9 s of a 1 GB restore's 2.5 s on one rank of this project's VM); the file is
+        never changed in place, only replaced, so the view stays what was checked.
 
         Raises:
             ValueError: the copy is missing, truncated or corrupt (why, in words).

@@ -284,7 +284,7 @@ def test_a_relaunch_on_the_same_host_reads_the_host_copy(run_env, capsys):
 
 def test_a_torch_restore_reads_this_hosts_copy_in_place(run_env, capsys, monkeypatch):
     """No copy of the file in memory before torch reads it: the restore loads from a view of
-    the host copy mapped into memory (B12: 0.9 s of a 1 GB restore's 2.5 s)."""
+    the host copy mapped into memory (0.9 s of a 1 GB restore's 2.5 s on one rank here)."""
     torch = pytest.importorskip("torch")
     from sparkhvd.torch import training
 
