@@ -92,11 +92,14 @@ class HostCopy:
     def read(self, mapped: bool = False) -> Union[bytes, memoryview]:
         """The file's bytes, checked against the size and checksum kept with it.
 
-        ``mapped``: a read-only view of the file mapped into memory instead of a copy of it
-        (a memory snapshot's slot, rewritten in place by later saves, is still copied). A
-        reader that loads from the view saves a copy of the whole state and as much memory
-        (0.9 s of a 1 GB restore's 2.5 s on one rank of this project's VM); the file is
-        never changed in place, only replaced, so the view stays what was checked.
+        ``mapped``: a read-only view of the file mapped into memory instead of a copy of it.
+        A reader that loads from the view saves a copy of the whole state and as much memory
+        (0.9 s of a 1 GB restore's 2.5 s on one rank of this project's VM). The view stays
+        what was checked: a checkpoint's copy is never changed in place, only replaced; a
+        memory snapshot's slot is rewritten in place only by the process that made its file
+        (:mod:`sparkhvd.torch.snapshot_ring` lays a new file out the first time a process
+        fills a slot), and a restore reads the snapshot of an earlier process -- or this
+        process's named one, which no save fills while the restore runs.
 
         Raises:
             ValueError: the copy is missing, truncated or corrupt (why, in words).
@@ -110,7 +113,7 @@ class HostCopy:
                                      f"{self.size:,} bytes)")
                 data: Union[bytes, memoryview] = \
                     memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) \
-                    if mapped and size and not snapshot else f.read()
+                    if mapped and size else f.read()
         except OSError as exc:
             raise ValueError(f"host copy {self.path} unreadable ({exc})") from None
         if len(data) != self.size:

@@ -210,7 +210,7 @@ def _fetch_needed(store: CheckpointStore, record: dict, mine: dict[str, host_cop
 
 def _fetch(store: CheckpointStore, record: dict, names: list[str],
            mine: dict[str, host_copy.HostCopy], everyone: list[dict[str, str]], rank: int,
-           wants: Wants, problems: list[str], world: Collectives, mapped: bool = False
+           wants: Wants, problems: list[str], world: Collectives, mapped: bool
            ) -> tuple[Optional[dict[str, Any]], int]:
     """For each of ``names`` (the checkpoint's files), for the ranks that read it (``wants``,
     the same on every rank): this host's copy, else what they read of the lowest rank's that

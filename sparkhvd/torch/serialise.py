@@ -68,22 +68,39 @@ def load_state(data: Union[bytes, memoryview], device: Any) -> Any:
 
 def reader_of(files: Mapping[str, Any], folder: str) -> Any:
     """A DCP storage reader of the checkpoint ``folder``'s files, already in memory (name in the
-    checkpoint folder -> bytes, read and checked against the record, or the
-    :class:`~sparkhvd.runfolder.file_pieces.FilePieces` of it this rank's load reads): DCP
-    reads its slices of them where they are, not from a copy written to disk first (that
-    write was 1.5 s of a 5.3 s restore of a 1 GB state, B15)."""
+    checkpoint folder -> bytes, read and checked against the record, a view of this host's copy
+    mapped into memory, or the :class:`~sparkhvd.runfolder.file_pieces.FilePieces` of it this
+    rank's load reads): DCP reads its slices of them where they are, not from a copy written
+    to disk first (that write was 1.5 s of a 5.3 s restore of a 1 GB state, B15)."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    class InMemory(FileSystem):
-        @contextlib.contextmanager
-        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-            data = by_path[str(path)]
-            # shares the bytes: nothing copied
-            yield as_stream(data)
 
     reader = FileSystemReader(f"/{folder}")
     by_path = {str(reader.fs.concat_path(reader.path, os.path.relpath(name, folder))): data
                for name, data in files.items()}
-    reader.fs = InMemory()
+    reader.fs = _in_memory()(by_path)
     return reader
+
+
+_IN_MEMORY: list = []  # the file system class, made once torch is imported
+
+
+def _in_memory() -> Any:
+    """DCP's ``FileSystem`` over files in memory (path -> data), each stream sharing its data.
+
+    One class for the process, its files an instance's: a class made per call over the
+    caller's locals would be in a reference cycle (every class is) that holds the files --
+    and the mappings of host copies read in place -- until a garbage collection."""
+    if not _IN_MEMORY:
+        from torch.distributed.checkpoint.filesystem import FileSystem
+
+        class InMemory(FileSystem):
+            def __init__(self, by_path: Mapping[str, Any]) -> None:
+                super().__init__()
+                self.by_path = by_path
+
+            @contextlib.contextmanager
+            def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+                yield as_stream(self.by_path[str(path)])  # shares the data: nothing copied
+
+        _IN_MEMORY.append(InMemory)
+    return _IN_MEMORY[0]

@@ -27,7 +27,9 @@ goes (a new layout, or the training function's end, which lets every mapping go)
 The files outlive the process (not its host): a relaunch on that host restores the newest
 snapshot when it is newer than every checkpoint file (:mod:`sparkhvd.runfolder.nearest_copy`;
 ranks elsewhere get its bytes over the process group) -- and the folder never gets it: the
-next save that is written goes there.
+next save that is written goes there. The restore reads the slot in place, mapped into memory:
+a process fills only slot files it laid out itself (its first fill of a slot makes a new
+file), so an earlier process's snapshot is never rewritten under a rank reading it.
 
 A slot file is the tensors' bytes, then the state's structure (a pickle whose tensors name
 their offsets), its length and :data:`MAGIC` -- so one read gives everything, and a slot that
@@ -68,34 +70,45 @@ def is_snapshot(data: Union[bytes, memoryview]) -> bool:
 
 
 def load_snapshot(data: Union[bytes, memoryview]) -> Any:
-    """The state a snapshot file holds, its tensors copies on the CPU (nothing shares ``data``).
+    """The state a snapshot file holds, its tensors copies on the CPU (nothing shares ``data``,
+    and nothing holds it once this returns: a view of a mapped slot file is let go with it).
 
     Raises:
         ValueError: ``data`` is not a whole snapshot.
     """
-    import torch
-
     if not is_snapshot(data):
         raise ValueError("not a whole snapshot (its end marker is missing)")
     end = len(data) - len(MAGIC)
     length = int.from_bytes(data[end - 8:end], "little")
-    structure = data[end - 8 - length:end - 8]
+    return _SnapshotReader(data, data[end - 8 - length:end - 8]).load()
 
-    class Reader(pickle.Unpickler):
-        def persistent_load(self, pid: Any) -> Any:
-            offset, dtype, shape = pid
-            kind = getattr(torch, dtype.split(".")[-1])
-            count = 1
-            for n in shape:
-                count *= n
-            if not count:
-                return torch.empty(shape, dtype=kind)
-            with warnings.catch_warnings():  # read-only bytes: only copied from
-                warnings.simplefilter("ignore", UserWarning)
-                view = torch.frombuffer(data, dtype=kind, count=count, offset=offset)
-            return view.reshape(shape).clone()
 
-    return Reader(io.BytesIO(structure)).load()
+class _SnapshotReader(pickle.Unpickler):
+    """Reads a snapshot's structure, each tensor copied from its offset in the file's bytes.
+
+    A class of its own, not one made in :func:`load_snapshot` over its locals: a class is in
+    a reference cycle, which would hold a mapped slot file's view (and its mapping) until a
+    garbage collection."""
+
+    def __init__(self, data: Union[bytes, memoryview], structure: Union[bytes, memoryview]
+                 ) -> None:
+        super().__init__(io.BytesIO(structure))
+        self._data = data
+
+    def persistent_load(self, pid: Any) -> Any:
+        import torch
+
+        offset, dtype, shape = pid
+        kind = getattr(torch, dtype.split(".")[-1])
+        count = 1
+        for n in shape:
+            count *= n
+        if not count:
+            return torch.empty(shape, dtype=kind)
+        with warnings.catch_warnings():  # read-only bytes: only copied from
+            warnings.simplefilter("ignore", UserWarning)
+            view = torch.frombuffer(self._data, dtype=kind, count=count, offset=offset)
+        return view.reshape(shape).clone()
 
 
 class _Slot(HostSnapshot):

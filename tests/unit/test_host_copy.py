@@ -892,10 +892,17 @@ def test_saves_due_while_one_is_written_are_memory_snapshots_and_a_relaunch_rest
     host and named the newest snapshot (said once). A relaunch restores the newest one --
     model, Adam's moments, BatchNorm's int64 count, the extra state -- newer than any file,
     and says it came from a snapshot on this host; a damaged snapshot falls back, with a
-    warning, to the newest checkpoint file."""
+    warning, to the newest checkpoint file. The restore reads the slot in place (a view of it
+    mapped into memory, not a copy): a relaunched process lays its own slot files out anew."""
     torch = pytest.importorskip("torch")
+    from sparkhvd.torch import training
+
     model, opt = _bn_model_and_opt(torch, seed=0)
     ckpt, gate, saved = _snapshots_while_a_save_is_held(torch, run_env, monkeypatch, model, opt)
+    given = []
+    load_state = training.load_state
+    monkeypatch.setattr(training, "load_state",
+                        lambda data, device: given.append(type(data)) or load_state(data, device))
     out = capsys.readouterr().out
     assert out.count("kept in memory on this host only") == 1, out
     assert "epoch-0000-step-0000002.snapshot kept in memory" in out, out
@@ -913,6 +920,7 @@ def test_saves_due_while_one_is_written_are_memory_snapshots_and_a_relaunch_rest
                for line in lines), lines
     assert "epoch-0000-step-0000004.snapshot (its copy on this host); a memory snapshot of " \
         "that step: the folder does not have it" in lines[-1], lines
+    assert given == [memoryview], given
 
     gate.set()
     ckpt._finish_save()  # step 1's file: now the newest checkpoint *file*
@@ -1031,6 +1039,49 @@ _KILLED_MID_COPY = textwrap.dedent("""
     opt.step()  # waits for step 6's copy, which the kill cuts short
     os._exit(3)
 """)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_copy_read_in_place_is_unmapped_once_its_state_is_loaded(run_env):
+    """A snapshot's slot, a checkpoint's copy and a DCP checkpoint's files, each read as a
+    mapped view and loaded: no mapping of any is left once the load returns -- not held by a
+    reference cycle until a garbage collection (on /dev/shm a replaced copy still mapped holds
+    its memory)."""
+    torch = pytest.importorskip("torch")
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    from sparkhvd.torch.serialise import load_state, reader_of, save_state
+    from sparkhvd.torch.snapshot_ring import SnapshotRing
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as maps:
+            return str(run_env) in maps.read()
+
+    state = {f"w{i}": torch.randn(1 << 12) for i in range(3)}
+    ring = SnapshotRing.here()
+    ring.keep(state, "epoch-0000-step-0000001.snapshot", {"epoch": 0}, "the folder")
+    ring.close()
+    saved = io.BytesIO()
+    save_state(state, saved)
+    _keep("epoch-0001.pt", saved.getvalue())
+    copies = host_copy.find_all()
+    for name in ("epoch-0000-step-0000001.snapshot", "epoch-0001.pt"):
+        loaded = load_state(copies[name].read(mapped=True), "cpu")
+        assert all(torch.equal(loaded[k], v) for k, v in state.items()), name
+        assert not mapped(), name
+
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(run_env / "dcp")))
+    host_copy.keep({f"epoch-0002/{p.name}": (p.read_bytes(), _sha(p.read_bytes()))
+                    for p in (run_env / "dcp").iterdir()})
+    views = {name: copy.read(mapped=True) for name, copy in host_copy.find_all().items()
+             if name.startswith("epoch-0002/")}
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(loaded, storage_reader=reader_of(views, "epoch-0002"))
+    del views
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert not mapped()
 
 
 def test_a_rank_killed_while_copying_a_snapshot_restores_the_one_before(run_env, capsys):
