@@ -13,6 +13,7 @@ from the training threads by a background save (B15: async / none 0.89-0.94x wit
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from typing import IO, Any, Iterator, Mapping, Union
@@ -81,26 +82,23 @@ def reader_of(files: Mapping[str, Any], folder: str) -> Any:
     return reader
 
 
-_IN_MEMORY: list = []  # the file system class, made once torch is imported
-
-
+@functools.cache
 def _in_memory() -> Any:
     """DCP's ``FileSystem`` over files in memory (path -> data), each stream sharing its data.
 
-    One class for the process, its files an instance's: a class made per call over the
-    caller's locals would be in a reference cycle (every class is) that holds the files --
-    and the mappings of host copies read in place -- until a garbage collection."""
-    if not _IN_MEMORY:
-        from torch.distributed.checkpoint.filesystem import FileSystem
+    One class for the process (made once torch is imported), its files an instance's: a class
+    made per call over the caller's locals would be in a reference cycle (every class is)
+    that holds the files -- and the mappings of host copies read in place -- until a garbage
+    collection."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
 
-        class InMemory(FileSystem):
-            def __init__(self, by_path: Mapping[str, Any]) -> None:
-                super().__init__()
-                self.by_path = by_path
+    class InMemory(FileSystem):
+        def __init__(self, by_path: Mapping[str, Any]) -> None:
+            super().__init__()
+            self.by_path = by_path
 
-            @contextlib.contextmanager
-            def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-                yield as_stream(self.by_path[str(path)])  # shares the data: nothing copied
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            yield as_stream(self.by_path[str(path)])  # shares the data: nothing copied
 
-        _IN_MEMORY.append(InMemory)
-    return _IN_MEMORY[0]
+    return InMemory

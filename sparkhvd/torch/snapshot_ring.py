@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import mmap
 import os
 import pickle
@@ -100,9 +101,7 @@ class _SnapshotReader(pickle.Unpickler):
 
         offset, dtype, shape = pid
         kind = getattr(torch, dtype.split(".")[-1])
-        count = 1
-        for n in shape:
-            count *= n
+        count = math.prod(shape)
         if not count:
             return torch.empty(shape, dtype=kind)
         with warnings.catch_warnings():  # read-only bytes: only copied from
