@@ -7,8 +7,8 @@ DEMO_ARGS :=
 # Spark Connect's tests need pyspark[connect] and Spark 4: the modern profile runs them; the
 # torch backend's, the torch profile.
 # The tf backend runs in the modern profile (Keras 3, what backend="tf" users start with); here
-# on TF 2.15 + Keras 2 only its tests marked keras2 (those that could differ with Keras 2, and its
-# standalone-cluster demo): the rest is the same code in both, and CI time is spent once.
+# on TF 2.15 + Keras 2 only its tests marked keras2 (those that could differ with Keras 2): the
+# rest is the same code in both, and CI time is spent once.
 # A Keras relaunch from the host copy runs here once (Keras 2's .h5 files on Horovod): moving
 # rank 0 and async_save add nothing of Keras 2's own (the modern profile runs both end to end;
 # this profile's unit tests run Keras 2's async saves and Horovod's copy transport).
@@ -25,10 +25,8 @@ DEMO_ARGS := --backend tf
 # Spark 4 + Keras 3 + MLflow 3: the tests that start nothing, every test of the tf backend,
 # those marked every_profile (DataFrame data path, scoring, MLflow) and Spark Connect's; never
 # horovod.
-# The standalone-cluster demo on backend="tf" runs in the default profile; here a standalone
-# cluster is reached through a Spark Connect server (test_connect).
-TEST_ARGS := -m "(tf_backend or every_profile or connect or not (spark or ranks or cluster or netns or notebook)) and not horovod and not torch_backend" \
-	--deselect tests/integration/test_tf_backend.py::test_the_demo_job_on_a_standalone_cluster
+# A standalone cluster is reached here through a Spark Connect server (test_connect).
+TEST_ARGS := -m "(tf_backend or every_profile or connect or not (spark or ranks or cluster or netns or notebook)) and not horovod and not torch_backend"
 else ifeq ($(PROFILE),torch)
 PY := .venv-torch/bin/python
 DEMO_ARGS := --backend torch

@@ -3,8 +3,10 @@
 Runs in the modern profile (`make test PROFILE=modern`: TF >= 2.19 + Keras 3 + numpy 2, no
 horovod at all), what backend="tf" users start with. The tests marked ``keras2`` run on TF 2.15 +
 Keras 2 in the default profile too: the rank's TF_CONFIG, training with the Keras helpers, a plain
-multi-worker script, the demo job on a standalone cluster and the early refusals -- what could
-differ with Keras 2; the rest (resume, data order, DataFrame input) is the same code on both.
+multi-worker script and the early refusals -- what could differ with Keras 2; the rest (resume,
+data order, DataFrame input) is the same code on both. On a standalone cluster, backend="tf"
+runs through a Spark Connect server (test_connect); `sparkhvd submit` to one runs the same job
+with the default backend (tests/cluster/test_standalone.py).
 """
 import csv
 import json
@@ -252,20 +254,6 @@ def test_a_notice_to_a_keras_rank_costs_at_most_one_step_and_resumes_mid_epoch(s
         assert max(before) - step <= 1, f"rank {rank}: steps {step + 1}..{max(before)} redone"
         after = [(e, s) for a, e, s in ran if a == 1]
         assert len(after) == 3 * per_epoch - (per_epoch + step), "the rest of the run, once"
-
-
-@pytest.mark.keras2
-def test_the_demo_job_on_a_standalone_cluster(standalone, tmp_path):
-    sparkhvd_cli = os.path.join(os.path.dirname(sys.executable), "sparkhvd")
-    job = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "train_digits.py")
-    out = subprocess.run(
-        [sparkhvd_cli, "submit", "--preset", "standalone-cpu", "--master", standalone.master_url,
-         job, "--backend", "tf", "--output-url", str(tmp_path / "model"), "--epochs", "15",
-         "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True, timeout=560)
-    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-4000:])
-    line = next(line for line in out.stdout.splitlines() if line.startswith("JOB OK"))
-    assert "backend tf" in line and f"master {standalone.master_url}" in line
-    assert float(line.split("held-out accuracy ")[1].split(",")[0]) >= 0.9
 
 
 @pytest.mark.keras2
