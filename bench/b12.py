@@ -42,27 +42,31 @@ def _b12_train(epochs, steps, log_dir, every_steps=None, step_s=0.05, async_save
     sparkhvd's checkpoints (epoch ends, and every ``every_steps`` steps when set, written in
     the background with ``async_save``; into ``url`` when given, else the run folder); every
     step logged as ``attempt epoch step wall-time`` in ``<log_dir>/rank-N.txt``, the rank's
-    PID in ``pid-N-<pid>``, the seconds its ``restore()`` took in ``restore-N-<attempt>``."""
+    PID in ``pid-N-<pid>``, the wall times of its start's phases (:data:`PHASES`) in
+    ``phases-N-<attempt>.json``."""
+    import json as _json
     import os
     import time as _time
 
     import sparkhvd.torch as st
 
+    times = {"called": _time.time()}
     ctx = st.setup()
+    times["joined"] = _time.time()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     open(os.path.join(log_dir, f"pid-{ctx.rank}-{os.getpid()}"), "w").close()
     log = open(os.path.join(log_dir, f"rank-{ctx.rank}.txt"), "a")
     module, optimizer, settings, loss_of = model_and_loss(wide)
+    times["built"] = _time.time()
     model = ctx.wrap(module)
+    times["wrapped"] = _time.time()
     opt = optimizer(model.parameters(), **settings)
     ckpt = st.Checkpoints(model, opt, url=url, storage_options=storage_options,
                           every_steps=every_steps, async_save=async_save, host_copy=host_copy,
                           memory_snapshots=memory_snapshots,
                           keep=2 if wide else None)  # 1 GB a save: the newest two
-    began = _time.monotonic()
     start = ckpt.restore()
-    with open(os.path.join(log_dir, f"restore-{ctx.rank}-{attempt}"), "w") as f:
-        f.write(f"{_time.monotonic() - began:.3f}")
+    times["restored"] = _time.time()
     first = ckpt.restored.get("step", 0) if start == ckpt.restored.get("epoch") else 0
     for epoch in range(start, epochs):
         for step in range(first + 1 if epoch == start else 1, steps + 1):
@@ -71,10 +75,22 @@ def _b12_train(epochs, steps, log_dir, every_steps=None, step_s=0.05, async_save
             opt.step()
             log.write(f"{attempt} {epoch} {step} {_time.time():.3f}\n")
             log.flush()
+            if "stepped" not in times:
+                times["stepped"] = _time.time()
+                with open(os.path.join(log_dir, f"phases-{ctx.rank}-{attempt}.json"), "w") as f:
+                    _json.dump(times, f)
             ckpt.step(epoch)
             _time.sleep(step_s)
         ckpt.save(epoch)
     return 0
+
+
+#: What a recovery is made of on rank 0, in order, from the loss to the first step's end:
+#: the phase's name in RESULTS.md, after the wall times _b12_train notes.
+PHASES = ("the relaunch (the loss to the function's call)",
+          "import torch and join the process group (st.setup())",
+          "build the model", "DDP(model) (torch imports its compiler on the first one)",
+          "ckpt.restore()", "the first step")
 
 
 def _b12_once(spark, how: str, every_steps, epochs: int, steps: int, at: tuple[int, int],
@@ -83,7 +99,7 @@ def _b12_once(spark, how: str, every_steps, epochs: int, steps: int, at: tuple[i
     step ``at`` = (epoch, step); recovery s (the signal to the first step after resume, on
     rank 0), steps each rank trained again, (a notice) the seconds from the notice to the
     ranks' stop that run.json records (None for a lost rank), rank 0's steps/s before, and
-    the seconds of that recovery its ``restore()`` took."""
+    the seconds each of :data:`PHASES` took of that recovery on rank 0."""
     import signal as _signal
     import threading
 
@@ -125,12 +141,13 @@ def _b12_once(spark, how: str, every_steps, epochs: int, steps: int, at: tuple[i
     assert runner.last_run_dir is not None
     stopped = runner.last_run_dir.record["attempts"][0].get("preempted") or {}
     speed = steps_per_s([t for a, _, _, t in lines(0) if a == 0])
-    with open(os.path.join(log_dir, "restore-0-1")) as f:
-        restore_s = float(f.read())
+    with open(os.path.join(log_dir, "phases-0-1.json")) as f:
+        times = {"lost": sent["at"], **json.load(f)}
+    marks = list(times.values())
+    phases = {name: later - earlier for name, earlier, later in zip(PHASES, marks, marks[1:])}
     for folder in (log_dir, out):
         shutil.rmtree(folder, ignore_errors=True)
-    return resumed[0] - sent["at"], max(redone), stopped.get("notice_to_stop_s"), speed, \
-        restore_s
+    return resumed[0] - sent["at"], max(redone), stopped.get("notice_to_stop_s"), speed, phases
 
 
 def steps_per_s(times: list[float]) -> float:
@@ -183,7 +200,9 @@ def wide_rows(spark, repeat: int) -> list[dict]:
     """Recovery with B15's model (1.01 GB of state with Adam; issue 51), np=2: rank 1
     SIGKILLed at step 4 of the second 8-step epoch, ``async_save`` every step into ``abfss://``
     on Azurite -- restored from rank 0's host copy, or (``host_copy=False``) from Azurite --
-    against Ray Train v2 on the same machine, a checkpoint every step."""
+    against Ray Train v2 on the same machine, a checkpoint every step. Each recovery is split
+    into :data:`PHASES`: which of it the nearest copy can shorten (the restore), and which
+    every relaunch pays (the ranks' start, the user's imports, model and DDP wrap)."""
     from conftest import Azurite
 
     epochs, steps, at = 2, 8, (1, 4)
@@ -197,25 +216,26 @@ def wide_rows(spark, repeat: int) -> list[dict]:
         recovery: dict[str, list[float]] = {k: [] for k in variants}
         redone: dict[str, list[float]] = {k: [] for k in variants}
         speed: dict[str, list[float]] = {k: [] for k in variants}
-        restoring: dict[str, list[float]] = {k: [] for k in variants}
+        phases: dict[str, dict[str, list[float]]] = {k: {p: [] for p in PHASES} for k in variants}
         for round_ in range(max(1, repeat)):
             for name, (host_copy, snapshots) in variants.items():
                 url = azurite.url("ckpt", f"wide-{round_}-{int(host_copy)}{int(snapshots)}")
-                seconds, again, _, rate, restore_s = _b12_once(
+                seconds, again, _, rate, took = _b12_once(
                     spark, "SIGKILL", 1, epochs, steps, at, True, step_s=0.0, wide=True,
                     url=url, storage_options=azurite.options(), host_copy=host_copy,
                     memory_snapshots=snapshots)
                 recovery[name].append(seconds)
                 redone[name].append(float(again))
                 speed[name].append(rate)
-                restoring[name].append(restore_s)
+                for phase, phase_s in took.items():
+                    phases[name][phase].append(phase_s)
         for name in variants:
             how = (f"lost rank (SIGKILL), 1.01 GB of state, async_save every step to abfss://, "
                    f"restored from the {name}")
             rows.append({"case": "B12", "variant": f"{how}: recovery", "unit": "s",
                          **stats(recovery[name])})
-            rows.append({"case": "B12", "variant": f"{how}: of which ckpt.restore() on rank 0",
-                         "unit": "s", **stats(restoring[name])})
+            rows += [{"case": "B12", "variant": f"{how}: of which {phase} on rank 0", "unit": "s",
+                      **stats(phases[name][phase])} for phase in PHASES]
             rows.append({"case": "B12", "variant": f"{how}: steps redone per rank",
                          "unit": "steps", **stats(redone[name])})
             rows.append({"case": "B12", "variant": f"{how}: steps/s before the loss",
