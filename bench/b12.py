@@ -67,6 +67,8 @@ def _b12_train(epochs, steps, log_dir, every_steps=None, step_s=0.05, async_save
                           keep=2 if wide else None)  # 1 GB a save: the newest two
     start = ckpt.restore()
     times["restored"] = _time.time()
+    with open(os.path.join(log_dir, f"phases-{ctx.rank}-{attempt}.json"), "w") as f:
+        _json.dump(times, f)  # the first step's end is its line in rank-N.txt
     first = ckpt.restored.get("step", 0) if start == ckpt.restored.get("epoch") else 0
     for epoch in range(start, epochs):
         for step in range(first + 1 if epoch == start else 1, steps + 1):
@@ -75,10 +77,6 @@ def _b12_train(epochs, steps, log_dir, every_steps=None, step_s=0.05, async_save
             opt.step()
             log.write(f"{attempt} {epoch} {step} {_time.time():.3f}\n")
             log.flush()
-            if "stepped" not in times:
-                times["stepped"] = _time.time()
-                with open(os.path.join(log_dir, f"phases-{ctx.rank}-{attempt}.json"), "w") as f:
-                    _json.dump(times, f)
             ckpt.step(epoch)
             _time.sleep(step_s)
         ckpt.save(epoch)
@@ -86,7 +84,8 @@ def _b12_train(epochs, steps, log_dir, every_steps=None, step_s=0.05, async_save
 
 
 #: What a recovery is made of on rank 0, in order, from the loss to the first step's end:
-#: the phase's name in RESULTS.md, after the wall times _b12_train notes.
+#: the phase's name in RESULTS.md, between the wall times _b12_train notes (and the first
+#: step's line in its log).
 PHASES = ("the relaunch (the loss to the function's call)",
           "import torch and join the process group (st.setup())",
           "build the model", "DDP(model) (torch imports its compiler on the first one)",
@@ -142,8 +141,7 @@ def _b12_once(spark, how: str, every_steps, epochs: int, steps: int, at: tuple[i
     stopped = runner.last_run_dir.record["attempts"][0].get("preempted") or {}
     speed = steps_per_s([t for a, _, _, t in lines(0) if a == 0])
     with open(os.path.join(log_dir, "phases-0-1.json")) as f:
-        times = {"lost": sent["at"], **json.load(f)}
-    marks = list(times.values())
+        marks = [sent["at"], *json.load(f).values(), resumed[0]]
     phases = {name: later - earlier for name, earlier, later in zip(PHASES, marks, marks[1:])}
     for folder in (log_dir, out):
         shutil.rmtree(folder, ignore_errors=True)
