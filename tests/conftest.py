@@ -326,12 +326,13 @@ class StandaloneCluster:
 
         self.home = os.path.dirname(pyspark.__file__)
         self.workdir = workdir
-        self.port = _free_port()
+        self._ports: set[int] = set()
+        self.port = self._new_port()
         self.master_url = f"spark://127.0.0.1:{self.port}"
         self.procs: dict[str, "subprocess.Popen"] = {}
         self.env = {**os.environ, "SPARK_HOME": self.home, "SPARK_LOCAL_IP": "127.0.0.1",
                     "PYSPARK_PYTHON": sys.executable, "SPARK_NO_DAEMONIZE": "1"}
-        self.webui = _free_port()
+        self.webui = self._new_port()
         self._start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                     "--port", str(self.port), "--webui-port", str(self.webui))
         for i in range(workers):
@@ -345,24 +346,28 @@ class StandaloneCluster:
             [os.path.join(self.home, "bin", "spark-class"), cls, *args], env=self.env,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
+    def _new_port(self) -> int:
+        """A free port this cluster has not handed out yet: the JVMs bind theirs seconds after
+        they are chosen, so the kernel may offer a chosen port again in the meantime."""
+        port = _free_port()
+        while port in self._ports:
+            port = _free_port()
+        self._ports.add(port)
+        return port
+
     def start_worker(self, name: str, cores: int = 1) -> None:
         work = os.path.join(self.workdir, name)
         os.makedirs(work, exist_ok=True)
         self._start(name, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
                     "--cores", str(cores), "--memory", "2g", "--work-dir", work,
-                    "--port", str(_free_port()), "--webui-port", str(_free_port()),
+                    "--port", str(self._new_port()), "--webui-port", str(self._new_port()),
                     self.master_url)
 
     def alive_workers(self) -> int:
         """Workers the master currently sees as ALIVE (from its /json status page)."""
-        import json
-        import urllib.request
+        from netns_cluster import alive_workers_at
 
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.webui}/json/", timeout=5) as r:
-                return int(json.load(r).get("aliveworkers", 0))
-        except OSError:
-            return 0
+        return alive_workers_at(f"http://127.0.0.1:{self.webui}")
 
     def wait_for_workers(self, n: int, timeout: float = 90) -> None:
         import time

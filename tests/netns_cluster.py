@@ -60,6 +60,18 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def alive_workers_at(webui: str) -> int:
+    """Workers a standalone master at ``webui`` sees as ALIVE, from its ``/json/`` page; 0 while
+    it is not up. Spark starts the UI's server before it attaches the pages, so for a moment
+    ``/json/`` is answered by the page at ``/``: HTML, with status 200 -- also "not up yet"."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{webui}/json/", timeout=5) as r:
+            return int(json.load(r).get("aliveworkers", 0))
+    except (OSError, ValueError):
+        return 0
+
 @dataclass
 class Host:
     name: str      # hostname inside the namespace (h1, h2, ...)
@@ -181,14 +193,7 @@ class NetnsCluster:
             "--memory", "2g", "--work-dir", "/tmp/spark-work", self.master_url])
 
     def alive_workers(self) -> int:
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"http://{self.driver_ip}:{self.webui}/json/",
-                                        timeout=5) as r:
-                return int(json.load(r).get("aliveworkers", 0))
-        except (OSError, ValueError):  # not up yet, or still serving its HTML page
-            return 0
+        return alive_workers_at(f"http://{self.driver_ip}:{self.webui}")
 
     def wait_for_workers(self, n: int, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
