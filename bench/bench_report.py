@@ -300,19 +300,20 @@ NOTES = """\
   paths that read the blob store. Both figures include the relaunch and the first step after
   it (about 3 s at these 0.3 steps/s), which the host copy cannot shorten; B15's restores
   alone give 0.28x. With `memory_snapshots=True`: 1 step redone, 8.7 s.
-  The table's run now (2026-12-01 12:50): a torch rank reads this host's copy in place,
-  mapped into memory and checked there (one copy of the state fewer: 1 GB on one rank 2.5 ->
-  1.6 s), and each row says how much of its recovery `ckpt.restore()` took on rank 0. Host
-  copy 13.5 s, of which the restore 2.9 s (2.3-3.6); Azurite 32.0 s, of which the restore 23.6
-  s (20.9-24.2); **0.42x (0.40-0.43 over the rounds): met in this run**; Ray 20.9 s. The VM
-  was slower this day than on 11-29 (the small model's recoveries 5.6-6.2 s against 3.1 s,
-  Ray's 15.6 s against 9.2 s, 0.19-0.30 steps/s against 0.34), and Azurite's reads slowest of
-  all: the ratio follows Azurite (0.44x, 0.58x, 0.42x over three days). The rest of the host
-  copy's 13.5 s is the same in both paths: from the loss to the new rank processes about 1-1.6
-  s, `import torch` and the gloo rendezvous 2-3 s, building the model and DDP's first
-  broadcast 2.5 s, the first step about 3-4 s (probe of 2026-12-01). With
-  `memory_snapshots=True`: 1 step redone, 16.5 s, of which the restore 5.7 s -- a snapshot's
-  slot is rewritten in place by later saves, so it is still read into memory first.
+  The run of 2026-12-01 12:50 (a torch rank now reads this host's copy in place, mapped into
+  memory and checked there: 1 GB on one rank 2.5 -> 1.6 s): host copy 13.5 s, Azurite 32.0 s,
+  0.42x, Ray 20.9 s. **The table's run now (2026-12-02 00:51)** splits each recovery into
+  phases on rank 0 (each row "of which ..."; they add up to the recovery). Host copy 13.6 s,
+  Azurite 27.8 s, **0.49x (0.42, 0.49, 0.55 over the rounds): met in the median, not in every
+  round**; Ray 22.8 s. Only the restore differs between the two paths (2.8 s from the host
+  copy, 19.1 s from Azurite); the other phases are paid by every relaunch: the loss to the
+  function's call 1.5-1.9 s, `import torch` and the gloo rendezvous 2.3-2.6 s, building the
+  model 0.9 s, DDP's first construction 2.2-2.4 s (torch imports its compiler, `torch._dynamo`,
+  on the first `DistributedDataParallel` of a process, also in plain torch), the first step
+  2.1-2.7 s. So about 10 s of the host copy's 13.6 s are the new process and the user's own
+  start, and the ratio misses whenever Azurite reads 1 GB in under about 10 s (the ratio over
+  four days: 0.44x, 0.58x, 0.42x, 0.49x). With `memory_snapshots=True`: 1 step redone, 11.7 s,
+  of which the restore 1.3 s.
 - **B13, the time split's cost** (torch profile, `local[2]`, B3's CNN at np=2 under DDP,
   batch 64 per rank, 150 steps; off and on taking turns, 5 rounds after a warm-up; "on" is the
   sampler and, since issue 49, DDP's timing comm hook). Median ratio on / off 1.04 (rounds 0.91
