@@ -72,6 +72,7 @@ def alive_workers_at(webui: str) -> int:
     except (OSError, ValueError):
         return 0
 
+
 @dataclass
 class Host:
     name: str      # hostname inside the namespace (h1, h2, ...)
