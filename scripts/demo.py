@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-accuracy", type=float, default=0.9)
     parser.add_argument("--backend", choices=["horovod", "tf", "torch"], default="horovod",
                         help="horovod (Gloo), tf (tf.distribute; the modern profile's) or torch "
-                             "(torch.distributed; the torch profile's)")
+                             "(torch.distributed; make demo PROFILE=torch)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     for name in ("sparkhvd", "demo"):

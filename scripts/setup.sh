@@ -6,10 +6,9 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 # PROFILE=tf215 (default): tensorflow-cpu 2.15.1, Keras 2 built in, horovod.
 # PROFILE=tf218: tensorflow-cpu 2.18.1 + tf-keras, used with TF_USE_LEGACY_KERAS=1, horovod.
-# PROFILE=modern: Spark 4 (with Spark Connect's client), current tensorflow-cpu with Keras 3,
-#   numpy 2, MLflow 3, no horovod (backend="tf").
-# PROFILE=torch: Spark 4 (with Spark Connect's client), torch 2.13.0 (CPU), numpy 2, MLflow 3; no
-#   TensorFlow, no horovod (backend="torch").
+# PROFILE=modern (or PROFILE=torch: the same environment): Spark 4 (with Spark Connect's client),
+#   current tensorflow-cpu with Keras 3 and torch 2.13.0 (CPU) with its ecosystem, numpy 2,
+#   MLflow 3, no horovod (backend="tf" and backend="torch").
 PROFILE=${PROFILE:-tf215}
 HOROVOD=1
 EXTRAS=spark,dev
@@ -18,11 +17,10 @@ case "$PROFILE" in
          EXTRAS=spark,dev,docs ;;
   tf218) VENV=.venv-tf218; CONSTRAINTS=constraints-tf218.txt
          FRAMEWORK_PKGS=("tensorflow-cpu==2.18.1" "tf-keras==2.18.0"); export TF_USE_LEGACY_KERAS=1 ;;
-  modern) VENV=.venv-modern; CONSTRAINTS=constraints-modern.txt; HOROVOD=0; EXTRAS=spark,connect,dev
-          FRAMEWORK_PKGS=("tensorflow-cpu==2.21.0") ;;
   # torch's ecosystem too (Lightning, transformers, accelerate, DeepSpeed): the tests run them.
-  torch) VENV=.venv-torch; CONSTRAINTS=constraints-torch.txt; HOROVOD=0
-         EXTRAS=spark,connect,dev,torch,torch-clients; FRAMEWORK_PKGS=("torch==2.13.0") ;;
+  modern|torch) VENV=.venv-modern; CONSTRAINTS=constraints-modern.txt; HOROVOD=0
+                EXTRAS=spark,connect,dev,torch,torch-clients
+                FRAMEWORK_PKGS=("tensorflow-cpu==2.21.0" "torch==2.13.0") ;;
   *) printf '[setup] ERROR: unknown PROFILE=%s (use tf215, tf218, modern or torch)\n' "$PROFILE" >&2; exit 1 ;;
 esac
 
@@ -45,7 +43,7 @@ stamp="$VENV/.stamp-deps-$(cat "$CONSTRAINTS" pyproject.toml scripts/setup.sh | 
 if [ ! -f "$stamp" ]; then
   say "installing the pinned stack ($CONSTRAINTS) into $VENV"
   # horovod's build needs setuptools < 70; torch (and DeepSpeed's op builds) need >= 77.
-  if [ "$HOROVOD" = 1 ]; then SETUPTOOLS="setuptools<70"; else SETUPTOOLS="setuptools>=77"; fi
+  if [ "$HOROVOD" = 1 ]; then SETUPTOOLS="setuptools<70"; else SETUPTOOLS="setuptools>=77,<81"; fi
   "${PIP[@]}" install -q --upgrade "pip<25" wheel "$SETUPTOOLS"
   # The framework first: horovod's build looks for TensorFlow, DeepSpeed's for torch.
   "${PIP[@]}" install -q -c "$CONSTRAINTS" "${FRAMEWORK_PKGS[@]}" "cmake<4"
@@ -95,13 +93,15 @@ if [ ! -x .tools/node_modules/.bin/azurite-blob ]; then
 fi
 versions=$("$PY" - 2>/dev/null <<'PYEOF'
 import importlib.util, numpy, pyspark, sparkhvd
+frameworks = []
 if importlib.util.find_spec("tensorflow"):
     import tensorflow as tf
     keras = getattr(tf.keras, "__version__", None) or __import__("keras").__version__
-    framework = f"tensorflow {tf.__version__}, keras {keras}"
-else:
+    frameworks.append(f"tensorflow {tf.__version__}, keras {keras}")
+if importlib.util.find_spec("torch"):
     import torch
-    framework = f"torch {torch.__version__} (no TensorFlow)"
+    frameworks.append(f"torch {torch.__version__}")
+framework = ", ".join(frameworks)
 horovod = "yes" if importlib.util.find_spec("horovod") else "no"
 print(f"sparkhvd {sparkhvd.__version__}, {framework}, numpy {numpy.__version__}, "
       f"pyspark {pyspark.__version__}, horovod {horovod}")
