@@ -13,6 +13,34 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+def _a_temp_folder_of_its_own() -> None:
+    """Each test process (a pytest-xdist worker, or pytest itself) gets a ``TMPDIR`` of its own,
+    removed at its end: what the product keeps in the temp folder (dataset caches, host copies,
+    run staging) and the tests that look for what a run left there see only their own process'
+    runs, however many processes run tests side by side."""
+    import atexit
+    import shutil
+    import tempfile
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    folder = tempfile.mkdtemp(prefix=f"sparkhvd-tests-{worker}-")
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = None
+    atexit.register(shutil.rmtree, folder, True)
+
+
+_a_temp_folder_of_its_own()
+
+#: The JVMs the tests start (local sessions, spark-submit, standalone masters and workers, the
+#: Spark Connect server) live seconds to minutes, so the JIT's second tier and the parallel
+#: collector cost them CPU they never earn back: about 6 of a session's 16 CPU seconds to start
+#: on this 2-core machine. A test environment's choice, never the product's (users' JVM flags are
+#: theirs); what a test checks does not depend on how the JVM compiles.
+_TEST_JVM_FLAGS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+os.environ.setdefault("SPARK_SUBMIT_OPTS", _TEST_JVM_FLAGS)
+os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", _TEST_JVM_FLAGS)
+
+
 #: fixture -> the marker of what it starts (see pyproject.toml's markers).
 _STARTS = {"spark": "spark", "azurite": "azurite", "standalone": "cluster",
            "netns_cluster": "netns", "cluster_spark": "netns", "connect_server": "connect",
@@ -23,22 +51,38 @@ _STARTS = {"spark": "spark", "azurite": "azurite", "standalone": "cluster",
 _STARTING_MARKERS = ("spark", "ranks", "azurite", "cluster", "netns", "notebook", "connect")
 
 
+def pytest_configure(config):
+    """The suite's own clock (tests/suite_clock.py): a limit per test, the slowest at the end."""
+    import suite_clock
+
+    config.pluginmanager.register(suite_clock, "suite_clock")
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark each test by what its fixtures start (so `make unit` really starts nothing), and
-    run the multi-host tests last: they replace this process' SparkContext with the cluster's."""
+    tests/unit's as ``unit`` (a profile picks the stack-independent ones once: the Makefile).
+
+    The multi-host tests go first, as one xdist group: they replace this process' SparkContext
+    with the cluster's (their fixtures are module-scoped, so the cluster is gone before any
+    test of the local session starts), and they are the longest work of a run, which a worker
+    should start while the others take everything else."""
     for item in items:
         for fixture, marker in _STARTS.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(getattr(pytest.mark, marker))
         starts = [m for m in _STARTING_MARKERS if item.get_closest_marker(m)]
-        if starts and "unit" in item.path.parent.name:
-            raise pytest.UsageError(f"{item.nodeid} starts something ({', '.join(starts)}): "
-                                    "tests/unit is for tests that start nothing; move it to "
-                                    "tests/integration or tests/cluster.")
+        if "unit" in item.path.parent.name:
+            if starts:
+                raise pytest.UsageError(
+                    f"{item.nodeid} starts something ({', '.join(starts)}): tests/unit is for "
+                    "tests that start nothing; move it to tests/integration or tests/cluster.")
+            item.add_marker(pytest.mark.unit)
         if item.get_closest_marker("spark") or item.get_closest_marker("cluster") or \
                 item.get_closest_marker("netns"):
             item.add_marker(pytest.mark.ranks)
-    items.sort(key=lambda item: item.get_closest_marker("netns") is not None)
+        if item.get_closest_marker("netns"):
+            item.add_marker(pytest.mark.xdist_group("netns"))
+    items.sort(key=lambda item: item.get_closest_marker("netns") is None)
 
 
 def wait_for(condition, timeout: float, interval: float = 0.05) -> bool:
@@ -556,10 +600,11 @@ def any_spark(request):
     return request.getfixturevalue("spark" if request.param == "classic" else "connect")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def netns_cluster(tmp_path_factory):
     """Three "hosts" (network namespaces) with a Spark standalone cluster; torn down by PID and
-    by the names created, also after a failure (see tests/netns_cluster.py)."""
+    by the names created, also after a failure (see tests/netns_cluster.py). Per module: each
+    profile has one module of them, and the local session's tests come after it."""
     from netns_cluster import NetnsCluster, check_permitted
 
     try:
@@ -574,7 +619,7 @@ def netns_cluster(tmp_path_factory):
         cluster.down()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster_spark(netns_cluster):
     """The driver's SparkSession on the namespace cluster (replaces the local one)."""
     from pyspark.sql import SparkSession
@@ -600,7 +645,7 @@ def cluster_spark(netns_cluster):
     session.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster_azurite(netns_cluster, tmp_path_factory):
     """Azurite on the cluster's bridge address (reachable from every host namespace)."""
     service = Azurite.start(str(tmp_path_factory.mktemp("azurite-netns")),

@@ -184,6 +184,7 @@ class NetnsCluster:
                  "exec 3<&-",
                  *[f"mount -t tmpfs tmpfs {shlex.quote(p)}" for p in hide],
                  "mkdir -p /tmp/home /tmp/spark-work", "export HOME=/tmp/home",
+                 "export TMPDIR=/tmp",  # the driver's own (tests/conftest.py) is not here
                  "exec " + " ".join(shlex.quote(c) for c in cmd)]
         return "\n".join(lines)
 

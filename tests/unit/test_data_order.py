@@ -14,6 +14,9 @@ import pytest
 from sparkhvd.data.shard import DatasetShard
 from sparkhvd.data.sharding import ShardSource
 
+# every profile: numpy 1 with pyarrow 10 and numpy 2 with pyarrow 25 read the files differently
+pytestmark = pytest.mark.every_profile
+
 
 def _source(tmp_path, columns: dict, group_rows: int, files: int = 3,
             memory_cache: int = 1 << 30) -> ShardSource:

@@ -6,6 +6,9 @@ from sparkhvd.common.environment import process_env, rank_env
 from sparkhvd.spark.installed import check_keras, keras_problem
 from sparkhvd.spark.session import is_loopback_master
 
+# every profile: what is installed differs by stack
+pytestmark = pytest.mark.every_profile
+
 
 def test_rank_env_is_driver_settings_plus_user_env():
     driver = {"PATH": "/venv/bin", "TF_USE_LEGACY_KERAS": "1", "HOROVOD_TIMELINE": "/t.json",

@@ -17,7 +17,8 @@ from sparkhvd.common.function_end import function_ended  # noqa: E402
 from sparkhvd.keras import checkpoints  # noqa: E402
 from sparkhvd.keras.callbacks import RankZeroCheckpoint  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+# every profile: Keras 2's and Keras 3's saves differ
+pytestmark = [pytest.mark.timeout(180), pytest.mark.every_profile]
 
 
 class Held(tf.keras.callbacks.Callback):

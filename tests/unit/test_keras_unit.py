@@ -7,6 +7,9 @@ tf = pytest.importorskip("tensorflow")
 from sparkhvd.keras import LearningRateWarmup, MetricAverage, warmup_lr  # noqa: E402
 from sparkhvd.runfolder.curves import plot_curves, write_metrics_csv  # noqa: E402
 
+# every profile: Keras 2 (default profile) and Keras 3 (modern) take different paths
+pytestmark = pytest.mark.every_profile
+
 
 class FakeHvd:
     Average = "average"

@@ -6,6 +6,9 @@ import pytest
 
 from sparkhvd.common import patches
 
+# every profile: the libraries' internals this patches differ by stack (horovod, Keras 2 or 3)
+pytestmark = pytest.mark.every_profile
+
 
 def _resolve(module, path):
     obj = importlib.import_module(module)

@@ -11,6 +11,9 @@ import pytest
 from sparkhvd import PayloadError
 from sparkhvd.driver.payload import dumps, loads
 
+# every profile: cloudpickle and numpy differ by stack
+pytestmark = pytest.mark.every_profile
+
 GLOBAL_ARRAY = np.arange(10)
 
 
