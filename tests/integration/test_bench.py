@@ -1,9 +1,9 @@
 """The benchmark's harness runs (tiny inputs, one repetition); numbers are not checked here.
 
-CI runs the cases that cover the harness end to end -- B1 (every launcher, the goals table), B4,
-B11, B14 and B15 -- and the report; the others (the data path's B2, B3, B6, B7, B9 and the
-straggler's B13, a minute and a half together here) run with `make bench`, as do the torch and
-Spark Connect cases this profile skips.
+CI runs the case that covers the harness end to end -- B1: every launcher, a result per case,
+the goals table -- and the report (RESULTS.md, results.png, `--report` again); the other cases
+(B2-B15, each its own workload on the same harness) run with `make bench`: they cost CI a
+minute and a half of two cores and checked only that their workloads start.
 """
 import json
 import os
@@ -18,7 +18,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 @pytest.mark.spark
 @pytest.mark.timeout(900)
 def test_the_harness_runs_its_cases_on_tiny_inputs(tmp_path):
-    cases = ["B1", "B4", "B11", "B14", "B15"]
+    cases = ["B1"]
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench.py"), "--tiny",
                           "--repeat", "1", "--out", str(tmp_path),
                           *(arg for case in cases for arg in ("--case", case))],
@@ -30,7 +30,7 @@ def test_the_harness_runs_its_cases_on_tiny_inputs(tmp_path):
     assert all("median" in r or "skipped" in r for r in data["results"])
     assert data["env"]["versions"]["horovod"] == "0.28.1"
     table = (tmp_path / "RESULTS.md").read_text()
-    assert "| B1 |" in table and "| B4 |" in table
+    assert "| B1 |" in table
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## Goals" in table and "B1 no-op ≤ ½ × raw horovod" in table
     (tmp_path / "RESULTS.md").unlink()

@@ -1,5 +1,5 @@
 """Resume never dies on a bad checkpoint: a truncated newest file, a missing one, a corrupt
-``latest.json``, all of them bad -- on the PyTorch helpers (torch profile) and Keras (default
+``latest.json``, all of them bad -- on the PyTorch helpers (modern profile) and Keras (default
 profile). Each is met the way a user meets it: train, damage the run folder, resume_from=True."""
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ a fresh folder, as a user would run it (its own SparkSession, or the runner's), 
 placeholders a fixture supplies (a storage account) filled in.
 
 Each example runs in the profile that has what it needs: horovod ones in the default profile,
-tf ones in the modern profile (TensorFlow without horovod), torch ones in the torch profile, Spark Connect where
+tf ones in the modern profile (TensorFlow without horovod), torch ones there too, Spark Connect where
 pyspark[connect] is installed.
 """
 from __future__ import annotations

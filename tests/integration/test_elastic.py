@@ -1,7 +1,7 @@
 """Surviving the cloud on backend="torch": a notice costs at most one step, elastic runs shrink
 and grow back, on local Spark, a standalone cluster with Spark's graceful decommissioning, and
 Spark Connect. Every test counts the ids each attempt trained (tests/elastic_training.py):
-every id of an epoch exactly once across the attempts. Runs in the torch profile."""
+every id of an epoch exactly once across the attempts. Runs in the modern profile."""
 from __future__ import annotations
 
 import json
@@ -184,6 +184,9 @@ print("RESULT " + json.dumps({{"run": runner.last_run_dir.path, "result": result
 """
 
 
+@pytest.mark.long("a standalone cluster of its own, with decommissioning on: a master, four "
+                  "workers and their executors start (nine JVMs on 2 cores) beside three ranks "
+                  "training two epochs")
 def test_a_decommissioned_worker_shrinks_the_run_and_a_new_one_grows_it_back(tmp_path,
                                                                             monkeypatch):
     """A standalone cluster with spark.decommission.enabled, np=3, min_np=2: a worker told to

@@ -1,7 +1,7 @@
 """backend="torch": plain torch.distributed code, side by side with Spark's TorchDistributor; the
 DataFrame data path as torch tensors; the helpers (metrics, checkpoints, exact resume); the
-TorchScript model loaded and scored on the executors. Runs in the torch profile (no TensorFlow,
-no horovod installed)."""
+TorchScript model loaded and scored on the executors. Runs in the modern profile (Spark 4, where
+TensorFlow is installed too: the torch path is checked never to import it or horovod)."""
 from __future__ import annotations
 
 import csv

@@ -2,7 +2,7 @@
 Trainer, accelerate, FSDP2 with sharded checkpoints, DeepSpeed ZeRO-1 (launched as Spark's
 DeepspeedTorchDistributor launches it), the drop-in ``sparkhvd.torch.TorchDistributor`` beside
 Spark's own, and several ranks per Spark task. Weights are compared with plain torchrun's where
-training is deterministic. Runs in the torch profile (tests/torch_clients.py holds the clients)."""
+training is deterministic. Runs in the modern profile (tests/torch_clients.py holds the clients)."""
 from __future__ import annotations
 
 import json
@@ -159,6 +159,9 @@ def test_fsdp2_sharded_checkpoints_resume_exactly(spark, tmp_path, fsdp2_four_ep
         "file"] == "epoch-0004"
 
 
+@pytest.mark.long("DeepSpeed compiles its CPU shared-memory collective op (a C++ build, about "
+                  "a minute of CPU) the first time an environment uses it: a fresh CI "
+                  "environment pays it here")
 def test_deepspeed_zero1_launched_as_sparks_deepspeed_distributor_launches_it(tmp_path):
     """A DeepSpeed script given --deepspeed --deepspeed_config (what Spark's
     DeepspeedTorchDistributor passes), through the drop-in: ZeRO-1 on DeepSpeed's CPU
