@@ -41,7 +41,7 @@ endif
 TEST_WORKERS ?= 2
 export SPARKHVD_TEST_PROFILE := $(PROFILE)
 
-.PHONY: setup demo test unit lint docs test-keras bench clean cluster-up cluster-down
+.PHONY: setup demo test test-ids unit lint docs test-keras bench clean cluster-up cluster-down
 
 setup:
 	@PROFILE=$(PROFILE) bash scripts/setup.sh
@@ -51,6 +51,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(TEST_ARGS)
+
+# The ids `make test` runs in this profile, one a line (.ci/test-ids/ keeps a before and after).
+test-ids: setup
+	@$(PY) -m pytest --collect-only -q -p no:cacheprovider $(TEST_ARGS) | grep '::' | sort
 
 # tests/unit: start nothing (no Spark, rank process, server or cluster; conftest enforces it).
 unit: setup

@@ -459,6 +459,8 @@ def _keras_elastic(train, epochs):
     return {"world": kd.size, "change": tuple(change)}
 
 
+@pytest.mark.long("three attempts (3, 2, then 3 hosts), each importing TensorFlow in every rank, "
+                  "and a host's worker restarting between them: 80-130 s on 2 cores")
 def test_an_elastic_tf_run_loses_a_host_and_grows_back(cluster_spark, netns_cluster,
                                                        cluster_azurite, tmp_path, rank_lines):
     """backend="tf", np=3, min_np=2: a host dies mid-epoch -> the run goes on with the 2 left
