@@ -53,7 +53,8 @@ test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(TEST_ARGS)
 
 # The ids `make test` runs in this profile, one a line (.ci/test-ids/ keeps a before and after).
-test-ids: setup
+test-ids:
+	@$(MAKE) --no-print-directory setup PROFILE=$(PROFILE) >&2
 	@$(PY) -m pytest --collect-only -q -p no:cacheprovider $(TEST_ARGS) | grep '::' | sort
 
 # tests/unit: start nothing (no Spark, rank process, server or cluster; conftest enforces it).
