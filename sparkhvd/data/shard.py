@@ -31,7 +31,14 @@ from sparkhvd.data.order import (
     plan_partition,
 )
 from sparkhvd.data.reader import Arrays, ShardReader, WindowRows, rank_batches
-from sparkhvd.data.sharding import Position, ShardSource, steps_from
+from sparkhvd.data.sharding import (
+    Position,
+    ShardSource,
+    lead_in,
+    left_out,
+    samples_after,
+    steps_from,
+)
 
 __side__ = "rank"
 
@@ -145,12 +152,13 @@ class DatasetShard:
         """The epoch a restored position continues (None when nothing was restored)."""
         return self._resume.epoch if self._resume is not None else None
 
-    def _start(self, epoch: int, shuffle: bool, seed: int, window: int) -> int:
+    def _start(self, epoch: int, shuffle: bool, seed: int, window: int) -> tuple[int, int]:
+        """``(samples, step)`` where ``epoch`` begins: 0, or a restored position's."""
         resume, self._resume = self._resume, None
         if resume is None or resume.epoch != epoch:
             if resume is not None and resume.epoch > epoch:
                 self._resume = resume  # an earlier epoch first: keep it for its own epoch
-            return 0
+            return 0, 0
         changed = [f"{name} {was!r} -> {now!r}" for name, was, now in (
             ("shuffle", resume.shuffle, shuffle), ("seed", resume.seed, seed),
             ("shuffle window", resume.window_rows, window),
@@ -160,7 +168,7 @@ class DatasetShard:
                         "continues at row %d of a different order, so some rows of it may be "
                         "seen twice and others not at all.", ", ".join(changed), epoch,
                         resume.samples)
-        return resume.samples
+        return resume.samples, resume.step
 
     def _to_numpy(self, name: str, column: Any, n: int) -> np.ndarray:
         import pyarrow as pa
@@ -228,6 +236,7 @@ class DatasetShard:
         steps = steps_from(self.num_rows, start, batch_size, size)
         if stop_step is not None:
             steps = min(steps, stop_step)
+        lead = lead_in(self.num_rows, start, batch_size, size)
         key, parts = self._layout(shuffle, seed)
         owned = [c for c in owned_partitions(self.partitions, size, rank) if parts[c]]
         per_partition = partition_window_rows(window, self.partitions)
@@ -245,10 +254,21 @@ class DatasetShard:
 
             def open_windows(windows: Any) -> list[Any]:
                 return [WindowRows([kept[w.partition][k] for k in w.pieces]) for w in windows]
-        return rank_batches(plans, open_windows, partitions=self.partitions,
-                            batch_size=batch_size, size=size, rank=rank, start=start,
-                            first_step=first_step, steps=steps, shuffle=shuffle, seed=seed,
-                            epoch=epoch, read_ahead=self.streams(size))
+        def run(rows: int, at: int, first: int, stop: int) -> Generator[Arrays, None, None]:
+            return rank_batches(plans, open_windows, partitions=self.partitions,
+                                batch_size=rows, size=size, rank=rank, start=at,
+                                first_step=first, steps=stop, shuffle=shuffle, seed=seed,
+                                epoch=epoch, read_ahead=self.streams(size))
+
+        if not lead:
+            yield from run(batch_size, start, first_step, steps)
+            return
+        # a resize left ``start`` off this size's step boundaries: the lead-in step's rows
+        # first (this rank's of them: positions i % size == rank), then full steps
+        if first_step == 0 and steps > 0:
+            yield from run(len(range((rank - start) % size, lead, size)), start, 0, 1)
+        if steps > 1:
+            yield from run(batch_size, start + lead, max(0, first_step - 1), steps - 1)
 
     def batches(self, batch_size: int, epoch: int = 0, *, shuffle: bool = False, seed: int = 0,
                 rank: Optional[int] = None, size: Optional[int] = None,
@@ -284,8 +304,14 @@ class DatasetShard:
         r = me.rank if rank is None else rank
         n_size = me.size if size is None else size
         window = self.source.window_rows(shuffle_buffer, self.memory_cache)
-        start = self._start(epoch, shuffle, seed, window)
-        done_before = start // (n_size * batch_size)  # steps of this epoch at this size
+        start, done_before = self._start(epoch, shuffle, seed, window)
+        lead = lead_in(self.num_rows, start, batch_size, n_size)
+        skipped = left_out(self.num_rows, start, batch_size, n_size)
+        if skipped and r == 0:
+            log.warning("Epoch %d resumes at row %d of its order, %d row(s) short of a step "
+                        "boundary of %d ranks: too few to give every rank one, so they are "
+                        "left out of this epoch (a batch_size of at least %d avoids it).",
+                        epoch, start, skipped, n_size, n_size)
         first, stop = steps if steps is not None else (0, None)
         own = reader is None
         reader = reader or self._reader()
@@ -294,9 +320,10 @@ class DatasetShard:
                               first_step=first, stop_step=stop)
         try:
             for step, data in enumerate(batches, start=first + 1):
-                self.position = Position(epoch, start + step * n_size * batch_size, int(seed),
-                                         shuffle, window, self.num_rows, batch_size, n_size,
-                                         done_before + step, self.partitions)
+                self.position = Position(epoch, samples_after(start, step, batch_size, n_size,
+                                                              lead),
+                                         int(seed), shuffle, window, self.num_rows, batch_size,
+                                         n_size, done_before + step, self.partitions)
                 yield self._shape(data)
         finally:
             batches.close()  # its read-ahead thread stops before the files close

@@ -27,12 +27,21 @@ and rank ``r``'s positions all lie in the partitions ``c % g == r % g``, ``g = g
 it reads ``1 / g`` of the data -- its share when ``size`` divides ``P`` (1, 2, 3, 4, 6, 8, 12
 and 24 ranks with the default) -- and keeps only that in memory.
 
-* Each epoch every rank runs ``steps = (N - start) // (size * b)`` batches, the same on all
-  ranks (unequal step counts would hang allreduce); ``start`` is 0, or the position an epoch
-  resumes from. Fewer than ``size * b`` rows are left out at the end.
+* Each epoch every rank runs ``N // (size * b)`` full batches, the same on all ranks (unequal
+  step counts would hang allreduce): the epoch's *end* is ``E = N - N % (size * b)``, and the
+  ``N % (size * b)`` rows after it are left out, as a run that never resized leaves them out.
+* An epoch resumed at a position ``start`` that is not on this size's step boundaries (a run
+  that changed its number of ranks mid-epoch) first runs one *lead-in* step of the
+  ``(E - start) % (size * b)`` rows up to the next boundary, dealt the same way (rank ``r``
+  the positions ``i % size == r``: its batch is a few rows smaller), then full steps to
+  ``E`` (:func:`lead_in`, :func:`steps_from`). So every row up to the end is trained exactly
+  once across any chain of shrinks and grows -- the tail too. (A lead-in of fewer rows than
+  ranks would leave a rank without a row: those rows are left out, with a warning.)
 * A **position** (:class:`Position`) is ``(epoch, samples)``: how many rows of ``S`` the ranks
-  together consumed. A run resumed with any number of ranks continues ``S`` from there; a
-  position of another ``P`` is refused (it is another sequence).
+  together consumed, and ``step``: the steps run in the epoch, counted on across resizes (what
+  checkpoints are named and ordered by, so it only grows). A run resumed with any number of
+  ranks continues ``S`` from there; a position of another ``P`` is refused (it is another
+  sequence).
 
 Before: every rank read every row group of every window and kept ``1 / size`` of the rows
 (``size`` times the reads of the data per epoch), and a dataset kept in memory was kept whole
@@ -79,8 +88,9 @@ class Position:
     num_rows: int = 0
     batch_size: int = 0
     world_size: int = 1
-    #: Batches each rank has run in this epoch (with this world size, since the epoch's start
-    #: or the position it resumed from).
+    #: Steps the ranks have run in this epoch, counted on across resizes: a resumed epoch goes
+    #: on from the step it was saved at, whatever the number of ranks (checkpoints are named
+    #: and ordered by it, so it must only grow).
     step: int = 0
     #: The dataset's partition count ``P`` (0: a position saved before partitions existed).
     partitions: int = 0
@@ -94,9 +104,48 @@ class Position:
         return cls(**known)
 
 
+def epoch_end(num_rows: int, batch_size: int, size: int) -> int:
+    """``E``: the position where ``size`` ranks' full steps of ``batch_size`` rows end an
+    epoch (the rows after it are left out)."""
+    return num_rows - num_rows % (size * batch_size)
+
+
+def lead_in(num_rows: int, start: int, batch_size: int, size: int) -> int:
+    """Rows of the lead-in step an epoch resumed at ``start`` runs first, so that the rest of
+    it falls on ``size``'s step boundaries (0: none needed, or fewer rows than ranks -- see
+    :func:`left_out`)."""
+    rows = (epoch_end(num_rows, batch_size, size) - start) % (size * batch_size) \
+        if start < epoch_end(num_rows, batch_size, size) else 0
+    return rows if rows >= size else 0
+
+
+def left_out(num_rows: int, start: int, batch_size: int, size: int) -> int:
+    """Rows before the epoch's end that an epoch resumed at ``start`` cannot train: a lead-in
+    of fewer rows than ranks (each rank's batch must hold a row). Usually 0."""
+    end = epoch_end(num_rows, batch_size, size)
+    rows = (end - start) % (size * batch_size) if start < end else 0
+    return rows if rows < size else 0
+
+
 def steps_from(num_rows: int, start: int, batch_size: int, size: int) -> int:
-    """Full batches every rank runs from position ``start`` to the end of an epoch."""
-    return max(0, num_rows - start) // (size * batch_size)
+    """Steps every rank runs from position ``start`` to the end of an epoch: the lead-in, if
+    any (:func:`lead_in`), then full batches."""
+    end = epoch_end(num_rows, batch_size, size)
+    if start >= end:
+        return 0
+    lead = lead_in(num_rows, start, batch_size, size)
+    full = (end - start - lead) // (size * batch_size)
+    return full + (1 if lead else 0)
+
+
+def samples_after(start: int, step: int, batch_size: int, size: int, lead: int) -> int:
+    """The position after ``step`` steps (1-based) of an epoch resumed at ``start`` whose
+    lead-in step holds ``lead`` rows."""
+    if step <= 0:
+        return start
+    if lead:
+        return start + lead + (step - 1) * size * batch_size
+    return start + step * size * batch_size
 
 
 @dataclass(frozen=True)
@@ -188,8 +237,9 @@ class ShardSource:
 
     def steps_per_epoch(self, batch_size: int, size: Optional[int] = None,
                         start: int = 0) -> int:
-        """Full batches every rank runs per epoch (the same on all ranks), from position
-        ``start`` (default: a whole epoch)."""
+        """Batches every rank runs per epoch (the same on all ranks), from position ``start``
+        (default: a whole epoch, all full; from a ``start`` off this size's step boundaries,
+        a lead-in step first -- :func:`steps_from`)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
         n_size = current_rank().size if size is None else size

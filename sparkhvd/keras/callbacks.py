@@ -17,6 +17,7 @@ import tensorflow as tf
 from sparkhvd.common import protocol
 from sparkhvd.common.events import emit
 from sparkhvd.common.function_end import at_function_end, at_function_return, held_weakly
+from sparkhvd.data.sharding import lead_in, samples_after, steps_from
 from sparkhvd.keras import checkpoints
 from sparkhvd.runfolder import host_copy as host_copies
 from sparkhvd.runfolder.background_save import BackgroundSave, SavesInBackground, UploadQueue
@@ -274,7 +275,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
                  state: Optional[Callable[[], dict]] = None, write: bool = True,
                  every_steps: Optional[int] = None, every_seconds: Optional[float] = None,
                  agree: Optional[Callable[..., tuple]] = None,
-                 data: Any = None, start: tuple[int, int] = (0, 0),
+                 data: Any = None, start: tuple[int, int] = (0, 0), start_step: int = 0,
                  collective: bool = False, every_step_notices: bool = False,
                  async_save: bool = False, host_copy: bool = True) -> None:
         super().__init__()
@@ -286,6 +287,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
         self.write = write
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self.agree, self.data, self.start = agree, data, start
+        self.start_step = start_step  # steps of the epoch it resumes in, run before it
         self.collective = collective
         self.every_step_notices = every_step_notices
         self.saved: list[str] = []
@@ -310,21 +312,25 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
 
     def position(self) -> tuple[int, int, int]:
         """``(epoch, samples, step)`` of the data now: epochs done, then rows of the next one
-        consumed by all ranks and steps into it. Counted from the steps trained (``data``'s
-        own position runs ahead of the model by what the input pipeline prefetched)."""
+        consumed by all ranks and steps into it (counted on from the step the epoch resumed
+        at, whatever the number of ranks then: checkpoint names must only grow). Counted from
+        the steps trained (``data``'s own position runs ahead of the model by what the input
+        pipeline prefetched); the epoch it resumed in may begin with a lead-in step
+        (:mod:`sparkhvd.data.sharding`)."""
         now = self.data.state_dict() if self.data is not None else None
         if not now or not now.get("batch_size"):
             return self._epoch, 0, self._in_epoch
-        batch = int(now["batch_size"]) * int(now.get("world_size") or 1)
+        per_rank, size = int(now["batch_size"]), int(now.get("world_size") or 1)
+        batch = per_rank * size
         rows = int(now["num_rows"])
         epoch, samples = self.start
-        first = max(0, rows - samples) // batch  # steps left in the epoch it started in
+        first = steps_from(rows, samples, per_rank, size)  # steps left in the epoch it began in
         if self._trained < first:
-            samples += self._trained * batch
-        else:
-            epoch, step = divmod(self._trained - first, max(1, rows // batch))
-            epoch, samples = self.start[0] + 1 + epoch, step * batch
-        return epoch, samples, samples // batch
+            lead = lead_in(rows, samples, per_rank, size)
+            return (epoch, samples_after(samples, self._trained, per_rank, size, lead),
+                    self.start_step + self._trained)
+        epoch, step = divmod(self._trained - first, max(1, rows // batch))
+        return self.start[0] + 1 + epoch, step * batch, step
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
         self._epoch, self._in_epoch = epoch, 0
@@ -386,6 +392,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
         return by_time, notice, False
 
     def _save(self, epoch: int, step: int, to_the_end: bool = False) -> str:
+        taken = time.monotonic()  # the every_seconds clock counts from the state's moment
         state = dict(self.state() if self.state else {})
         lr = getattr(self.model.optimizer, "learning_rate", None)
         if lr is not None and hasattr(lr, "numpy") and "lr" not in state:
@@ -407,7 +414,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
             self._write(epoch, step, files, info)
         elif self.collective:  # tf.distribute reads some variables collectively: every rank
             name = checkpoints.serialise(self.model, epoch, state, step)[0]
-        self._last_save = time.monotonic()
+        self._last_save = taken
         if self.write:
             self.saved.append(name)
         return name

@@ -261,6 +261,7 @@ class KerasDistributed:
         self.every_steps, self.every_seconds, self.keep = every_steps, every_seconds, keep
         self.async_save, self.host_copy = async_save, host_copy
         self.start: tuple[int, int] = (0, 0)
+        self.start_step = 0  # steps of the epoch it resumes in, run before it
         files = run_files()
         self.checkpoint_store: Optional[checkpoints.CheckpointStore]
         if checkpoint is True:
@@ -344,6 +345,7 @@ class KerasDistributed:
                         "KerasDistributed(data=...) the run resumes at the start of that epoch "
                         "(those steps are trained again)", step, self.initial_epoch)
         self.start = (self.initial_epoch, samples if self.data is not None else 0)
+        self.start_step = step if samples and self.data is not None else 0
         return self.initial_epoch
 
     def agree(self, by_time: bool, notice: bool, busy: Optional[bool] = None) -> tuple:
@@ -372,6 +374,7 @@ class KerasDistributed:
                 self.checkpoint_store, state=self._checkpoint_state, write=self.rank == 0,
                 keep=self.keep, every_steps=self.every_steps, every_seconds=self.every_seconds,
                 agree=self.agree if self.size > 1 else None, data=self.data, start=self.start,
+                start_step=self.start_step,
                 collective=self.flavour.save_everywhere,
                 every_step_notices=bool(os.environ.get(protocol.ELASTIC_ENV)),
                 async_save=self.async_save, host_copy=self.host_copy))

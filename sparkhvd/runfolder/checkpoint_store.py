@@ -482,13 +482,22 @@ def _commit(store: CheckpointStore, record: dict) -> dict:
 
 
 def prune(store: CheckpointStore, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` checkpoints (by epoch, then step) from ``store``: each
-    record's files, then the record. The newest is never deleted, and a checkpoint whose record
-    cannot be read is left as it is. Returns the records deleted."""
-    records = sorted(((progress, name) for name in store.list()
-                      if (progress := _progress_of(name)) is not None), reverse=True)
+    """Delete all but the newest ``keep`` checkpoints (by epoch, then step: the step counts on
+    across resizes, so the order only grows) from ``store``: each record's files, then the
+    record. The newest is never deleted, nor the one ``latest.json`` names (the last one
+    committed), and a checkpoint whose record cannot be read is left as it is. Returns the
+    records deleted."""
+    records = sorted(((made, name) for name in store.list()
+                      if (made := _progress_of(name)) is not None), reverse=True)
+    try:
+        committed = latest(store)
+        spared = record_name(*progress(committed)) if committed else None
+    except Exception:  # noqa: BLE001 - an unreadable latest.json protects nothing
+        spared = None
     deleted = []
     for _, name in records[max(1, keep):]:
+        if name == spared:
+            continue
         try:
             record = json.loads(store.read(name))
         except Exception:  # noqa: BLE001 - an unreadable record is left for a person to see

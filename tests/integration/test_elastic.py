@@ -31,10 +31,18 @@ def _frame(spark, n=N):
         "CAST(id % 7 + 2 * (id % 5) AS FLOAT) AS y")
 
 
-def _once_each(logs, epoch, n, size_batch):
+def _once_each(logs, epoch, n, batch):
+    """Every id of ``epoch`` trained once over all attempts, and as many as a run that never
+    resized trains at the size that ended the epoch: all but ``n % (size * batch)`` (the
+    tail left out of full steps), however the size changed on the way."""
     ids = et.ids_of_epoch(logs, epoch)
     assert len(ids) == len(set(ids)), f"epoch {epoch}: an id trained twice"
-    assert set(ids) <= set(range(n)) and n - len(ids) < size_batch, f"epoch {epoch}: ids lost"
+    last = max(a for a, ranks in logs.items()
+               if any(e == epoch for entry in ranks.values() for e, _, _ in entry["steps"]))
+    size = len(logs[last])
+    assert set(ids) <= set(range(n)), f"epoch {epoch}: ids that are not the data's"
+    assert len(ids) == n - n % (size * batch), \
+        f"epoch {epoch}: {n - n % (size * batch) - len(ids)} id(s) lost (ended at np={size})"
 
 
 def _when(condition, what, timeout=240):
@@ -88,7 +96,7 @@ def test_sigterm_to_a_rank_costs_at_most_one_step(spark, tmp_path, async_save, s
         last = max(s for e, s, _ in logs[0][rank]["steps"] if e == 1)
         assert last - step <= 1, f"rank {rank} trained steps {step + 1}..{last} again"
     for epoch in (0, 1):
-        _once_each(logs, epoch, N, 2 * 4)
+        _once_each(logs, epoch, N, 4)
     states = [s["state"] for s in record["states"]]
     assert states == ["placing", "running", "restarting", "placing", "running", "finished"]
     restart = record["states"][2]
@@ -119,7 +127,7 @@ def test_an_elastic_run_on_spark_connect(connect, tmp_path):
     restored = second["restored"].rsplit("/", 1)[-1]
     logs = _cut_at(et.read_logs(logs_dir), 0, restored)
     for epoch in (0, 1):
-        _once_each(logs, epoch, N, 2 * 4)
+        _once_each(logs, epoch, N, 4)
 
 
 def test_the_writing_rank_killed_with_async_saves_resumes_from_a_complete_checkpoint(
@@ -143,7 +151,7 @@ def test_the_writing_rank_killed_with_async_saves_resumes_from_a_complete_checkp
     restored = second["restored"].rsplit("/", 1)[-1]
     logs = _cut_at(et.read_logs(logs_dir), 0, restored)
     for epoch in (0, 1):
-        _once_each(logs, epoch, N, 2 * 4)
+        _once_each(logs, epoch, N, 4)
 
 
 def _cut_at(logs, attempt, checkpoint):
@@ -243,7 +251,7 @@ def test_a_decommissioned_worker_shrinks_the_run_and_a_new_one_grows_it_back(tmp
             last = max(s for e, s, _ in entry["steps"] if e == epoch)
             assert last - step <= 1, f"rank {rank} redid steps {step + 1}..{last}"
         for epoch in range(2):
-            _once_each(logs, epoch, n, 3 * 4)
+            _once_each(logs, epoch, n, 4)
     finally:
         cluster.stop()
 
@@ -252,10 +260,13 @@ def test_a_run_on_a_local_master_grows_back_when_another_job_gives_its_slot_back
                                                                                  tmp_path):
     """A notebook on one large machine: local[2], np=2, min_np=1. Another job takes a slot as
     rank 1 dies: the run goes on with 1 rank; when the job ends, the run sees the free slot
-    (resize_check_s=3) and grows back to 2 at its next step -- every id of each epoch once
-    (the steps rank 1's loss took since the checkpoint are trained again, not counted twice).
-    The checkpoints go to an ``abfss://`` folder (Azurite), so rank 0 keeps a host copy: the
-    run resumes at another np from it, the data's position continuing."""
+    (resize_check_s=3) and grows back to 2 at its next step. Then rank 1 of the grown attempt
+    is SIGKILLed: the relaunch resumes from a checkpoint the grown attempt wrote (not one from
+    before the grow), redoing at most every_steps steps. Every id of each epoch once, as many
+    as a run that never resized trains (the steps each loss took since its checkpoint are
+    trained again, not counted twice). The checkpoints go to an ``abfss://`` folder
+    (Azurite), so rank 0 keeps a host copy: the run resumes at another np from it, the data's
+    position continuing."""
     store = conftest.Azurite.start(str(tmp_path / "azurite"))
     try:
         store.make_container("ckpt")
@@ -283,6 +294,13 @@ def _grow_back(spark, tmp_path, store):
         _when(lambda: et.read_logs(logs_dir)[1][0]["steps"], "a step at 1 rank")
         sc.cancelJobGroup("elastic-test-blocker")
 
+        def grown_rank_1_pid():
+            rank1 = et.read_logs(logs_dir).get(2, {}).get(1)
+            return rank1["pid"] if rank1 and len(rank1["steps"]) >= 3 else None
+
+        _when(grown_rank_1_pid, "rank 1 three steps into the grown attempt")
+        os.kill(grown_rank_1_pid(), signal.SIGKILL)
+
     thread = threading.Thread(target=lose_rank_1_to_another_job, daemon=True)
     with DataFrameDataset(_frame(spark), ["x", "id"], "y") as ds:
         runner = HorovodRunner(np=2, min_np=1, max_np=2, resize_check_s=3, spark=spark,
@@ -290,24 +308,37 @@ def _grow_back(spark, tmp_path, store):
         thread.start()
         try:
             runner.run(et.train_ids, data=ds, epochs=3, log_dir=str(logs_dir), every_steps=2,
-                       step_s=[0.1, 0.25, 0.05], url=store.url("ckpt", "grow"),
+                       step_s=[0.1, 0.25, 0.15, 0.05], url=store.url("ckpt", "grow"),
                        storage_options=store.options())
         finally:  # a failed run must not leave the other job holding a slot for later tests
             sc.cancelJobGroup("elastic-test-blocker")
     thread.join(5)
     record = runner.last_run_dir.record
-    assert [a["size"] for a in record["attempts"]] == [2, 1, 2], record["attempts"]
+    attempts = record["attempts"]
+    assert [a["size"] for a in attempts][:3] == [2, 1, 2] and len(attempts) >= 4, attempts
     assert record["resume"]["copy"] == "host", record["resume"]  # not Azurite
-    grow = record["resizes"][-1]
+    grow = record["resizes"][1]
     assert (grow["from"], grow["to"]) == (1, 2) and "slot(s) free" in grow["why"], grow
     logs = et.read_logs(logs_dir)
-    name = record["attempts"][1]["restored"].rsplit("/", 1)[-1].rsplit(".", 1)[0]
-    epoch, step = int(name.split("-")[1]), int(name.rsplit("-", 1)[1]) if "step" in name else 0
-    for entry in logs[0].values():  # lost with rank 1: trained again after the restore
-        entry["steps"] = [(e, s, i) for e, s, i in entry["steps"]
-                          if e < epoch or (e == epoch and s <= step)]
+    grown = min((e, s) for entry in logs[2].values() for e, s, _ in entry["steps"])
+    restored = _progress(attempts[3]["restored"])
+    assert restored >= grown, f"the relaunch rolled back to {restored}, before the grow"
+    for entry in logs[2].values():
+        last = max((e, s) for e, s, _ in entry["steps"])
+        assert last[0] > restored[0] or last[1] - restored[1] <= 2, \
+            f"steps {restored} to {last} redone: more than every_steps=2"
+    for attempt in range(1, len(attempts)):  # what each loss took is trained again after it
+        if attempt - 1 in logs and attempts[attempt].get("restored"):
+            _cut_at(logs, attempt - 1, attempts[attempt]["restored"].rsplit("/", 1)[-1])
     for epoch in range(3):
-        _once_each(logs, epoch, N, 2 * 4)
+        _once_each(logs, epoch, N, 4)
+
+
+def _progress(checkpoint):
+    """``(epoch, step)`` a checkpoint file continues from: ``epoch-000E-step-K.pt`` -> (E, K),
+    ``epoch-000E.pt`` (after E epochs) -> (E, 0)."""
+    name = checkpoint.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+    return int(name.split("-")[1]), int(name.rsplit("-", 1)[1]) if "-step-" in name else 0
 
 
 @pytest.mark.parametrize("client", ["hf", "lightning"])

@@ -48,7 +48,8 @@ def _ids(tmp_path, n=1000, group_rows=17, memory_cache=1 << 30):
 
 def _interleaved(source, size, batch, epoch, *, start_state=None, **kw):
     """The sequence the ranks read, step by step: at each step the ranks' batches together are
-    the step's ``size * batch`` positions, rank ``r`` holding those ``i % size == r`` in order
+    the step's ``size * batch`` positions (fewer in a lead-in step), rank ``r`` holding those
+    ``i % size == r`` in order
     (each rank its own DatasetShard)."""
     per_rank = []
     for rank in range(size):
@@ -58,13 +59,14 @@ def _interleaved(source, size, batch, epoch, *, start_state=None, **kw):
         per_rank.append([[int(i) for i in x] for x, _ in
                          shard.batches(batch, epoch, rank=rank, size=size, **kw)])
     assert len({len(r) for r in per_rank}) == 1, "equal steps on every rank"
-    start = start_state["samples"] if start_state else 0
+    at = start_state["samples"] if start_state else 0
     order = []
-    for step in zip(*per_rank):
-        positions = [0] * (size * batch)
+    for step in zip(*per_rank):  # a resumed epoch's lead-in step holds fewer rows
+        positions = [0] * sum(len(rows) for rows in step)
         for rank, rows in enumerate(step):
-            positions[(rank - start) % size::size] = rows
+            positions[(rank - at) % size::size] = rows
         order += positions
+        at += len(positions)
     return order
 
 
@@ -403,3 +405,67 @@ def test_windows_and_partitions_split_pieces_of_any_size(tmp_path, shuffle):
                     assert (x[:, 0] == y).all() and (x[:, 1] == -y).all()
                     seen += y.tolist()
             assert len(seen) == len(set(seen)) == len(ids) // (3 * size) * 3 * size
+
+
+def _attempt(source, size, batch, epoch, state, steps=None, **kw):
+    """One attempt of ``size`` ranks (each its own DatasetShard) from the position ``state``:
+    its ids per step (each step the ranks' ids together) and the position after each step,
+    for at most ``steps`` steps (None: to the epoch's end)."""
+    per_rank, positions = [], []
+    for rank in range(size):
+        shard = DatasetShard(source)
+        if state is not None:
+            shard.load_state_dict(state)
+        ids, seen = [], []
+        for x, _ in shard.batches(batch, epoch, rank=rank, size=size, **kw):
+            ids.append([int(i) for i in x])
+            seen.append(shard.state_dict())
+            if steps is not None and len(ids) == steps:
+                break
+        per_rank.append(ids)
+        positions.append(seen)
+    assert len({len(r) for r in per_rank}) == 1, "equal steps on every rank"
+    assert all(p == positions[0] for p in positions), "every rank at the same position"
+    return [sum(step, []) for step in zip(*per_rank)], positions[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("batch", [16, 5])
+def test_a_chain_of_resizes_trains_every_id_once_and_checkpoint_steps_only_grow(
+        tmp_path, mode, batch):
+    """np=2 -> 1 -> 3 (killed 2 steps after its last checkpoint) -> 3 -> 1 -> 2 in one epoch,
+    each attempt resuming from the previous one's last checkpoint: every id of the epoch up to the
+    final size's end is kept exactly once -- the tail too, as many as a run that never resized
+    trains -- only the killed steps are redone, and the checkpoints' step numbers only grow."""
+    source = _ids(tmp_path, n=1003, **MODES[mode])
+    kw = {"shuffle": True, "seed": 4, "shuffle_buffer": 150}
+    # (ranks, steps it runs, the step its last checkpoint is after)
+    chain = [(2, 7, 7), (1, 5, 5), (3, 4, 2), (3, 3, 3), (1, 1, 1), (2, None, None)]
+    state, kept, redone, names = None, [], [], []
+    for size, steps, checkpoint in chain:
+        ids, positions = _attempt(source, size, batch, 1, state, steps, **kw)
+        upto = len(ids) if checkpoint is None else checkpoint
+        kept += sum(ids[:upto], [])
+        redone += sum(ids[upto:], [])
+        if checkpoint is not None:
+            state = positions[checkpoint - 1]
+            names.append(state["step"])
+    assert len(kept) == len(set(kept)), "no id kept twice across the resizes"
+    straight = sum(_attempt(source, 2, batch, 1, None, **kw)[0], [])
+    assert sorted(kept) == sorted(straight), "every id a run that never resized trains, once"
+    assert len(redone) == 2 * 3 * batch, "only the killed attempt's steps after its checkpoint"
+    assert names == sorted(set(names)) and names == [7, 12, 14, 17, 18], "step numbers only grow"
+    assert 1003 - len(kept) < 2 * batch
+
+
+def test_a_lead_in_step_of_fewer_rows_than_ranks_is_left_out_and_said(tmp_path, caplog):
+    """batch_size 1 on 4 ranks, resumed 2 rows off a step boundary: 2 rows cannot give each
+    of 4 ranks one, so they are left out (with a warning), and every rank still runs the same
+    full steps."""
+    source = _ids(tmp_path, n=40)
+    state = {"epoch": 0, "samples": 6, "step": 6, "num_rows": 40, "batch_size": 1,
+             "world_size": 1, "partitions": 24}
+    with caplog.at_level("WARNING"):
+        ids, _ = _attempt(source, 4, 1, 0, state)
+    assert [len(step) for step in ids] == [4] * 8 and len(set(sum(ids, []))) == 32
+    assert "2 row(s) short of a step boundary of 4 ranks" in caplog.text

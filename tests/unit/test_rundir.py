@@ -107,3 +107,15 @@ def test_a_resume_reads_the_newest_record_not_every_record_of_the_folder(tmp_pat
     os.unlink(tmp_path / "epoch-0000-step-0000200.pt")  # the newest is gone: the one before
     record, loaded, problems = restore_newest(store, lambda r, files: len(files[r["file"]]))
     assert (record["step"], loaded) == (199, 199) and "missing" in problems[0]
+
+
+def test_prune_never_deletes_the_checkpoint_latest_json_names(tmp_path):
+    """However the checkpoints' names order, the one committed last (what a relaunch resumes
+    from) is never pruned: keep=1 after a newer-named record is left behind by a failure."""
+    from sparkhvd.runfolder.checkpoint_store import UrlStore, latest, prune, write_checkpoint
+
+    store = UrlStore(str(tmp_path))
+    write_checkpoint(store, 1, {"s40.bin": b"x" * 40}, {"file": "s40.bin"}, 40)
+    write_checkpoint(store, 1, {"s35.bin": b"x" * 35}, {"file": "s35.bin"}, 35)  # committed last
+    assert prune(store, 1) == []
+    assert latest(store)["file"] == "s35.bin" and os.path.exists(tmp_path / "s35.bin")
