@@ -11,8 +11,10 @@ slow?")::
 
 As reports arrive, :func:`sparkhvd.timing.stragglers.find` compares the ranks of the running
 attempt; each finding is said once on the console (``[sparkhvd] rank 1 (host h2) is the
-straggler: ...``), kept in ``run.json``'s ``time_split.findings`` and tagged in MLflow. At the
-end, ``run.json``'s ``time_split`` holds every rank's totals and where each bucket went.
+straggler: ...``), kept in ``run.json``'s ``time_split.findings`` and tagged in MLflow. When an
+attempt ends without a straggler found, its whole time is compared once more (a short attempt
+never fills the window). At the end, ``run.json``'s ``time_split`` holds every rank's totals
+and where each bucket went.
 """
 from __future__ import annotations
 
@@ -25,7 +27,15 @@ from typing import Any, Callable, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.timing.buckets import BUCKETS, dominant, share
-from sparkhvd.timing.stragglers import MIN_SAMPLED_S, WINDOW_S, Finding, RankWindow, find, gone
+from sparkhvd.timing.stragglers import (
+    END_MIN_SAMPLED_S,
+    MIN_SAMPLED_S,
+    WINDOW_S,
+    Finding,
+    RankWindow,
+    find,
+    gone,
+)
 
 __side__ = "driver"
 
@@ -63,16 +73,51 @@ class TimeSplits:
         self._stragglers: dict[tuple, Finding] = {}
         #: rank -> its time over the whole run (ranks renumber after a resize)
         self.totals: dict[int, RankWindow] = {}
+        #: rank -> its time in the running attempt, and whether a straggler was named in it
+        self._attempt_totals: dict[int, RankWindow] = {}
+        self._named_in_attempt = False
         self.reports = 0
         self._recent: list[protocol.TimeSplit] = []
         self._lock = threading.Lock()
         self._file: Any = None
 
     def begin(self, attempt: int, size: int) -> None:
-        """A new attempt with ``size`` ranks: comparisons start over."""
+        """A new attempt with ``size`` ranks: the last one judged as a whole if it needs it
+        (:meth:`_settle`), then comparisons start over."""
         with self._lock:
+            new, every = self._settle()
             self.attempt, self.size, self._recent = attempt, size, []
             self._stragglers = {}
+            self._attempt_totals, self._named_in_attempt = {}, False
+        self._tell(new, every)
+
+    def _settle(self) -> tuple[list[Finding], list[dict]]:
+        """The attempt that ends, compared over its whole time when its window never named a
+        straggler (each rank at least ``END_MIN_SAMPLED_S`` sampled): what it shows that was
+        not said yet. Under the lock."""
+        if self._named_in_attempt or not self._attempt_totals:
+            return [], []
+        totals = [self._attempt_totals[r] for r in sorted(self._attempt_totals)]
+        new = []
+        for finding in find(totals, self.size, END_MIN_SAMPLED_S):
+            if finding.key in self._said or (finding.kind == "straggler"
+                                             and finding.key in self._stragglers):
+                continue
+            self._said.add(finding.key)
+            finding.text += f" (over attempt {self.attempt} as a whole)"
+            new.append(finding)
+        self._named_in_attempt = self._named_in_attempt or any(
+            f.kind == "straggler" for f in new)
+        self.findings += new
+        return new, [f.as_dict() for f in self.findings]
+
+    def _tell(self, new: list[Finding], every: list[dict]) -> None:
+        """Say each new finding, record them all (outside the lock)."""
+        for finding in new:
+            self.say(finding.text)
+            self.on_findings(every)
+            if self.tracker is not None:
+                self.tracker.finding(len(every), finding.text)
 
     def add(self, msg: protocol.TimeSplit) -> None:
         """One rank's report: written, counted, compared."""
@@ -81,11 +126,13 @@ class TimeSplits:
             self._write(msg)
             self.reports += 1
             _add(_window_of(self.totals, msg), msg)
+            _add(_window_of(self._attempt_totals, msg), msg)
             self._recent = [m for m in self._recent if m.end >= msg.end - WINDOW_S] + [msg]
             windows = self._windows()
             found = find(windows, self.size)
             for finding in found:
                 if finding.kind == "straggler":
+                    self._named_in_attempt = True
                     if finding.key not in self._stragglers:
                         self._stragglers[finding.key] = finding
                         new.append(finding)
@@ -100,11 +147,7 @@ class TimeSplits:
             every = [f.as_dict() for f in self.findings]
         if self.tracker is not None and msg.system:
             self.tracker.system_metrics(msg.rank, msg.system, self.reports)
-        for finding in new:
-            self.say(finding.text)
-            self.on_findings(every)
-            if self.tracker is not None:
-                self.tracker.finding(len(every), finding.text)
+        self._tell(new, every)
 
     def _windows(self) -> list[RankWindow]:
         windows: dict[int, RankWindow] = {}
@@ -139,7 +182,12 @@ class TimeSplits:
                     "findings": [f.as_dict() for f in self.findings]}
 
     def close(self) -> None:
+        """The ranks are done: the last attempt judged as a whole if it needs it, the file
+        closed."""
         with self._lock:
+            new, every = self._settle()
+            self._attempt_totals = {}
             if self._file is not None:
                 self._file.close()
                 self._file = None
+        self._tell(new, every)

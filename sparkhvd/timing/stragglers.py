@@ -16,6 +16,11 @@ Over the last :data:`WINDOW_S` of reports, once every rank of the attempt has at
   data, *communication-bound* when every rank waits that much in collectives and none is a
   straggler.
 
+An attempt too short for the window (each rank under :data:`MIN_SAMPLED_S` sampled in its last
+:data:`WINDOW_S`, e.g. 150 quick steps) is judged once more when it ends, over the whole attempt
+(each rank at least :data:`END_MIN_SAMPLED_S`), by the same rules: a straggler the window never
+got to see is still named (:class:`~sparkhvd.timing.splits.TimeSplits`).
+
 A straggler that is no longer one over the window is said once too (``straggler-gone``). The
 ``other`` bucket (a rank's start, its imports) never makes a straggler: ranks start at
 different speeds, and nothing in the training loop changes that.
@@ -34,6 +39,8 @@ __side__ = "driver"
 WINDOW_S = 60.0
 #: Each rank needs this much sampled time in the window before any comparison.
 MIN_SAMPLED_S = 15.0
+#: ... and over a whole attempt, judged when it ends (an attempt too short for the window).
+END_MIN_SAMPLED_S = 3.0
 #: A straggler's share of a bucket exceeds the others' median by at least this much.
 GAP = 0.20
 #: Every rank this much in data loading (collectives): the run is input- (communication-) bound.
@@ -113,10 +120,11 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f} %"
 
 
-def find(ranks: list[RankWindow], size: int) -> list[Finding]:
+def find(ranks: list[RankWindow], size: int, min_sampled: float = MIN_SAMPLED_S
+         ) -> list[Finding]:
     """What the window shows (see the module docstring); nothing until every one of ``size``
-    ranks has :data:`MIN_SAMPLED_S` sampled."""
-    if len(ranks) < size or not ranks or any(r.total < MIN_SAMPLED_S for r in ranks):
+    ranks has ``min_sampled`` seconds sampled."""
+    if len(ranks) < size or not ranks or any(r.total < min_sampled for r in ranks):
         return []
     shares = {r.rank: share(r.seconds) for r in ranks}
     found: list[Finding] = []

@@ -2,6 +2,7 @@
 straggler or a run input-bound, the GPU metrics (NVML faked), the report from a run folder."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -184,3 +185,33 @@ def test_a_straggler_that_goes_away_is_said_once(tmp_path):
                                               "rank 1 (host h1) is no longer the straggler"]
     kinds = [f["kind"] for f in splits.summary()["findings"]]
     assert kinds == ["straggler", "straggler-gone"]
+
+
+def test_a_short_attempt_is_judged_as_a_whole_when_it_ends(tmp_path):
+    """150 quick DDP steps (8 s a rank, under the window's 15 s): rank 1 computes 81 % of its
+    time while rank 0 waits 68 % in DDP's all-reduce. Nothing can be said while it runs; when
+    the attempt ends (the next begins, or the ranks are done) it is compared over its whole
+    time and rank 1 is named for computing -- on the console and in run.json's findings. A
+    balanced short attempt names nobody."""
+    said, recorded = [], []
+    splits = TimeSplits(str(tmp_path), say=said.append, findings=recorded.append)
+    splits.begin(1, 2)
+    for i in range(2):
+        splits.add(dataclasses.replace(_split(0, 4.0 * i, compute=1.2, collective=2.6),
+                                       waits=["ddp"], steps=75))
+        splits.add(dataclasses.replace(_split(1, 4.0 * i, compute=2.6, collective=0.4,
+                                              data=0.2), waits=["ddp"], steps=75))
+    assert said == [], "too short for the window"
+    splits.begin(2, 2)  # the first attempt ends
+    assert len(said) == 1 and said[0].startswith("rank 1 (host h1) is the straggler: 81 % of "
+                                                 "its time in computing"), said
+    assert said[0].endswith("(over attempt 1 as a whole)")
+    for i in range(2):  # a balanced attempt
+        for rank in (0, 1):
+            splits.add(dataclasses.replace(_split(rank, 4.0 * i, compute=3.5, collective=0.5),
+                                           waits=["ddp"], steps=75))
+    splits.close()
+    assert len(said) == 1, "the balanced attempt names nobody"
+    (finding,) = splits.summary()["findings"]
+    assert (finding["kind"], finding["rank"], finding["bucket"]) == ("straggler", 1, "compute")
+    assert recorded[-1] == splits.summary()["findings"]
