@@ -30,8 +30,14 @@ Rules:
 - **bounded**: a checkpoint is kept when it fits in half the folder's free space (the older
   copy is deleted once the new one is in); otherwise no copy is kept and the older one is
   deleted too, said once on the rank's console.
+- **private**: PyTorch's copies are pickles (``torch.load``), so whoever can write the folder
+  could plant code that runs as the rank. The folder is the user's own
+  (``sparkhvd-host-copies-<uid>``, made ``0700``), and it is checked before anything is kept
+  or read there: owned by this user, not a link, no one else may write in it -- else no host
+  copy is kept or read (said once) and relaunches read the run folder. A copy is read only
+  when its SHA-256 equals the checkpoint's record.
 - **where**: ``$SPARKHVD_HOST_COPY_DIR`` (``/dev/shm`` for memory speed, where it is large
-  enough), else the system's temporary folder, in ``sparkhvd-host-copies/<run id>/rank-<N>/``:
+  enough), else the system's temporary folder, in ``sparkhvd-host-copies-<uid>/<run id>/rank-<N>/``:
   each writing rank keeps its own files (rank 0 writes PyTorch's and Keras' checkpoints; every
   rank writes its shards of a sharded one), and a relaunched rank reads every copy its host
   has, whichever rank kept it.
@@ -53,6 +59,7 @@ import json
 import mmap
 import os
 import shutil
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -126,16 +133,49 @@ class HostCopy:
         return data
 
 
+#: The folder of this user's host copies, in ``$SPARKHVD_HOST_COPY_DIR`` or the temp folder.
+BASE_NAME = f"sparkhvd-host-copies-{os.getuid()}"
+_private: set = set()  # the base folders this process made or found private
+
+
 def base_folder() -> str:
-    """The folder that holds every run's host copies on this host."""
+    """The folder that holds every run's host copies on this host (this user's)."""
     base = os.environ.get(DIR_ENV) or tempfile.gettempdir()
-    return os.path.join(base, "sparkhvd-host-copies")
+    return os.path.join(base, BASE_NAME)
+
+
+def private_base() -> bool:
+    """Make :func:`base_folder` (``0700``) if it is not there, and check that only this user
+    can write in it: its owner, not a link, no write or entry for group or others. False (said
+    once) where it is not, or cannot be made: then no copy is kept or read there."""
+    base = base_folder()
+    if base in _private:
+        return True
+    try:
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        st = os.lstat(base)
+    except OSError as exc:
+        _said_failed(exc)
+        return False
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or \
+            st.st_uid != os.getuid() or st.st_mode & 0o077:
+        _say_once(f"private:{base}", "no host copy kept or read in %s: it is not a folder only "
+                  "this user can write (owner uid %d, mode %o), so anyone could plant a "
+                  "checkpoint there; relaunches restore from the run folder. Fix: remove it, "
+                  "or point %s to a private folder", base, st.st_uid, st.st_mode & 0o7777,
+                  DIR_ENV)
+        return False
+    _private.add(base)
+    return True
 
 
 def folder() -> Optional[str]:
-    """This run's host-copy folder; None outside a sparkhvd run (no run id)."""
+    """This run's host-copy folder; None outside a sparkhvd run (no run id), or where the
+    base folder is not private (:func:`private_base`)."""
     run_id = os.environ.get(protocol.RUN_ID_ENV)
-    return os.path.join(base_folder(), run_id) if run_id else None
+    if not run_id or not private_base():
+        return None
+    return os.path.join(base_folder(), run_id)
 
 
 def _own_folder() -> Optional[str]:
@@ -342,8 +382,9 @@ def discard(path: str) -> None:
 
 
 def _said_failed(exc: OSError) -> None:
-    _say_once(f"fail:{folder()}", "no host copy kept in %s (%s); relaunches restore from the "
-              "run folder", folder(), exc)
+    where = os.path.join(base_folder(), os.environ.get(protocol.RUN_ID_ENV) or "")
+    _say_once(f"fail:{where}", "no host copy kept in %s (%s); relaunches restore from the "
+              "run folder", where, exc)
 
 
 def find_all() -> dict[str, HostCopy]:

@@ -577,7 +577,7 @@ def test_a_keras_relaunch_restores_rank_0s_host_copy(tmp_path, backend, moved, a
         record["resume"]
     assert record["resume"]["copy"] == ("peer" if moved else "host"), record["resume"]
     assert result["weights"] == straight["weights"], "the same weights as straight through"
-    bases = [os.path.join(hosts, f"host-{n}", "sparkhvd-host-copies") for n in (0, 1)] \
+    bases = [os.path.join(hosts, f"host-{n}", host_copy.BASE_NAME) for n in (0, 1)] \
         if hosts else [host_copy.base_folder()]
     assert not any(os.path.exists(os.path.join(base, runner.last_run_dir.run_id))
                    for base in bases)

@@ -134,12 +134,40 @@ def test_a_folder_a_failed_run_left_is_deleted_a_day_later(run_env):
     stale = os.path.join(host_copy.base_folder(), "old-run")
     fresh = os.path.join(host_copy.base_folder(), "other-live-run")
     saving = os.path.join(host_copy.base_folder(), "long-run-still-saving")
+    assert host_copy.private_base()  # what the failed run made: the user's own, 0700
     for folder in (stale, fresh, os.path.join(stale, "rank-0"), os.path.join(saving, "rank-0")):
         os.makedirs(folder)
     for folder in (os.path.join(stale, "rank-0"), stale, saving):
         os.utime(folder, (0, 0))
     _keep("epoch-0001.pt", b"data")
     assert not os.path.exists(stale) and os.path.exists(fresh) and os.path.exists(saving)
+
+
+@pytest.mark.parametrize("made", ["open to others", "a link"])
+def test_a_folder_others_can_write_is_never_used(run_env, made, capsys, monkeypatch):
+    """Host copies are pickles: a base folder someone else could have made or could write in
+    (mode 0777, or a link to elsewhere) is neither written nor read -- said once, with the fix
+    -- and the run folder is read instead. The folder sparkhvd makes is 0700."""
+    base = host_copy.base_folder()
+    elsewhere = os.path.join(os.path.dirname(base), "elsewhere")
+    os.makedirs(elsewhere, mode=0o700)
+    if made == "a link":
+        os.symlink(elsewhere, base)
+    else:
+        os.makedirs(base)
+        os.chmod(base, 0o777)
+    assert _keep("epoch-0001.pt", b"data") is None and host_copy.find_all() == {}
+    said = [line for line in capsys.readouterr().out.splitlines() if "no host copy" in line]
+    assert len(said) == 1 and "not a folder only this user can write" in said[0], said
+    assert host_copy.DIR_ENV in said[0]
+    assert os.listdir(elsewhere) == [] and not os.listdir(base)
+    monkeypatch.setattr(host_copy, "_private", set())
+    if made == "a link":
+        os.unlink(base)
+    else:
+        os.rmdir(base)
+    assert _keep("epoch-0001.pt", b"data") is not None
+    assert os.stat(base).st_mode & 0o777 == 0o700
 
 
 def test_a_killed_ranks_spool_and_upload_hold_go_with_the_next_processs_first_save(run_env):
@@ -813,7 +841,7 @@ def test_a_sharded_relaunch_with_every_file_on_its_host_reads_them_there(sharded
 
 def _move_copies(run_env, source: str, target: str) -> None:
     """Every rank's copies kept on host ``source`` to host ``target``."""
-    run = os.path.join("sparkhvd-host-copies", "20261126-run")
+    run = os.path.join(host_copy.BASE_NAME, "20261126-run")
     for rank_folder in (run_env / source / run).iterdir():
         os.rename(rank_folder, run_env / target / run / rank_folder.name)
 
