@@ -164,6 +164,9 @@ class DataFrameDataset:
         self._df = df
         self._manifest: Any = None
         self._finalizer: Any = None
+        #: in_place=True: the files found now (a DataFrame that cannot be read in place is
+        #: refused here, not when a run starts), read by :meth:`materialize`
+        self._planned: Any = self._plan_in_place() if in_place else None
 
     # -- driver side -----------------------------------------------------------------------
     def _check_cache_visible(self, parent: str, master: str,
@@ -203,19 +206,26 @@ class DataFrameDataset:
         self._finalizer = mat.finalizer(self, manifest)
         return self
 
+    def _plan_in_place(self) -> Any:
+        """The DataFrame's own Parquet files (:func:`sparkhvd.data.in_place.plan`), or why it
+        cannot be read in place -- raised when ``in_place=True`` asks for it."""
+        from sparkhvd.data import in_place
+
+        found = in_place.plan(self._df, self.columns, self._schema, self.dtype,
+                              self.storage_options, self.partitions)
+        if isinstance(found, str) and self.in_place:
+            raise ValueError(f"in_place=True, but the DataFrame cannot be read in place: "
+                             f"{found}. Leave in_place unset to materialise it.")
+        return found
+
     def _in_place(self) -> Any:
         """The DataFrame's own Parquet files, checked, when they can be read as they are
         (:mod:`sparkhvd.data.in_place`); None (with the log line saying why) otherwise."""
         from sparkhvd import storage
-        from sparkhvd.data import in_place
         from sparkhvd.data import materialize as mat
 
-        found = in_place.plan(self._df, self.columns, self._schema, self.dtype,
-                              self.storage_options, self.partitions)
+        found, self._planned = self._planned or self._plan_in_place(), None
         if isinstance(found, str):
-            if self.in_place:
-                raise ValueError(f"in_place=True, but the DataFrame cannot be read in place: "
-                                 f"{found}. Leave in_place unset to materialise it.")
             log.info("DataFrameDataset: materialising (not read in place: %s)", found)
             return None
         profile = mat.profile(self._df, self.columns, self.kinds, self._schema)

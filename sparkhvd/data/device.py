@@ -9,8 +9,9 @@ before it touches the batch (no synchronisation of the whole device on the step'
 the tensors are marked as used on that stream so the caching allocator does not hand their
 memory out early.
 
-The CUDA calls go through :class:`CudaCopies`; a test swaps it for a fake that records them
-(no GPU here), and the lent GPU runs the real one (bench B5D).
+The CUDA calls go through :class:`CudaCopies`; ``tests/unit/test_device_batches.py`` swaps it
+for a fake that records them (the order of copies, events and waits). No test or bench runs the
+real one on a GPU yet.
 """
 from __future__ import annotations
 

@@ -290,8 +290,8 @@ class _CheckpointsBase(SavesInBackground):
 
     def _saved(self) -> None:
         """After a save is written: rank 0 prunes to the newest ``keep``. (The ``every_seconds``
-        clock restarts where the save was taken: after a synchronous write, at the host copy of
-        a background one -- not when its write ends.)"""
+        clock restarts where the save's state was taken -- before a synchronous write, at the
+        host copy of a background one -- not when its write ends.)"""
         if self.keep and self.rank == 0 and self.store is not None:
             prune(self.store, self.keep)
 
@@ -460,8 +460,8 @@ class Checkpoints(_CheckpointsBase):
         done, state = self._state(epoch, step, extra)
         name = self._name(done, step or 0)
         if self._background is None:
+            self._last_save = time.monotonic()  # the clock counts from the state's moment
             self._persist(state, name, done, step or 0)
-            self._last_save = time.monotonic()
             return name
         self._background.wait()  # one in flight: its buffers are the ones filled now
         self._wait_for_first_upload()  # the folder's first: what a relaunch finds
@@ -752,9 +752,9 @@ class ShardedCheckpoints(_CheckpointsBase):
             self._background.start(name, lambda: self._commit(
                 name, done, step or 0, info, local, future.result, group))
             return name
+        self._last_save = time.monotonic()  # the clock counts from the state's moment
         self._commit(name, done, step or 0, info, local,
                      lambda: dcp.save(self._state(), storage_writer=dcp.FileSystemWriter(local)))
-        self._last_save = time.monotonic()
         if dist.is_initialized():
             dist.barrier()
         return name

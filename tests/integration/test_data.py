@@ -572,7 +572,7 @@ def test_other_dataframes_are_materialised_and_say_why(spark, tmp_path, caplog):
     assert "materialising (not read in place: its plan is more than a file scan (Project" in \
         caplog.text
     with pytest.raises(ValueError, match="in_place=True, but.*computes or renames columns"):
-        DataFrameDataset(df.selectExpr("x * 2 AS x", "y"), "x", "y", in_place=True).materialize()
+        DataFrameDataset(df.selectExpr("x * 2 AS x", "y"), "x", "y", in_place=True)  # when made
     spark.range(60_000, numPartitions=2).selectExpr(  # 2 files, one 15 MB row group each
         "transform(sequence(1, 64), i -> CAST(id + i AS DOUBLE)) AS v", "id % 7 AS y") \
         .write.parquet(str(tmp_path / "big"))
