@@ -83,12 +83,15 @@ class StrategyCollectives:
         return self._summed(tf.constant(values, tf.int32)).numpy()
 
     def _sizes(self, mine: int) -> list[int]:
-        """Every worker's ``mine`` (>= -1), by rank."""
+        """Every worker's ``mine`` (>= -1), by rank: each as two int32 words of 31 bits (a
+        file past 2 GiB does not fit one), in a slot only its worker fills."""
         import numpy as np
 
-        slots = np.zeros(self.size, dtype=np.int32)
-        slots[self.rank] = mine + 1
-        return [int(v) - 1 for v in self.summed(slots)]
+        slots = np.zeros(2 * self.size, dtype=np.int32)
+        value = mine + 1
+        slots[2 * self.rank:2 * self.rank + 2] = (value >> 31, value & 0x7FFFFFFF)
+        summed = [int(v) for v in self.summed(slots)]
+        return [(summed[2 * r] << 31 | summed[2 * r + 1]) - 1 for r in range(self.size)]
 
     def _words(self, data: Optional[bytes], n: int) -> bytes:
         """``n`` bytes that are ``data`` on its sender and zeros elsewhere, summed in int32

@@ -87,3 +87,13 @@ def test_curves_files(tmp_path):
     lines = (tmp_path / "metrics.csv").read_text().splitlines()
     assert lines[0] == "epoch,loss,accuracy,val_loss,val_accuracy" and len(lines) == 3
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_strategys_peer_transfer_sizes_files_past_2_gib():
+    """tf.distribute sends a host copy's size as summed int32 words: a file of 3 GiB (and the
+    -1 that says "none") comes through whole, not wrapped."""
+    from sparkhvd.keras.nearest_copy import StrategyCollectives
+
+    collectives = StrategyCollectives(tf.distribute.get_strategy(), 0)
+    for size in (-1, 0, 12, (1 << 31) - 1, 3 << 30, 1 << 40):
+        assert collectives._sizes(size) == [size]
