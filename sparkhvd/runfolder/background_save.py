@@ -149,11 +149,14 @@ class UploadQueue:
                 self._thread.start()
 
     def _work(self) -> None:
+        """Upload what is queued, then end: the thread lives only while uploads are pending
+        (the next :meth:`put` starts another), so a finished rank keeps no thread."""
         _yield_cpu()
         while True:
             with self._ready:
-                while not self._pending:
-                    self._ready.wait()
+                if not self._pending:
+                    self._thread = None
+                    return
                 upload = self._pending.pop(0)
                 self._uploading = True
             try:
