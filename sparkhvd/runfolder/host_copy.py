@@ -48,8 +48,11 @@ Rules:
   the slot before it named. Its "checksum" is an identity
   (:data:`SNAPSHOT`), not a digest: hashing every step's state would cost more than copying
   it; it is read back whole (its size and the snapshot's own end marker are checked).
-- **cleaned**: when the training function returns on the writing rank (the run is done), and a
-  folder left by a run that failed is deleted by the next run on that host a day later.
+- **cleaned**: when the training function returns (the run is done), each rank deletes its own
+  folder and every rank folder on its host whose owner process is gone (a rank of an earlier
+  attempt) -- never one a live process owns (another rank on this host, perhaps still
+  finishing its last save: that rank deletes its own); the run's folder goes with the last
+  one. A folder left by a run that failed is deleted by the next run on that host a day later.
 """
 from __future__ import annotations
 
@@ -78,6 +81,8 @@ FREE_SHARE = 0.5
 STALE_S = 24 * 3600.0
 
 _META = "host-copy.json"
+#: In each rank folder: the process that last kept files there (:func:`clean` asks it).
+_OWNER = "owner.pid"
 #: The list naming this rank's newest memory snapshot (beside :data:`_META`'s files).
 _SNAPSHOT_META = "snapshot.json"
 _METAS = (_META, _SNAPSHOT_META)
@@ -243,7 +248,7 @@ def spool(file: str) -> Optional[str]:
     if run is None or where is None:
         return None
     try:
-        os.makedirs(where, exist_ok=True)
+        _claimed(where)
         if os.path.dirname(run) not in _swept:  # once per process, not once per save
             _swept.add(os.path.dirname(run))
             _remove_stale(os.path.dirname(run), keep_name=os.path.basename(run))
@@ -282,7 +287,7 @@ def snapshot_slot(slot: int) -> Optional[str]:
     if where is None:
         return None
     try:
-        os.makedirs(where, exist_ok=True)
+        _claimed(where)
     except OSError as exc:
         _said_failed(exc)
         return None
@@ -460,11 +465,49 @@ def _meta_time(where: str) -> float:
     return max(times)
 
 
+def _claimed(where: str) -> None:
+    """Make this rank's folder ``where`` and mark this process its owner."""
+    os.makedirs(where, exist_ok=True)
+    if _owner_of(where) != os.getpid():
+        _replace(os.path.join(where, _OWNER), str(os.getpid()).encode())
+
+
+def _owner_of(where: str) -> Optional[int]:
+    """The process that last kept files in the rank folder ``where`` (None: not said)."""
+    try:
+        with open(os.path.join(where, _OWNER), "rb") as f:
+            return int(f.read().strip() or b"0") or None
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
 def clean() -> None:
-    """Delete this run's host copies on this host, every rank's (the run is done)."""
+    """This rank's part of deleting the run's host copies on this host (the run is done): its
+    own folder and every rank folder whose owner process is gone; then the run's folder, once
+    empty. A folder a live process owns is left to it (see the module's rules)."""
+    run_id = os.environ.get(protocol.RUN_ID_ENV)
+    if not run_id or not os.path.isdir(os.path.join(base_folder(), run_id)):
+        return  # nothing kept here (and no folder made for it)
     where = folder()
-    if where is not None:
-        shutil.rmtree(where, ignore_errors=True)
+    if where is None:
+        return
+    mine = _own_folder()
+    for path in _owners():
+        owner = _owner_of(path)
+        if path == mine or owner is None or owner == os.getpid() or not _alive(owner):
+            shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.rmdir(where)
 
 
 def _remove_stale(base: str, keep_name: str) -> None:

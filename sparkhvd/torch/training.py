@@ -422,10 +422,12 @@ class Checkpoints(_CheckpointsBase):
                          resume=resume, data=data, every_steps=every_steps,
                          every_seconds=every_seconds, keep=keep)
         self.host_copy = host_copy
+        if host_copy and self.store is not None:
+            # the run is done: this host's copies can go, an earlier attempt's too (every
+            # rank: rank 0 may be on another host now; a live rank's folder is left to it)
+            at_function_return(_drop_host_copy)
         if self.rank != 0:
             self.store = DISCARD  # one writer; every rank reads
-        elif host_copy and self.store is not None:
-            at_function_return(_drop_host_copy)  # the run is done: the copy can go
         if async_save and self.rank == 0 and self.store is not None:
             self._background = BackgroundSave()
             #: the state of the save in flight, in host memory (refilled by the next save)

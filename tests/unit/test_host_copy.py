@@ -1143,3 +1143,27 @@ def test_memory_snapshots_without_a_background_save_on_the_host_is_a_clear_error
     with pytest.raises(ValueError, match="memory_snapshots=True needs async_save=True and "
                                          "host_copy=True"):
         st.Checkpoints(model, opt, url=str(tmp_path), memory_snapshots=True, **settings)
+
+
+def test_a_rank_that_ends_deletes_its_own_and_dead_ranks_copies_never_a_live_ranks(run_env):
+    """Two ranks on one host end at different times: the first to end must not delete the
+    folder of the other, which may still be finishing its last save; a rank folder an earlier
+    attempt's process left (its owner gone) goes with whichever rank ends first. The run's
+    folder goes with the last one."""
+    assert _keep("epoch-0001.pt", b"mine") is not None  # this process, rank 0
+    run = host_copy.folder()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    try:
+        for rank, owner in ((1, live.pid), (2, ended.pid)):
+            os.makedirs(os.path.join(run, f"rank-{rank}"))
+            with open(os.path.join(run, f"rank-{rank}", "owner.pid"), "w") as f:
+                f.write(str(owner))
+        host_copy.clean()
+        assert sorted(os.listdir(run)) == ["rank-1"], "the live rank's folder is left to it"
+    finally:
+        live.kill()
+        live.wait()
+    host_copy.clean()
+    assert not os.path.exists(run)
