@@ -101,8 +101,9 @@ class DatasetShard:
         return self.source.steps_per_epoch(batch_size, size)
 
     def steps_in_epoch(self, batch_size: int, epoch: int, size: Optional[int] = None) -> int:
-        """Batches every rank runs in ``epoch``: fewer than :meth:`steps_per_epoch` in the
-        epoch a restored position continues."""
+        """Batches every rank runs in ``epoch``: at most :meth:`steps_per_epoch` in the epoch a
+        restored position continues (a lead-in step first when the position is off this
+        size's step boundaries: :mod:`sparkhvd.data.sharding`)."""
         n_size = current_rank().size if size is None else size
         if self._resume is not None and self._resume.epoch == epoch:
             return steps_from(self.num_rows, self._resume.samples, batch_size, n_size)
