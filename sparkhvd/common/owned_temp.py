@@ -43,7 +43,7 @@ def remove_orphans(folder: str) -> list[str]:
         for name in sorted(os.listdir(folder)):
             parts = name.split("-", 3)
             if len(parts) < 4 or parts[0] != "sparkhvd" or parts[1] not in KINDS or \
-                    not parts[2].isdigit() or _alive(int(parts[2])):
+                    not parts[2].isdigit() or alive(int(parts[2])):
                 continue
             path = os.path.join(folder, name)
             with contextlib.suppress(OSError):
@@ -57,7 +57,8 @@ def remove_orphans(folder: str) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` is running on this host (another user's counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -481,16 +481,6 @@ def _owner_of(where: str) -> Optional[int]:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: alive
-    return True
-
-
 def clean() -> None:
     """This rank's part of deleting the run's host copies on this host (the run is done): its
     own folder and every rank folder whose owner process is gone; then the run's folder, once
@@ -504,7 +494,8 @@ def clean() -> None:
     mine = _own_folder()
     for path in _owners():
         owner = _owner_of(path)
-        if path == mine or owner is None or owner == os.getpid() or not _alive(owner):
+        if path == mine or owner is None or owner == os.getpid() or \
+                not owned_temp.alive(owner):
             shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(OSError):
         os.rmdir(where)
