@@ -110,20 +110,25 @@ def epoch_end(num_rows: int, batch_size: int, size: int) -> int:
     return num_rows - num_rows % (size * batch_size)
 
 
+def _off_boundary(num_rows: int, start: int, batch_size: int, size: int) -> int:
+    """Rows from ``start`` to ``size``'s next step boundary before the epoch's end (0: on one,
+    or past the end)."""
+    end = epoch_end(num_rows, batch_size, size)
+    return (end - start) % (size * batch_size) if start < end else 0
+
+
 def lead_in(num_rows: int, start: int, batch_size: int, size: int) -> int:
     """Rows of the lead-in step an epoch resumed at ``start`` runs first, so that the rest of
     it falls on ``size``'s step boundaries (0: none needed, or fewer rows than ranks -- see
     :func:`left_out`)."""
-    rows = (epoch_end(num_rows, batch_size, size) - start) % (size * batch_size) \
-        if start < epoch_end(num_rows, batch_size, size) else 0
+    rows = _off_boundary(num_rows, start, batch_size, size)
     return rows if rows >= size else 0
 
 
 def left_out(num_rows: int, start: int, batch_size: int, size: int) -> int:
     """Rows before the epoch's end that an epoch resumed at ``start`` cannot train: a lead-in
     of fewer rows than ranks (each rank's batch must hold a row). Usually 0."""
-    end = epoch_end(num_rows, batch_size, size)
-    rows = (end - start) % (size * batch_size) if start < end else 0
+    rows = _off_boundary(num_rows, start, batch_size, size)
     return rows if rows < size else 0
 
 

@@ -106,8 +106,6 @@ class TimeSplits:
             self._said.add(finding.key)
             finding.text += f" (over attempt {self.attempt} as a whole)"
             new.append(finding)
-        self._named_in_attempt = self._named_in_attempt or any(
-            f.kind == "straggler" for f in new)
         self.findings += new
         return new, [f.as_dict() for f in self.findings]
 
