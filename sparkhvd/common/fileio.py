@@ -32,13 +32,19 @@ def explain_write_error(path: str, exc: OSError) -> OSError:
                               "partial was left under that name", path)
 
 
+#: How an atomic write's temporary file begins: ``.tmp-<random>-<name>`` beside its target
+#: (here and in :func:`sparkhvd.storage.open_atomic`; :func:`sparkhvd.storage.remove_torn`
+#: deletes what a killed writer left).
+TEMP_PREFIX = ".tmp-"
+
+
 @contextlib.contextmanager
 def atomic_open(path: str, mode: str = "wb", **kwargs: Any) -> Iterator[IO[Any]]:
     """A file to write; it replaces ``path`` only if the block finishes without error. A full
     or failing disk is said with the path and the free space (:func:`explain_write_error`)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix="-" + os.path.basename(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=TEMP_PREFIX, suffix="-" + os.path.basename(path))
     try:
         with os.fdopen(fd, mode, **kwargs) as f:
             yield f

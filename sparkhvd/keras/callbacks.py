@@ -281,6 +281,8 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
         super().__init__()
         self.store = url if isinstance(url, checkpoints.CheckpointStore) else \
             checkpoints.UrlStore(url, storage_options)
+        if write and isinstance(self.store, checkpoints.UrlStore):
+            self.store.remove_torn()
         self.every = max(1, every)
         self.keep = keep
         self.state = state

@@ -12,6 +12,7 @@ import bisect
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -42,6 +43,8 @@ from sparkhvd.runfolder.file_pieces import (
 __side__ = "rank"
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 LATEST = "latest.json"
 
@@ -189,6 +192,11 @@ class RunFolderStore(CheckpointStore):
         return self.files.describe(self._path(name))
 
 
+#: A ``.tmp-*`` file in a user's checkpoint folder is torn (its writer gone) when it is older
+#: than the writing rank's process by this much (:meth:`UrlStore.remove_torn`).
+TORN_MARGIN_S = 60.0
+
+
 class UrlStore(CheckpointStore):
     """A folder URL the user gave (local path, ``file://``, ``abfss://``)."""
 
@@ -255,6 +263,28 @@ class UrlStore(CheckpointStore):
         from sparkhvd.storage import public_url
 
         return public_url(f"{self.url}/{name}".rstrip("/"))
+
+    def remove_torn(self) -> Sequence[str]:
+        """Delete the ``.tmp-*`` files a writer killed mid-write left in this folder (an
+        earlier attempt or run): called by the writing rank as its checkpoints are set up.
+        Only those older than this process by :data:`TORN_MARGIN_S` go: this attempt's writes
+        all began after it started, and a folder's clock (a blob store's) may differ from the
+        host's. A run folder's own are removed by the driver before each attempt."""
+        import psutil
+
+        from sparkhvd import storage
+
+        before = psutil.Process().create_time() - TORN_MARGIN_S
+        try:
+            removed = storage.remove_torn(self.url, before, self.storage_options)
+        except (OSError, storage.StorageError) as exc:  # a sweep never stops the training
+            log.warning("could not look for torn temporary files in %s: %s",
+                        self.describe(), exc)
+            return []
+        if removed:
+            log.warning("removed %d torn temporary file(s) a killed writer left in %s: %s",
+                        len(removed), self.describe(), ", ".join(removed[:5]))
+        return removed
 
 
 class _Discard(CheckpointStore):

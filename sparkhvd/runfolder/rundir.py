@@ -9,12 +9,12 @@ Layout::
 """
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import logging
 import os
 import platform
 import secrets
+import time
 from typing import Any, Iterable, Mapping, Optional
 
 from sparkhvd.common.fileio import atomic_write
@@ -196,19 +196,15 @@ class RunDir:
 
     def remove_torn(self) -> list[str]:
         """Remove what a writer killed mid-write left in this run's checkpoints folder (atomic
-        writes' ``.tmp-*`` files): before each attempt, so a retry starts clean. Returns the
-        names removed (for the log)."""
+        writes' ``.tmp-*`` files): before each attempt, when no rank writes, so a retry starts
+        clean. Returns the names removed (for the log)."""
+        from sparkhvd.storage import remove_torn
+
         folder = self.file("checkpoints")
-        removed = []
-        for root, _, names in os.walk(folder):
-            for name in names:
-                if name.startswith(".tmp-"):
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(root, name))
-                        removed.append(os.path.relpath(os.path.join(root, name), folder))
+        removed = remove_torn(folder, before=time.time())
         if removed:
             log.warning("removed %d torn temporary file(s) a killed writer left in %s: %s",
-                        len(removed), folder, ", ".join(sorted(removed)[:5]))
+                        len(removed), folder, ", ".join(removed[:5]))
         return removed
 
     def own_checkpoints(self) -> Optional[str]:

@@ -14,8 +14,8 @@
 - Secrets never appear in messages: see :func:`sparkhvd.common.redaction.redact`.
 
 This face only hands names on: :mod:`~sparkhvd.storage.location` (where a URL points, with
-which credentials), :mod:`~sparkhvd.storage.files` (reads, atomic writes, spill, preflight),
-:mod:`~sparkhvd.storage.diagnosis` (what a failure means) and
+which credentials), :mod:`~sparkhvd.storage.files` (reads, atomic writes and what a killed
+one leaves, spill, preflight), :mod:`~sparkhvd.storage.diagnosis` (what a failure means) and
 :mod:`~sparkhvd.storage.delegation` (a short-lived SAS for the ranks).
 """
 from sparkhvd.common.errors import StorageError
@@ -30,6 +30,7 @@ from sparkhvd.storage.files import (
     preflight,
     read_bytes,
     read_range,
+    remove_torn,
     write_bytes,
     write_file,
     write_or_spill,
@@ -40,4 +41,4 @@ __side__ = "shared"
 
 __all__ = ["StorageError", "redact", "remember_secret", "resolve", "read_bytes", "read_range",
            "write_bytes", "open_atomic", "exists", "listdir", "delete", "preflight", "write_or_spill",
-           "public_url", "Location", "RETRIES", "write_file", "delegate", "diagnose"]
+           "public_url", "Location", "RETRIES", "write_file", "delegate", "diagnose", "remove_torn"]

@@ -10,6 +10,7 @@ import uuid
 from typing import IO, Any, Iterator, Mapping, Optional
 
 from sparkhvd.common.errors import StorageError
+from sparkhvd.common.fileio import TEMP_PREFIX
 from sparkhvd.storage.diagnosis import cause_of, diagnose, explained
 from sparkhvd.storage.location import Location, as_location, public_url
 
@@ -65,9 +66,47 @@ def delete(target: "Location | str", storage_options: Optional[Mapping[str, Any]
             loc.fs.rm(loc.path, recursive=recursive)
 
 
+def remove_torn(target: "Location | str", before: float,
+                storage_options: Optional[Mapping[str, Any]] = None) -> list[str]:
+    """Delete the temporary objects (``.tmp-*``) under the folder ``target`` that writers
+    killed mid-write left there, last modified before ``before`` (seconds since the epoch): a
+    write still in flight is newer, and left alone. Returns their paths under ``target``."""
+    loc = as_location(target, storage_options)
+    with explained(loc, "list"):
+        if not loc.fs.exists(loc.path):
+            return []
+        found = loc.fs.find(loc.path, detail=True)
+    removed = []
+    root = loc.path.rstrip("/") + "/"
+    for path, info in sorted(found.items()):
+        if not path.rsplit("/", 1)[-1].startswith(TEMP_PREFIX):
+            continue
+        modified = _modified(info)
+        if modified is None or modified >= before:
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile: what was asked
+            loc.fs.rm_file(path)
+            removed.append(path[len(root):] if path.startswith(root) else path)
+    return removed
+
+
+def _modified(info: Mapping[str, Any]) -> Optional[float]:
+    """An fsspec entry's modification time in seconds since the epoch (local ``mtime``, Azure's
+    ``last_modified``), None when it has none."""
+    value = info.get("mtime", info.get("last_modified"))
+    if value is None:
+        return None
+    if hasattr(value, "timestamp"):
+        return float(value.timestamp())
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def _tmp_sibling(loc: Location) -> Location:
     folder, _, name = loc.path.rpartition("/")
-    tmp_name = f".tmp-{uuid.uuid4().hex[:12]}-{name}"
+    tmp_name = f"{TEMP_PREFIX}{uuid.uuid4().hex[:12]}-{name}"
     return Location(loc.url, loc.fs, f"{folder}/{tmp_name}" if folder else tmp_name,
                     loc.account, loc.container)
 

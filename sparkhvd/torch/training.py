@@ -200,6 +200,8 @@ class _CheckpointsBase(SavesInBackground):
         self.rank = current_rank().rank
         listen()  # in a sparkhvd rank, a notice now becomes a checkpoint after the step
         self.store: Optional[CheckpointStore] = _store(url, storage_options)
+        if isinstance(self.store, UrlStore) and self.rank == 0:
+            self.store.remove_torn()
         self.resume_from = resume_store(resume, self.store, storage_options)
         #: What :meth:`restore` loaded: ``extra`` state you saved, the epoch and the step.
         self.restored: dict = {}

@@ -1,6 +1,7 @@
 """Storage layer on local disk and on a real Azurite (through adlfs, as users reach Azure)."""
 import hashlib
 import os
+import time
 
 import pytest
 
@@ -32,6 +33,24 @@ def test_local_atomic_write_keeps_old_content_on_interrupt(tmp_path):
             raise KeyboardInterrupt
     assert open(target, "rb").read() == b"v1"
     assert os.listdir(tmp_path) == ["model.h5"], "no temp file may be left behind"
+
+
+def _torn_files_removed(base, options=None):
+    """What a killed writer left (``.tmp-*``, in subfolders too) goes once it is older than
+    ``before``; a newer one is a write in flight and stays, and so does everything else."""
+    for name in ("model.pt", ".tmp-0a1b2c-model.pt", "shards/.tmp-3d4e5f-part-1.bin",
+                 "shards/part-0.bin"):
+        storage.write_bytes(f"{base}/{name}", b"x", options)
+    assert storage.remove_torn(base, time.time() - 3600, options) == []
+    removed = storage.remove_torn(base, time.time() + 5, options)
+    assert removed == [".tmp-0a1b2c-model.pt", "shards/.tmp-3d4e5f-part-1.bin"], removed
+    assert storage.listdir(base, options) == ["model.pt", "shards"]
+    assert storage.listdir(f"{base}/shards", options) == ["part-0.bin"]
+    assert storage.remove_torn(f"{base}/none-here", time.time(), options) == []
+
+
+def test_torn_temporaries_are_removed_locally(tmp_path):
+    _torn_files_removed(str(tmp_path / "ckpt"))
 
 
 def test_redact_and_public_url():
@@ -91,6 +110,10 @@ def test_abfss_interrupted_write_is_invisible(azurite):
             raise RuntimeError("connection lost mid-upload")
     assert storage.read_bytes(url, azurite.options()) == b"version-1"
     assert storage.listdir(azurite.url("models", "atomic"), azurite.options()) == ["model.h5"]
+
+
+def test_torn_temporaries_are_removed_on_abfss(azurite):
+    _torn_files_removed(azurite.url("models", "torn"), azurite.options())
 
 
 def test_preflight_wrong_key_fails_fast_without_the_key(azurite):

@@ -387,3 +387,22 @@ def test_a_sharded_save_still_works_where_dcps_stager_stages_only_once(tmp_path)
     assert _latest(tmp_path)["step"] == 3
     ckpt._staging.close()
     assert ckpt._staging._stager is None
+
+
+def test_the_writing_rank_removes_what_a_killed_writer_left_in_its_url_folder(tmp_path):
+    """A ``.tmp-*`` file older than the rank's process (by a margin: a blob store's clock)
+    is a write nobody finishes; a newer one may be in flight, and stays."""
+    import time
+
+    from sparkhvd.runfolder.checkpoint_store import TORN_MARGIN_S
+
+    folder = tmp_path / "ckpt"
+    (folder / "shards").mkdir(parents=True)
+    torn, fresh = folder / "shards" / ".tmp-0a1b2c-part-1.bin", folder / ".tmp-3d4e5f-model.pt"
+    for path in (torn, fresh, folder / "epoch-0001.pt"):
+        path.write_bytes(b"x")
+    old = time.time() - 3600 - TORN_MARGIN_S
+    os.utime(torn, (old, old))
+    model, opt = _model_and_opt()
+    st.Checkpoints(model, opt, url=str(folder), resume=False)
+    assert not torn.exists() and fresh.exists() and (folder / "epoch-0001.pt").exists()

@@ -199,3 +199,25 @@ def test_a_callback_whose_saves_ended_is_freed(tmp_path):
     del saver, model
     gc.collect()
     assert callback() is None
+
+
+def test_the_writing_rank_removes_what_a_killed_writer_left_in_its_url_folder(tmp_path):
+    """As for torch's Checkpoints: a ``.tmp-*`` file older than the writing rank's process
+    goes when its callback is made; a newer one may be in flight and stays, and a rank that
+    does not write leaves the folder alone."""
+    import os
+    import time
+
+    from sparkhvd.runfolder.checkpoint_store import TORN_MARGIN_S
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    torn, fresh = folder / ".tmp-0a1b2c-epoch-0001.h5", folder / ".tmp-3d4e5f-epoch-0002.h5"
+    for path in (torn, fresh):
+        path.write_bytes(b"x")
+    old = time.time() - 3600 - TORN_MARGIN_S
+    os.utime(torn, (old, old))
+    RankZeroCheckpoint(str(folder), write=False)
+    assert torn.exists()
+    RankZeroCheckpoint(str(folder))
+    assert not torn.exists() and fresh.exists()
