@@ -45,9 +45,13 @@ Rules:
   state is copied into one of three slot files in this rank's folder
   (:mod:`sparkhvd.torch.snapshot_ring`, mapped into memory) and named by ``snapshot.json`` with
   its record once whole -- a commit by renaming that list, so a process killed mid-copy leaves
-  the slot before it named. Its "checksum" is an identity
-  (:data:`SNAPSHOT`), not a digest: hashing every step's state would cost more than copying
-  it; it is read back whole (its size and the snapshot's own end marker are checked).
+  the slot before it named. Its "checksum" is an identity (:data:`SNAPSHOT`) and a CRC-32
+  of the file, not a SHA-256: SHA-256 of every step's state would cost several times the copy;
+  the CRC-32 is taken on the copying thread after the copy (the optimizer step does not wait
+  for it) and checked when it is read back, with its size and the snapshot's end marker. A
+  snapshot is not flushed to disk (no ``msync``): it serves a process lost on a host that
+  lives on; a host that crashes loses it (or, on a disk that survived, tears it: the CRC
+  finds that, and the checkpoint file before it is restored).
 - **cleaned**: when the training function returns (the run is done), each rank deletes its own
   folder and every rank folder on its host whose owner process is gone (a rank of an earlier
   attempt) -- never one a live process owns (another rank on this host, perhaps still
@@ -65,6 +69,7 @@ import shutil
 import stat
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
@@ -86,8 +91,10 @@ _OWNER = "owner.pid"
 #: The list naming this rank's newest memory snapshot (beside :data:`_META`'s files).
 _SNAPSHOT_META = "snapshot.json"
 _METAS = (_META, _SNAPSHOT_META)
-#: How a memory snapshot's "sha256" begins: an identity of that snapshot, not a digest.
+#: How a memory snapshot's "sha256" begins: an identity of that snapshot, then its CRC-32
+#: (:func:`snapshot_sum`), not a SHA-256.
 SNAPSHOT = "snapshot:"
+_CRC = ":crc32="
 _said: set = set()
 _swept: set = set()  # the base folders this process looked for stale runs in (once each)
 
@@ -131,8 +138,11 @@ class HostCopy:
         if len(data) != self.size:
             raise ValueError(f"host copy {self.path} truncated ({len(data):,} of "
                              f"{self.size:,} bytes)")
-        if snapshot:
-            return data  # whole by its commit; the snapshot's reader checks its end marker
+        if snapshot:  # whole by its commit; its CRC-32 says nothing changed it since
+            crc = self.sha256.rpartition(_CRC)[2] if _CRC in self.sha256 else None
+            if crc is not None and f"{zlib.crc32(data):08x}" != crc:
+                raise ValueError(f"host copy {self.path} corrupt (checksum mismatch)")
+            return data
         if hashlib.sha256(data).hexdigest() != self.sha256:
             raise ValueError(f"host copy {self.path} corrupt (checksum mismatch)")
         return data
@@ -303,6 +313,12 @@ def committed_snapshot() -> Optional[str]:
         return os.path.join(str(where), str(files[0]["name"])) if files else None
     except (KeyError, TypeError, IndexError):
         return None
+
+
+def snapshot_sum(identity: str, crc: int) -> str:
+    """A memory snapshot's "sha256" in its record: ``identity`` (this snapshot's own) and the
+    CRC-32 of its file, which :meth:`HostCopy.read` checks."""
+    return f"{SNAPSHOT}{identity}{_CRC}{crc:08x}"
 
 
 def commit_snapshot(file: str, path: str, size: int, record: dict, store: str) -> bool:

@@ -33,7 +33,10 @@ file), so an earlier process's snapshot is never rewritten under a rank reading 
 
 A slot file is the tensors' bytes, then the state's structure (a pickle whose tensors name
 their offsets), its length and :data:`MAGIC` -- so one read gives everything, and a slot that
-does not end with the marker is not a snapshot.
+does not end with the marker is not a snapshot. Its record carries the file's CRC-32, taken on
+the copying thread once the copy is done (the optimizer step waits for the copy, not for the
+sum) and checked when the snapshot is read back: a slot changed since it was named is never
+restored (:data:`sparkhvd.runfolder.host_copy.SNAPSHOT`).
 
 Bounded: the three slots must fit in half of what their folder has free
 (:data:`sparkhvd.runfolder.host_copy.FREE_SHARE`); otherwise no snapshot is kept (said once)
@@ -51,6 +54,7 @@ import threading
 import uuid
 import warnings
 import weakref
+import zlib
 from typing import Any, Callable, Collection, Optional, Union
 
 from sparkhvd.runfolder import host_copy
@@ -214,6 +218,12 @@ class _Slot(HostSnapshot):
         tail = out.getvalue()
         return tail + len(tail).to_bytes(8, "little") + MAGIC
 
+    def checksum(self, size: int) -> int:
+        """The CRC-32 of the file's first ``size`` bytes (from memory: the mappings' pages)."""
+        with open(self.path, "rb") as f, \
+                mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as view:
+            return zlib.crc32(view)
+
     def write_tail(self, tail: bytes) -> int:
         """Write :meth:`structure` after the tensors; the file's size."""
         fd = os.open(self.path, os.O_RDWR)
@@ -230,9 +240,9 @@ _RINGS: weakref.WeakSet = weakref.WeakSet()  # the rings whose copies an optimiz
 
 def _before_optimizer_step(*_: Any) -> None:
     """Every torch optimizer's step first waits for the snapshots being copied (their
-    parameters and optimizer state are what it changes)."""
+    parameters and optimizer state are what it changes) -- not for their checksums."""
     for ring in list(_RINGS):
-        ring.wait()
+        ring.wait_copied()
 
 
 _hooked: list = []
@@ -248,6 +258,8 @@ class SnapshotRing:
         self._named = next((i for i, path in enumerate(paths) if path == named), None)
         self._held: Optional[int] = None
         self._copying: Optional[threading.Thread] = None
+        self._copied = threading.Event()  # the one being copied has its tensors
+        self._copied.set()
         self._error: Optional[BaseException] = None
         self._lock = threading.Lock()
 
@@ -281,17 +293,24 @@ class SnapshotRing:
         if hold:
             self._held = index
 
+        copied = threading.Event()
+
         def finish() -> None:
-            slot.copy_later(pairs)
+            try:
+                slot.copy_later(pairs)
+            finally:
+                copied.set()  # the next optimizer step may change the parameters now
             size = slot.write_tail(tail)
             named = {**record, "file": file, "snapshot": True, "files": {file: {
-                "size": size, "sha256": host_copy.SNAPSHOT + uuid.uuid4().hex}}}
+                "size": size,
+                "sha256": host_copy.snapshot_sum(uuid.uuid4().hex, slot.checksum(size))}}}
             if host_copy.commit_snapshot(file, slot.path, size, named, store):
                 self._named = index
 
         if not pairs:
             finish()
             return taken
+        self._copied = copied
         if not _hooked:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -322,6 +341,11 @@ class SnapshotRing:
             error, self._error = self._error, None
         if error is not None:
             raise error
+
+    def wait_copied(self) -> None:
+        """Until the tensors of the snapshot being copied are in its slot (its checksum and
+        its naming may still run); errors are :meth:`wait`'s."""
+        self._copied.wait()
 
     def release(self) -> None:
         """The save written from the held slot has read it: it may be filled again."""

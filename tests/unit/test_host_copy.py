@@ -919,8 +919,8 @@ def test_saves_due_while_one_is_written_are_memory_snapshots_and_a_relaunch_rest
     takes seconds), the saves ``step()`` makes due are not skipped: each step's state is copied into a slot file on this
     host and named the newest snapshot (said once). A relaunch restores the newest one --
     model, Adam's moments, BatchNorm's int64 count, the extra state -- newer than any file,
-    and says it came from a snapshot on this host; a damaged snapshot falls back, with a
-    warning, to the newest checkpoint file. The restore reads the slot in place (a view of it
+    and says it came from a snapshot on this host; a snapshot changed since (its CRC-32 no
+    longer matches) falls back, with a warning, to the newest checkpoint file. The restore reads the slot in place (a view of it
     mapped into memory, not a copy): a relaunched process lays its own slot files out anew."""
     torch = pytest.importorskip("torch")
     from sparkhvd.torch import training
@@ -952,12 +952,14 @@ def test_saves_due_while_one_is_written_are_memory_snapshots_and_a_relaunch_rest
 
     gate.set()
     ckpt._finish_save()  # step 1's file: now the newest checkpoint *file*
-    with open(snapshot.path, "r+b") as f:  # the snapshot's end marker overwritten
-        f.seek(snapshot.size - 4)
-        f.write(b"\0" * 4)
+    with open(snapshot.path, "r+b") as f:  # a byte of a tensor changed, the end marker whole
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
     restored, relaunched, epoch, lines = _relaunched(torch, run_env, capsys)
     assert relaunched.restored == {"seen": 1, "epoch": 0, "step": 1}, lines
-    assert any("WARNING" in line and "snapshot" in line for line in lines), lines
+    assert any("WARNING" in line and "snapshot" in line and "checksum mismatch" in line
+               for line in lines), lines
 
     # the function ends (raising: the run relaunches): its slot mappings go, the files stay
     mapped = [os.path.join(os.path.dirname(snapshot.path), n) for n in slots]
