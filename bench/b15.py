@@ -13,9 +13,13 @@ rounds (at least 3; each ratio compares runs of one round), the disk flushed bef
 - the same with ``memory_snapshots=True`` too (its slot files in ``/dev/shm``): every step's
   state is kept as a memory snapshot, a save due while one is written included.
 
-Reported: training steps/s of each and their ratio to none (goal: async >= 0.95 x none), the
-time a step is held by a save (host copy vs the whole synchronous save), and how many saves
-the async run wrote and skipped. The runs keep rank 0's host copy, as a sparkhvd run does.
+Reported: training steps/s of each, the last save's write included, and their ratio to none
+(goal: async >= 0.95 x none); the time checkpointing holds a step, the mean over every step
+(``step()``, and with memory snapshots the optimizer step's wait for the copy); the checkpoints
+written to the folder per step and the seconds between them ("every step" is true only where
+that is 1); and the steps a SIGKILL at a random step costs (the median and worst of at least 5
+kills per mode: a process killed, then the restore a relaunch on its host does). The runs keep
+rank 0's host copy, as a sparkhvd run does.
 
 Then the restore a relaunch does (``ckpt.restore()``, the same 1 GB state), from each copy:
 this host's copy (``host_copy``), another rank's host copy sent over a gloo process group (two
@@ -65,12 +69,15 @@ def _model(tiny: bool, gpu: bool = False) -> tuple[Any, Any, Any, int]:
 
 
 def _run(mode: str, steps: int, tiny: bool, gpu: bool = False, sharded: bool = False) -> dict:
-    """Steps/s of the B15 loop with checkpoints ``mode`` (none | sync | async) every step, and
-    how long a step is held by a save (``gpu``: the model on the GPU, so the async hold is the
+    """Steps/s of the B15 loop with checkpoints ``mode`` (none | sync | async | snapshots)
+    every step, the last save's write included; how long each step is held by checkpointing
+    (``step()``, and the optimizer step's wait for a memory snapshot's copy), and how many
+    saves were written (``gpu``: the model on the GPU, so the async hold is the
     device-to-host copy; ``sharded``: ``ShardedCheckpoints``, DCP's staging)."""
     import torch
 
     import sparkhvd.torch as st
+    from sparkhvd.torch.snapshot_ring import SnapshotRing
 
     model, opt, batch, params = _model(tiny, gpu)
     folder = tempfile.mkdtemp(prefix="bench-b15-")
@@ -80,27 +87,42 @@ def _run(mode: str, steps: int, tiny: bool, gpu: bool = False, sharded: bool = F
     os.environ.update({"SPARKHVD_RUN_ID": RUN_ID,  # rank 0's host copy, as in a run
                        "SPARKHVD_HOST_COPY_DIR": host})
     kind = st.ShardedCheckpoints if sharded else st.Checkpoints
-    snapshots = {"memory_snapshots": True} if mode == "snapshots" else {}
+    snapshots: dict[str, Any] = {"memory_snapshots": True} if mode == "snapshots" else {}
     ckpt = None if mode == "none" else kind(
         model, opt, url=folder, resume=False, every_steps=1, keep=2,
         async_save=mode in ("async", "snapshots"), **snapshots)
-    held: list[float] = []
+    held: list[float] = []  # per step: step() and the optimizer step's wait for a snapshot
+    saves = [0]
+    waited = [0.0]  # the optimizer steps' waits for a snapshot's copy (the step pre-hook)
+    wait_copied = SnapshotRing.wait_copied
+
+    def timed_wait(ring: SnapshotRing) -> None:
+        t0 = time.perf_counter()
+        try:
+            wait_copied(ring)
+        finally:
+            waited[0] += time.perf_counter() - t0
+
+    SnapshotRing.wait_copied = timed_wait  # type: ignore[method-assign,assignment]
     synchronize = torch.cuda.synchronize if gpu else (lambda: None)
     try:
         def step(i: int) -> None:
             opt.zero_grad()
             model(batch).square().mean().backward()
+            before = waited[0]
             opt.step()
             if ckpt is not None:
                 synchronize()  # the hold is the save's own, not the step's kernels
                 t0 = time.perf_counter()
                 if ckpt.step(0):
-                    held.append(time.perf_counter() - t0)
+                    saves[0] += 1
+                held.append(time.perf_counter() - t0 + waited[0] - before)
 
         step(0)  # warm-up (and the first snapshot's buffers)
         if ckpt is not None:
             ckpt._finish_save()
         held.clear()
+        saves[0] = 0
         # The previous run's files still being written back by the kernel would take this
         # run's CPU and disk (a synchronous run leaves gigabytes dirty): flushed first.
         os.sync()
@@ -108,19 +130,112 @@ def _run(mode: str, steps: int, tiny: bool, gpu: bool = False, sharded: bool = F
         t0 = time.perf_counter()
         for i in range(steps):
             step(i)
+        if ckpt is not None:
+            ckpt._finish_save()  # the last save written: part of the run's cost
         synchronize()
         elapsed = time.perf_counter() - t0
-        if ckpt is not None:
-            ckpt._finish_save()
         state_bytes = params * 4 * 3  # weights + Adam's two moments, float32
-        return {"steps_per_s": steps / elapsed, "saves": len(held),
-                "held_s": statistics.median(held) if held else 0.0,
+        return {"steps_per_s": steps / elapsed, "saves": saves[0], "seconds": elapsed,
+                "held_s": statistics.mean(held) if held else 0.0,
                 "state_gb": state_bytes / 1e9, "torch": torch.__version__}
     finally:
+        SnapshotRing.wait_copied = wait_copied  # type: ignore[method-assign]
         for key in ("SPARKHVD_RUN_ID", "SPARKHVD_HOST_COPY_DIR"):
             os.environ.pop(key, None)
         shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(host, ignore_errors=True)
+
+
+#: How the killed process says a step is done (its ``step()`` returned).
+STEP_LINE = "b15-step "
+_KILLED = """
+import sys
+sys.path.insert(0, sys.argv[4])
+import b15
+b15.train_until_killed(sys.argv[1], sys.argv[2], sys.argv[3] == "tiny")
+"""
+
+
+def train_until_killed(mode: str, folder: str, tiny: bool) -> None:
+    """The B15 loop with checkpoints ``mode`` every step into ``folder``, printing each
+    step's number once its ``step()`` returned, until it is killed (a rank process of
+    :func:`steps_lost`)."""
+    import sparkhvd.torch as st
+
+    model, opt, batch, _ = _model(tiny)
+    snapshots: dict[str, Any] = {"memory_snapshots": True} if mode == "snapshots" else {}
+    ckpt = st.Checkpoints(model, opt, url=folder, resume=False, every_steps=1, keep=2,
+                          async_save=mode != "sync", **snapshots)
+    for i in range(1, 100_000):
+        opt.zero_grad()
+        model(batch).square().mean().backward()
+        opt.step()
+        ckpt.step(0)
+        print(f"{STEP_LINE}{i}", flush=True)
+
+
+def steps_lost(mode: str, tiny: bool, kill_after: int, rng: Any) -> int:
+    """Steps a SIGKILL costs: a process trains with checkpoints ``mode`` every step and is
+    killed at a random moment of the step after its ``kill_after``-th; then the restore a
+    relaunch on that host does. The steps it had finished, less the step restored."""
+    import signal
+
+    import sparkhvd.torch as st
+
+    folder = tempfile.mkdtemp(prefix="bench-b15-kill-")
+    host = os.path.join(folder, "host")
+    if mode == "snapshots" and os.path.isdir("/dev/shm"):
+        host = tempfile.mkdtemp(prefix="bench-b15-kill-", dir="/dev/shm")
+    env = {**os.environ, "SPARKHVD_RUN_ID": RUN_ID, "SPARKHVD_HOST_COPY_DIR": host}
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED, mode, folder,
+                             "tiny" if tiny else "full",
+                             os.path.dirname(os.path.abspath(__file__))],
+                            env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        done, began = 0, time.perf_counter()
+        for line in proc.stdout:  # (sparkhvd's own lines too: a skipped save, ...)
+            if not line.startswith(STEP_LINE):
+                continue
+            now, done = time.perf_counter(), int(line[len(STEP_LINE):])
+            if done >= kill_after:  # somewhere in the next step, or its save
+                time.sleep(rng.uniform(0, now - began))
+                proc.send_signal(signal.SIGKILL)
+                break
+            began = now
+        finished = [int(line[len(STEP_LINE):]) for line in proc.stdout.read().splitlines()
+                    if line.startswith(STEP_LINE)]
+        proc.wait(60)
+        done = max([done, *finished])
+        os.environ.update({"SPARKHVD_RUN_ID": RUN_ID, "SPARKHVD_HOST_COPY_DIR": host})
+        model, opt, _, _ = _model(tiny)
+        ckpt = st.Checkpoints(model, opt, url=folder, resume=True)
+        ckpt.restore()
+        return done - int((ckpt.restored or {}).get("step", 0))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for key in ("SPARKHVD_RUN_ID", "SPARKHVD_HOST_COPY_DIR"):
+            os.environ.pop(key, None)
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(host, ignore_errors=True)
+
+
+def kill_rows(repeat: int, tiny: bool, stats: Any) -> list[dict]:
+    """Steps lost to a SIGKILL at a random step, per mode: the median and the worst of at
+    least 5 kills (1 with ``--tiny``)."""
+    import random
+
+    rng = random.Random(15)
+    kills = 1 if tiny else max(5, repeat)
+    rows = []
+    for mode in ("sync", "async", "snapshots"):
+        lost = [float(steps_lost(mode, tiny, rng.randint(4, 16), rng)) for _ in range(kills)]
+        rows.append({"case": "B15", "variant": f"steps lost to a SIGKILL at a random step, "
+                     f"{mode}, every_steps=1 ({kills} kills; max is the worst)",
+                     "unit": "steps", **stats(lost)})
+    return rows
 
 
 def _restore_s(folder: str, tiny: bool, host_copy: bool,
@@ -490,19 +605,24 @@ def case_b15(repeat: int, tiny: bool, stats: Any) -> list[dict]:
             got[mode].append(_run(mode, steps, tiny))
     gb = got["none"][0]["state_gb"]
     how = f"MLP+Adam, {gb:.2f} GB of state, {steps} steps, every_steps=1, keep=2, local folder"
-    rows = [{"case": "B15", "variant": f"steps/s, checkpoints: {mode}, {how}",
-             "unit": "steps/s", **stats([r["steps_per_s"] for r in runs])}
-            for mode, runs in got.items()]
+    rows = [{"case": "B15", "variant": f"steps/s, checkpoints: {mode}, {how} (the last "
+             "save's write included)", "unit": "steps/s",
+             **stats([r["steps_per_s"] for r in runs])} for mode, runs in got.items()]
     for mode in ("sync", "async", "snapshots"):
         rows.append({"case": "B15", "variant": f"{mode} / none (steps/s)", "unit": "ratio",
                      **stats([a["steps_per_s"] / b["steps_per_s"]
                               for a, b in zip(got[mode], got["none"])])})
-        rows.append({"case": "B15", "variant": f"a step held by a save, {mode}", "unit": "s",
+        rows.append({"case": "B15", "variant": f"a step held by checkpointing, {mode} (mean "
+                     "of every step: step() and the optimizer step's wait for a memory "
+                     "snapshot's copy)", "unit": "s",
                      **stats([r["held_s"] for r in got[mode]])})
-    rows.append({"case": "B15", "variant": f"saves written in {steps} steps, async "
-                 "(the rest skipped while one was in flight)", "unit": "saves",
-                 **stats([float(r["saves"]) for r in got["async"]])})
-    rows.append({"case": "B15", "variant": f"saves written in {steps} steps, async with "
-                 "memory_snapshots (the rest kept as snapshots)", "unit": "saves",
-                 **stats([float(r["saves"]) for r in got["snapshots"]])})
+        rows.append({"case": "B15", "variant": f"checkpoints written to the folder per step, "
+                     f"{mode}" + (" (the rest skipped while one was in flight)" if mode ==
+                                  "async" else " (the rest kept as memory snapshots only)"
+                                  if mode == "snapshots" else ""), "unit": "ratio",
+                     **stats([r["saves"] / steps for r in got[mode]])})
+        rows.append({"case": "B15", "variant": f"seconds between checkpoints written to the "
+                     f"folder, {mode} (the run's seconds / checkpoints written)", "unit": "s",
+                     **stats([r["seconds"] / max(1, r["saves"]) for r in got[mode]])})
+    rows += kill_rows(repeat, tiny, stats)
     return rows + restore_rows(repeat, tiny, stats)
