@@ -33,10 +33,11 @@ file), so an earlier process's snapshot is never rewritten under a rank reading 
 
 A slot file is the tensors' bytes, then the state's structure (a pickle whose tensors name
 their offsets), its length and :data:`MAGIC` -- so one read gives everything, and a slot that
-does not end with the marker is not a snapshot. Its record carries the file's CRC-32, taken on
-the copying thread once the copy is done (the optimizer step waits for the copy, not for the
-sum) and checked when the snapshot is read back: a slot changed since it was named is never
-restored (:data:`sparkhvd.runfolder.host_copy.SNAPSHOT`).
+does not end with the marker is not a snapshot. Where the slots are on a disk (a crash of the
+host may leave one torn, for a relaunch there to read), the record carries the file's CRC-32,
+taken on the copying thread once the copy is done (the optimizer step waits for the copy, not
+for the sum) and checked when the snapshot is read back; in memory (``/dev/shm``) a snapshot
+dies with its host, and none is taken (:data:`sparkhvd.runfolder.host_copy.SNAPSHOT`).
 
 Bounded: the three slots must fit in half of what their folder has free
 (:data:`sparkhvd.runfolder.host_copy.FREE_SHARE`); otherwise no snapshot is kept (said once)
@@ -253,6 +254,8 @@ class SnapshotRing:
 
     def __init__(self, paths: list[str]) -> None:
         self._slots = [_Slot(path) for path in paths]
+        #: slots in memory die with the host: no crash leaves one torn, no CRC taken
+        self._in_memory = bool(paths) and host_copy.in_memory(os.path.dirname(paths[0]))
         named = host_copy.committed_snapshot()  # an earlier process's: not overwritten first
         #: the slot named newest, and the one a save is being written from: never filled
         self._named = next((i for i, path in enumerate(paths) if path == named), None)
@@ -301,9 +304,9 @@ class SnapshotRing:
             finally:
                 copied.set()  # the next optimizer step may change the parameters now
             size = slot.write_tail(tail)
+            crc = None if self._in_memory else slot.checksum(size)
             named = {**record, "file": file, "snapshot": True, "files": {file: {
-                "size": size,
-                "sha256": host_copy.snapshot_sum(uuid.uuid4().hex, slot.checksum(size))}}}
+                "size": size, "sha256": host_copy.snapshot_sum(uuid.uuid4().hex, crc)}}}
             if host_copy.commit_snapshot(file, slot.path, size, named, store):
                 self._named = index
 

@@ -926,6 +926,9 @@ def test_saves_due_while_one_is_written_are_memory_snapshots_and_a_relaunch_rest
     from sparkhvd.torch import training
 
     model, opt = _bn_model_and_opt(torch, seed=0)
+    assert host_copy.in_memory("/dev/shm") or not os.path.isdir("/dev/shm")
+    # slots on a disk, where a crash may leave one torn: each snapshot's CRC-32 is taken
+    monkeypatch.setattr(host_copy, "in_memory", lambda path: False)
     ckpt, gate, saved = _snapshots_while_a_save_is_held(torch, run_env, monkeypatch, model, opt)
     given = []
     load_state = training.load_state
@@ -1002,16 +1005,21 @@ def _snapshots_while_a_save_is_held(torch, run_env, monkeypatch, model, opt):
     model(torch.randn(16, 4)).sum().backward()
     opt.step()
     assert _full_state(model, opt) != saved[4]
+    ckpt._ring.wait()  # named once copied (and, where taken, its CRC-32 after the copy)
     return ckpt, gate, saved
 
 
 def test_a_rank_on_a_new_host_gets_the_newest_snapshot_from_the_rank_that_has_it(
         run_env, monkeypatch):
     """Relaunched at two ranks on two hosts, where only rank 1's host has the snapshot: rank 0
-    gets its bytes over the process group, and both load step 4's state."""
+    gets its bytes over the process group, and both load step 4's state. (Slots in memory, as
+    in /dev/shm: gone with their host, so no CRC-32 is taken of them.)"""
     torch = pytest.importorskip("torch")
     model, opt = _model_and_opt(torch, seed=0)
+    monkeypatch.setattr(host_copy, "in_memory", lambda path: True)
     ckpt, gate, saved = _snapshots_while_a_save_is_held(torch, run_env, monkeypatch, model, opt)
+    kept = host_copy.find_all()["epoch-0000-step-0000004.snapshot"]
+    assert kept.sha256.startswith(host_copy.SNAPSHOT) and "crc32" not in kept.sha256, kept
     ranks = _two_ranks(run_env, [str(run_env / "host-b"), str(run_env / "host-a")])
     assert [r["epoch"] for r in ranks] == [0, 0]
     assert ranks[0]["state"] == ranks[1]["state"] == saved[4]["model"]
