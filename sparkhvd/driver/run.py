@@ -7,7 +7,7 @@ into the next, and :meth:`Run._enter` alone makes each transition -- logs it and
 run's callbacks. The states that may follow each (``failed`` also follows any step that
 raised)::
 
-    placing -> running | failed
+    placing -> running | failed | restarting | resizing
     running -> finished | failed | restarting | resizing
     restarting -> placing | failed
     resizing -> placing | failed
@@ -45,7 +45,7 @@ import time
 from typing import Any, Callable, Mapping, Optional
 
 from sparkhvd.common.environment import rank_env
-from sparkhvd.common.errors import StorageError
+from sparkhvd.common.errors import NotEnoughSlotsError, StorageError
 from sparkhvd.common.redaction import remember_environment
 from sparkhvd.driver.attempt import Attempt
 from sparkhvd.driver.launchers import get_launcher, left_until
@@ -186,13 +186,22 @@ class Run:
         assert isinstance(state, Relaunching), state
         return self._relaunching(state)
 
-    def _placing(self, state: Placing) -> Running:
+    def _placing(self, state: Placing) -> RunState:
         """The next attempt: its size (an elastic run's first, from the free slots), launcher
-        and slots; the first also starts tracking and resolves what to resume from."""
+        and slots; the first also starts tracking and resolves what to resume from. An elastic
+        relaunch whose slots went between their count and its placement is resized to the
+        slots there are."""
         size, resume = state.size, state.resume
         if not self.attempts:  # an elastic run's first size: what the free slots allow
             size = size_now(self.placer, self.scaling, size, self.spec.launch.slot_wait_s)
-        placement = self.placer.place(size, not self.attempts, self.time_left(), self.record)
+        try:
+            placement = self.placer.place(size, not self.attempts, self.time_left(),
+                                          self.record)
+        except NotEnoughSlotsError:
+            fewer = self._fewer_slots(size)
+            if fewer is None:
+                raise
+            return self._resized_to_the_slots(state, fewer)
         if not self.attempts:
             config = self.spec.config
             resume = self.run_dir.resume_source(config.resume_from, config.output_dir,
@@ -204,6 +213,30 @@ class Run:
         for callback in self.callbacks:
             callback.on_attempt_start(self, attempt)
         return Running(f"attempt {attempt.number} launches {size} rank(s)", attempt=attempt)
+
+    def _fewer_slots(self, size: int) -> Optional[int]:
+        """What an elastic relaunch can place when its ``size`` slots, counted free, were not
+        there to place it on (a lost host's executor counted until Spark dropped it, or a
+        returning one gone again): the size the free slots allow now (waiting for ``min_np``
+        as a relaunch does); None where the run does not resize (its first placement, a run
+        that is not elastic, or a count that still says ``size``)."""
+        if not self.attempts or not self.scaling.elastic:
+            return None
+        fewer = size_now(self.placer, self.scaling, size, self.spec.launch.slot_wait_s)
+        return fewer if fewer < size else None
+
+    def _resized_to_the_slots(self, state: Placing, size: int) -> Relaunching:
+        """The relaunch again, at ``size``: from the last attempt's size, for its reason."""
+        last = self.attempts[-1]
+        assert last.verdict is not None  # it was relaunched
+        request = last.watch.request if last.watch is not None else None
+        kind = Resizing if size != last.size else Restarting
+        return kind(f"{last.relaunch_reason(request, last.verdict)}; only {size} of the "
+                    f"{state.size} task slots counted free were there to place it on",
+                    attempt=last, verdict=last.verdict,
+                    checkpoint=self.run_dir.newest_checkpoint() if state.resume else None,
+                    size_from=last.size, size_to=size, resume=state.resume,
+                    library=state.library, planned=state.planned)
 
     def _running(self, state: Running, env: dict[str, str]) -> RunState:
         """Launch the attempt and wait for its end; the policy decides what follows (a relaunch
@@ -256,7 +289,8 @@ class Run:
                              f"{f' ({size} -> {new_size} ranks)' if new_size != size else ''}"
                              " ----")
         return Placing(f"relaunch after attempt {attempt.number}", size=new_size,
-                       resume=state.resume, library=state.library, previous_size=size)
+                       resume=state.resume, library=state.library, previous_size=size,
+                       planned=state.planned)
 
     # -- the steps ---------------------------------------------------------------------------
     def _rank_env(self) -> dict[str, str]:

@@ -7,7 +7,7 @@ says of it (:meth:`RunState.entry`), and :data:`NEXT` -- which state may follow 
 where the diagram in ``run.py`` and ``docs/architecture.md`` comes from (:func:`diagram`; a
 test holds both to it)::
 
-    placing -> running | failed
+    placing -> running | failed | restarting | resizing
     running -> finished | failed | restarting | resizing
     restarting -> placing | failed
     resizing -> placing | failed
@@ -53,6 +53,8 @@ class Placing(RunState):
     library: Optional[str] = None
     #: the size of the attempt before (a relaunch)
     previous_size: Optional[int] = None
+    #: a relaunch the driver asked for (a grow): no budget spent
+    planned: bool = False
 
     def entry(self) -> dict:
         return {"size": self.size}
@@ -136,7 +138,7 @@ class Failed(RunState):
 
 #: Which states may follow each (``failed`` also follows any state a step raised in).
 NEXT: dict[type[RunState], tuple[type[RunState], ...]] = {
-    Placing: (Running, Failed),
+    Placing: (Running, Failed, Restarting, Resizing),
     Running: (Finished, Failed, Restarting, Resizing),
     Restarting: (Placing, Failed),
     Resizing: (Placing, Failed),

@@ -239,6 +239,51 @@ def test_below_min_np_after_the_wait_the_run_fails_naming_what_was_lost(tmp_path
     assert states[-1]["why"].startswith("NotEnoughSlotsError")
 
 
+class SlotsGoneOnce(ScriptedPlacer):
+    """Counts 3 free slots after the loss, but one has gone when the relaunch is placed (a
+    lost host's executor Spark had not dropped yet): that placement finds 2."""
+
+    def __init__(self) -> None:
+        super().__init__(free=(3, 3, 2))
+        self.tries: list[int] = []
+
+    def place(self, size: int, first: bool, time_left: Optional[float],
+              record: Any) -> Placement:
+        self.tries.append(size)
+        if len(self.tries) == 2:
+            raise NotEnoughSlotsError(f"np={size} needs {size} Spark task slots, but the "
+                                      "session has 2")
+        return super().place(size, first, time_left, record)
+
+
+def test_an_elastic_relaunch_whose_slots_went_before_its_placement_takes_those_there_are(
+        tmp_path):
+    """np=3, min_np=2: a rank is lost, 3 slots are still counted free, so the relaunch is
+    placed at 3 -- and 2 are there: the run resizes to them (a transition of its own, with
+    the loss for its reason), never fails for slots it could do without."""
+    placer = SlotsGoneOnce()
+    launcher = ScriptedLauncher(lost(), succeeds())
+    run = _run(tmp_path, launcher, placer, np=3, min_np=2, max_retries=1)
+    assert run.execute()[0] == b"weights"
+    assert _states(run) == ["placing", "running", "restarting", "placing", "resizing",
+                            "placing", "running", "finished"]
+    resizing = _record(run)["states"][4]
+    assert (resizing["from"], resizing["to"]) == (3, 2), resizing
+    assert "rank 1 on host h1 vanished" in resizing["why"], resizing
+    assert "only 2 of the 3 task slots" in resizing["why"], resizing
+    assert [(r["from"], r["to"]) for r in _record(run)["resizes"]] == [(3, 2)]
+    assert placer.tries == [3, 3, 2] and [spec.size for spec in launcher.specs] == [3, 2]
+    assert (run.spent.retries, len(run.attempts)) == (1, 2)
+
+
+def test_a_relaunch_that_is_not_elastic_still_names_the_slots_it_lacks(tmp_path):
+    placer = SlotsGoneOnce()
+    run = _run(tmp_path, ScriptedLauncher(lost(), succeeds()), placer, np=3, max_retries=1)
+    with pytest.raises(NotEnoughSlotsError, match="np=3 needs 3"):
+        run.execute()
+    assert _states(run) == ["placing", "running", "restarting", "placing", "failed"]
+
+
 def test_a_failure_while_placing_fails_the_run_in_one_transition(tmp_path):
     placer = ScriptedPlacer(fail_placing=NotEnoughSlotsError("np=4 needs 4 task slots"))
     run = _run(tmp_path, ScriptedLauncher(), placer, np=4)
