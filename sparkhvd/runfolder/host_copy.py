@@ -142,8 +142,8 @@ class HostCopy:
             raise ValueError(f"host copy {self.path} truncated ({len(data):,} of "
                              f"{self.size:,} bytes)")
         if snapshot:  # whole by its commit; its CRC-32 says nothing changed it since
-            crc = self.sha256.rpartition(_CRC)[2] if _CRC in self.sha256 else None
-            if crc is not None and f"{zlib.crc32(data):08x}" != crc:
+            _, summed, crc = self.sha256.rpartition(_CRC)
+            if summed and f"{zlib.crc32(data):08x}" != crc:
                 raise ValueError(f"host copy {self.path} corrupt (checksum mismatch)")
             return data
         if hashlib.sha256(data).hexdigest() != self.sha256:

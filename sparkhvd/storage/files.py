@@ -84,15 +84,16 @@ def remove_torn(target: "Location | str", before: float,
         modified = _modified(info)
         if modified is None or modified >= before:
             continue
+        name = path[len(root):] if path.startswith(root) else path
         try:
             loc.fs.rm_file(path)
         except FileNotFoundError:  # gone meanwhile: what was asked
             pass
         except Exception as exc:  # noqa: BLE001 - one that stays is not worth the others
-            log.warning("could not remove %s: %s", public_url(f"{loc.url.rstrip('/')}/"
-                        f"{path[len(root):]}"), cause_of(exc))
+            log.warning("could not remove %s: %s",
+                        public_url(f"{loc.url.rstrip('/')}/{name}"), cause_of(exc))
             continue
-        removed.append(path[len(root):] if path.startswith(root) else path)
+        removed.append(name)
     return removed
 
 
