@@ -95,12 +95,32 @@ DATA_MODULES = "numpy, pyarrow, sparkhvd"
 SCORING_MODULES = "numpy, pandas, pyarrow, sparkhvd"
 
 
+#: Run by the worker Python: which of the modules it is given it cannot find. Found, not imported:
+#: importing TensorFlow takes 5 to 9 s of CPU, and a run's first launch would pay it for a check.
+_FIND_MODULES = (
+    "import importlib.util, sys\n"
+    "def found(name):\n"
+    "    try:\n"
+    "        return importlib.util.find_spec(name) is not None\n"
+    "    except (ImportError, ValueError):\n"
+    "        return False\n"
+    "missing = [m for m in sys.argv[1:] if not found(m)]\n"
+    "if missing:\n"
+    "    sys.exit('No module named ' + ', '.join(repr(m) for m in missing))\n")
+
+
 @functools.lru_cache(maxsize=8)
 def _python_can_import(python: str, modules: str) -> Optional[str]:
+    """None when ``python`` finds every module of ``modules`` (comma-separated), else why not.
+
+    A missing module is what a wrong worker Python shows (the driver's virtual environment not
+    the one Spark runs); an installed module that fails to import fails the rank that imports
+    it, with its own traceback in the rank's log."""
+    names = [name.strip() for name in modules.split(",") if name.strip()]
     try:
-        out = subprocess.run([python, "-c", f"import {modules}"],
+        out = subprocess.run([python, "-c", _FIND_MODULES, *names],
                              capture_output=True, text=True, timeout=120)
-    except OSError as exc:
+    except (OSError, subprocess.TimeoutExpired) as exc:
         return str(exc)
     return None if out.returncode == 0 else (out.stderr.strip().splitlines() or ["?"])[-1]
 
