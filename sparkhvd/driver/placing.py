@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
 
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.driver.launchers import Placement, choose_launcher
@@ -54,6 +54,11 @@ class Placer(Protocol):
     def describe_lost(self) -> str:
         """What this run lost, in words (``executor 1 on 10.0.0.3 lost``), for an error."""
 
+    def sweep_host_copies(self, run_id: str, hosts: set[str], env: Mapping[str, str]) -> None:
+        """A succeeded run's host copies on ``hosts`` (used by earlier attempts, not by the
+        last) deleted where they can be reached (:mod:`sparkhvd.driver.host_sweep`; ``env``:
+        the run's ``env=`` for its ranks)."""
+
 
 class LocalPlacer:
     """``np < 0`` without a Spark session: the ranks are processes of this machine."""
@@ -73,6 +78,9 @@ class LocalPlacer:
 
     def describe_lost(self) -> str:
         return "no executor of this run was lost"
+
+    def sweep_host_copies(self, run_id: str, hosts: set[str], env: Mapping[str, str]) -> None:
+        return None  # one host, this one: the last attempt's ranks cleaned it
 
 
 class SparkPlacer:
@@ -146,6 +154,13 @@ class SparkPlacer:
 
     def describe_lost(self) -> str:
         return cluster.describe_lost(self.lost_executors)
+
+    def sweep_host_copies(self, run_id: str, hosts: set[str], env: Mapping[str, str]) -> None:
+        from sparkhvd.driver.host_sweep import sweep_hosts
+        from sparkhvd.spark.slots import task_slots
+
+        if hosts and self.view is not None:
+            sweep_hosts(self.view, run_id, hosts, task_slots(self.view), env)
 
 
 def size_now(placer: Placer, policy: ScalingPolicy, size: int, wait_s: float,

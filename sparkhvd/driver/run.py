@@ -315,12 +315,23 @@ class Run:
             raise last.verdict.error(self.run_dir.location) from None
         if error is not None:
             raise error
+        self._sweep_host_copies()
         try:
             self.run_dir.publish()
         except StorageError as exc:
             exc.result = last.results if self.return_all else last.results[0]
             raise
         return last.results
+
+    def _sweep_host_copies(self) -> None:
+        """The run succeeded: the host copies earlier attempts kept on hosts the last attempt
+        did not use are deleted (the last attempt's ranks deleted theirs)."""
+        from sparkhvd.driver.host_sweep import hosts_to_sweep
+
+        hosts = hosts_to_sweep([set(attempt.outcome.hosts.values())
+                                for attempt in self.attempts])
+        if hosts:
+            self.placer.sweep_host_copies(self.run_dir.run_id, hosts, self.spec.launch.env or {})
 
     def _record_end(self, status: str, error: Optional[BaseException],
                     model: Optional[str] = None) -> None:

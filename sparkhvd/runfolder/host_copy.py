@@ -59,7 +59,10 @@ Rules:
   folder and every rank folder on its host whose owner process is gone (a rank of an earlier
   attempt) -- never one a live process owns (another rank on this host, perhaps still
   finishing its last save: that rank deletes its own); the run's folder goes with the last
-  one. A folder left by a run that failed is deleted by the next run on that host a day later.
+  one. When a run that succeeded had used hosts its last attempt did not (a host lost and
+  back, a resize), the driver sweeps those too (:func:`sweep`, one small Spark job). A folder
+  left by a run that failed is kept for its resume and deleted by the next run on that host
+  a day later.
 """
 from __future__ import annotations
 
@@ -441,9 +444,10 @@ def find_all() -> dict[str, HostCopy]:
     return copies
 
 
-def _owners() -> list[str]:
-    """The folders of the ranks that kept copies on this host for this run."""
-    where = folder()
+def _owners(where: Optional[str] = None) -> list[str]:
+    """The folders of the ranks that kept copies on this host for this run (or for the run
+    whose folder is ``where``)."""
+    where = where or folder()
     try:
         return [os.path.join(where, name) for name in os.listdir(where)
                 if name.startswith("rank-")] if where else []
@@ -524,19 +528,33 @@ def clean() -> None:
     own folder and every rank folder whose owner process is gone; then the run's folder, once
     empty. A folder a live process owns is left to it (see the module's rules)."""
     run_id = os.environ.get(protocol.RUN_ID_ENV)
-    if not run_id or not os.path.isdir(os.path.join(base_folder(), run_id)):
-        return  # nothing kept here (and no folder made for it)
-    where = folder()
-    if where is None:
-        return
-    mine = _own_folder()
-    for path in _owners():
+    if run_id and os.path.isdir(os.path.join(base_folder(), run_id)) and folder() is not None:
+        _remove_ranks(run_id, mine=_own_folder())
+
+
+def sweep(run_id: str) -> int:
+    """Delete run ``run_id``'s host copies on this host that no live process owns (ranks of an
+    attempt that ended here while the run went on elsewhere); the run's folder too, once empty.
+    How many rank folders went. Called by the driver's sweep of the hosts a succeeded run used
+    (:mod:`sparkhvd.executor.host_sweep`); the folder is checked as for a copy (private)."""
+    if not os.path.isdir(os.path.join(base_folder(), run_id)) or not private_base():
+        return 0
+    return _remove_ranks(run_id, mine=None)
+
+
+def _remove_ranks(run_id: str, mine: Optional[str]) -> int:
+    """Remove run ``run_id``'s rank folder ``mine`` and those whose owner process is gone."""
+    where = os.path.join(base_folder(), run_id)
+    removed = 0
+    for path in _owners(where):
         owner = _owner_of(path)
         if path == mine or owner is None or owner == os.getpid() or \
                 not owned_temp.alive(owner):
             shutil.rmtree(path, ignore_errors=True)
+            removed += 1
     with contextlib.suppress(OSError):
         os.rmdir(where)
+    return removed
 
 
 def _remove_stale(base: str, keep_name: str) -> None:

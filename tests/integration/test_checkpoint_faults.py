@@ -609,3 +609,42 @@ def test_a_keras_host_copy_travels_between_ranks_whole(backend):
                                {"epoch-0001.h5": "sha of rank 1" * 2}],
                       "sent": True, "nothing": None, "record": {"epoch": 3},
                       "everyone": [True, False]}
+
+
+@pytest.mark.every_profile
+def test_the_sweep_after_a_run_deletes_dead_ranks_copies_on_the_executors_hosts(
+        spark, tmp_path, caplog):
+    """The job a succeeded run starts when its earlier attempts used hosts the last did not
+    (sparkhvd.driver.host_sweep), on real executors: the run's rank folders no live process
+    owns go, a live one stays, the run's ``env=`` says where copies are; a host no task
+    reached is said."""
+    import socket
+    import subprocess
+    import sys
+
+    from sparkhvd.driver.host_sweep import sweep_hosts
+    from sparkhvd.runfolder import host_copy
+    from sparkhvd.spark.sparkview import SparkView
+
+    run = tmp_path / host_copy.BASE_NAME / "20261203-swept"
+    tmp_path.joinpath(host_copy.BASE_NAME).mkdir(mode=0o700)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    try:
+        for rank, owner in ((0, ended.pid), (1, live.pid)):
+            (run / f"rank-{rank}").mkdir(parents=True)
+            (run / f"rank-{rank}" / "epoch-0001.pt").write_bytes(b"state")
+            (run / f"rank-{rank}" / "owner.pid").write_text(str(owner))
+        here = socket.gethostname()
+        with caplog.at_level("INFO", logger="sparkhvd"):
+            reached = sweep_hosts(SparkView(spark), "20261203-swept", {here, "gone-host"}, 2,
+                                  {host_copy.DIR_ENV: str(tmp_path), "OTHER": "x"})
+        assert reached == {here}
+        assert sorted(p.name for p in run.iterdir()) == ["rank-1"]
+        said = caplog.text
+        assert f"swept the host copies earlier attempts kept on {here} (1 rank folder(s))" in said
+        assert "kept on gone-host were not swept" in said
+    finally:
+        live.kill()
+        live.wait()

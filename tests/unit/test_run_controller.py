@@ -120,6 +120,7 @@ class ScriptedPlacer:
         self.free, self.fail_placing, self.session = list(free), fail_placing, session
         self.placed: list[int] = []
         self.losses: list[Any] = []
+        self.swept: list[tuple[str, set[str], dict]] = []
 
     def place(self, size: int, first: bool, time_left: Optional[float],
               record: Any) -> Placement:
@@ -141,12 +142,16 @@ class ScriptedPlacer:
     def describe_lost(self) -> str:
         return "executor 7 on h1 lost"
 
+    def sweep_host_copies(self, run_id: str, hosts: set[str], env: Any) -> None:
+        self.swept.append((run_id, hosts, dict(env)))
+
 
 def _run(tmp_path, launcher: ScriptedLauncher, placer: Optional[ScriptedPlacer] = None,
          **settings: Any) -> Run:
     scaling = ScalingConfig(**{k: settings.pop(k) for k in ("np", "min_np", "max_np",
                                                             "resize_check_s") if k in settings})
-    launch = LaunchConfig(**{k: settings.pop(k) for k in ("slot_wait_s",) if k in settings})
+    launch = LaunchConfig(**{k: settings.pop(k) for k in ("slot_wait_s", "env")
+                             if k in settings})
     config = RunConfig(output_dir=str(tmp_path / "runs"), time_split=False, **settings)
     spec = RunSpec.of("torch", scaling, launch, config, LaunchFacts("torch"))
     return Run(spec, _train, b"", None, kwargs={}, return_all=False, timeout=None,
@@ -182,6 +187,45 @@ def test_a_lost_rank_is_retried_within_max_retries_from_the_same_size(tmp_path):
     assert (restarting["attempt"], restarting["from"], restarting["to"]) == (1, 2, 2)
     assert [spec.size for spec in launcher.specs] == [2, 2]
     assert [a["status"] for a in _record(run)["attempts"]] == ["failed", "succeeded"]
+
+
+def on_hosts(*hosts: str, then: Callable[[LaunchSpec, Any], Any]) -> Callable[[LaunchSpec, Any],
+                                                                             Any]:
+    """An attempt whose rank N started on ``hosts[N]``, then ended as ``then`` says."""
+    def end(spec: LaunchSpec, sink: Any) -> Any:
+        for rank, host in enumerate(hosts):
+            sink.receive(protocol.Started(rank=rank, pid=1000 + rank, host=host))
+        return then(spec, sink)
+    return end
+
+
+def test_a_run_that_succeeds_sweeps_the_hosts_only_earlier_attempts_used(tmp_path):
+    """Attempt 1 on h1 and h2 loses a rank; attempt 2 runs on h2 and h3 and succeeds: h1's
+    host copies are swept (h2's and h3's ranks cleaned their own), with where the run said
+    copies go."""
+    placer = ScriptedPlacer()
+    launcher = ScriptedLauncher(on_hosts("h1", "h2", then=lost()),
+                                on_hosts("h2", "h3", then=succeeds()))
+    run = _run(tmp_path, launcher, placer, np=2, max_retries=1,
+               env={"SPARKHVD_HOST_COPY_DIR": "/dev/shm"})
+    run.execute()
+    assert placer.swept == [(run.run_dir.run_id, {"h1"},
+                             {"SPARKHVD_HOST_COPY_DIR": "/dev/shm"})]
+
+
+def test_no_sweep_where_the_last_attempt_used_every_host_or_the_run_failed(tmp_path):
+    """The same hosts again (its ranks cleaned them), or a run that failed (its resume may
+    need its copies): nothing is swept."""
+    same = ScriptedPlacer()
+    _run(tmp_path / "same", ScriptedLauncher(on_hosts("h1", "h2", then=lost()),
+                                             on_hosts("h2", "h1", then=succeeds())),
+         same, np=2, max_retries=1).execute()
+    failed = ScriptedPlacer()
+    with pytest.raises(TrainingError):
+        _run(tmp_path / "failed", ScriptedLauncher(on_hosts("h1", "h2", then=lost()),
+                                                   on_hosts("h3", "h2", then=lost())),
+             failed, np=2, max_retries=1).execute()
+    assert same.swept == [] and failed.swept == []
 
 
 def test_a_lost_rank_over_max_retries_fails_the_run_naming_the_rank(tmp_path):
