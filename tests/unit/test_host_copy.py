@@ -10,9 +10,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from typing import Optional
 
 import pytest
 
+import preloaded
 from sparkhvd.common import protocol
 from sparkhvd.common.function_end import function_ended
 from sparkhvd.runfolder import host_copy
@@ -375,22 +377,19 @@ _RANK = textwrap.dedent("""
 
 def _two_ranks(tmp_path, host_dirs: list[str]) -> list[dict]:
     """Two real ranks in a gloo group (met through a file: no port to race for), each with its
-    own host-copy folder (its "host")."""
+    own host-copy folder (its "host"); forked with torch imported (tests/preloaded.py)."""
     script = tmp_path / "rank.py"
     script.write_text(_RANK)
-    procs = []
-    for rank, folder in enumerate(host_dirs):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
-               "SPARKHVD_RANK": str(rank), "SPARKHVD_SIZE": "2", host_copy.DIR_ENV: folder,
-               protocol.RUN_ID_ENV: "20261126-run"}
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / f"r{rank}"),
-             str(tmp_path / "rendezvous")],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=150)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    envs = [{**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "SPARKHVD_RANK": str(rank),
+             "SPARKHVD_SIZE": "2", host_copy.DIR_ENV: folder,
+             protocol.RUN_ID_ENV: "20261126-run"} for rank, folder in enumerate(host_dirs)]
+    ends = preloaded.run_ranks(
+        str(script), [[str(tmp_path / "ckpt"), str(tmp_path / f"r{rank}"),
+                       str(tmp_path / "rendezvous")] for rank in range(len(host_dirs))],
+        envs, [str(tmp_path / f"r{rank}.out") for rank in range(len(host_dirs))])
+    assert [status for status, _ in ends] == [0, 0], [out for _, out in ends]
     return [{**json.loads((tmp_path / f"r{rank}").read_text()), "out": out}
-            for rank, out in enumerate(outs)]
+            for rank, (_, out) in enumerate(ends)]
 
 
 def _as_lists(state) -> dict:
@@ -698,20 +697,17 @@ def _sharded_ranks(tmp_path, mode: str, host_dirs: list[str], fsdp: bool = False
     script = tmp_path / "sharded_rank.py"
     script.write_text(_SHARDED_RANK)
     world, rendezvous = len(host_dirs), tmp_path / f"rendezvous-{mode}-{len(os.listdir(tmp_path))}"
-    procs = []
-    for rank, folder in enumerate(host_dirs):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
-               "SPARKHVD_RANK": str(rank), "SPARKHVD_SIZE": str(world),
-               host_copy.DIR_ENV: folder, protocol.RUN_ID_ENV: "20261126-run",
-               **({"FSDP": "1"} if fsdp else {})}
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), mode, str(tmp_path / "ckpt"),
-             str(tmp_path / f"{mode}-r{rank}"), str(rendezvous), str(world)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=150)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0] * world, outs
+    envs = [{**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
+             "SPARKHVD_RANK": str(rank), "SPARKHVD_SIZE": str(world),
+             host_copy.DIR_ENV: folder, protocol.RUN_ID_ENV: "20261126-run",
+             **({"FSDP": "1"} if fsdp else {})} for rank, folder in enumerate(host_dirs)]
+    ends = preloaded.run_ranks(
+        str(script), [[mode, str(tmp_path / "ckpt"), str(tmp_path / f"{mode}-r{rank}"),
+                       str(rendezvous), str(world)] for rank in range(world)],
+        envs, [str(tmp_path / f"{mode}-r{rank}.out") for rank in range(world)])
+    assert [status for status, _ in ends] == [0] * world, [out for _, out in ends]
     return [{**json.loads((tmp_path / f"{mode}-r{rank}").read_text()), "out": out}
-            for rank, out in enumerate(outs)]
+            for rank, (_, out) in enumerate(ends)]
 
 
 def test_a_sharded_checkpoint_is_kept_on_the_hosts_before_its_upload(run_env):
@@ -1132,11 +1128,11 @@ def test_a_rank_killed_while_copying_a_snapshot_restores_the_one_before(run_env,
     script.write_text(_KILLED_MID_COPY)
     env = {**os.environ, host_copy.DIR_ENV: os.environ[host_copy.DIR_ENV],
            protocol.RUN_ID_ENV: os.environ[protocol.RUN_ID_ENV]}
-    done = subprocess.run([sys.executable, str(script), str(run_env / "ckpt"),
-                           str(run_env / "step5.json"), "6"], env=env, capture_output=True,
-                          text=True, timeout=150)
-    assert done.returncode == -9, done.stdout + done.stderr
-    assert "kept in memory on this host only" in done.stdout, done.stdout
+    [(status, out)] = preloaded.run_ranks(
+        str(script), [[str(run_env / "ckpt"), str(run_env / "step5.json"), "6"]], [env],
+        [str(run_env / "killed.out")])
+    assert status == -9, out
+    assert "kept in memory on this host only" in out, out
     (model, _), relaunched, epoch, lines = _relaunched(torch, run_env, capsys)
     assert (epoch, relaunched.restored) == (0, {"seen": 5, "epoch": 0, "step": 5}), lines
     expected = json.loads((run_env / "step5.json").read_text())
@@ -1177,3 +1173,36 @@ def test_a_rank_that_ends_deletes_its_own_and_dead_ranks_copies_never_a_live_ran
         live.wait()
     host_copy.clean()
     assert not os.path.exists(run)
+
+
+def _planted_run(base: str, run_id: str, owners: dict[int, Optional[int]]) -> str:
+    """Run ``run_id``'s rank folders under ``base``'s private folder, each owned as said."""
+    run = os.path.join(base, host_copy.BASE_NAME, run_id)
+    os.makedirs(os.path.dirname(run), mode=0o700, exist_ok=True)
+    for rank, owner in owners.items():
+        os.makedirs(os.path.join(run, f"rank-{rank}"))
+        with open(os.path.join(run, f"rank-{rank}", "epoch-0001.pt"), "wb") as f:
+            f.write(b"state")
+        if owner is not None:
+            with open(os.path.join(run, f"rank-{rank}", "owner.pid"), "w") as f:
+                f.write(str(owner))
+    return run
+
+
+def test_the_sweep_of_a_finished_run_deletes_what_no_live_process_owns(tmp_path, monkeypatch):
+    """What the driver's sweep runs on a host an earlier attempt used: the dead ranks' folders
+    (and one whose owner was never said) go, a live process's stays; another run's is left."""
+    monkeypatch.setenv(host_copy.DIR_ENV, str(tmp_path))
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    try:
+        run = _planted_run(str(tmp_path), "20261203-swept", {0: ended.pid, 1: live.pid, 2: None})
+        other = _planted_run(str(tmp_path), "20261203-other", {0: ended.pid})
+        assert host_copy.sweep("20261203-swept") == 2
+        assert os.listdir(run) == ["rank-1"] and os.listdir(other) == ["rank-0"]
+    finally:
+        live.kill()
+        live.wait()
+    assert host_copy.sweep("20261203-swept") == 1 and not os.path.exists(run)
+    assert host_copy.sweep("20261203-never") == 0
