@@ -81,7 +81,11 @@ if [ "$HOROVOD" = 1 ] && [ ! -f "$hstamp" ]; then
   horovod_ok || { [ -n "${wheels:-}" ] && rm -rf "$wheels"; false; } || die "horovod is installed but 'horovodrun --check-build' does not show both TensorFlow and Gloo. Check the build log above (cmake<4 and a C++17 compiler are required)."
   touch "$hstamp"
 fi
-# Azurite (the Azure Blob emulator) for the storage tests: real adlfs against 127.0.0.1.
+# Azurite (the Azure Blob emulator) for the storage tests: real adlfs against 127.0.0.1. One
+# install at a time (CI sets up two profiles at once; both share .tools/).
+mkdir -p .tools
+exec 9>.tools/.setup.lock
+flock 9 2>/dev/null || true
 if [ ! -x .tools/node_modules/.bin/azurite-blob ]; then
   if command -v npm >/dev/null 2>&1; then
     say "installing Azurite into .tools/ (npm)"
@@ -91,6 +95,7 @@ if [ ! -x .tools/node_modules/.bin/azurite-blob ]; then
     say "WARNING: Node.js/npm not found: the abfss:// storage tests need Azurite. Install Node.js 18+ (e.g. 'apt-get install -y nodejs npm') and run 'make setup' again."
   fi
 fi
+exec 9>&-
 versions=$("$PY" - 2>/dev/null <<'PYEOF'
 import importlib.util, numpy, pyspark, sparkhvd
 frameworks = []
