@@ -41,6 +41,24 @@ os.environ.setdefault("SPARK_SUBMIT_OPTS", _TEST_JVM_FLAGS)
 os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", _TEST_JVM_FLAGS)
 
 
+def _executor_jvm_flags() -> None:
+    """The same flags for the executors of the standalone and network-namespace clusters
+    (started by their workers with the application's ``spark.executor.extraJavaOptions``),
+    through a ``spark-defaults.conf`` every ``spark-submit`` of the tests reads: the fixtures'
+    sessions, the drivers the tests start as subprocesses, the Connect servers. A test that sets
+    the option itself still wins."""
+    if "SPARK_CONF_DIR" in os.environ:
+        return
+    folder = os.path.join(os.environ["TMPDIR"], "spark-conf")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "spark-defaults.conf"), "w") as f:
+        f.write(f"spark.executor.extraJavaOptions {_TEST_JVM_FLAGS}\n")
+    os.environ["SPARK_CONF_DIR"] = folder
+
+
+_executor_jvm_flags()
+
+
 #: fixture -> the marker of what it starts (see pyproject.toml's markers).
 _STARTS = {"spark": "spark", "azurite": "azurite", "standalone": "cluster",
            "netns_cluster": "netns", "cluster_spark": "netns", "connect_server": "connect",
