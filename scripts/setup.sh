@@ -81,6 +81,19 @@ if [ "$HOROVOD" = 1 ] && [ ! -f "$hstamp" ]; then
   horovod_ok || { [ -n "${wheels:-}" ] && rm -rf "$wheels"; false; } || die "horovod is installed but 'horovodrun --check-build' does not show both TensorFlow and Gloo. Check the build log above (cmake<4 and a C++17 compiler are required)."
   touch "$hstamp"
 fi
+# DeepSpeed compiles its CPU shared-memory communication op the first time a process uses it
+# (a C++ build: about three minutes of CPU). Built here, once per environment, into the
+# environment's own folder -- the tests point TORCH_EXTENSIONS_DIR there (tests/conftest.py) --
+# so no test pays it, and environments at other paths do not rebuild each other's.
+if [ "$HOROVOD" = 0 ] && "$PY" -c 'import deepspeed' >/dev/null 2>&1; then
+  export TORCH_EXTENSIONS_DIR="$PWD/$VENV/torch-extensions"
+  if ! ls "$TORCH_EXTENSIONS_DIR"/deepspeed_shm_comm/deepspeed_shm_comm.so >/dev/null 2>&1; then
+    say "building DeepSpeed's CPU communication op into $VENV/torch-extensions (once)"
+    "$PY" -c 'from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder("ShareMemCommBuilder").load()' >/dev/null 2>&1 \
+      || say "WARNING: DeepSpeed's CPU op did not build here; the DeepSpeed tests build it themselves"
+  fi
+fi
 # Azurite (the Azure Blob emulator) for the storage tests: real adlfs against 127.0.0.1. One
 # install at a time (CI sets up two profiles at once; both share .tools/).
 mkdir -p .tools

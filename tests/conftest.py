@@ -58,6 +58,10 @@ def _executor_jvm_flags() -> None:
 
 _executor_jvm_flags()
 
+#: Where DeepSpeed's JIT-built ops are kept: the environment's own folder, where `make setup`
+#: built its CPU communication op (scripts/setup.sh), so no test compiles it.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch-extensions"))
+
 
 #: fixture -> the marker of what it starts (see pyproject.toml's markers).
 _STARTS = {"spark": "spark", "azurite": "azurite", "standalone": "cluster",

@@ -23,9 +23,11 @@ from sparkhvd.common.redaction import SECRET_NAME
 __side__ = "common"
 
 #: Machine basics a rank inherits from the host it runs on (never the driver's: paths differ).
+#: ``TORCH_EXTENSIONS_DIR``: where the host keeps JIT-built PyTorch ops (DeepSpeed's), so a
+#: rank finds them instead of compiling them again.
 MACHINE_VARS = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "USER", "LANG", "LC_ALL",
                 "TMPDIR", "VIRTUAL_ENV", "JAVA_HOME", "SPARK_HOME", "PYSPARK_PYTHON",
-                "HADOOP_CONF_DIR")
+                "HADOOP_CONF_DIR", "TORCH_EXTENSIONS_DIR")
 #: Settings the driver forwards to every rank (exact names, or prefixes ending in ``_``).
 SETTING_VARS = ("TF_", "HOROVOD_", "NCCL_", "GLOO_", "OMP_", "KMP_", "CUDA_", "XLA_FLAGS")
 #: The run's own variables a backend assigns each rank (step 3) beyond ``SPARKHVD_*``, ``TF_*``

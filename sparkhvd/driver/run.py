@@ -26,8 +26,9 @@ The story of a run, start to end (:meth:`Run.execute`):
 5. the :class:`~sparkhvd.driver.retry.RetryPolicy` says *finished*, *failed*, or relaunch:
    *restarting* at the same size or *resizing* to another, from the run's newest checkpoint;
 6. the run is recorded (status, error, PIDs, curves, where the ranks' time went, the model,
-   ``report.html``) and published, and rank 0's
-   result -- or the error, naming the run folder -- goes back to the caller.
+   ``report.html``); a run that succeeded deletes the host copies earlier attempts kept on
+   hosts its last attempt did not use (:mod:`sparkhvd.driver.host_sweep`) and is published;
+   rank 0's result -- or the error, naming the run folder -- goes back to the caller.
 
 What the run leaves behind -- ``run.json``, MLflow, time splits, ``report.html``, curves, the
 settling of dataset caches -- is recorded by callbacks on these moments

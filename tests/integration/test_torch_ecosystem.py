@@ -159,9 +159,6 @@ def test_fsdp2_sharded_checkpoints_resume_exactly(spark, tmp_path, fsdp2_four_ep
         "file"] == "epoch-0004"
 
 
-@pytest.mark.long("DeepSpeed compiles its CPU shared-memory collective op (a C++ build, about "
-                  "a minute of CPU) the first time an environment uses it: a fresh CI "
-                  "environment pays it here")
 def test_deepspeed_zero1_launched_as_sparks_deepspeed_distributor_launches_it(tmp_path):
     """A DeepSpeed script given --deepspeed --deepspeed_config (what Spark's
     DeepspeedTorchDistributor passes), through the drop-in: ZeRO-1 on DeepSpeed's CPU
