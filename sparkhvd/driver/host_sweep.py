@@ -6,7 +6,9 @@ a day later. So when a run succeeds having used such hosts, one small Spark job 
 slot, so every executor free now gets one -- deletes them
 (:mod:`sparkhvd.executor.host_sweep`). A host it does not reach (gone, or its slots busy) is
 said, and keeps its copies for the day-later sweep. A run that failed keeps its copies: its
-resume may need them. Never raises: the run's result is already there.
+newest checkpoint may be there alone (an upload that failed or was cut short; the docs say
+where to find it). A succeeded run's uploads are all done. Never raises: the run's result is
+already there.
 """
 from __future__ import annotations
 

@@ -61,8 +61,8 @@ Rules:
   finishing its last save: that rank deletes its own); the run's folder goes with the last
   one. When a run that succeeded had used hosts its last attempt did not (a host lost and
   back, a resize), the driver sweeps those too (:func:`sweep`, one small Spark job). A folder
-  left by a run that failed is kept for its resume and deleted by the next run on that host
-  a day later.
+  left by a run that failed is kept (its newest checkpoint may be there alone, if its upload
+  failed) and deleted by the next run on that host a day later.
 """
 from __future__ import annotations
 

@@ -214,8 +214,8 @@ def test_a_run_that_succeeds_sweeps_the_hosts_only_earlier_attempts_used(tmp_pat
 
 
 def test_no_sweep_where_the_last_attempt_used_every_host_or_the_run_failed(tmp_path):
-    """The same hosts again (its ranks cleaned them), or a run that failed (its resume may
-    need its copies): nothing is swept."""
+    """The same hosts again (its ranks cleaned them), or a run that failed (its newest
+    checkpoint may be in a host copy alone): nothing is swept."""
     same = ScriptedPlacer()
     _run(tmp_path / "same", ScriptedLauncher(on_hosts("h1", "h2", then=lost()),
                                              on_hosts("h2", "h1", then=succeeds())),
