@@ -30,6 +30,9 @@ __side__ = "driver"
 
 #: How often a placement below ``min_np`` counts the free slots again while it waits.
 SLOT_POLL_S = 0.5
+#: How long a relaunch after a rank vanished waits for Spark to drop one of the attempt's
+#: executors (see :meth:`SparkPlacer.note_losses`).
+VANISHED_SETTLE_S = 10.0
 
 
 class Placer(Protocol):
@@ -140,17 +143,32 @@ class SparkPlacer:
 
     def note_losses(self, failure: Optional[LaunchFailure], executors: Callable[[], set]) -> None:
         """The executors (or, on Connect, the tasks) an attempt lost: left out of the next
-        slot count until Spark drops them itself."""
+        slot count until Spark drops them itself. A rank whose task vanished without an exit
+        status (its host killed: the driver's channel to it closes a moment before Spark
+        notices the executor is gone) first gets up to :data:`VANISHED_SETTLE_S` for Spark to
+        drop one of the attempt's executors, so the relaunch does not count a dead one's slots
+        and wait for them until ``start_timeout``."""
         if failure is None or not (failure.vanished or failure.lost):
             return
         self.lost_tasks += 1
-        if failure.lost and failure.host and self.view is not None:
-            sc = self.view.sc
+        if self.view is None or self.view.connect:
+            return
+        sc = self.view.sc
+        if failure.lost and failure.host:
             hosts = dict(cluster.safely("executors", lambda: {
                 e.id: e.host for e in cluster.executors(sc)}, {}))
             for exec_id in executors():
                 if hosts.get(exec_id) == failure.host:
                     self.lost_executors[exec_id] = failure.host
+        elif failure.vanished:
+            ours = set(executors())
+            deadline = time.monotonic() + VANISHED_SETTLE_S
+            while ours and time.monotonic() < deadline:
+                live = cluster.safely("executors", lambda: {e.id for e in cluster.executors(sc)},
+                                      None)
+                if live is not None and ours - live:
+                    return  # Spark dropped one: the count leaves it out
+                time.sleep(SLOT_POLL_S)
 
     def describe_lost(self) -> str:
         return cluster.describe_lost(self.lost_executors)
