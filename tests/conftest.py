@@ -334,28 +334,32 @@ class Azurite:
         if not os.path.exists(AZURITE_BIN):
             raise RuntimeError("Azurite is not installed in .tools/: install Node.js and run "
                                "'make setup'.")
-        proc = subprocess.Popen(  # port 0: Azurite binds a free one and says which
-            [AZURITE_BIN, "--blobHost", host, "--blobPort", "0",
-             "--location", str(data_dir), "--silent", "--loose", "--disableTelemetry",
-             # the Azure SDK speaks a newer API version than Azurite 3.35 knows:
-             "--skipApiVersionCheck"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, text=True)
-        deadline = time.monotonic() + 60
-        said = []
-        while time.monotonic() < deadline and \
-                select.select([proc.stdout], [], [], deadline - time.monotonic())[0]:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            said.append(line)
-            found = re.search(r"successfully listens on http://[^\s]+:(\d+)", line)
-            if found:
-                service = cls(int(found.group(1)), host)
-                service.proc = proc
-                return service
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"Azurite did not start: {''.join(said)}{proc.stderr.read()}")
+        said: list[str] = []
+        for _ in range(3):  # seen once: it said "starting" on the bridge and exited silently
+            proc = subprocess.Popen(  # port 0: Azurite binds a free one and says which
+                [AZURITE_BIN, "--blobHost", host, "--blobPort", "0",
+                 "--location", str(data_dir), "--silent", "--loose", "--disableTelemetry",
+                 # the Azure SDK speaks a newer API version than Azurite 3.35 knows:
+                 "--skipApiVersionCheck"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                text=True)
+            deadline = time.monotonic() + 60
+            said = []
+            while time.monotonic() < deadline and \
+                    select.select([proc.stdout], [], [], deadline - time.monotonic())[0]:
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                said.append(line)
+                found = re.search(r"successfully listens on http://[^\s]+:(\d+)", line)
+                if found:
+                    service = cls(int(found.group(1)), host)
+                    service.proc = proc
+                    return service
+            proc.kill()
+            proc.wait()
+            said.append(proc.stderr.read())
+        raise RuntimeError(f"Azurite did not start (3 tries): {''.join(said)}")
 
     def stop(self) -> None:
         import subprocess
