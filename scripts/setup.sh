@@ -85,14 +85,13 @@ fi
 # (a C++ build: about three minutes of CPU). Built here, once per environment, into the
 # environment's own folder -- the tests point TORCH_EXTENSIONS_DIR there (tests/conftest.py) --
 # so no test pays it, and environments at other paths do not rebuild each other's.
-if [ "$HOROVOD" = 0 ] && "$PY" -c 'import deepspeed' >/dev/null 2>&1; then
-  export TORCH_EXTENSIONS_DIR="$PWD/$VENV/torch-extensions"
-  if ! ls "$TORCH_EXTENSIONS_DIR"/deepspeed_shm_comm/deepspeed_shm_comm.so >/dev/null 2>&1; then
-    say "building DeepSpeed's CPU communication op into $VENV/torch-extensions (once)"
-    "$PY" -c 'from deepspeed.accelerator import get_accelerator
+if [ "$HOROVOD" = 0 ] && [ ! -f "$VENV/torch-extensions/deepspeed_shm_comm/deepspeed_shm_comm.so" ] \
+    && "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("deepspeed") is None)'; then
+  say "building DeepSpeed's CPU communication op into $VENV/torch-extensions (once)"
+  TORCH_EXTENSIONS_DIR="$PWD/$VENV/torch-extensions" "$PY" -c '
+from deepspeed.accelerator import get_accelerator
 get_accelerator().create_op_builder("ShareMemCommBuilder").load()' >/dev/null 2>&1 \
-      || say "WARNING: DeepSpeed's CPU op did not build here; the DeepSpeed tests build it themselves"
-  fi
+    || say "WARNING: DeepSpeed's CPU op did not build here; the DeepSpeed tests build it themselves"
 fi
 # Azurite (the Azure Blob emulator) for the storage tests: real adlfs against 127.0.0.1. One
 # install at a time (CI sets up two profiles at once; both share .tools/).

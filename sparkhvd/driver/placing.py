@@ -177,7 +177,7 @@ class SparkPlacer:
         from sparkhvd.driver.host_sweep import sweep_hosts
         from sparkhvd.spark.slots import task_slots
 
-        if hosts and self.view is not None:
+        if self.view is not None:
             sweep_hosts(self.view, run_id, hosts, task_slots(self.view), env)
 
 

@@ -34,12 +34,18 @@ def sweep_task(run_id: str, copy_dir: Optional[str]) -> Callable[[Iterator[Any]]
 
         from sparkhvd.runfolder import host_copy
 
-        if copy_dir:
+        before = os.environ.get(host_copy.DIR_ENV)
+        if copy_dir:  # for this task only: Spark may reuse this worker for other jobs
             os.environ[host_copy.DIR_ENV] = copy_dir
         try:
             removed = host_copy.sweep(run_id)
         except OSError:
             removed = -1
+        finally:
+            if before is None:
+                os.environ.pop(host_copy.DIR_ENV, None)
+            else:
+                os.environ[host_copy.DIR_ENV] = before
         yield pa.RecordBatch.from_pydict({"host": [socket.gethostname()], "removed": [removed]})
 
     return sweep
