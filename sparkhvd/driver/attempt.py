@@ -1,28 +1,34 @@
-"""One attempt of a run: one launch of the ranks, watched until they end, and how it ended.
+"""One attempt of a run: one launch of the ranks, what a look at them finds, and how it ended.
 
 The run (:class:`~sparkhvd.driver.run.Run`) makes an :class:`Attempt` in each *placing* and
-launches it in *running*; the attempt starts the run folder's service for the ranks, builds the
-launch spec (the size, the resume source, the rendezvous tag), hands it to the launcher and
-turns a failure into the :class:`~sparkhvd.driver.rank_end.Verdict` the run's policy decides
-from. ``run.json``'s ``attempts`` entry is :meth:`Attempt.entry`.
+drives it in *running*, one step a poll: the attempt starts the run folder's service for the
+ranks, builds the launch spec (the size, the resume source, the rendezvous tag) and hands it to
+the launcher (:meth:`Attempt.start`); each :meth:`Attempt.poll` looks at the ranks once and
+returns what it found as data (:class:`AttemptStatus`: running, ended, a stop due, a stall, the
+time up) -- the run's step decides what to do about it, as Ray Train v2's controller decides
+from its worker group's ``poll_status``. A rank's failure becomes the
+:class:`~sparkhvd.driver.rank_end.Verdict` the run's policy decides from. ``run.json``'s
+``attempts`` entry is :meth:`Attempt.entry`.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.backends import RunTag
-from sparkhvd.common.errors import LaunchFailure, StallError
+from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.common.protocol import RankOptions
 from sparkhvd.driver.inbox import AttemptInbox
 from sparkhvd.driver.launchers import LaunchSpec, Placement, RankGroup
 from sparkhvd.driver.monitor import RunMonitor
 from sparkhvd.driver.rank_end import Verdict, verdict_of
-from sparkhvd.elastic.watch import AttemptWatch
+from sparkhvd.elastic.watch import AttemptWatch, StopRequest
 from sparkhvd.runfolder.record import now
 
 if TYPE_CHECKING:
@@ -32,13 +38,33 @@ __side__ = "driver"
 
 log = logging.getLogger(__name__)
 
-#: How often the controller polls a running attempt's ranks.
+#: How long one poll of a running attempt waits for its ranks to end.
 POLL_S = 0.1
 
 
+def status_of(exc: BaseException) -> str:
+    """How a run or attempt that ``exc`` ended is recorded."""
+    return ("interrupted" if isinstance(exc, KeyboardInterrupt) else
+            "timed out" if isinstance(exc, TimeoutError) else "failed")
+
+
+@dataclass(frozen=True)
+class AttemptStatus:
+    """What one :meth:`Attempt.poll` found, as data (the run's step decides from it)."""
+
+    #: ``running``; ``ended`` (the ranks ended: the attempt's ``status`` says how); ``stop
+    #: due`` (the elastic watch found executors being decommissioned or slots to grow into:
+    #: :attr:`stop`); ``stalled`` (``on_stall="stop"``) or ``timed out`` (``run(timeout=...)``),
+    #: the ranks still running (:attr:`error`: what ends the attempt if the run stops it)
+    kind: str
+    stop: Optional[StopRequest] = None
+    error: Optional[BaseException] = None
+
+
 class Attempt:
-    """One launch of the ranks: how it ended (``status``), the ranks' results, and -- when a
-    rank failed -- the :class:`~sparkhvd.driver.rank_end.Verdict`."""
+    """One launch of the ranks: where it is (``status``: ``placed``, ``running``, then how it
+    ended), the ranks' results, and -- when a rank failed -- the
+    :class:`~sparkhvd.driver.rank_end.Verdict`."""
 
     def __init__(self, run: "Run", number: int, placement: Placement,
                  resume: Optional[str], library: Optional[str] = None, size: int = 0,
@@ -67,19 +93,25 @@ class Attempt:
                 placement.session, self.spark_job, run.scaling, self.size,
                 listening=lambda: len(outcome.listening) >= self.size,
                 free=run.placer.free_slots)
-        self.status = "running"
+        #: why the run asked the ranks to stop at their next step (a grow, a decommission)
+        self.stop_request: Optional[StopRequest] = None
+        #: the started ranks (None before :meth:`start` and once they ended)
+        self.group: Optional[RankGroup] = None
+        self._files: Any = None
+        self._started = 0.0
+        self.status = "placed"
         self.results: list = []
         self.verdict: Optional[Verdict] = None
         self.failure: Optional[LaunchFailure] = None
         self.error: Optional[BaseException] = None
 
-    def launch(self, env: dict[str, str]) -> None:
-        """Start the ranks and wait for them. A rank's failure and a stall end the attempt
-        (``status``, ``verdict``, ``error``); anything else -- a timeout, an interrupt, a bad
-        setting -- propagates."""
-        run, files = self.run, None
+    def start(self, env: dict[str, str]) -> None:
+        """Start the ranks (the run folder's service first). A launch that fails at once ends
+        the attempt as a rank failure does (:attr:`status`); anything else -- a bad setting, an
+        interrupt -- propagates, with the run folder's service stopped."""
+        run = self.run
         try:
-            files, files_env = self._start_files()
+            self._files, files_env = self._start_files()
             env.update(files_env)
             spec = self._spec(env)
             if self.placement.launcher == "barrier":
@@ -89,47 +121,102 @@ class Attempt:
             log.info("Launching %d rank(s) %s; logs in %s", spec.size,
                      f"on Spark ({spec.session.describe()})" if spec.session else
                      "as local processes", run.run_dir.logs)
-            self.results = self._await(run.launchers(self.placement.launcher)
-                                       .start(spec, self.outcome), spec.time_left())
-            run.record.launched(control=self.outcome.channel)
-            self.status = "succeeded"
+            self.group = run.launchers(self.placement.launcher).start(spec, self.outcome)
         except LaunchFailure as failure:
-            self.failure = failure
-            self.verdict = verdict_of(failure, self.outcome.reported(), self.outcome.hosts,
-                                    run.router.tail)
-            self.status = "preempted" if self.verdict.preempted else "failed"
-            self.error = self.verdict.error()
-        except StallError as exc:
-            self.status, self.error = "stalled", exc
-        finally:
-            self._clean_up(files)
+            self._failed(failure)
+            self._clean_up()
+            return
+        except BaseException:
+            self._clean_up()
+            raise
+        self.status = "running"
+        self._started = time.monotonic()
+        self.monitor.reach_ranks(self.group.ask_stacks)
 
-    def _await(self, group: RankGroup, timeout: Optional[float]) -> list[Any]:
-        """The poll loop: until the ranks end, check them (the launcher raises a rank's
-        failure), answer stack requests and detect a stall (the monitor), look for executors
-        being decommissioned and slots to grow into (the watch), and keep ``timeout``. Whatever
-        ends it early stops the ranks first (:meth:`RankGroup.fail`)."""
-        self.monitor.reach_ranks(group.ask_stacks)
-        if self.watch is not None and group.notify is not None:
-            self.watch.reach(group.notify)
-        started = time.monotonic()
+    def poll(self, time_left: Optional[float]) -> AttemptStatus:
+        """One look at the running ranks, as data: whether they ended (then :attr:`status`,
+        :attr:`results`, :attr:`verdict` say how), or what the driver's watches found -- a
+        stop due (executors being decommissioned, slots to grow into), a stall
+        (``on_stall="stop"``), the run's time up (``time_left`` of ``run(timeout=...)``).
+        Waits up to :data:`POLL_S` for the ranks. A failed rank ends the attempt here (the
+        others stopped); an error that is no rank's propagates, the ranks stopped first."""
+        group = self._group()
         try:
-            try:
-                while not group.poll(POLL_S, time.monotonic() - started):
-                    if self.watch is not None:
-                        self.watch.tick()
-                    self.monitor.tick()
-                    if timeout is not None and time.monotonic() - started > timeout:
-                        raise TimeoutError(group.timeout_message +
-                                           self.monitor.explain_timeout())
-                return group.results()
-            except BaseException as exc:
-                failure = group.fail(exc)
-                if failure is exc:
-                    raise
-                raise failure from exc
+            if group.poll(POLL_S, time.monotonic() - self._started):
+                self.results = group.results()
+                self.status = "succeeded"
+                self.run.record.launched(control=self.outcome.channel)
+                self._clean_up()
+                return AttemptStatus("ended")
+        except BaseException as exc:
+            self._end_by(exc)
+            return AttemptStatus("ended")
+        if self.watch is not None and group.notify is not None and self.stop_request is None:
+            stop = self.watch.tick()
+            if stop is not None:
+                return AttemptStatus("stop due", stop=stop)
+        stall = self.monitor.tick()
+        if stall is not None:
+            return AttemptStatus("stalled", error=stall)
+        if time_left is not None and time_left <= 0:
+            return AttemptStatus("timed out", error=TimeoutError(
+                group.timeout_message + self.monitor.explain_timeout()))
+        return AttemptStatus("running")
+
+    def ask_to_stop(self, request: StopRequest) -> None:
+        """Give the ranks a notice: they stop after their current step and checkpoint (the run
+        relaunches; :attr:`stop_request` says why)."""
+        self.stop_request = request
+        log.warning("sparkhvd: %s; the ranks checkpoint after their current step and the run "
+                    "relaunches", request.reason)
+        notify = self._group().notify
+        assert notify is not None  # the watch is ticked only where the launcher can notify
+        notify(request.reason)
+
+    def stop(self, status: AttemptStatus) -> None:
+        """End the running attempt for what a poll found (a stall, the time up): the ranks are
+        stopped; where the launcher finds a rank that failed meanwhile, that failure is how the
+        attempt ended."""
+        assert status.error is not None, status
+        self._end_by(status.error, status.kind)
+
+    def abort(self, exc: BaseException) -> None:
+        """The controller itself stopped (an interrupt, an error): stop the ranks, if they run."""
+        if self.status == "running":
+            with contextlib.suppress(Exception):
+                self._group().fail(exc)
+            self.status, self.error = status_of(exc), exc
+            self._clean_up()
+
+    def _end_by(self, exc: BaseException, kind: Optional[str] = None) -> None:
+        """The ranks are stopped after ``exc``: a rank's failure (the launcher's, or what it
+        names behind its own error) ends the attempt as failed or preempted; ``kind`` (a stall,
+        the time up) ends it so; anything else propagates once the ranks are stopped."""
+        try:
+            failure = self._group().fail(exc)
+            if isinstance(failure, LaunchFailure):
+                self._failed(failure)
+                return
+            if kind is not None and failure is exc:
+                self.status, self.error = kind, exc
+                return
+            self.status, self.error = status_of(failure), failure
         finally:
-            group.close()
+            self._clean_up()
+        if failure is exc:
+            raise exc
+        raise failure from exc
+
+    def _failed(self, failure: LaunchFailure) -> None:
+        self.failure = failure
+        self.verdict = verdict_of(failure, self.outcome.reported(), self.outcome.hosts,
+                                  self.run.router.tail)
+        self.status = "preempted" if self.verdict.preempted else "failed"
+        self.error = self.verdict.error()
+
+    def _group(self) -> RankGroup:
+        assert self.group is not None, "the attempt was not started"
+        return self.group
 
     def relaunch_reason(self, request: Any, verdict: Verdict) -> str:
         """Why this attempt is relaunched, in words: the driver's request (a grow), the rank
@@ -172,8 +259,8 @@ class Attempt:
                                   "notice_to_stop_s": max((m.seconds for m in stopped.values()
                                                            if m.seconds is not None),
                                                           default=None),
-                                  "requested": self.watch.request.reason
-                                  if self.watch is not None and self.watch.request else None}
+                                  "requested": self.stop_request.reason
+                                  if self.stop_request is not None else None}
         return entry
 
     def _spec(self, env: dict[str, str]) -> LaunchSpec:
@@ -219,12 +306,19 @@ class Attempt:
             run_dir.record.launched(timeline="timeline.json")
         return files, env
 
-    def _clean_up(self, files: Any) -> None:
+    def _clean_up(self) -> None:
+        """Release what the launch holds, once, however the attempt ended: the rank group, the
+        run folder's service, the stack requests polling ranks read."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+        files, self._files = self._files, None
+        if files is None:
+            return
         run_dir = self.run.run_dir
         run_dir.record.stacks_saved([os.path.relpath(r.path, run_dir.path)
                                      for r in self.monitor.reports if r.path])
-        if files is not None:
-            files.stop()
+        files.stop()
         # the stack requests polling ranks read: the run's business only while it runs
         shutil.rmtree(run_dir.file(os.path.dirname(protocol.STACKS_REQUEST_FILE)),
                       ignore_errors=True)

@@ -1,13 +1,14 @@
 """Why is it stuck? Every rank's stacks on timeout, on a stall, and on demand.
 
-:class:`RunMonitor` watches one attempt from the controller's poll loop
-(:meth:`sparkhvd.driver.attempt.Attempt._await`):
+:class:`RunMonitor` watches one attempt at each of the run's polls
+(:meth:`sparkhvd.driver.attempt.Attempt.poll`):
 
 - **timeout** (``run_timeout``): before the ranks are stopped, their stacks are collected and the
   ``TimeoutError`` says which rank is where;
 - **stall** (``stall_timeout``): no rank has shown progress -- an output line, metrics, any report
   -- for that long: stacks are collected and a warning says which rank is where; with
-  ``on_stall="stop"`` a :class:`StallError` ends the run instead;
+  ``on_stall="stop"`` the poll says the attempt stalled, and the run ends it with a
+  :class:`StallError`;
 - **on demand**: ``sparkhvd stacks <run folder>`` (another process; :func:`request_stacks`) drops
   a request file into the run folder, the monitor answers it; :meth:`HorovodRunner.dump_stacks`
   does the same from Python.
@@ -189,9 +190,10 @@ class RunMonitor:
         processes); None: the ranks on this machine are signalled."""
         self._ask_stacks = ask_stacks
 
-    # -- from the controller's poll loop -----------------------------------------------------
-    def tick(self) -> None:
-        """Answer a pending request; detect a stall (may raise :class:`StallError`)."""
+    # -- at each of the run's polls -------------------------------------------------------------
+    def tick(self) -> Optional[StallError]:
+        """Answer a pending request; detect a stall: the error that ends the attempt when
+        ``on_stall="stop"`` (None: no stall, or one only warned of)."""
         now = time.monotonic()
         if self.run_path and now >= self._next_request_check:
             self._next_request_check = now + REQUEST_POLL_S
@@ -201,18 +203,19 @@ class RunMonitor:
                 with contextlib.suppress(OSError):
                     os.remove(request)
         if self.stall_timeout is None or not self.outcome.pids:
-            return
+            return None
         last = self.outcome.last_progress
         if now - last < self.stall_timeout or self._stall_reported_at == last:
-            return
+            return None
         self._stall_reported_at = last
         report = self.collect(f"no progress for {now - last:.0f} s")
         message = (f"No rank has made progress for {now - last:.0f} s (stall_timeout="
                    f"{self.stall_timeout:g}): {report.summary}. Every rank's stacks: "
                    f"{report.path or 'not saved'}")
         if self.on_stall == "stop":
-            raise StallError(message + ". The run was stopped (on_stall='stop').")
+            return StallError(message + ". The run was stopped (on_stall='stop').")
         log.warning("%s. The run goes on (on_stall='warn'; 'stop' ends it).", message)
+        return None
 
     def explain_timeout(self) -> str:
         """For the TimeoutError: where each rank was, and where its stacks are."""

@@ -20,11 +20,15 @@ The story of a run, start to end (:meth:`Run.execute`):
    an elastic run what the free slots allow within ``min_np``..``max_np``), which launcher,
    where the driver is reached, the Spark task slots;
 3. MLflow tracking starts when asked; the resume source is resolved;
-4. *running*: an :class:`~sparkhvd.driver.attempt.Attempt` launches the ranks; the driver
-   watches it (:class:`~sparkhvd.elastic.watch.AttemptWatch`: executors being decommissioned,
-   slots to grow into) and may ask the ranks to stop at their next step;
-5. the :class:`~sparkhvd.driver.retry.RetryPolicy` says *finished*, *failed*, or relaunch:
-   *restarting* at the same size or *resizing* to another, from the run's newest checkpoint;
+4. *running*: an :class:`~sparkhvd.driver.attempt.Attempt` launches the ranks, and each step
+   polls them once: what the poll finds comes back as data
+   (:class:`~sparkhvd.driver.attempt.AttemptStatus`) -- still running; a stop due (the
+   :class:`~sparkhvd.elastic.watch.AttemptWatch` saw executors being decommissioned or slots
+   to grow into: the step asks the ranks to stop at their next step); a stall with
+   ``on_stall="stop"`` or the run's ``timeout`` (the step stops the ranks); the ranks ended;
+5. once the ranks ended, the :class:`~sparkhvd.driver.retry.RetryPolicy` says *finished*,
+   *failed*, or relaunch: *restarting* at the same size or *resizing* to another, from the
+   run's newest checkpoint;
 6. the run is recorded (status, error, PIDs, curves, where the ranks' time went, the model,
    ``report.html``); a run that succeeded deletes the host copies earlier attempts kept on
    hosts its last attempt did not use (:mod:`sparkhvd.driver.host_sweep`) and is published;
@@ -48,7 +52,7 @@ from typing import Any, Callable, Mapping, Optional
 from sparkhvd.common.environment import rank_env
 from sparkhvd.common.errors import NotEnoughSlotsError, StorageError
 from sparkhvd.common.redaction import remember_environment
-from sparkhvd.driver.attempt import Attempt
+from sparkhvd.driver.attempt import Attempt, status_of
 from sparkhvd.driver.launchers import get_launcher, left_until
 from sparkhvd.driver.logs import RankLogRouter
 from sparkhvd.driver.placing import LocalPlacer, Placer, SparkPlacer, size_now
@@ -73,11 +77,6 @@ from sparkhvd.spark.installed import check_keras
 __side__ = "driver"
 
 log = logging.getLogger(__name__)
-
-def _status_of(exc: BaseException) -> str:
-    return ("interrupted" if isinstance(exc, KeyboardInterrupt) else
-            "timed out" if isinstance(exc, TimeoutError) else "failed")
-
 
 class Run:
     """One call of ``run``/``run_all``: its run folder, its states and attempts, its result."""
@@ -142,7 +141,7 @@ class Run:
             status = "failed" if last.status == "preempted" else last.status
             error = last.error
         except BaseException as exc:
-            status, error = _status_of(exc), exc
+            status, error = status_of(exc), exc
         finally:
             self.router.close()
             for callback in self.callbacks:
@@ -165,15 +164,20 @@ class Run:
 
     def _drive(self, env: dict[str, str]) -> "Attempt":
         """From *placing*, one step at a time until the run finishes or fails; the last
-        attempt. A step that raises ends the run in *failed*, and the error goes on."""
+        attempt. A step that keeps its state (*running*, while the ranks run) is no
+        transition. A step that raises (an interrupt, an error that is no rank's) ends the run
+        in *failed*, its running ranks stopped, and the error goes on."""
         state: RunState = Placing("the run starts", size=self.scaling.size)
         while True:
-            self._enter(state)
+            if state is not self.state:
+                self._enter(state)
             if isinstance(state, (Finished, Failed)):
                 return state.attempt
             try:
                 state = self._step(state, env)
             except BaseException as exc:
+                if isinstance(self.state, Running):
+                    self.state.attempt.abort(exc)
                 self._enter(Failed(f"{type(exc).__name__}: {str(exc)[:200]}"))
                 raise
 
@@ -230,9 +234,8 @@ class Run:
         """The relaunch again, at ``size``: from the last attempt's size, for its reason."""
         last = self.attempts[-1]
         assert last.verdict is not None  # it was relaunched
-        request = last.watch.request if last.watch is not None else None
         kind = Resizing if size != last.size else Restarting
-        return kind(f"{last.relaunch_reason(request, last.verdict)}; only {size} of the "
+        return kind(f"{last.relaunch_reason(last.stop_request, last.verdict)}; only {size} of the "
                     f"{state.size} task slots counted free were there to place it on",
                     attempt=last, verdict=last.verdict,
                     checkpoint=self.run_dir.newest_checkpoint() if state.resume else None,
@@ -240,13 +243,30 @@ class Run:
                     library=state.library, planned=state.planned)
 
     def _running(self, state: Running, env: dict[str, str]) -> RunState:
-        """Launch the attempt and wait for its end; the policy decides what follows (a relaunch
-        is sized here, from the free slots)."""
+        """One poll of the attempt (launched at the first): while its ranks run, the state
+        stays; a stop the watch found due is asked of the ranks; a stall (``on_stall="stop"``)
+        or the run's timeout stops them. Once they ended, :meth:`_ended` decides."""
         attempt = state.attempt
-        attempt.launch(dict(env))
+        if attempt.status == "placed":
+            attempt.start(dict(env))
+        if attempt.status == "running":
+            found = attempt.poll(self.time_left())
+            if found.kind == "running":
+                return state
+            if found.kind == "stop due":
+                assert found.stop is not None
+                attempt.ask_to_stop(found.stop)
+                return state
+            if found.kind in ("stalled", "timed out"):
+                attempt.stop(found)
+        return self._ended(attempt)
+
+    def _ended(self, attempt: Attempt) -> RunState:
+        """The attempt's ranks ended: the policy decides what follows (a relaunch is sized
+        here, from the free slots)."""
         for callback in self.callbacks:
             callback.on_attempt_end(self, attempt)
-        request = attempt.watch.request if attempt.watch is not None else None
+        request = attempt.stop_request
         planned = request is not None and request.kind == "grow" and \
             attempt.verdict is not None and attempt.verdict.preempted
         decision = self.policy.decide(attempt.status != "succeeded", attempt.verdict,

@@ -1,4 +1,4 @@
-"""What the driver watches while an attempt runs, and when it asks the ranks to stop early.
+"""What the driver watches while an attempt runs, and when the ranks should stop early.
 
 Two things end an attempt on purpose, each at the ranks' next step (a notice, delivered by
 the launcher: the Spark task signals its rank, see :mod:`sparkhvd.elastic.notices`):
@@ -10,9 +10,11 @@ the launcher: the Spark task signals its rank, see :mod:`sparkhvd.elastic.notice
 - an elastic run below ``max_np`` finds **free slots** -- looked at every ``resize_check_s``,
   and again :data:`GROW_CONFIRM_S` later before it asks -- and grows back.
 
-Only ranks whose checkpoint helper listens are asked (a notice would otherwise kill them, and
-a grow would cost the work since their last checkpoint); the attempt's :class:`StopRequest`
-says why the run relaunched. Classic sessions only: a Spark Connect client sees no executors.
+The watch only looks and proposes: :meth:`AttemptWatch.tick` returns a :class:`StopRequest`
+when one is due, and the run's step asks the ranks
+(:meth:`~sparkhvd.driver.attempt.Attempt.ask_to_stop`); the request says why the run
+relaunched. Only ranks whose checkpoint helper listens are proposed for (a notice would
+otherwise kill them, and a grow would cost the work since their last checkpoint). Classic sessions only: a Spark Connect client sees no executors.
 A ``local[N]`` master (a notebook on one large machine) grows too -- other jobs of the session
 take and give back its slots -- and has no executors to decommission.
 """
@@ -51,7 +53,8 @@ class StopRequest:
 
 
 class AttemptWatch:
-    """The driver's eye on one running attempt (ticked by the run's monitor)."""
+    """The driver's eye on one running attempt (ticked at each poll of a launcher that can give
+    its ranks a notice)."""
 
     def __init__(self, view: Any, job_tag: str, policy: ScalingPolicy, size: int,
                  listening: Callable[[], bool], free: Callable[[], int],
@@ -60,10 +63,10 @@ class AttemptWatch:
         #: ``free()``: the slots free now, as the run counts them (lost executors left out;
         #: :func:`sparkhvd.spark.slots.free_slots`)
         self.listening, self.free, self.clock = listening, free, clock
+        #: the stop this watch proposed (it proposes one, then only keeps the executors' record)
         self.request: Optional[StopRequest] = None
         #: partition -> executor id of the attempt's tasks, as last seen running
         self.executors: dict[int, str] = {}
-        self._notify: Optional[Callable[[str], None]] = None
         self._next_decommission = 0.0
         self._next_grow = clock() + policy.resize_check_s
         #: the size a first look found room for, confirmed by the next look
@@ -73,13 +76,10 @@ class AttemptWatch:
         #: a local master's only executor is the driver: nothing to decommission
         self.decommissions = self.active and not str(view.master).startswith("local")
 
-    def reach(self, notify: Callable[[str], None]) -> None:
-        """How the launcher gives the ranks a notice (its control channel, its processes)."""
-        self._notify = notify
-
-    def tick(self) -> None:
-        if self.request is not None or self._notify is None or not self.active:
-            return
+    def tick(self) -> Optional[StopRequest]:
+        """Look (at most as often as each look is due): a stop now due, once; else None."""
+        if self.request is not None or not self.active:
+            return None
         now = self.clock()
         if self.decommissions and now >= self._next_decommission:
             self._next_decommission = now + DECOMMISSION_POLL_S
@@ -89,6 +89,7 @@ class AttemptWatch:
             self._look_for_slots()
             self._next_grow = now + (GROW_CONFIRM_S if self._grow_seen is not None
                                      else self.policy.resize_check_s)
+        return self.request
 
     def _look_for_decommission(self) -> None:
         sc = self.view.sc
@@ -109,8 +110,8 @@ class AttemptWatch:
                             "the run loses the work since its last checkpoint when it goes",
                             where)
             return
-        self._ask(StopRequest("decommission", f"{where} is being decommissioned",
-                              executors=ours))
+        self.request = StopRequest("decommission", f"{where} is being decommissioned",
+                                   executors=ours)
 
     def _look_for_slots(self) -> None:
         if not self.listening():
@@ -120,13 +121,6 @@ class AttemptWatch:
         seen, self._grow_seen = self._grow_seen, grow_to
         if grow_to is not None and seen is not None:  # two looks agree
             grow_to = min(grow_to, seen)
-            self._ask(StopRequest("grow", f"{grow_to - self.size} Spark task slot(s) free: "
-                                  f"growing from {self.size} to {grow_to} ranks",
-                                  grow_to=grow_to))
-
-    def _ask(self, request: StopRequest) -> None:
-        self.request = request
-        log.warning("sparkhvd: %s; the ranks checkpoint after their current step and the run "
-                    "relaunches", request.reason)
-        assert self._notify is not None
-        self._notify(request.reason)
+            self.request = StopRequest("grow", f"{grow_to - self.size} Spark task slot(s) "
+                                       f"free: growing from {self.size} to {grow_to} ranks",
+                                       grow_to=grow_to)

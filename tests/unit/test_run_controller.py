@@ -3,7 +3,7 @@
 No Spark and no rank process: :class:`ScriptedPlacer` says how many slots are free and places
 each attempt; :class:`ScriptedLauncher` starts a :class:`ScriptedGroup` the controller polls,
 which ends as its script says (a result, a lost rank, a notice). The run's own parts are real -- its states, policies, run folder and
-``run.json``, its poll loop, monitor and elastic watch -- so each lifecycle case (retries and
+``run.json``, its polls, monitor and elastic watch -- so each lifecycle case (retries and
 preemptions within and over budget, a shrink, a grow into free slots, slots below ``min_np``,
 a failure while placing, the run's timeout) runs in milliseconds, as Ray Train v2's controller
 tests run against a dummy worker group.
@@ -405,6 +405,61 @@ def test_the_runs_timeout_stops_a_group_that_does_not_end(tmp_path):
         run.execute()
     assert launcher.groups[0].stopped and launcher.groups[0].closed
     assert _record(run)["status"] == "timed out"
+    assert _states(run) == ["placing", "running", "failed"]
+    assert [a["status"] for a in _record(run)["attempts"]] == ["timed out"]
+
+
+def test_each_running_step_polls_the_ranks_once_and_is_no_transition(tmp_path):
+    """The run owns the poll loop: while the ranks run, a step polls them once and keeps the
+    state (nothing recorded); the step whose poll finds them ended decides what follows."""
+    launcher = ScriptedLauncher(succeeds(), polls=2)
+    run = _run(tmp_path, launcher, np=2)
+    steps, step = [], run._step
+
+    def counted(state: Any, env: dict) -> Any:
+        after = step(state, env)
+        steps.append((state.label, after.label, after is state))
+        return after
+
+    run._step = counted  # type: ignore[method-assign]
+    assert run.execute()[0] == b"weights"
+    assert steps == [("placing", "running", False), ("running", "running", True),
+                     ("running", "running", True), ("running", "finished", False)]
+    assert _states(run) == ["placing", "running", "finished"]
+
+
+def test_a_stall_with_on_stall_stop_is_found_by_a_poll_and_the_step_stops_the_ranks(
+        tmp_path, monkeypatch):
+    """No rank makes progress: the poll says the attempt stalled (data, not an exception);
+    the step stops the ranks, and the run fails with the StallError naming where they were."""
+    from sparkhvd.common.errors import StallError
+    from sparkhvd.driver.monitor import RunMonitor, StackReport
+
+    monkeypatch.setattr(RunMonitor, "collect", lambda self, reason, answer_s=0: StackReport(
+        reason, "rank 0 is in train.py:9 wait()", None, {}, []))
+    launcher = ScriptedLauncher(on_hosts("h1", "h1", then=succeeds()), polls=10**9)
+    config = RunConfig(output_dir=str(tmp_path / "runs"), time_split=False)
+    spec = RunSpec.of("torch", ScalingConfig(np=2),
+                      LaunchConfig(stall_timeout=0.05, on_stall="stop"), config,
+                      LaunchFacts("torch"))
+    run = Run(spec, _train, b"", None, kwargs={}, return_all=False, timeout=None,
+              placer=ScriptedPlacer(), launchers=launcher)
+
+    def started(spec: LaunchSpec, sink: Any, start=launcher.start) -> ScriptedGroup:
+        group = start(spec, sink)
+        for rank in range(spec.size):  # ranks that started, then never said anything again
+            sink.receive(protocol.Started(rank=rank, pid=(1 << 22) + 1 + rank, host="h1"))
+        return group
+
+    launcher.start = started  # type: ignore[method-assign]
+    with pytest.raises(StallError, match="rank 0 is in train.py:9 wait"):
+        run.execute()
+    group = launcher.groups[0]
+    assert group.stopped and group.closed
+    assert _states(run) == ["placing", "running", "failed"]
+    record = _record(run)
+    assert record["status"] == "stalled"
+    assert [a["status"] for a in record["attempts"]] == ["stalled"]
 
 
 class LocalMasterSession:

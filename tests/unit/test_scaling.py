@@ -60,11 +60,11 @@ def test_a_grow_is_asked_for_only_when_a_second_look_agrees(monkeypatch):
     w = watch.AttemptWatch(view, "job", ScalingPolicy.of(ScalingConfig(np=4, min_np=2)), 2,
                            listening=lambda: True, free=lambda: next(looks),
                            clock=lambda: now[0])
-    asked = []
-    w.reach(asked.append)
     monkeypatch.setattr(watch.AttemptWatch, "_look_for_decommission", lambda self: None)
-    for t in (30.0, 31.0, 61.0, 62.0):  # room, gone; room, room again -> grow
+    proposed = []
+    for t in (30.0, 31.0, 61.0, 62.0, 92.0):  # room, gone; room, room again -> grow; no more
         now[0] = t
-        w.tick()
-    assert w.request is not None and w.request.grow_to == 3 and len(asked) == 1
-    assert "1 Spark task slot(s) free: growing from 2 to 3" in asked[0]
+        proposed.append(w.tick())
+    assert proposed[:3] == [None] * 3 and proposed[4] is None
+    assert proposed[3] is not None and proposed[3].grow_to == 3
+    assert "1 Spark task slot(s) free: growing from 2 to 3" in proposed[3].reason

@@ -1,12 +1,12 @@
 """What every launcher's rank group shares: the helper thread, abort, cancel, kill -- once.
 
 A launch runs in a helper thread (Spark's ``collect()``, horovod's ``run`` or the local process
-loop: :class:`ThreadedGroup`) while the controller's thread polls it
-(:meth:`sparkhvd.driver.attempt.Attempt.launch`), so that a notebook's stop button
-(``KeyboardInterrupt``) and ``run(timeout=...)`` always work. Whatever ends the polling -- a
-failed rank, the timeout, an interrupt -- the launcher's ``stop`` runs (tell the ranks to stop,
-cancel the Spark job by its tag or group, kill what is left on this machine) before the
-exception propagates.
+loop: :class:`ThreadedGroup`) while the controller's thread polls it, a step at a time
+(:meth:`sparkhvd.driver.attempt.Attempt.poll`), so that a notebook's stop button
+(``KeyboardInterrupt``) and ``run(timeout=...)`` always work. Whatever ends the attempt early --
+a failed rank, a stall, the timeout, an interrupt -- the launcher's ``stop`` runs (tell the
+ranks to stop, cancel the Spark job by its tag or group, kill what is left on this machine)
+first (:meth:`ThreadedGroup.fail`).
 """
 from __future__ import annotations
 

@@ -139,8 +139,8 @@ class Sink(Protocol):
 
 
 class RankGroup(Protocol):
-    """One attempt's ranks, started: what the controller's poll loop asks of them
-    (:meth:`sparkhvd.driver.attempt.Attempt.launch`; every launcher's is a
+    """One attempt's ranks, started: what each of the run's polls asks of them
+    (:meth:`sparkhvd.driver.attempt.Attempt.poll`; every launcher's is a
     :class:`~sparkhvd.driver.launchers.base.ThreadedGroup`)."""
 
     #: The ``TimeoutError``'s text when the run's ``timeout`` passes.
