@@ -33,10 +33,11 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.errors import StallError
+from sparkhvd.driver.inbox import AttemptInbox
 from sparkhvd.timing.buckets import is_collective, is_user_code
 
 __side__ = "driver"
@@ -168,14 +169,14 @@ class RunMonitor:
     """Watches one run for stalls and stack requests (module docstring).
 
     Args:
-        outcome: the run's :class:`~sparkhvd.driver.inbox.AttemptInbox` (progress, pids, stacks).
+        inbox: the attempt's :class:`~sparkhvd.driver.inbox.AttemptInbox` (progress, pids, stacks).
         run_path: the run folder's local path (logs, the request file).
         stall_timeout, on_stall: see :class:`~sparkhvd.driver.settings.LaunchConfig`.
     """
 
-    def __init__(self, outcome: Any, run_path: Optional[str], *,
+    def __init__(self, inbox: AttemptInbox, run_path: Optional[str], *,
                  stall_timeout: Optional[float] = None, on_stall: str = "warn") -> None:
-        self.outcome = outcome
+        self.inbox = inbox
         self.run_path = run_path
         self.stall_timeout = stall_timeout
         self.on_stall = on_stall
@@ -202,9 +203,9 @@ class RunMonitor:
                 self.collect("requested with `sparkhvd stacks`")
                 with contextlib.suppress(OSError):
                     os.remove(request)
-        if self.stall_timeout is None or not self.outcome.pids:
+        if self.stall_timeout is None or not self.inbox.pids:
             return None
-        last = self.outcome.last_progress
+        last = self.inbox.last_progress
         if now - last < self.stall_timeout or self._stall_reported_at == last:
             return None
         self._stall_reported_at = last
@@ -228,18 +229,18 @@ class RunMonitor:
     # -- collecting -----------------------------------------------------------------------------
     def collect(self, reason: str, answer_s: float = ANSWER_S) -> StackReport:
         """Ask every started rank for its stacks, wait for them, save and return the report."""
-        outcome = self.outcome
+        inbox = self.inbox
         since = time.monotonic()
-        started = sorted(outcome.pids)
+        started = sorted(inbox.pids)
         self._write_request()
         if self._ask_stacks is not None:
             self._ask_stacks()
         else:
             self._signal_local_ranks()
         deadline = since + answer_s
-        while time.monotonic() < deadline and not outcome.stacks_since(since, started):
+        while time.monotonic() < deadline and not inbox.stacks_since(since, started):
             time.sleep(0.05)
-        found = {r: parse(m) for r, m in outcome.stacks_after(since).items()}
+        found = {r: parse(m) for r, m in inbox.stacks_after(since).items()}
         missing = [r for r in started if r not in found]
         for rank in list(missing):  # ours to read from outside: py-spy
             msg = self._py_spy(rank)
@@ -264,8 +265,8 @@ class RunMonitor:
 
     def _local_pids(self) -> dict[int, int]:
         me = socket.gethostname()
-        return {rank: pid for rank, pid in self.outcome.pids.items()
-                if self.outcome.pid_hosts.get(pid) in ("", me)}
+        return {rank: pid for rank, pid in self.inbox.pids.items()
+                if self.inbox.pid_hosts.get(pid) in ("", me)}
 
     def _signal_local_ranks(self) -> None:
         for pid in self._local_pids().values():

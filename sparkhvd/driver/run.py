@@ -60,6 +60,7 @@ from sparkhvd.driver.recording import RunCallback, recorders
 from sparkhvd.driver.retry import RetryPolicy, Spent
 from sparkhvd.driver.spec import RunSpec
 from sparkhvd.driver.states import (
+    NEXT,
     Failed,
     Finished,
     Placing,
@@ -153,9 +154,14 @@ class Run:
 
     # -- the state machine -----------------------------------------------------------------
     def _enter(self, state: RunState) -> None:
-        """The one place the run changes state: logged, and told to the callbacks
-        (``run.json``, MLflow)."""
+        """The one place the run changes state: checked against
+        :data:`~sparkhvd.driver.states.NEXT` (``failed`` may follow any), logged, and told to
+        the callbacks (``run.json``, MLflow)."""
         previous, self.state = self.state, state
+        if previous is not None and not isinstance(state, Failed) and \
+                type(state) not in NEXT[type(previous)]:
+            raise RuntimeError(f"sparkhvd bug: the run went from {previous.label} to "
+                               f"{state.label}, which NEXT does not allow")
         entry = {"state": state.label, "at": now(), "why": state.why, **state.entry()}
         for callback in self.callbacks:
             callback.on_state(self, entry)

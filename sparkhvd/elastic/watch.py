@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from sparkhvd.elastic import cluster
 from sparkhvd.elastic.scaling import ScalingPolicy
@@ -37,6 +37,20 @@ DECOMMISSION_POLL_S = 1.0
 #: Free slots are looked at again this much later before a grow is asked for: while executors
 #: come and go, Spark may list a lost one beside its replacement for a moment.
 GROW_CONFIRM_S = 1.0
+
+
+class SessionView(Protocol):
+    """What the watch reads of the run's Spark session (the driver's
+    :class:`~sparkhvd.spark.sparkview.SparkView`)."""
+
+    @property
+    def connect(self) -> bool: ...
+
+    @property
+    def master(self) -> str: ...
+
+    @property
+    def sc(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -56,7 +70,7 @@ class AttemptWatch:
     """The driver's eye on one running attempt (ticked at each poll of a launcher that can give
     its ranks a notice)."""
 
-    def __init__(self, view: Any, job_tag: str, policy: ScalingPolicy, size: int,
+    def __init__(self, view: Optional[SessionView], job_tag: str, policy: ScalingPolicy, size: int,
                  listening: Callable[[], bool], free: Callable[[], int],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.view, self.job_tag, self.policy, self.size = view, job_tag, policy, size
@@ -74,7 +88,8 @@ class AttemptWatch:
         self._warned = False
         self.active = view is not None and not view.connect
         #: a local master's only executor is the driver: nothing to decommission
-        self.decommissions = self.active and not str(view.master).startswith("local")
+        self.decommissions = view is not None and self.active and \
+            not str(view.master).startswith("local")
 
     def tick(self) -> Optional[StopRequest]:
         """Look (at most as often as each look is due): a stop now due, once; else None."""
@@ -92,6 +107,7 @@ class AttemptWatch:
         return self.request
 
     def _look_for_decommission(self) -> None:
+        assert self.view is not None  # active
         sc = self.view.sc
         self.executors.update(cluster.safely(
             "where the ranks run", lambda: cluster.task_executors(sc, self.job_tag), {}))

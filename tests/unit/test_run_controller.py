@@ -488,3 +488,15 @@ def test_an_elastic_run_grows_into_free_slots_at_its_next_step(tmp_path, monkeyp
     assert (resizing["from"], resizing["to"]) == (2, 3)
     assert [a["status"] for a in _record(run)["attempts"]] == ["preempted", "succeeded"]
     assert run.spent.preemptions == 0  # a grow the driver asked for spends no budget
+
+
+def test_a_transition_next_does_not_allow_is_refused_as_a_bug(tmp_path):
+    """NEXT is checked where the run changes state: placing never leads straight to
+    finished; failed may follow any state."""
+    from sparkhvd.driver.states import Finished, Placing
+
+    run = _run(tmp_path, ScriptedLauncher(succeeds()), np=2)
+    run.callbacks = []
+    run._enter(Placing("the run starts", size=2))
+    with pytest.raises(RuntimeError, match="from placing to finished, which NEXT does not"):
+        run._enter(Finished("skipped the running"))

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 from sparkhvd.common.errors import SessionError
 from sparkhvd.common.proctree import stop_pids
+from sparkhvd.driver.launchers.seam import Sink
 
 __side__ = "driver"
 
@@ -121,7 +122,7 @@ class ThreadedGroup:
             self._close()
 
 
-def stopper(cancel: Callable[[], None], sink: Any) -> Callable[[], None]:
+def stopper(cancel: Callable[[], None], sink: Sink) -> Callable[[], None]:
     """A Spark launch's ``stop``: ``cancel()`` (tell the ranks, cancel the Spark job), then end
     the run's rank processes on this machine that are still there (SIGKILL: to a rank, SIGTERM
     is a notice, :mod:`sparkhvd.elastic.notices`)."""
@@ -132,7 +133,7 @@ def stopper(cancel: Callable[[], None], sink: Any) -> Callable[[], None]:
     return stop
 
 
-def local_rank_pids(sink: Any) -> list[int]:
+def local_rank_pids(sink: Sink) -> list[int]:
     """PIDs of the run's rank processes that reported this machine as their host.
 
     A PID reported from another host names some unrelated process here: never killed.
