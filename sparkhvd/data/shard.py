@@ -67,10 +67,12 @@ class DatasetShard:
         #: Where the ranks are after the last batch this rank handed out (None before any):
         #: what :meth:`state_dict` returns.
         self.position: Optional[Position] = None
-        #: Stored bytes of the row groups this shard has read so far (what crossed from the
-        #: files or the blob store, before decoding): about ``1 / size`` of the data an epoch,
-        #: once in all when the rank keeps its share in memory.
+        #: Stored bytes of the row groups and footers this shard has read so far (what crossed
+        #: from the files or the blob store, before decoding): about ``1 / size`` of the data
+        #: an epoch, once in all when the rank keeps its share in memory; each footer once.
         self.bytes_read = 0
+        #: file -> its Parquet metadata, read once for the run (every epoch's reader uses it)
+        self._footers: dict[int, Any] = {}
 
     @property
     def features(self) -> list[str]:
@@ -193,7 +195,7 @@ class DatasetShard:
 
     def _reader(self) -> ShardReader:
         return ShardReader(self.source.files, dict(self.source.stored), self.storage_options,
-                           self._to_numpy, on_read=self._count)
+                           self._to_numpy, on_read=self._count, footers=self._footers)
 
     def _count(self, stored_bytes: int) -> None:
         self.bytes_read += stored_bytes

@@ -46,6 +46,11 @@ def _ids(tmp_path, n=1000, group_rows=17, memory_cache=1 << 30):
                    memory_cache=memory_cache)
 
 
+def _footer(source, file):
+    """The bytes of file ``file``'s footer (its metadata, length and magic)."""
+    return pq.ParquetFile(source.files[file]).metadata.serialized_size + 8
+
+
 def _interleaved(source, size, batch, epoch, *, start_state=None, **kw):
     """The sequence the ranks read, step by step: at each step the ranks' batches together are
     the step's ``size * batch`` positions (fewer in a lead-in step), rank ``r`` holding those
@@ -231,7 +236,8 @@ def test_every_reader_gives_the_same_order(tmp_path, mode):
         shard = DatasetShard(source)
         shard.load_state_dict({"epoch": 1, "samples": 0})  # start at epoch 1, as a resume does
         with shard.tf_dataset(16, epochs=2, **kw) as ds:
-            assert shard.bytes_read == 0, "the signature comes from the footer, not a row"
+            assert shard.bytes_read == _footer(source, 0), \
+                "the signature comes from the first file's footer, not a row"
             found["tf_dataset"] = [[int(i) for i in x["id"].numpy()] for x, _ in ds]
             assert ds.element_spec[0]["pair"].shape.as_list() == [None, 2]
     for reader, batches in found.items():
@@ -292,6 +298,32 @@ def test_each_rank_reads_its_share(tmp_path, monkeypatch, mode):
         assert max(reads) <= groups / g + 2 * 24 / g + 1, (size, reads)
         if g == size:
             assert sum(reads) <= groups + 2 * 24, (size, sum(reads), groups)
+
+
+def test_each_footer_is_read_once_a_run_and_counted(tmp_path, monkeypatch):
+    """Each epoch reads with a new reader, but every file's footer crosses once per shard (a
+    rank, for the run), and ``bytes_read`` counts it beside the row groups."""
+    opened: list[bool] = []  # per file opened: whether its footer had to be read
+
+    class Counting(pq.ParquetFile):
+        def __init__(self, source, *args, metadata=None, **kwargs):
+            opened.append(metadata is None)
+            super().__init__(source, *args, metadata=metadata, **kwargs)
+
+    streamed = _ids(tmp_path, memory_cache=0)
+    monkeypatch.setattr(pq, "ParquetFile", Counting)
+    shard = DatasetShard(streamed)
+    for epoch in range(3):
+        list(shard.batches(16, epoch, shuffle=True, seed=1, shuffle_buffer=120))
+    assert len(opened) == 3 * 3 and opened.count(True) == 3, "3 files, 3 epochs, 3 footers"
+    (tmp_path / "kept").mkdir()
+    kept = DatasetShard(_ids(tmp_path / "kept"))  # np=1, kept: every row group read once
+    for epoch in range(3):
+        list(kept.batches(16, epoch, shuffle=True, seed=1))
+    metas = [pq.read_metadata(f) for f in kept.source.files]
+    groups = sum(m.row_group(g).column(c).total_compressed_size for m in metas
+                 for g in range(m.num_row_groups) for c in range(m.num_columns))
+    assert kept.bytes_read == groups + sum(_footer(kept.source, f) for f in range(3))
 
 
 def test_a_kept_share_is_read_once_and_is_only_the_share(tmp_path, monkeypatch):
