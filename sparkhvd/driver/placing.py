@@ -4,7 +4,7 @@ The run (:class:`~sparkhvd.driver.run.Run`) never reads Spark itself. It asks a
 :class:`Placer` four things: *place* an attempt of ``size`` ranks (launcher, driver address,
 slots checked, recorded), count the *free slots* an elastic run may place or grow into, and
 *note the losses* of an attempt that lost an executor or host (left out of later counts), and
-say what was lost. :func:`size_now` counts the slots until the scaling policy says how many
+say what was lost. :func:`wait_for_size` counts the slots until the scaling policy says how many
 ranks to place. Two
 placers run real ranks -- :class:`SparkPlacer` (a classic or Connect session) and
 :class:`LocalPlacer` (``np < 0`` without Spark: local processes) -- and the unit tests hand the
@@ -181,8 +181,8 @@ class SparkPlacer:
             sweep_hosts(self.view, run_id, hosts, task_slots(self.view), env)
 
 
-def size_now(placer: Placer, policy: ScalingPolicy, size: int, wait_s: float,
-             ended: Optional[str] = None, grow: bool = False) -> int:
+def wait_for_size(placer: Placer, policy: ScalingPolicy, size: int, wait_s: float,
+                  ended: Optional[str] = None, grow: bool = False) -> int:
     """An elastic run's size for this placement: ``size`` if that many slots are free, else
     what is free within ``min_np``..``max_np`` (waiting up to ``wait_s`` for ``min_np``; a
     planned ``grow`` to ``size`` waits a moment for its slots). Other runs keep ``size`` (the

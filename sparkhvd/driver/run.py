@@ -55,7 +55,7 @@ from sparkhvd.common.redaction import remember_environment
 from sparkhvd.driver.attempt import Attempt, status_of
 from sparkhvd.driver.launchers import get_launcher, left_until
 from sparkhvd.driver.logs import RankLogRouter
-from sparkhvd.driver.placing import LocalPlacer, Placer, SparkPlacer, size_now
+from sparkhvd.driver.placing import LocalPlacer, Placer, SparkPlacer, wait_for_size
 from sparkhvd.driver.recording import RunCallback, recorders
 from sparkhvd.driver.retry import RetryPolicy, Spent
 from sparkhvd.driver.spec import RunSpec
@@ -204,7 +204,7 @@ class Run:
         slots there are."""
         size, resume = state.size, state.resume
         if not self.attempts:  # an elastic run's first size: what the free slots allow
-            size = size_now(self.placer, self.scaling, size, self.spec.launch.slot_wait_s)
+            size = wait_for_size(self.placer, self.scaling, size, self.spec.launch.slot_wait_s)
         try:
             placement = self.placer.place(size, not self.attempts, self.time_left(),
                                           self.record)
@@ -233,7 +233,7 @@ class Run:
         that is not elastic, or a count that still says ``size``)."""
         if not self.attempts or not self.scaling.elastic:
             return None
-        fewer = size_now(self.placer, self.scaling, size, self.spec.launch.slot_wait_s)
+        fewer = wait_for_size(self.placer, self.scaling, size, self.spec.launch.slot_wait_s)
         return fewer if fewer < size else None
 
     def _resized_to_the_slots(self, state: Placing, size: int) -> Relaunching:
@@ -293,8 +293,9 @@ class Run:
             {name for earlier in self.attempts for name in earlier.outcome.output_dirs})
         size = attempt.size
         grow_to = request.grow_to if request is not None else None
-        new_size = size_now(self.placer, self.scaling, self.scaling.relaunch_size(size, grow_to),
-                            self.spec.launch.slot_wait_s, attempt.spark_job, grow=planned)
+        new_size = wait_for_size(self.placer, self.scaling,
+                                 self.scaling.relaunch_size(size, grow_to),
+                                 self.spec.launch.slot_wait_s, attempt.spark_job, grow=planned)
         kind = Resizing if new_size != size else Restarting
         return kind(attempt.relaunch_reason(request, verdict), attempt=attempt, verdict=verdict,
                     checkpoint=self.run_dir.newest_checkpoint() if resume else None,

@@ -112,7 +112,7 @@ def restore_nearest(store: CheckpointStore, model: Any, rank: int,
     rank's that has it, else the folder (:mod:`sparkhvd.runfolder.nearest_copy`); also which
     copy was read (``"host"``, ``"peer"`` or ``"folder"``, for the resume line). Call on every
     rank; it loads on ``loaders`` (default: every rank), the others return no record."""
-    record, value, problems, copy = nearest_copy.restore_nearest(
+    record, value, problems, copy = nearest_copy.load_nearest(
         store, lambda info, files: restore(store, info, model, files), rank, world, loaders)
     return record, [*problems, *(value or [])], copy
 

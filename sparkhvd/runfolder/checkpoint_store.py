@@ -532,7 +532,7 @@ def prune(store: CheckpointStore, keep: int) -> list[str]:
             record = json.loads(store.read(name))
         except Exception:  # noqa: BLE001 - an unreadable record is left for a person to see
             continue
-        for file in _files_of(record):
+        for file in expected_files(record):
             store.delete(file)
         store.delete(name)
         deleted.append(name)
@@ -549,7 +549,7 @@ def newest_checked(store: CheckpointStore) -> Optional[dict]:
     """The newest checkpoint's record when it names a SHA-256 for each of its files -- what
     a host copy must equal to be read instead -- else None."""
     newest = next(_candidates(store, []), None)
-    files = _files_of(newest) if newest is not None else {}
+    files = expected_files(newest) if newest is not None else {}
     if not files or not all(expected and expected.get("sha256") for expected in files.values()):
         return None
     return newest
@@ -557,7 +557,7 @@ def newest_checked(store: CheckpointStore) -> Optional[dict]:
 
 def files_of(record: dict) -> dict[str, dict]:
     """A checked record's files: name -> its size and SHA-256 (and, sharded, its rank)."""
-    return {name: dict(expected or {}) for name, expected in _files_of(record).items()}
+    return {name: dict(expected or {}) for name, expected in expected_files(record).items()}
 
 
 def _candidates(store: CheckpointStore, problems: list[str]) -> Iterator[dict]:
@@ -604,7 +604,7 @@ def progress(record: dict) -> tuple[int, int]:
     return int(record["epoch"]), int(record.get("step") or 0)
 
 
-def _files_of(record: dict) -> dict[str, Optional[dict]]:
+def expected_files(record: dict) -> dict[str, Optional[dict]]:
     """name -> expected digest (None for checkpoints written before records had them)."""
     if isinstance(record.get("files"), dict):
         return dict(record["files"])
@@ -617,7 +617,7 @@ def _read_checked(store: CheckpointStore, record: dict, problems: list[str],
     """The checkpoint's files, each checked against its record (None: one is missing or
     changed, a problem said) -- with ``needs``, its index files, then only what this rank's
     load reads of the others (:class:`FilePieces` where that is less than the file)."""
-    expected_of = _files_of(record)
+    expected_of = expected_files(record)
     files: dict[str, Any] = {}
     for name in index_files(needs, record, expected_of):
         files[name] = read_file_checked(store, name, expected_of[name], problems)

@@ -40,7 +40,7 @@ def index_files(needs: Optional[Needs], record: dict, names: Iterable[str]) -> l
     """Which of a checkpoint's files (``names``) a rank reads first, whole: ``needs``' index
     files -- every file without ``needs``. The one rule for the folder
     (:func:`sparkhvd.runfolder.checkpoint_store.restore_newest`) and for the host copies
-    (:func:`sparkhvd.runfolder.nearest_copy.restore_nearest`)."""
+    (:func:`sparkhvd.runfolder.nearest_copy.load_nearest`)."""
     names = set(names)
     return sorted(names & set(needs.index(record)) if needs is not None else names)
 

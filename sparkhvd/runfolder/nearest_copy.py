@@ -104,10 +104,10 @@ class Alone:
         return ok
 
 
-def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, Any]], Any],
-                    rank: int, world: Collectives, loaders: Optional[Collection[int]] = None,
-                    needs: Optional[Needs] = None, mapped: bool = False
-                    ) -> tuple[Optional[dict], Any, list[str], str]:
+def load_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, Any]], Any],
+                 rank: int, world: Collectives, loaders: Optional[Collection[int]] = None,
+                 needs: Optional[Needs] = None, mapped: bool = False
+                 ) -> tuple[Optional[dict], Any, list[str], str]:
     """``(record, load's value, problems, copy)``: the newest checkpoint in ``store``, read from
     the nearest copy -- ``copy`` is ``"host"``, ``"peer"`` or ``"folder"``. Call on every rank
     (a collective when there are several); ``load`` runs on the ranks in ``loaders`` (default:

@@ -33,7 +33,7 @@ def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, Any]
 
     world: nearest_copy.Collectives = TorchCollectives() \
         if dist.is_initialized() and dist.get_world_size() > 1 else nearest_copy.Alone()
-    return nearest_copy.restore_nearest(store, load, rank, world, needs=needs, mapped=True)
+    return nearest_copy.load_nearest(store, load, rank, world, needs=needs, mapped=True)
 
 
 class DcpNeeds:

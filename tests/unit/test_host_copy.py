@@ -220,7 +220,7 @@ def _alone(store):
     """The nearest-copy restore of a run of one rank."""
     from sparkhvd.runfolder import nearest_copy
 
-    return nearest_copy.restore_nearest(store, _load, 0, nearest_copy.Alone())
+    return nearest_copy.load_nearest(store, _load, 0, nearest_copy.Alone())
 
 
 def test_the_nearby_restore_reads_this_hosts_copy_and_says_so(run_env):
@@ -608,7 +608,7 @@ def test_a_checkpoint_whose_upload_failed_is_sent_to_a_rank_on_a_new_host(run_en
     from sparkhvd.runfolder import nearest_copy
     from sparkhvd.runfolder.checkpoint_store import UrlStore
 
-    record, _, _, _ = nearest_copy.restore_nearest(UrlStore(str(run_env / "elsewhere")), _load,
+    record, _, _, _ = nearest_copy.load_nearest(UrlStore(str(run_env / "elsewhere")), _load,
                                                    0, nearest_copy.Alone())
     assert record["file"] == "epoch-0001.pt", "another folder's newest, not this one's copy"
 
