@@ -1,7 +1,8 @@
-"""B14: what each rank reads of a DataFrameDataset per epoch, for np = 1, 2, 3, 4, 6, 8.
+"""B14: what each rank reads of a DataFrameDataset per epoch, for np = 1, 2, 3, 4, 6, 8, and
+each rank's plan for np = 1 to 64 and a resize chain.
 
-Goal (issue 48): bytes read per rank per epoch <= 1.1 x its share (N / np) when np divides the
-dataset's partitions, and all ranks together <= 1.1 x N.
+Goal (issues 48, 75): bytes read per rank per epoch <= 1.1 x its share (N / np) at every np,
+and all ranks together <= 1.1 x N (footers counted).
 
 - **Local** (one local[8] session, the cache on this machine's disk): each rank's
   ``/proc/self/io`` ``rchar`` across one shuffled epoch of each reader (``batches``,
@@ -13,6 +14,11 @@ dataset's partitions, and all ranks together <= 1.1 x N.
   adlfs fetched in the rank (``AzureBlobFile._fetch_range``).
 - **Label diversity on sorted data** (in-process): distinct labels per global batch and per
   rank's batch against a full permutation of the same rows.
+- **Every rank's plan, np = 1, 2, 3, 4, 5, 7, 8, 16, 32, 64 and 8 -> 7 -> 8 mid-epoch**
+  (in-process: each rank's epoch read by the real reader, one rank after another, from
+  Parquet files written as the materialiser writes them -- 512 KB row groups -- with labels
+  sorted): the stored bytes and footers each rank read (``bytes_read``) over its share and
+  over the files, and distinct labels per rank's batch against a full permutation.
 
 N is the materialised files' size (the used columns as stored).
 """
@@ -307,6 +313,82 @@ def label_diversity(tiny: bool) -> list[dict]:
     return rows
 
 
+def planned_reads(tiny: bool) -> list[dict]:
+    """Every rank's epoch at many np, one rank after another in this process (see the module
+    docstring): bytes over share and over N, labels per rank's batch on sorted labels."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sparkhvd.data.shard import DatasetShard
+    from sparkhvd.data.sharding import ShardSource
+
+    rows_n, width, files = (8_000, 8, 2) if tiny else (200_000, 64, 8)
+    batch, seed = 32, 1
+    folder = tempfile.mkdtemp(prefix="bench-b14-plans-")
+    labels = np.arange(rows_n) * 10 // rows_n  # sorted: each label's rows together
+    x = np.random.default_rng(0).random((rows_n, width), dtype=np.float32)
+    paths, counts, groups = [], [], []
+    group_rows = max(1, (512 << 10) // (width * 4 + 8))
+    for f, index in enumerate(np.array_split(np.arange(rows_n), files)):
+        path = os.path.join(folder, f"part-{f:05d}.parquet")
+        offsets = pa.array(np.arange(len(index) + 1, dtype=np.int32) * width)
+        pq.write_table(pa.table({"x": pa.ListArray.from_arrays(offsets, x[index].ravel()),
+                                 "y": labels[index]}), path, row_group_size=group_rows)
+        meta = pq.ParquetFile(path).metadata
+        paths.append(path)
+        counts.append(len(index))
+        groups.append(tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups)))
+    total = sum(os.path.getsize(p) for p in paths)
+    source = ShardSource(files=tuple(paths), row_counts=tuple(counts), row_groups=tuple(groups),
+                         stored={"x": "x", "y": "y"}, row_bytes=width * 4 + 8,
+                         features=("x",), label="y", memory_cache=0, widths={"x": width})
+    full = np.random.default_rng(0).permutation(labels)
+    uniform = np.mean([len(set(full[i:i + batch])) for i in range(0, rows_n - batch, batch)])
+
+    def epoch(size: int, state: Optional[dict] = None, stop: Optional[int] = None
+              ) -> tuple[list[int], list[float], Optional[dict]]:
+        read, mixed, after = [], [], None
+        for rank in range(size):
+            shard = DatasetShard(source)
+            if state is not None:
+                shard.load_state_dict(state)
+            for step, (_, y) in enumerate(shard.batches(batch, 1, rank=rank, size=size,
+                                                        shuffle=True, seed=seed), 1):
+                mixed.append(len(set(y.tolist())))
+                if stop is not None and step == stop:
+                    break
+            read.append(shard.bytes_read)
+            after = shard.state_dict()
+        return read, mixed, after
+
+    out = []
+    for size in ([1, 2, 5] if tiny else [1, 2, 3, 4, 5, 7, 8, 16, 32, 64]):
+        read, mixed, _ = epoch(size)
+        out.append((f"np={size}", size, read, mixed))
+    if not tiny:  # 8 -> 7 -> 8 within epoch 1, each attempt stopped after some steps
+        chain_read: list[int] = []
+        chain_mixed: list[float] = []
+        state = None
+        for size, stop in ((8, 100), (7, 120), (8, None)):
+            read, mixed, state = epoch(size, state, stop)
+            chain_read += read
+            chain_mixed += mixed
+        out.append(("8 -> 7 -> 8 mid-epoch (all attempts)", 8, chain_read, chain_mixed))
+    rows = []
+    for name, size, read, mixed in out:
+        if "->" not in name:  # (a chain's ranks of several sizes: all of them only)
+            rows.append({"case": "B14", "variant": f"plans, {name}: bytes the busiest rank read"
+                         " / its share (footers counted)", "unit": "ratio", "np": size,
+                         **_stats([max(read) / (total / size)])})
+        rows.append({"case": "B14", "variant": f"plans, {name}: bytes all ranks read / N",
+                     "unit": "ratio", "np": size, **_stats([sum(read) / total])})
+        rows.append({"case": "B14", "variant": f"plans, {name}: distinct labels per rank's batch "
+                     f"of {batch}, sorted labels (full permutation: {uniform:.2f})",
+                     "unit": "labels", "np": size, **_stats([float(np.mean(mixed))])})
+    return rows
+
+
 def _stats(values: list[float]) -> dict:
     import statistics
 
@@ -368,4 +450,5 @@ def _fail(why: str) -> None:
 
 def case_b14(repeat: int, tiny: bool, spark_session: Any, frame: Any) -> list[dict]:
     return (local_reads(repeat, tiny, spark_session, frame) + label_diversity(tiny) +
+            planned_reads(tiny) +
             ready_times(repeat, tiny, spark_session, frame) + cluster_reads(repeat, tiny, frame))

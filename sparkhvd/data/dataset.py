@@ -90,10 +90,11 @@ class DataFrameDataset:
         memory_cache: bytes a rank may keep in memory (default 512 MB): a rank whose share
             fits reads it once and keeps it, and a dataset that fits whole is shuffled as one
             window per partition; otherwise the rows stream every epoch.
-        partitions: ``P``, the parts the rows are cut into for the order (default 24). With
-            ``np`` ranks each rank reads ``1 / gcd(np, P)`` of the data per epoch: only its
-            share when ``np`` divides ``P`` (with 24: 1, 2, 3, 4, 6, 8, 12, 24). Positions
-            saved with one ``P`` resume only with the same ``P``.
+        partitions: ``P``, the parts the rows are cut into for the order (default 24). Any
+            ``np`` reads only its share; for the ``np`` that divide ``P`` (with 24: 1, 2, 3, 4,
+            6, 8, 12, 24) the epoch's order is one and the same, for any other each rank reads
+            a contiguous span of it, dealt (:mod:`sparkhvd.data.deal`). Positions saved with
+            one ``P`` resume only with the same ``P``.
 
     The materialised files are reused by every run with this dataset -- and by a new dataset
     of the same DataFrame (same plan and columns) in the same session -- until :meth:`close`
@@ -155,8 +156,8 @@ class DataFrameDataset:
         if isinstance(partitions, bool) or not isinstance(partitions, int) or \
                 not 1 <= partitions <= MAX_PARTITIONS:
             raise ValueError(f"partitions must be an int from 1 to {MAX_PARTITIONS}; got "
-                             f"{partitions!r} (24 or 48 let most numbers of ranks read only "
-                             "their share)")
+                             f"{partitions!r} (24 or 48: most numbers of ranks divide them and "
+                             "share one order)")
         self.partitions = partitions
         if in_place not in (None, True, False):
             raise ValueError(f"in_place must be None, True or False; got {in_place!r}")
@@ -354,14 +355,6 @@ class DataFrameDataset:
             log.info("DataFrameDataset: reusing materialised data at %s (%d rows)",
                      public_url(self._manifest.url), self._manifest.num_rows)
         return self.materialize().source
-
-    def launch_notes(self, sizes: Sequence[int]) -> list[str]:
-        """What the runner says once at launch for runs of ``sizes`` ranks: any of them that
-        reads more than its share (see ``partitions``)."""
-        if self._manifest is None:
-            return []
-        source = self.source
-        return [note for note in (source.size_note(n) for n in sorted(set(sizes))) if note]
 
     def after_run(self, succeeded: bool) -> None:
         """A failed run removes the materialised files at once (unless ``keep_cache``)."""

@@ -18,13 +18,13 @@ Three layers, from the files up:
 The epoch's sequence ``S`` is a round robin over the partitions: position ``i`` is row
 ``i // P`` of partition ``i % P``'s sequence. At each step the ranks take the next ``size * b``
 positions; rank ``r`` the ``b`` of them with ``i % size == r`` (:func:`rank_positions`) -- all
-in partitions ``c`` with ``c % g == r % g``, ``g = gcd(size, P)`` (:func:`owned_partitions`).
+in partitions ``c`` with ``c % size == r`` when ``size`` divides ``P``
+(:func:`owned_partitions`); any other ``size`` deals the epoch (:mod:`sparkhvd.data.deal`).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     import numpy as np
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __side__ = "common"  # numpy inside the functions: nothing third-party at import time
 
 #: Default number of partitions: highly composite, so that 1, 2, 3, 4, 6, 8, 12 and 24 ranks
-#: each read only their share.
+#: share one order (any other number deals its epochs: :mod:`sparkhvd.data.deal`).
 DEFAULT_PARTITIONS = 24
 #: Seed tags: the layout, a partition's pieces and a window's rows draw from separate streams.
 _LAYOUT, _PIECES, _ROWS = 1, 2, 3
@@ -115,19 +115,33 @@ def partition_window_rows(window_rows: int, partitions: int) -> int:
     return max(1, -(-window_rows // partitions))
 
 
+def piece_order(pieces: Sequence[Piece], *, partition: int, shuffle: bool, seed: int,
+                epoch: int) -> list[int]:
+    """The order of partition ``partition``'s pieces in ``epoch``: permuted (``shuffle``) or
+    the layout's."""
+    import numpy as np
+
+    return (np.random.default_rng([seed, epoch, partition, _PIECES]).permutation(len(pieces))
+            if shuffle else np.arange(len(pieces))).tolist()
+
+
+def epoch_pieces(pieces: Sequence[Piece], *, partition: int, shuffle: bool, seed: int,
+                 epoch: int) -> list[Piece]:
+    """Partition ``partition``'s pieces in ``epoch``'s order (its *epoch sequence of pieces*:
+    the windows are consecutive runs of it)."""
+    return [pieces[k] for k in piece_order(pieces, partition=partition, shuffle=shuffle,
+                                            seed=seed, epoch=epoch)]
+
+
 def plan_partition(pieces: Sequence[Piece], window_rows: int, *, partition: int, shuffle: bool,
                    seed: int, epoch: int) -> list[Window]:
     """Partition ``partition``'s windows in ``epoch``: its pieces permuted (``shuffle``) or in
     layout order, grouped into windows of at least ``window_rows`` rows (the last may be
     smaller)."""
-    import numpy as np
-
-    order = np.random.default_rng([seed, epoch, partition, _PIECES]).permutation(len(pieces)) \
-        if shuffle else np.arange(len(pieces))
     windows: list[Window] = []
     current: list[int] = []
     rows = start = 0
-    for k in order.tolist():
+    for k in piece_order(pieces, partition=partition, shuffle=shuffle, seed=seed, epoch=epoch):
         current.append(k)
         rows += pieces[k].rows
         if rows >= window_rows:
@@ -160,19 +174,7 @@ def rank_positions(start: int, first_step: int, steps: int, *, batch_size: int, 
                                              (first_step + steps) * batch_size, dtype=np.int64)
 
 
-def reading_group(partitions: int, size: int) -> int:
-    """``gcd(size, P)``: each rank reads ``1 / g`` of the data (its share when ``size``
-    divides ``P``)."""
-    return math.gcd(size, partitions)
-
-
 def owned_partitions(partitions: int, size: int, rank: int) -> list[int]:
-    """The partitions rank ``rank`` of ``size`` reads rows from."""
-    g = reading_group(partitions, size)
-    return list(range(rank % g, partitions, g))
-
-
-def free_sizes(partitions: int, up_to: Optional[int] = None) -> list[int]:
-    """Numbers of ranks that read only their share: the divisors of ``P``."""
-    top = partitions if up_to is None else min(partitions, up_to)
-    return [n for n in range(1, top + 1) if partitions % n == 0]
+    """The partitions rank ``rank`` of ``size`` reads rows from (``size`` dividing ``P``: the
+    others deal their epochs, :mod:`sparkhvd.data.deal`)."""
+    return list(range(rank % size, partitions, size))

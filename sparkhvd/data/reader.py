@@ -9,10 +9,11 @@ positions reach -- all of them in one read (:class:`ShardReader`: one pyarrow sc
 range reads through :mod:`sparkhvd.storage` for remote caches, never a whole file) -- gathers
 the rows, and drops each window once its partition's sequence has moved past it.
 
-A rank reads only its partitions (``1 / gcd(size, P)`` of the data: its share when ``size``
-divides ``P``), plus the row groups split by a partition boundary. Peak memory while
-streaming: a window of each partition it reads (about ``window_rows / gcd(size, P)`` rows) and
-the batches being gathered; when its share is kept in memory, the share.
+A rank reads only its partitions (its share: ``size`` divides ``P``), plus the row groups
+split by a partition boundary. Peak memory while streaming: a window of each partition it
+reads (about ``window_rows / size`` rows) and the batches being gathered; when its share is
+kept in memory, the share. :func:`dealt_batches` reads a rank's span of an epoch dealt to a
+number of ranks that does not divide ``P`` (:mod:`sparkhvd.data.deal`) the same way.
 """
 from __future__ import annotations
 
@@ -326,3 +327,100 @@ def _gather(chunk: Chunk, live: dict[int, list[tuple[Window, Any, Optional[np.nd
 def _empty_like(view: WindowRows, n: int) -> Arrays:
     sample = view.parts[0]
     return {k: np.empty((n,) + v.shape[1:], v.dtype) for k, v in sample.items()}
+
+
+@dataclass(frozen=True)
+class DealtChunk:
+    """:data:`GATHER_BATCHES` steps (or fewer) of a rank of a deal
+    (:mod:`sparkhvd.data.deal`): each row's window and place in it, the windows that must be
+    opened first and those no row after this chunk needs."""
+
+    sizes: tuple[int, ...]
+    window: np.ndarray
+    place: np.ndarray
+    due: tuple[int, ...]
+    done: tuple[int, ...]
+
+
+def dealt_chunks(span: Sequence[Any], windows: Sequence[Sequence[Any]],
+                 rank_rows: Callable[[int], int], first_step: int, steps: int
+                 ) -> Iterator[DealtChunk]:
+    """A rank's steps ``[first_step, steps)`` of a deal, a chunk at a time: ``span`` its units,
+    ``windows[k]`` unit ``k``'s windows (numbered in that order across the units: window
+    ``w`` is ``flat[w]``), ``rank_rows(s)`` the rows of its first ``s`` steps."""
+    from sparkhvd.data.deal import rank_rows_between
+
+    ids, starts = [], []  # per unit: its windows' numbers, and where each starts in its sequence
+    count = 0
+    for unit_windows in windows:
+        ids.append(np.arange(count, count + len(unit_windows)))
+        starts.append(np.cumsum([0] + [w.rows for w in unit_windows]))
+        count += len(unit_windows)
+    opened: set[int] = set()
+    for s0 in range(first_step, steps, GATHER_BATCHES):
+        s1 = min(steps, s0 + GATHER_BATCHES)
+        unit, place = rank_rows_between(span, rank_rows(s0), rank_rows(s1))
+        window = np.empty(len(unit), dtype=np.int64)
+        local = np.empty(len(unit), dtype=np.int64)
+        passed: list[int] = []
+        for k in np.unique(unit).tolist():
+            mask = unit == k
+            at = np.searchsorted(starts[k], place[mask], side="right") - 1
+            window[mask] = ids[k][at]
+            local[mask] = place[mask] - starts[k][at]
+            # the unit's later rows lie past its highest place here
+            ends = starts[k][1:]
+            passed += ids[k][ends <= int(place[mask].max()) + 1].tolist()
+        due = tuple(dict.fromkeys(w for w in window.tolist() if w not in opened))
+        opened.update(due)
+        done = [w for w in passed if w in opened]
+        yield DealtChunk(tuple(rank_rows(s + 1) - rank_rows(s) for s in range(s0, s1)),
+                         window, local, due, tuple(done))
+        opened.difference_update(done)
+
+
+def dealt_batches(span: Sequence[Any], windows: Sequence[Sequence[Any]],
+                  open_windows: Callable[[Sequence[Any]], Sequence[Any]],
+                  rank_rows: Callable[[int], int], *, first_step: int, steps: int,
+                  read_ahead: bool = False) -> Generator[Arrays, None, None]:
+    """A rank's batches at steps ``[first_step, steps)`` of a deal (see :func:`dealt_chunks`),
+    each batch's rows in the rank's sequence. A window is opened (``open_windows``: views with
+    ``take``, read together; ``read_ahead``: on a helper thread, one group early) when a row
+    first reaches it and dropped once no later row needs it."""
+    from sparkhvd.data.deal import permutation
+
+    flat = [w for unit_windows in windows for w in unit_windows]
+
+    def walk() -> Iterator[DealtChunk]:
+        return dealt_chunks(span, windows, rank_rows, first_step, steps)
+
+    ahead = ReadAhead([[flat[w] for w in c.due] for c in walk() if c.due], open_windows) \
+        if read_ahead else None
+    live: dict[int, tuple[Any, Optional[np.ndarray]]] = {}
+    try:
+        for chunk in walk():
+            if chunk.due:
+                due = [flat[w] for w in chunk.due]
+                views = ahead.next() if ahead is not None else open_windows(due)
+                for w, view in zip(chunk.due, views):
+                    live[w] = (view, permutation(flat[w]))
+            out: Optional[Arrays] = None
+            for w in np.unique(chunk.window).tolist():
+                where = np.flatnonzero(chunk.window == w)
+                view, perm = live[w]
+                local = chunk.place[where]
+                if perm is not None:
+                    local = perm[local]
+                if out is None:
+                    out = _empty_like(view, len(chunk.window))
+                view.take(local, out, where)
+            for w in chunk.done:
+                live.pop(w, None)
+            assert out is not None
+            at = 0
+            for rows in chunk.sizes:
+                yield {k: v[at:at + rows] for k, v in out.items()}
+                at += rows
+    finally:
+        if ahead is not None:
+            ahead.close()

@@ -22,6 +22,7 @@ from typing import Any, Generator, Iterator, Optional
 import numpy as np
 
 from sparkhvd.common.identity import current_rank
+from sparkhvd.data.deal import Deal, Sequences, Unit, deal, left_after, units_at
 from sparkhvd.data.order import (
     Piece,
     blocks_of,
@@ -30,7 +31,13 @@ from sparkhvd.data.order import (
     partition_window_rows,
     plan_partition,
 )
-from sparkhvd.data.reader import Arrays, ShardReader, WindowRows, rank_batches
+from sparkhvd.data.reader import (
+    Arrays,
+    ShardReader,
+    WindowRows,
+    dealt_batches,
+    rank_batches,
+)
 from sparkhvd.data.sharding import (
     Position,
     ShardSource,
@@ -62,6 +69,11 @@ class DatasetShard:
         self._layouts: dict[tuple, list[tuple[Piece, ...]]] = {}
         #: The rows this rank keeps: (layout key, partitions) -> partition -> its pieces' rows.
         self._kept: Optional[tuple[tuple, dict[int, list[Arrays]]]] = None
+        #: The row groups this rank keeps in a dealt epoch: (file, row group) -> its rows.
+        self._kept_groups: dict[tuple[int, int], Arrays] = {}
+        #: epoch -> the deal its batches were dealt by (None: the round robin), for the
+        #: checkpoint helpers of an input pipeline that runs ahead of training
+        self._deals: dict[int, Optional[dict]] = {}
         self._resume: Optional[Position] = None
         self._restored_epoch = 0
         #: Where the ranks are after the last batch this rank handed out (None before any):
@@ -108,8 +120,22 @@ class DatasetShard:
         size's step boundaries: :mod:`sparkhvd.data.sharding`)."""
         n_size = current_rank().size if size is None else size
         if self._resume is not None and self._resume.epoch == epoch:
+            if self._resume.deal is not None:
+                return deal(self._left_of(self._resume), size=n_size, batch=batch_size,
+                            num_rows=self.num_rows).total_steps
             return steps_from(self.num_rows, self._resume.samples, batch_size, n_size)
         return self.source.steps_per_epoch(batch_size, n_size)
+
+    @staticmethod
+    def _left_of(position: Position) -> list[Unit]:
+        """What is left of a dealt epoch at ``position``."""
+        assert position.deal is not None
+        return left_after(Deal.of(position.deal), position.step - int(position.deal["step0"]))
+
+    def deal_of(self, epoch: int) -> Optional[dict]:
+        """The deal ``epoch``'s batches were dealt by (None: the round robin, or not read yet):
+        what a checkpoint taken in that epoch must keep beside its step."""
+        return self._deals.get(epoch)
 
     @property
     def partitions(self) -> int:
@@ -155,13 +181,14 @@ class DatasetShard:
         """The epoch a restored position continues (None when nothing was restored)."""
         return self._resume.epoch if self._resume is not None else None
 
-    def _start(self, epoch: int, shuffle: bool, seed: int, window: int) -> tuple[int, int]:
-        """``(samples, step)`` where ``epoch`` begins: 0, or a restored position's."""
+    def _start(self, epoch: int, shuffle: bool, seed: int, window: int
+               ) -> tuple[int, int, Optional[Position]]:
+        """``(samples, step, position)`` where ``epoch`` begins: 0, or a restored position's."""
         resume, self._resume = self._resume, None
         if resume is None or resume.epoch != epoch:
             if resume is not None and resume.epoch > epoch:
                 self._resume = resume  # an earlier epoch first: keep it for its own epoch
-            return 0, 0
+            return 0, 0, None
         changed = [f"{name} {was!r} -> {now!r}" for name, was, now in (
             ("shuffle", resume.shuffle, shuffle), ("seed", resume.seed, seed),
             ("shuffle window", resume.window_rows, window),
@@ -171,7 +198,7 @@ class DatasetShard:
                         "continues at row %d of a different order, so some rows of it may be "
                         "seen twice and others not at all.", ", ".join(changed), epoch,
                         resume.samples)
-        return resume.samples, resume.step
+        return resume.samples, resume.step, resume
 
     def _to_numpy(self, name: str, column: Any, n: int) -> np.ndarray:
         import pyarrow as pa
@@ -245,6 +272,7 @@ class DatasetShard:
         per_partition = partition_window_rows(window, self.partitions)
         plans = {c: plan_partition(parts[c], per_partition, partition=c, shuffle=shuffle,
                                    seed=seed, epoch=epoch) for c in owned}
+        self._kept_groups = {}
         if self.streams(size):
             self._kept = None
 
@@ -307,7 +335,15 @@ class DatasetShard:
         r = me.rank if rank is None else rank
         n_size = me.size if size is None else size
         window = self.source.window_rows(shuffle_buffer, self.memory_cache)
-        start, done_before = self._start(epoch, shuffle, seed, window)
+        start, done_before, resumed = self._start(epoch, shuffle, seed, window)
+        first, stop = steps if steps is not None else (0, None)
+        if (resumed is not None and resumed.deal is not None) or self.partitions % n_size:
+            yield from self._dealt(batch_size, epoch, shuffle=shuffle, seed=int(seed), rank=r,
+                                   size=n_size, window=window, start=start, resumed=resumed,
+                                   done_before=done_before, first=first, stop=stop,
+                                   reader=reader)
+            return
+        self._deals[epoch] = None
         lead = lead_in(self.num_rows, start, batch_size, n_size)
         skipped = left_out(self.num_rows, start, batch_size, n_size)
         if skipped and r == 0:
@@ -315,7 +351,6 @@ class DatasetShard:
                         "boundary of %d ranks: too few to give every rank one, so they are "
                         "left out of this epoch (a batch_size of at least %d avoids it).",
                         epoch, start, skipped, n_size, n_size)
-        first, stop = steps if steps is not None else (0, None)
         own = reader is None
         reader = reader or self._reader()
         batches = self._epoch(batch_size, epoch, shuffle=shuffle, seed=int(seed), rank=r,
@@ -332,6 +367,78 @@ class DatasetShard:
             batches.close()  # its read-ahead thread stops before the files close
             if own:
                 reader.close()
+
+    def _dealt(self, batch_size: int, epoch: int, *, shuffle: bool, seed: int, rank: int,
+               size: int, window: int, start: int, resumed: Optional[Position],
+               done_before: int, first: int, stop: Optional[int],
+               reader: Optional[ShardReader]) -> Iterator[Any]:
+        """:meth:`_batches` of a dealt epoch (:mod:`sparkhvd.data.deal`): what is left of it --
+        the restored deal's rest, or the round robin's after ``start`` -- dealt to the ranks;
+        this rank's span read a window at a time (kept by row group when its share fits
+        ``memory_cache``)."""
+        _, parts = self._layout(shuffle, seed)
+        sequences = Sequences(parts, shuffle=shuffle, seed=seed, epoch=epoch,
+                              window_rows=window)
+        left = self._left_of(resumed) if resumed is not None and resumed.deal is not None \
+            else units_at(start, sequences=sequences, window_rows=window,
+                          layout=not self.streams(size))
+        dealt = deal(left, size=size, batch=batch_size, num_rows=self.num_rows)
+        if dealt.lead == 0 and sum(u.rows for u in left) - dealt.steps * size * batch_size \
+                > self.num_rows % (size * batch_size) and rank == 0:
+            log.warning("Epoch %d resumes with %d row(s) short of a step boundary of %d ranks: "
+                        "too few to give every rank one, so they are left out of this epoch "
+                        "(a batch_size of at least %d avoids it).", epoch,
+                        sum(u.rows for u in left) - dealt.steps * size * batch_size
+                        - self.num_rows % (size * batch_size), size, size)
+        record = {**dealt.as_dict(), "step0": done_before}
+        self._deals[epoch] = record
+        before = self.num_rows - sum(u.rows for u in left)
+        span = dealt.spans()[rank]
+        windows = [sequences.windows(u) for u in span]
+        steps = dealt.total_steps if stop is None else min(stop, dealt.total_steps)
+        self._kept = None
+        own = reader is None
+        reader = reader or self._reader()
+        if self.streams(size):
+            self._kept_groups = {}
+
+            def open_windows(due: Any) -> list[Any]:
+                pieces = [sequences.pieces(w) for w in due]
+                read = iter(reader.read_many([p for ps in pieces for p in ps]))
+                return [WindowRows([next(read) for _ in ps]) for ps in pieces]
+        else:
+            self._keep_groups([p for ws in windows for w in ws for p in sequences.pieces(w)],
+                              reader)
+            kept = self._kept_groups
+
+            def open_windows(due: Any) -> list[Any]:
+                return [WindowRows([{k: v[p.lo:p.hi] for k, v in kept[(p.file, p.group)].items()}
+                                    for p in sequences.pieces(w)])
+                        for w in due]
+        batches = dealt_batches(span, windows, open_windows,
+                                lambda s: dealt.rank_rows(rank, s), first_step=first,
+                                steps=steps, read_ahead=self.streams(size))
+        try:
+            for step, data in enumerate(batches, start=first + 1):
+                self.position = Position(epoch, before + dealt.consumed(step), seed, shuffle,
+                                         window, self.num_rows, batch_size, size,
+                                         done_before + step, self.partitions, deal=record)
+                yield self._shape(data)
+        finally:
+            batches.close()
+            if own:
+                reader.close()
+
+    def _keep_groups(self, pieces: list[Piece], reader: ShardReader) -> None:
+        """Keep the whole row groups ``pieces`` lie in (read those not kept yet, drop the rest):
+        a dealt epoch's span is the same row groups every epoch but the few it splits."""
+        wanted = {(p.file, p.group) for p in pieces}
+        self._kept_groups = {g: rows for g, rows in self._kept_groups.items() if g in wanted}
+        missing = sorted(wanted - set(self._kept_groups))
+        counts = self.source.row_groups
+        for (f, g), rows in zip(missing, reader.read_many(
+                [Piece(f, g, 0, counts[f][g]) for f, g in missing])):
+            self._kept_groups[(f, g)] = rows
 
     def torch_batches(self, batch_size: int, epoch: int = 0, *, shuffle: bool = False,
                       seed: int = 0, shuffle_buffer: Optional[int] = None,

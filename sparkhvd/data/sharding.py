@@ -23,9 +23,34 @@ spans of equal size. For each ``(seed, epoch)`` the rows form one sequence ``S``
 
 At each step the ranks take the next ``size * b`` positions of ``S``; rank ``r`` takes the
 ``b`` positions ``i`` with ``i % size == r``. Nothing in ``S`` depends on ``size`` or the rank,
-and rank ``r``'s positions all lie in the partitions ``c % g == r % g``, ``g = gcd(size, P)``:
-it reads ``1 / g`` of the data -- its share when ``size`` divides ``P`` (1, 2, 3, 4, 6, 8, 12
-and 24 ranks with the default) -- and keeps only that in memory.
+and when ``size`` divides ``P`` (1, 2, 3, 4, 6, 8, 12 and 24 ranks with the default) rank
+``r``'s positions all lie in the partitions ``c % size == r``: it reads its share and keeps
+only that in memory.
+
+**Any other number of ranks deals the epoch** (:mod:`sparkhvd.data.deal`): for a ``size``
+prime to ``P`` the round robin's positions of a rank would fall in every partition (each rank
+reading the whole table). Instead what is left of the epoch -- each partition's sequence of
+pieces, or the rest of it -- is laid end to end in partition order and cut into ``size``
+consecutive spans of equal rows; rank ``r`` reads only the ``r``-th, interleaving its
+partitions' rows round robin and drawing each a window at a time (permuted when shuffled). So:
+
+* *share*: every ``size`` reads ``1 / size`` of the row groups per epoch, plus a row group a
+  span's end splits (a rank reads the row groups its partitions share once: B14's plans read
+  1.08x the files at np=5 and 1.10x at np=7, where the round robin read 5x and 7x);
+* *memory*: a window of each unit it reads (about ``1 / size`` of the shuffle window) while
+  streaming; a share that fits ``memory_cache`` is kept by row group, read once (its span is
+  the same row groups every epoch);
+* *mixing*: a rank's batch draws from every partition of its span at once, as the round
+  robin's does from its partitions -- with the same shuffle window, the same number of row
+  groups live;
+* *exactly once*: the position of a dealt epoch keeps its deal and the steps run
+  (:attr:`Position.deal`); what is left follows from them, on any rank, and a run resumed with
+  any number of ranks deals it again (with the same number: the same spans and sequence, as
+  if it had not stopped);
+* *order*: one and the same ``S`` for every ``size`` dividing ``P``, fixed with the dataset
+  (as Mosaic Streaming fixes its canonical nodes); another ``size`` gets its own order (each
+  rank a span of the same epoch's rows), and a resize from a dividing ``size`` to another
+  deals the rest of the round robin's epoch.
 
 * Each epoch every rank runs ``N // (size * b)`` full batches, the same on all ranks (unequal
   step counts would hang allreduce): the epoch's *end* is ``E = N - N % (size * b)``, and the
@@ -45,7 +70,8 @@ and 24 ranks with the default) -- and keeps only that in memory.
 
 Before: every rank read every row group of every window and kept ``1 / size`` of the rows
 (``size`` times the reads of the data per epoch), and a dataset kept in memory was kept whole
-by every rank.
+by every rank; later, a ``size`` not dividing ``P`` still read ``1 / gcd(size, P)`` (np=5 the
+whole table).
 """
 from __future__ import annotations
 
@@ -53,12 +79,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
 from sparkhvd.common.identity import current_rank
-from sparkhvd.data.order import (
-    DEFAULT_PARTITIONS,
-    free_sizes,
-    partition_sizes,
-    reading_group,
-)
+from sparkhvd.data.order import DEFAULT_PARTITIONS, partition_sizes
 
 __side__ = "common"
 
@@ -94,6 +115,10 @@ class Position:
     step: int = 0
     #: The dataset's partition count ``P`` (0: a position saved before partitions existed).
     partitions: int = 0
+    #: An epoch dealt to the ranks (a number of ranks that does not divide ``P``, or an epoch
+    #: such a run resized: :mod:`sparkhvd.data.deal`): the deal (``Deal.as_dict``) and
+    #: ``step0``, the epoch's steps before it; what is left follows from it and ``step``.
+    deal: Optional[dict[str, Any]] = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -208,37 +233,24 @@ class ShardSource:
             return max(1, int(shuffle_window))
         return max(1, SHUFFLE_WINDOW_BYTES // max(1, self.row_bytes))
 
-    def read_share(self, size: int) -> float:
-        """The fraction of the data each of ``size`` ranks reads per epoch: ``1 / gcd(size,
-        P)`` (``1 / size`` when ``size`` divides ``P``)."""
-        return 1.0 / reading_group(self.partitions, size)
+    def deals(self, size: int) -> bool:
+        """Whether ``size`` ranks read an epoch dealt in spans (:mod:`sparkhvd.data.deal`): a
+        number of ranks that does not divide ``P``."""
+        return self.partitions % size != 0
 
     def rank_rows(self, size: int) -> int:
-        """Rows of the partitions one of ``size`` ranks reads (the largest such set)."""
+        """Rows one of ``size`` ranks reads in an epoch (the largest such share): its
+        partitions' when ``size`` divides ``P``, else its span's."""
+        if self.deals(size):
+            return -(-self.num_rows // size)
         sizes = partition_sizes(self.num_rows, self.partitions)
-        g = reading_group(self.partitions, size)
-        return max(sum(sizes[c] for c in range(r, self.partitions, g)) for r in range(g))
+        return max(sum(sizes[c] for c in range(r, self.partitions, size)) for r in range(size))
 
     def keeps(self, size: int, memory_cache: Optional[int] = None) -> bool:
         """Whether each of ``size`` ranks keeps the rows it reads in memory (read once): its
         share fits ``memory_cache``."""
         budget = self.memory_cache if memory_cache is None else memory_cache
         return self.rank_rows(size) * self.row_bytes <= budget
-
-    def size_note(self, size: int) -> Optional[str]:
-        """What a run of ``size`` ranks should be told about its reads (None: each rank reads
-        only its share)."""
-        g = reading_group(self.partitions, size)
-        if g == size:
-            return None
-        free = [str(n) for n in free_sizes(self.partitions)]
-        listed = ", ".join(free[:-1]) + f" or {free[-1]}" if len(free) > 1 else free[0]
-        reads = "all" if g == 1 else f"1/{g}"
-        return (f"np={size} does not divide the dataset's {self.partitions} partitions: each "
-                f"rank reads {reads} of the data per epoch, {size // g}x its 1/{size} share "
-                f"(np = {listed} reads only its share). Pass partitions="
-                f"{size * self.partitions // g} (a multiple of {size}) to DataFrameDataset to "
-                f"read 1/{size}.")
 
     def steps_per_epoch(self, batch_size: int, size: Optional[int] = None,
                         start: int = 0) -> int:
@@ -259,10 +271,10 @@ class ShardSource:
     def rank_bytes(self, size: int = 1, memory_cache: Optional[int] = None,
                    shuffle_window: Optional[int] = None) -> int:
         """About how many bytes of rows one of ``size`` ranks holds while reading: its share
-        when it keeps it in memory, else a window of each partition it reads (plus a row
-        group and the batches being gathered, not counted)."""
+        when it keeps it in memory, else a window of each partition (or unit) it reads, about
+        ``1 / size`` of the shuffle window (plus a row group and the batches being gathered,
+        not counted)."""
         if self.keeps(size, memory_cache):
             return self.rank_rows(size) * self.row_bytes
         window = self.window_rows(shuffle_window, memory_cache)
-        rows = min(self.rank_rows(size), window // reading_group(self.partitions, size))
-        return rows * self.row_bytes
+        return min(self.rank_rows(size), window // size) * self.row_bytes

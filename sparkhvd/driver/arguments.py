@@ -4,14 +4,12 @@ An argument of ``run()`` -- also one inside a list, tuple or dict argument -- wh
 ``prepare_for_ranks()`` is *prepared* before the payload is pickled: the method does the driver's
 work (``DataFrameDataset`` materialises its Parquet) and returns what the ranks get in its place
 (a :class:`~sparkhvd.data.sharding.ShardSource`, read there as a shard). After the run,
-``after_run(succeeded)`` lets it clean up (a failed run removes the materialised files), and
-an optional ``launch_notes(sizes)`` says what the run's numbers of ranks should know (a
-dataset read by a number of ranks that does not divide its partitions).
+``after_run(succeeded)`` lets it clean up (a failed run removes the materialised files).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 __side__ = "driver"
 
@@ -50,16 +48,6 @@ class Prepared:
         if type(value) is dict:
             return {k: self._walk(v) for k, v in value.items()}
         return value
-
-    def launch_notes(self, sizes: Sequence[int]) -> list[str]:
-        """Every prepared argument's notes for runs of ``sizes`` ranks, each once."""
-        notes: list[str] = []
-        for value in self.originals:
-            of = getattr(value, "launch_notes", None)
-            for note in (of(sizes) if of is not None else []):
-                if note not in notes:
-                    notes.append(note)
-        return notes
 
     def finish(self, *, succeeded: bool) -> None:
         for value in self.originals:

@@ -259,10 +259,6 @@ class HorovodRunner:
         prepared = Prepared(kwargs)
         succeeded = False
         try:
-            elastic = self.scaling.elastic
-            sizes = range(elastic[0], elastic[1] + 1) if elastic else [self.scaling.size]
-            for note in prepared.launch_notes(list(sizes)):
-                log.warning("%s", note)
             blob = _payload.dumps(fn, prepared.kwargs)
             spec = RunSpec.of(self.backend, self.scaling, self.launch_config,
                               self.run_config, self.launch_facts())

@@ -401,8 +401,9 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
             state["lr"] = float(lr.numpy())
         if self.data is not None and self.data.state_dict() is not None:
             data_epoch, samples, data_step = self.position()
+            # the deal of the epoch trained (the pipeline may have read into the next one)
             state["data"] = {**self.data.state_dict(), "epoch": data_epoch, "samples": samples,
-                             "step": data_step}
+                             "step": data_step, "deal": self.data.deal_of(data_epoch)}
         name = checkpoints.checkpoint_name(epoch, step)
         if self._background is not None:  # the writer, async_save
             self._background.wait()  # one in flight

@@ -273,16 +273,16 @@ def _read_groups(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_each_rank_reads_its_share(tmp_path, monkeypatch, mode):
-    """2,400 rows in 343 row groups of 7 rows, 24 partitions: with np ranks each rank reads
-    1/gcd(np, 24) of the row groups in an epoch (its share when np divides 24), plus the few a
-    partition boundary splits; all ranks together read the data about once."""
+def test_each_rank_reads_its_share_at_any_number_of_ranks(tmp_path, monkeypatch, mode):
+    """2,400 rows in 343 row groups of 7 rows, 24 partitions: at any np -- those dividing 24
+    (the round robin's partitions) and the rest, primes and more ranks than partitions
+    (dealt spans) -- each rank reads its 1/np of the row groups in an epoch, plus the few a
+    partition boundary or a span's end splits; all ranks together read the data about once."""
     source = _ids(tmp_path, n=2400, group_rows=7, **MODES[mode])
     groups = sum(len(g) for g in source.row_groups)
     window = {"shuffle_buffer": 300} if mode == "streamed" else {}
     seen = _read_groups(monkeypatch)
-    for size in (1, 2, 3, 4, 5, 6, 8, 16):
-        g = np.gcd(size, 24)
+    for size in (1, 2, 3, 4, 5, 6, 7, 8, 11, 13, 16, 32):
         reads = []
         for rank in range(size):
             seen.clear()
@@ -294,10 +294,29 @@ def test_each_rank_reads_its_share(tmp_path, monkeypatch, mode):
             assert len(set(read)) == len(read) or mode == "streamed", "kept: each group once"
             reads.append(len(read))
             assert shard.bytes_read > 0
-        # each rank: its partitions' groups (+1 for each boundary a partition shares)
-        assert max(reads) <= groups / g + 2 * 24 / g + 1, (size, reads)
-        if g == size:
-            assert sum(reads) <= groups + 2 * 24, (size, sum(reads), groups)
+        # each rank: its share's groups, +1 for each boundary a partition or span shares
+        spans = 24 // size if 24 % size == 0 else 24 // size + 2
+        assert max(reads) <= groups / size + 2 * spans + 1, (size, reads)
+        assert sum(reads) <= groups + 2 * 24 + 2 * size, (size, sum(reads), groups)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_kept_span_is_read_once_whatever_the_number_of_ranks(tmp_path, monkeypatch, mode):
+    """np=5 and np=7 (dealt): a rank whose share fits memory_cache reads its row groups in the
+    first epoch only -- its span is the same row groups every epoch."""
+    source = _ids(tmp_path, n=2400, group_rows=7, memory_cache=1 << 30)
+    seen = _read_groups(monkeypatch)
+    for size in (5, 7):
+        shard = DatasetShard(source)
+        assert not shard.streams(size=size)
+        first = []
+        for epoch in range(3):
+            seen.clear()
+            rows = [int(i) for x, _ in shard.batches(8, epoch, rank=1, size=size, shuffle=True,
+                                                     seed=4) for i in x]
+            assert len(rows) == 2400 // (8 * size) * 8
+            first.append(sum(len(scan) for scan in seen))
+        assert first[0] > 0 and first[1:] == [0, 0], (size, first)
 
 
 def test_each_footer_is_read_once_a_run_and_counted(tmp_path, monkeypatch):
@@ -378,14 +397,24 @@ def test_a_position_of_another_partition_count_is_refused(tmp_path):
     other.load_state_dict({**state, "samples": 0})  # an epoch's start is the same anywhere
 
 
-def test_the_size_note_names_the_cost_and_the_fix(tmp_path):
-    source = _ids(tmp_path)
-    assert [source.size_note(n) for n in (1, 2, 3, 4, 6, 8, 12, 24)] == [None] * 8
-    note = source.size_note(16)
-    assert "np=16 does not divide the dataset's 24 partitions" in note
-    assert "1/8 of the data per epoch, 2x its 1/16 share" in note
-    assert "partitions=48" in note
-    assert source.read_share(5) == 1.0 and source.read_share(16) == 1 / 8
+def test_a_dealt_epoch_trains_every_row_once_and_its_steps_may_be_handed_out_in_parts(
+        tmp_path):
+    """np=5 does not divide 24: each rank's steps of the epoch, handed out in three runs of
+    steps (as DataLoader workers hand them out), are its batches of the whole epoch."""
+    source = _ids(tmp_path, n=2400, group_rows=7, memory_cache=0)
+    kw = {"shuffle": True, "seed": 2, "shuffle_buffer": 240}
+    every = []
+    for rank in range(5):
+        whole = [x.tolist() for x, _ in DatasetShard(source).batches(16, 0, rank=rank, size=5,
+                                                                     **kw)]
+        parts = []
+        for first, stop in ((0, 7), (7, 8), (8, len(whole))):
+            parts += [x.tolist() for x, _ in DatasetShard(source)._batches(
+                16, 0, rank=rank, size=5, shuffle_buffer=240, reader=None, shuffle=True,
+                seed=2, steps=(first, stop))]
+        assert parts == whole
+        every += sum(whole, [])
+    assert len(every) == len(set(every)) == 2400 // 80 * 80
 
 
 def test_dataloader_workers_each_read_their_own_steps(tmp_path, monkeypatch):
@@ -501,3 +530,49 @@ def test_a_lead_in_step_of_fewer_rows_than_ranks_is_left_out_and_said(tmp_path, 
         ids, _ = _attempt(source, 4, 1, 0, state)
     assert [len(step) for step in ids] == [4] * 8 and len(set(sum(ids, []))) == 32
     assert "2 row(s) short of a step boundary of 4 ranks" in caplog.text
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("chain", [
+    [(8, 5, 5), (7, 4, 2), (7, 3, 3), (8, None, None)],
+    [(5, 3, 3), (2, 7, 5), (7, 2, 2), (3, 1, 1), (24, None, None)],
+], ids=["8-7-7-8", "5-2-7-3-24"])
+def test_resizes_through_numbers_that_do_not_divide_p_train_every_id_once(tmp_path, mode,
+                                                                            chain):
+    """Chains through np that do not divide 24 (dealt) and back to ones that do, each attempt
+    resuming from the previous one's last checkpoint (the 7 killed 2 steps after it): every id
+    once, as many as a run that never resized trains at the last np, only the killed steps
+    redone, checkpoint step numbers only growing."""
+    source = _ids(tmp_path, n=2400, group_rows=7, **MODES[mode])
+    kw = {"shuffle": True, "seed": 4, "shuffle_buffer": 300}
+    state, kept, redone, names = None, [], [], []
+    for size, steps, checkpoint in chain:
+        ids, positions = _attempt(source, size, 8, 1, state, steps, **kw)
+        upto = len(ids) if checkpoint is None else checkpoint
+        kept += sum(ids[:upto], [])
+        redone += sum(ids[upto:], [])
+        if checkpoint is not None:
+            state = positions[checkpoint - 1]
+            names.append(state["step"])
+    assert len(kept) == len(set(kept)), "no id kept twice across the resizes"
+    last = chain[-1][0]
+    assert len(kept) == 2400 // (8 * last) * 8 * last, "as many as a run that never resized"
+    assert names == sorted(set(names)), "step numbers only grow"
+    assert len(redone) == sum(size * 8 * (steps - checkpoint) for size, steps, checkpoint
+                              in chain if steps is not None)
+
+
+def test_a_dealt_epoch_resumed_with_the_same_np_goes_on_as_if_it_had_not_stopped(tmp_path):
+    """np=5, stopped after step 4 of epoch 1: the same np from the checkpoint gives exactly the
+    batches the uninterrupted epoch gives after step 4, rank by rank."""
+    source = _ids(tmp_path, n=2400, group_rows=7, memory_cache=0)
+    kw = {"shuffle": True, "seed": 3, "shuffle_buffer": 300}
+    whole, _ = _attempt(source, 5, 8, 1, None, **kw)
+    _, positions = _attempt(source, 5, 8, 1, None, 4, **kw)
+    assert positions[3]["deal"] is not None and positions[3]["step"] == 4
+    after, _ = _attempt(source, 5, 8, 1, positions[3], **kw)
+    assert after == whole[4:]
+    shard = DatasetShard(source)
+    shard.load_state_dict(positions[3])
+    assert shard.steps_in_epoch(8, 1, size=5) == len(whole) - 4
+    assert shard.steps_in_epoch(8, 1, size=7) == (2400 - 4 * 40) // 56

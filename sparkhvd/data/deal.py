@@ -1,0 +1,354 @@
+"""The order of an epoch whose number of ranks does not divide ``P`` (or that such a run
+resized): the rest of the epoch *dealt* to the ranks in contiguous spans. Pure functions of
+plain numbers, the same on every rank; the why is in :mod:`sparkhvd.data.sharding`.
+
+The round robin of :mod:`sparkhvd.data.order` gives rank ``r`` of ``size`` the positions
+``i % size == r``: they fall in the partitions ``c % g == r % g`` (``g = gcd(size, P)``), the
+rank's share when ``size`` divides ``P`` -- but every partition, the whole table, for a
+``size`` prime to ``P``. Such a run instead deals what is left of the epoch:
+
+1. **Units** (:class:`Unit`): the rows of the epoch still to train, each a range of one
+   partition's epoch sequence of pieces (:func:`~sparkhvd.data.order.epoch_pieces`) -- a *run*
+   of rows not drawn yet, or one *window* of rows permuted, of which a range is left. An epoch's
+   start is one run per partition (:func:`units_at`, which also turns a round-robin position
+   into units).
+2. **A deal** (:class:`Deal`, :func:`deal`): the units laid end to end in partition order and
+   cut into ``size`` consecutive spans -- rank ``r`` the ``r``-th -- of equal rows (a lead-in
+   step first where the rows left call for one, so the epoch trains as many rows as a run that
+   never resized; the rows after are left out). A rank reads only the row groups of its span:
+   its share, plus a row group it splits with a neighbour.
+3. **A rank's sequence**: its units in turn, one row of each (a round robin, as the partitions
+   are interleaved), each unit's rows a window at a time -- a window is whole pieces of at
+   least ``window_rows`` rows, permuted when shuffled (its seed from the rows it holds, so the
+   same window is drawn the same way on every rank and in every run).
+
+What is left after ``steps`` steps of a deal (:func:`left_after`) follows from the deal alone,
+on any rank: a checkpoint keeps the deal and its steps, and a run resumed with any number of
+ranks deals what is left -- with the same number, the same spans, windows and sequence, so the
+epoch goes on as if it had not stopped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+
+from sparkhvd.data.order import Piece, epoch_pieces, partition_window_rows, plan_partition
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__side__ = "common"  # numpy inside the functions: nothing third-party at import time
+
+#: Seed tag of a window a rank draws from a run (those of the round robin's windows are
+#: :data:`sparkhvd.data.order._ROWS`).
+_RUN_WINDOW = 4
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Rows ``[lo, hi)`` of partition ``partition``'s epoch sequence of pieces, drawn in their
+    own sequence -- one window permuted by ``key``'s generator, or (``key`` None) a run: its
+    windows in turn (:meth:`Sequences.windows`) -- of which the rows ``[first, last)`` are
+    left to train."""
+
+    partition: int
+    lo: int
+    hi: int
+    key: Optional[tuple[int, ...]] = None
+    first: int = 0
+    last: int = -1  # -1: to the end (``hi - lo``)
+    #: rows of the partition's pieces in the layout's order, the same every epoch (a run a
+    #: rank keeps in memory: the same row groups every epoch), not the epoch's
+    layout: bool = False
+
+    def __post_init__(self) -> None:
+        if self.last < 0:
+            object.__setattr__(self, "last", self.hi - self.lo)
+
+    @property
+    def rows(self) -> int:
+        return self.last - self.first
+
+    def as_list(self) -> list:
+        return [self.partition, self.lo, self.hi, list(self.key) if self.key else None,
+                self.first, self.last, int(self.layout)]
+
+    @classmethod
+    def of(cls, value: Sequence) -> "Unit":
+        c, lo, hi, key, first, last, layout = value
+        return cls(int(c), int(lo), int(hi), tuple(int(k) for k in key) if key else None,
+                   int(first), int(last), bool(layout))
+
+    def with_rows(self, lo: int, hi: int, first: int = 0, last: int = -1) -> "Unit":
+        """This unit's kind (window key, order) over other rows."""
+        return Unit(self.partition, lo, hi, self.key, first, last, self.layout)
+
+
+@dataclass(frozen=True)
+class Deal:
+    """What was left of the epoch (``units``), dealt to ``size`` ranks: each runs the lead-in
+    step (its part of ``lead`` rows, if any), then ``steps`` full steps of ``batch`` rows."""
+
+    units: tuple[Unit, ...]
+    size: int
+    batch: int
+    lead: int
+    steps: int
+
+    def lead_of(self, rank: int) -> int:
+        """Rank ``rank``'s rows of the lead-in step (0: none)."""
+        return self.lead // self.size + (1 if rank < self.lead % self.size else 0) \
+            if self.lead else 0
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps + (1 if self.lead else 0)
+
+    def rank_rows(self, rank: int, steps: Optional[int] = None) -> int:
+        """Rows rank ``rank`` trains in the first ``steps`` steps (default: all of them)."""
+        n = self.total_steps if steps is None else min(steps, self.total_steps)
+        if n <= 0:
+            return 0
+        if self.lead:
+            return self.lead_of(rank) + (n - 1) * self.batch
+        return n * self.batch
+
+    def consumed(self, steps: int) -> int:
+        """Rows all ranks together trained in the first ``steps`` steps."""
+        return sum(self.rank_rows(r, steps) for r in range(self.size))
+
+    def spans(self) -> list[list[Unit]]:
+        """Each rank's units, in rank order (the rows after the last rank's are left out)."""
+        spans: list[list[Unit]] = []
+        queue = list(self.units)
+        for rank in range(self.size):
+            need, span = self.rank_rows(rank), []
+            while need > 0:
+                unit = queue.pop(0)
+                if unit.rows <= need:
+                    span.append(unit)
+                    need -= unit.rows
+                else:
+                    head, tail = split(unit, need)
+                    span.append(head)
+                    queue.insert(0, tail)
+                    need = 0
+            spans.append(span)
+        return spans
+
+    def undealt(self) -> list[Unit]:
+        """The units after the last rank's span (left out if the epoch ends with this deal)."""
+        skip = sum(self.rank_rows(r) for r in range(self.size))
+        rest: list[Unit] = []
+        for unit in self.units:
+            if skip >= unit.rows:
+                skip -= unit.rows
+                continue
+            rest.append(split(unit, skip)[1] if skip else unit)
+            skip = 0
+        return rest
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"units": [u.as_list() for u in self.units], "size": self.size,
+                "batch": self.batch, "lead": self.lead, "steps": self.steps}
+
+    @classmethod
+    def of(cls, value: Mapping[str, Any]) -> "Deal":
+        return cls(tuple(Unit.of(u) for u in value["units"]), int(value["size"]),
+                   int(value["batch"]), int(value["lead"]), int(value["steps"]))
+
+
+def split(unit: Unit, rows: int) -> tuple[Unit, Unit]:
+    """``unit``'s next ``rows`` rows and the rest. A run nothing was drawn from yet is cut
+    between its pieces' rows (the two halves share at most one row group); anything else
+    between rows of its own sequence (the two share the window the cut falls in)."""
+    if unit.key is None and unit.first == 0 and unit.last == unit.hi - unit.lo:
+        cut = unit.lo + rows
+        return unit.with_rows(unit.lo, cut), unit.with_rows(cut, unit.hi)
+    cut = unit.first + rows
+    return (unit.with_rows(unit.lo, unit.hi, unit.first, cut),
+            unit.with_rows(unit.lo, unit.hi, cut, unit.last))
+
+
+def deal(units: Sequence[Unit], *, size: int, batch: int, num_rows: int) -> Deal:
+    """Deal what is left of the epoch to ``size`` ranks of ``batch`` rows per step: the epoch
+    ends where a run of ``size`` ranks that never resized ends it (``num_rows`` less
+    ``num_rows % (size * batch)``); the steps up to there are full but a lead-in step first
+    where the rows left call for one (fewer rows than ranks: left out instead)."""
+    left = sum(u.rows for u in units)
+    train = max(0, left - num_rows % (size * batch))
+    steps, lead = divmod(train, size * batch)
+    if lead < size:
+        lead = 0
+    return Deal(tuple(u for u in units if u.rows), size, batch, lead, steps)
+
+
+class Sequences:
+    """Each partition's epoch sequence of pieces (:func:`~sparkhvd.data.order.epoch_pieces`),
+    sliced by rows, and the windows a unit's rows are drawn in -- what every rank computes
+    the same way, from the layout alone (no file is read)."""
+
+    def __init__(self, parts: Sequence[Sequence[Piece]], *, shuffle: bool, seed: int,
+                 epoch: int, window_rows: int) -> None:
+        self.parts, self.shuffle, self.seed, self.epoch = parts, shuffle, seed, epoch
+        #: rows of a window a unit is drawn in (a partition's share of the shuffle window)
+        self.window_rows = partition_window_rows(window_rows, len(parts))
+        self._ordered: dict[tuple[int, bool], tuple[list[Piece], np.ndarray]] = {}
+
+    def ordered(self, partition: int, layout: bool = False) -> tuple[list[Piece], np.ndarray]:
+        """Partition ``partition``'s pieces in the epoch's order (``layout``: the layout's), and
+        where each starts."""
+        import numpy as np
+
+        found = self._ordered.get((partition, layout))
+        if found is None:
+            pieces = list(self.parts[partition]) if layout else epoch_pieces(
+                self.parts[partition], partition=partition, shuffle=self.shuffle,
+                seed=self.seed, epoch=self.epoch)
+            starts = np.cumsum([0] + [p.rows for p in pieces])
+            found = self._ordered[(partition, layout)] = (pieces, starts)
+        return found
+
+    def pieces(self, unit: Unit) -> list[Piece]:
+        """The pieces holding ``unit``'s rows ``[lo, hi)`` (cut at the ends)."""
+        import numpy as np
+
+        lo, hi = unit.lo, unit.hi
+        pieces, starts = self.ordered(unit.partition, unit.layout)
+        out = []
+        k = int(np.searchsorted(starts, lo, side="right")) - 1
+        while k < len(pieces) and starts[k] < hi:
+            p, at = pieces[k], int(starts[k])
+            a, b = max(lo, at) - at, min(hi, at + p.rows) - at
+            if b > a:
+                out.append(Piece(p.file, p.group, p.lo + a, p.lo + b))
+            k += 1
+        return out
+
+    def windows(self, unit: Unit) -> list[Unit]:
+        """The windows ``unit``'s rows are drawn in, in order: itself when it is one; a run's
+        rows in whole pieces of at least :attr:`window_rows` rows (from its first row), each
+        permuted when shuffled."""
+        import numpy as np
+
+        if unit.key is not None:
+            return [unit.with_rows(unit.lo, unit.hi)]
+        _, starts = self.ordered(unit.partition, unit.layout)
+        out, lo = [], unit.lo
+        while lo < unit.hi:
+            # the first piece end at or after lo + window_rows, or the run's end
+            k = int(np.searchsorted(starts, lo + self.window_rows, side="left"))
+            hi = min(unit.hi, int(starts[k]) if k < len(starts) else unit.hi)
+            hi = max(hi, min(unit.hi, lo + 1))
+            rows = hi - lo
+            key = (self.seed, self.epoch, unit.partition, _RUN_WINDOW, int(unit.layout), lo) \
+                if self.shuffle else None
+            out.append(Unit(unit.partition, lo, hi, key, 0, rows, unit.layout))
+            lo = hi
+        return out
+
+
+def permutation(window: Unit) -> Optional[np.ndarray]:
+    """A window's order of rows (None: in the pieces' order)."""
+    import numpy as np
+
+    if window.key is None:
+        return None
+    return np.random.default_rng(list(window.key)).permutation(window.hi - window.lo)
+
+
+def taken(span: Sequence[Unit], n: int) -> list[int]:
+    """Rows each unit of a rank's ``span`` gave after ``n`` rows of the rank's sequence: a
+    round robin over the units by their rows' places in their own sequences (row ``j`` of
+    every unit that has it, in unit order, then row ``j + 1``), so a span that resumes part
+    way goes on exactly as it would have."""
+    if not span:
+        return []
+
+    def upto(j: int) -> int:  # rows at places below j
+        return sum(min(max(j - u.first, 0), u.rows) for u in span)
+
+    lo, hi = min(u.first for u in span), max(u.last for u in span)
+    while lo < hi:  # the largest j with upto(j) <= n
+        mid = (lo + hi + 1) // 2
+        if upto(mid) <= n:
+            lo = mid
+        else:
+            hi = mid - 1
+    counts = [min(max(lo - u.first, 0), u.rows) for u in span]
+    extra = n - sum(counts)
+    for k, u in enumerate(span):
+        if extra <= 0:
+            break
+        if u.first <= lo < u.last:
+            counts[k] += 1
+            extra -= 1
+    return counts
+
+
+def rest(unit: Unit, used: int) -> list[Unit]:
+    """What is left of ``unit`` once ``used`` more of its rows were trained."""
+    return [unit.with_rows(unit.lo, unit.hi, unit.first + used, unit.last)] \
+        if used < unit.rows else []
+
+
+def left_after(done: Deal, steps: int) -> list[Unit]:
+    """The units left of the epoch after ``steps`` steps of ``done``: each rank's span less what
+    it trained, in rank order, then what the deal left undealt."""
+    left: list[Unit] = []
+    for rank, span in enumerate(done.spans()):
+        for unit, used in zip(span, taken(span, done.rank_rows(rank, steps))):
+            left += rest(unit, used)
+    return left + done.undealt()
+
+
+def units_at(samples: int, *, sequences: Sequences, window_rows: int,
+             layout: bool = False) -> list[Unit]:
+    """The units left of the round robin's epoch (:mod:`sparkhvd.data.order`) after
+    ``samples`` positions: of each partition, the rest of the window it stopped in (drawn as
+    the round robin draws it) and a run of the rest. ``layout``: a partition nothing was drawn
+    from is a run in the layout's order (ranks that keep their share: the same row groups
+    every epoch)."""
+    from sparkhvd.data.order import _ROWS
+
+    parts = sequences.parts
+    count = len(parts)
+    units: list[Unit] = []
+    per_partition = partition_window_rows(window_rows, count)
+    for c, pieces in enumerate(parts):
+        rows = sum(p.rows for p in pieces)
+        used = max(0, -(-(samples - c) // count)) if samples > c else 0
+        if used >= rows:
+            continue
+        if used == 0:
+            units.append(Unit(c, 0, rows, layout=layout))
+            continue
+        if not sequences.shuffle:
+            units.append(Unit(c, used, rows))
+            continue
+        for w in plan_partition(pieces, per_partition, partition=c, shuffle=True,
+                                seed=sequences.seed, epoch=sequences.epoch):
+            if w.start <= used < w.end:
+                if used > w.start:
+                    key = (sequences.seed, sequences.epoch, c, _ROWS, w.number)
+                    units.append(Unit(c, w.start, w.end, key, used - w.start))
+                    if w.end < rows:
+                        units.append(Unit(c, w.end, rows))
+                else:
+                    units.append(Unit(c, w.start, rows))
+                break
+    return units
+
+
+def rank_rows_between(span: Sequence[Unit], n0: int, n1: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``[n0, n1)`` of a rank's sequence over ``span``: which unit each comes from and its
+    place in that unit's own sequence, in the order of :func:`taken`."""
+    import numpy as np
+
+    a, b = taken(span, n0), taken(span, n1)
+    unit = np.concatenate([np.full(hi - lo, k, dtype=np.int64)
+                           for k, (lo, hi) in enumerate(zip(a, b))] or [np.zeros(0, np.int64)])
+    place = np.concatenate([np.arange(u.first + lo, u.first + hi, dtype=np.int64)
+                            for u, lo, hi in zip(span, a, b)] or [np.zeros(0, np.int64)])
+    order = np.lexsort((unit, place))  # by place, then unit
+    return unit[order], place[order]
