@@ -239,7 +239,6 @@ class Sequences:
             # the first piece end at or after lo + window_rows, or the run's end
             k = int(np.searchsorted(starts, lo + self.window_rows, side="left"))
             hi = min(unit.hi, int(starts[k]) if k < len(starts) else unit.hi)
-            hi = max(hi, min(unit.hi, lo + 1))
             rows = hi - lo
             key = (self.seed, self.epoch, unit.partition, _RUN_WINDOW, int(unit.layout), lo) \
                 if self.shuffle else None

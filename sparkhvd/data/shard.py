@@ -383,16 +383,16 @@ class DatasetShard:
             else units_at(start, sequences=sequences, window_rows=window,
                           layout=not self.streams(size))
         dealt = deal(left, size=size, batch=batch_size, num_rows=self.num_rows)
-        if dealt.lead == 0 and sum(u.rows for u in left) - dealt.steps * size * batch_size \
-                > self.num_rows % (size * batch_size) and rank == 0:
+        rows_left = sum(u.rows for u in left)
+        skipped = rows_left - dealt.consumed(dealt.total_steps) \
+            - self.num_rows % (size * batch_size)
+        if skipped > 0 and rank == 0:
             log.warning("Epoch %d resumes with %d row(s) short of a step boundary of %d ranks: "
                         "too few to give every rank one, so they are left out of this epoch "
-                        "(a batch_size of at least %d avoids it).", epoch,
-                        sum(u.rows for u in left) - dealt.steps * size * batch_size
-                        - self.num_rows % (size * batch_size), size, size)
+                        "(a batch_size of at least %d avoids it).", epoch, skipped, size, size)
         record = {**dealt.as_dict(), "step0": done_before}
         self._deals[epoch] = record
-        before = self.num_rows - sum(u.rows for u in left)
+        before = self.num_rows - rows_left
         span = dealt.spans()[rank]
         windows = [sequences.windows(u) for u in span]
         steps = dealt.total_steps if stop is None else min(stop, dealt.total_steps)

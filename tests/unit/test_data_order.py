@@ -490,6 +490,22 @@ def _attempt(source, size, batch, epoch, state, steps=None, **kw):
     return [sum(step, []) for step in zip(*per_rank)], positions[0]
 
 
+def _chain(source, chain, batch, **kw):
+    """Attempts one after another in epoch 1, each ``(ranks, steps it runs, the step its last
+    checkpoint is after)`` and resuming from the one before's last checkpoint: the ids kept
+    (trained up to a checkpoint, or to the end), those redone, and the checkpoints' steps."""
+    state, kept, redone, names = None, [], [], []
+    for size, steps, checkpoint in chain:
+        ids, positions = _attempt(source, size, batch, 1, state, steps, **kw)
+        upto = len(ids) if checkpoint is None else checkpoint
+        kept += sum(ids[:upto], [])
+        redone += sum(ids[upto:], [])
+        if checkpoint is not None:
+            state = positions[checkpoint - 1]
+            names.append(state["step"])
+    return kept, redone, names
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("batch", [16, 5])
 def test_a_chain_of_resizes_trains_every_id_once_and_checkpoint_steps_only_grow(
@@ -502,15 +518,7 @@ def test_a_chain_of_resizes_trains_every_id_once_and_checkpoint_steps_only_grow(
     kw = {"shuffle": True, "seed": 4, "shuffle_buffer": 150}
     # (ranks, steps it runs, the step its last checkpoint is after)
     chain = [(2, 7, 7), (1, 5, 5), (3, 4, 2), (3, 3, 3), (1, 1, 1), (2, None, None)]
-    state, kept, redone, names = None, [], [], []
-    for size, steps, checkpoint in chain:
-        ids, positions = _attempt(source, size, batch, 1, state, steps, **kw)
-        upto = len(ids) if checkpoint is None else checkpoint
-        kept += sum(ids[:upto], [])
-        redone += sum(ids[upto:], [])
-        if checkpoint is not None:
-            state = positions[checkpoint - 1]
-            names.append(state["step"])
+    kept, redone, names = _chain(source, chain, batch, **kw)
     assert len(kept) == len(set(kept)), "no id kept twice across the resizes"
     straight = sum(_attempt(source, 2, batch, 1, None, **kw)[0], [])
     assert sorted(kept) == sorted(straight), "every id a run that never resized trains, once"
@@ -545,15 +553,7 @@ def test_resizes_through_numbers_that_do_not_divide_p_train_every_id_once(tmp_pa
     redone, checkpoint step numbers only growing."""
     source = _ids(tmp_path, n=2400, group_rows=7, **MODES[mode])
     kw = {"shuffle": True, "seed": 4, "shuffle_buffer": 300}
-    state, kept, redone, names = None, [], [], []
-    for size, steps, checkpoint in chain:
-        ids, positions = _attempt(source, size, 8, 1, state, steps, **kw)
-        upto = len(ids) if checkpoint is None else checkpoint
-        kept += sum(ids[:upto], [])
-        redone += sum(ids[upto:], [])
-        if checkpoint is not None:
-            state = positions[checkpoint - 1]
-            names.append(state["step"])
+    kept, redone, names = _chain(source, chain, 8, **kw)
     assert len(kept) == len(set(kept)), "no id kept twice across the resizes"
     last = chain[-1][0]
     assert len(kept) == 2400 // (8 * last) * 8 * last, "as many as a run that never resized"
