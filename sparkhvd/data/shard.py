@@ -176,11 +176,6 @@ class DatasetShard:
         self._restored_epoch = position.epoch
         self.position = position
 
-    @property
-    def resume_epoch(self) -> Optional[int]:
-        """The epoch a restored position continues (None when nothing was restored)."""
-        return self._resume.epoch if self._resume is not None else None
-
     def _start(self, epoch: int, shuffle: bool, seed: int, window: int
                ) -> tuple[int, int, Optional[Position]]:
         """``(samples, step, position)`` where ``epoch`` begins: 0, or a restored position's."""

@@ -2,8 +2,8 @@
 
 The run (:class:`~sparkhvd.driver.run.Run`) makes an :class:`Attempt` in each *placing* and
 drives it in *running*, one step a poll: the attempt starts the run folder's service for the
-ranks, builds the launch spec (the size, the resume source, the rendezvous tag) and hands it to
-the launcher (:meth:`Attempt.start`); each :meth:`Attempt.poll` looks at the ranks once and
+ranks and builds the launch spec (the size, the resume source, the rendezvous tag:
+:meth:`Attempt.prepare`), then hands it to its launcher (:meth:`Attempt.start`); each :meth:`Attempt.poll` looks at the ranks once and
 returns what it found as data (:class:`AttemptStatus`: running, ended, a stop due, a stall, the
 time up) -- the run's step decides what to do about it, as Ray Train v2's controller decides
 from its worker group's ``poll_status``. A rank's failure becomes the
@@ -18,21 +18,19 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.backends import RunTag
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.common.protocol import RankOptions
 from sparkhvd.driver.inbox import AttemptInbox
-from sparkhvd.driver.launchers import LaunchSpec, Placement, RankGroup
+from sparkhvd.driver.launchers import Launcher, LaunchSpec, Placement, WorkerGroup
 from sparkhvd.driver.monitor import RunMonitor
 from sparkhvd.driver.rank_end import Verdict, verdict_of
+from sparkhvd.driver.view import RunView
 from sparkhvd.elastic.watch import AttemptWatch, StopRequest
 from sparkhvd.runfolder.record import now
-
-if TYPE_CHECKING:
-    from sparkhvd.driver.run import Run
 
 __side__ = "driver"
 
@@ -66,13 +64,17 @@ class Attempt:
     ended), the ranks' results, and -- when a rank failed -- the
     :class:`~sparkhvd.driver.rank_end.Verdict`."""
 
-    def __init__(self, run: "Run", number: int, placement: Placement,
+    def __init__(self, run: RunView, number: int, placement: Placement,
                  resume: Optional[str], library: Optional[str] = None, size: int = 0,
-                 previous_size: Optional[int] = None) -> None:
+                 previous_size: Optional[int] = None, *, launcher: Launcher,
+                 free_slots: Callable[[], int]) -> None:
         """``resume``: the checkpoints sparkhvd restores; ``library``: the folders where a
         library keeps its own (``st.output_dir``), when sparkhvd has none; ``size``: the
-        ranks it launches (``previous_size``: the attempt before, after a resize)."""
+        ranks it launches (``previous_size``: the attempt before, after a resize);
+        ``launcher``: what starts them (the placement's); ``free_slots``: the count an elastic
+        attempt's watch grows into."""
         self.run, self.number, self.placement, self.resume = run, number, placement, resume
+        self.launcher = launcher
         self.library = library
         self.size = size or run.scaling.size
         self.previous_size = previous_size
@@ -92,12 +94,13 @@ class Attempt:
             self.watch = AttemptWatch(
                 placement.session, self.spark_job, run.scaling, self.size,
                 listening=lambda: len(outcome.listening) >= self.size,
-                free=run.placer.free_slots)
+                free=free_slots)
         #: why the run asked the ranks to stop at their next step (a grow, a decommission)
         self.stop_request: Optional[StopRequest] = None
         #: the started ranks (None before :meth:`start` and once they ended)
-        self.group: Optional[RankGroup] = None
+        self.group: Optional[WorkerGroup] = None
         self._files: Any = None
+        self._launch_spec: Optional[LaunchSpec] = None
         self._started = 0.0
         self.status = "placed"
         self.results: list = []
@@ -105,23 +108,31 @@ class Attempt:
         self.failure: Optional[LaunchFailure] = None
         self.error: Optional[BaseException] = None
 
-    def start(self, env: dict[str, str]) -> None:
-        """Start the ranks (the run folder's service first). A launch that fails at once ends
-        the attempt as a rank failure does (:attr:`status`); anything else -- a bad setting, an
-        interrupt -- propagates, with the run folder's service stopped."""
-        run = self.run
+    def prepare(self, env: dict[str, str]) -> None:
+        """Everything but the launch: the run folder's service started, the launch spec built
+        (the run's recorders then write down what is about to be submitted). Anything that
+        fails here propagates, the service stopped."""
         try:
             self._files, files_env = self._start_files()
             env.update(files_env)
-            spec = self._spec(env)
-            if self.placement.launcher == "barrier":
-                run.record.submitting(self.spark_job, self.placement.session.job_kind,
-                                      self.number)
-            run.record.mark("launch")
+            self._launch_spec = self._spec(env)
+        except BaseException:
+            self._clean_up()
+            raise
+
+    def start(self) -> None:
+        """Start the ranks (:meth:`prepare` first). A launch that fails at once ends the
+        attempt as a rank failure does (:attr:`status`); anything else -- a bad setting, an
+        interrupt -- propagates, with the run folder's service stopped."""
+        spec = self._launch_spec
+        assert spec is not None, "the attempt was not prepared"
+        try:
             log.info("Launching %d rank(s) %s; logs in %s", spec.size,
                      f"on Spark ({spec.session.describe()})" if spec.session else
-                     "as local processes", run.run_dir.logs)
-            self.group = run.launchers(self.placement.launcher).start(spec, self.outcome)
+                     "as local processes", self.run.run_dir.logs)
+            group = self.launcher(spec, self.outcome)
+            group.start()
+            self.group = group
         except LaunchFailure as failure:
             self._failed(failure)
             self._clean_up()
@@ -131,7 +142,7 @@ class Attempt:
             raise
         self.status = "running"
         self._started = time.monotonic()
-        self.monitor.reach_ranks(self.group.ask_stacks)
+        self.monitor.reach_ranks(group.reach.ask_stacks if group.reach is not None else None)
 
     def poll(self, time_left: Optional[float]) -> AttemptStatus:
         """One look at the running ranks, as data: whether they ended (then :attr:`status`,
@@ -142,16 +153,20 @@ class Attempt:
         others stopped); an error that is no rank's propagates, the ranks stopped first."""
         group = self._group()
         try:
-            if group.poll(POLL_S, time.monotonic() - self._started):
-                self.results = group.results()
-                self.status = "succeeded"
-                self.run.record.launched(control=self.outcome.channel)
-                self._clean_up()
-                return AttemptStatus("ended")
-        except BaseException as exc:
+            found = group.poll(POLL_S, time.monotonic() - self._started)
+        except BaseException as exc:  # an interrupt while waiting
             self._end_by(exc)
             return AttemptStatus("ended")
-        if self.watch is not None and group.notify is not None and self.stop_request is None:
+        if found.kind == "ended":
+            self.results = list(found.results)
+            self.status = "succeeded"
+            self._clean_up()
+            return AttemptStatus("ended")
+        if found.kind == "failed":
+            assert found.error is not None
+            self._end_by(found.error)
+            return AttemptStatus("ended")
+        if self.watch is not None and group.reach is not None and self.stop_request is None:
             stop = self.watch.tick()
             if stop is not None:
                 return AttemptStatus("stop due", stop=stop)
@@ -169,9 +184,9 @@ class Attempt:
         self.stop_request = request
         log.warning("sparkhvd: %s; the ranks checkpoint after their current step and the run "
                     "relaunches", request.reason)
-        notify = self._group().notify
-        assert notify is not None  # the watch is ticked only where the launcher can notify
-        notify(request.reason)
+        reach = self._group().reach
+        assert reach is not None  # the watch is ticked only where the launcher can notify
+        reach.notify(request.reason)
 
     def stop(self, status: AttemptStatus) -> None:
         """End the running attempt for what a poll found (a stall, the time up): the ranks are
@@ -184,16 +199,16 @@ class Attempt:
         """The controller itself stopped (an interrupt, an error): stop the ranks, if they run."""
         if self.status == "running":
             with contextlib.suppress(Exception):
-                self._group().fail(exc)
+                self._group().shutdown(exc)
             self.status, self.error = status_of(exc), exc
-            self._clean_up()
+        self._clean_up()  # a prepared attempt's run-folder service too
 
     def _end_by(self, exc: BaseException, kind: Optional[str] = None) -> None:
         """The ranks are stopped after ``exc``: a rank's failure (the launcher's, or what it
         names behind its own error) ends the attempt as failed or preempted; ``kind`` (a stall,
         the time up) ends it so; anything else propagates once the ranks are stopped."""
         try:
-            failure = self._group().fail(exc)
+            failure = self._group().shutdown(exc) or exc
             if isinstance(failure, LaunchFailure):
                 self._failed(failure)
                 return
@@ -214,7 +229,7 @@ class Attempt:
         self.status = "preempted" if self.verdict.preempted else "failed"
         self.error = self.verdict.error()
 
-    def _group(self) -> RankGroup:
+    def _group(self) -> WorkerGroup:
         assert self.group is not None, "the attempt was not started"
         return self.group
 
@@ -263,6 +278,12 @@ class Attempt:
                                   if self.stop_request is not None else None}
         return entry
 
+    def stack_files(self) -> list[str]:
+        """The stack dumps the driver saved while the ranks ran, relative to the run folder."""
+        root = self.run.run_dir.path
+        return [os.path.relpath(report.path, root) for report in self.monitor.reports
+                if report.path]
+
     def _spec(self, env: dict[str, str]) -> LaunchSpec:
         run = self.run
         spec, launch = run.spec, run.spec.launch
@@ -280,9 +301,9 @@ class Attempt:
                                 elastic=spec.facts.horovod_elastic,
                                 time_split=spec.config.time_split,
                                 env_keep=tuple(sorted(set(launch.env) | set(env)))),
-            env=env, placement=self.placement, timeout=run.timeout, deadline=run.deadline,
+            env=env, placement=self.placement, timeout=run.timeout,
             job=self.spark_job,
-            run=RunTag(run.run_dir.run_id, self.number - 1, run.policy.restarts))
+            run=RunTag(run.run_dir.run_id, self.number - 1, run.restarts))
 
     def _start_files(self) -> tuple[Any, dict[str, str]]:
         """Start the run-folder service; the variables that tell the ranks where their run
@@ -303,22 +324,18 @@ class Attempt:
             env[protocol.TIMELINE_ENV] = (
                 run_dir.file("timeline.json") if self.placement.executors_here else
                 os.path.join("/tmp", f"sparkhvd-timeline-{run_dir.run_id}.json"))
-            run_dir.record.launched(timeline="timeline.json")
         return files, env
 
     def _clean_up(self) -> None:
-        """Release what the launch holds, once, however the attempt ended: the rank group, the
+        """Release what the launch holds, once, however the attempt ended: the worker group, the
         run folder's service, the stack requests polling ranks read."""
         group, self.group = self.group, None
         if group is not None:
-            group.close()
+            group.shutdown()
         files, self._files = self._files, None
         if files is None:
             return
-        run_dir = self.run.run_dir
-        run_dir.record.stacks_saved([os.path.relpath(r.path, run_dir.path)
-                                     for r in self.monitor.reports if r.path])
         files.stop()
         # the stack requests polling ranks read: the run's business only while it runs
-        shutil.rmtree(run_dir.file(os.path.dirname(protocol.STACKS_REQUEST_FILE)),
+        shutil.rmtree(self.run.run_dir.file(os.path.dirname(protocol.STACKS_REQUEST_FILE)),
                       ignore_errors=True)

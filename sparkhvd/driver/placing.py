@@ -41,10 +41,10 @@ class Placer(Protocol):
     #: whether free slots can be counted (an elastic run sizes its attempts from them)
     counts_slots: bool
 
-    def place(self, size: int, first: bool, time_left: Optional[float],
-              record: Any) -> Placement:
-        """The launcher and the slots of an attempt of ``size`` ranks, recorded in ``record``
-        (``first``: the run's first attempt, whose workers' Python is checked)."""
+    def place(self, size: int, first: bool, time_left: Optional[float]) -> Placement:
+        """The launcher and the slots of an attempt of ``size`` ranks (``first``: the run's
+        first attempt, whose workers' Python is checked); what ``run.json`` keeps of them in
+        its ``recorded``."""
 
     def free_slots(self, ended: Optional[str] = None) -> int:
         """Slots free now (``ended``: the job tag of the attempt that just ended, whose tasks
@@ -68,9 +68,7 @@ class LocalPlacer:
 
     counts_slots = False
 
-    def place(self, size: int, first: bool, time_left: Optional[float],
-              record: Any) -> Placement:
-        record.placed("local")
+    def place(self, size: int, first: bool, time_left: Optional[float]) -> Placement:
         return Placement("local", nics=frozenset({"lo"}))
 
     def free_slots(self, ended: Optional[str] = None) -> int:
@@ -108,8 +106,7 @@ class SparkPlacer:
             self.view = SparkView(self.spark)
         return self.view
 
-    def place(self, size: int, first: bool, time_left: Optional[float],
-              record: Any) -> Placement:
+    def place(self, size: int, first: bool, time_left: Optional[float]) -> Placement:
         """Which launcher, where the driver is reached, and whether the ranks share its disk;
         the task slots for ``size`` ranks checked."""
         from sparkhvd.spark.session import check_worker_python
@@ -131,12 +128,12 @@ class SparkPlacer:
                             wait_s=0 if view.master.startswith("local") else launch.slot_wait_s,
                             ranks_per_task=spec.scaling.ranks_per_task,
                             busy_wait_s=max(0.0, busy_wait))
-        record.placed(name, spark_master=view.master, spark_app_id=view.app_id,
-                      session=view.kind, slots=slots.slots)
         here = view.executors_here()
         return Placement(name, driver_host=view.driver_host(), executors_here=here,
                          nics=launch.nics or (frozenset({"lo"}) if here else None),
-                         session=view)
+                         session=view,
+                         recorded={"spark_master": view.master, "spark_app_id": view.app_id,
+                                   "session": view.kind, "slots": slots.slots})
 
     def free_slots(self, ended: Optional[str] = None) -> int:
         return free_slots(self._ensure_view(), self.lost_executors, self.lost_tasks, ended)

@@ -1,20 +1,25 @@
-"""What a run leaves behind, as callbacks on its lifecycle -- the run itself only acts.
+"""What a run leaves behind, as callbacks on its lifecycle: the run decides and acts, its
+recorders write down what it did.
 
 :class:`~sparkhvd.driver.run.Run` calls every callback at the same moments, in the order they
 were registered (:func:`recorders` gives sparkhvd's, in the order that matters: ``run.json``
-before ``report.html`` reads it, both before MLflow uploads the folder):
+before ``report.html`` reads it, both before MLflow uploads the folder), with a read-only
+view of the run (:class:`~sparkhvd.driver.view.RunView`) and of its attempts:
 
 - ``on_run_start(run)``: the run folder is checked; nothing is placed yet;
-- ``on_state(run, entry)``: every transition (``entry`` as ``run.json``'s ``states`` keeps it);
-- ``on_attempt_start(run, attempt)``: an attempt is placed and about to launch;
+- ``on_state(run, transition)``: every transition (:class:`~sparkhvd.driver.view.Transition`:
+  the state left, the state entered, and its entry as ``run.json``'s ``states`` keeps it);
+- ``on_attempt_start(run, attempt)``: an attempt is placed (``attempt.placement``);
+- ``on_attempt_launch(run, attempt)``: its launch is prepared and about to be submitted;
 - ``on_attempt_end(run, attempt)``: its ranks have ended, before the policy decides;
 - ``on_ranks_done(run)``: no rank runs any more (the run may still be recorded as failed);
 - ``on_run_end(run, status, error, model)``: the outcome is known; ``model`` is the saved
   model's file name, if any.
 
 Like Ray Train v2's controller callbacks and Lightning's: a recorder never decides what the
-run does next, and one that fails says so in a warning instead of hiding the run's outcome
-(run.json is the exception: it is the run's own record, and its errors go on).
+run does next, and every ``run.json`` write is a recorder's (:class:`RunJson`). A recorder's
+error goes on as the run's own, except where one would hide the outcome: the curves and
+``report.html`` say so in a warning instead.
 """
 from __future__ import annotations
 
@@ -22,11 +27,10 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from sparkhvd.driver.inbox import merge_epochs
+from sparkhvd.driver.view import AttemptView, RunView, Transition
 from sparkhvd.timing.splits import TimeSplits
 
 if TYPE_CHECKING:
-    from sparkhvd.driver.attempt import Attempt
-    from sparkhvd.driver.run import Run
     from sparkhvd.driver.settings import RunConfig
 
 __side__ = "driver"
@@ -37,31 +41,39 @@ log = logging.getLogger(__name__)
 class RunCallback:
     """A recorder: every hook does nothing unless overridden (module docstring)."""
 
-    def on_run_start(self, run: "Run") -> None:
+    def on_run_start(self, run: RunView) -> None:
         pass
 
-    def on_state(self, run: "Run", entry: dict) -> None:
+    def on_state(self, run: RunView, transition: Transition) -> None:
         pass
 
-    def on_attempt_start(self, run: "Run", attempt: "Attempt") -> None:
+    def on_attempt_start(self, run: RunView, attempt: AttemptView) -> None:
         pass
 
-    def on_attempt_end(self, run: "Run", attempt: "Attempt") -> None:
+    def on_attempt_launch(self, run: RunView, attempt: AttemptView) -> None:
         pass
 
-    def on_ranks_done(self, run: "Run") -> None:
+    def on_attempt_end(self, run: RunView, attempt: AttemptView) -> None:
         pass
 
-    def on_run_end(self, run: "Run", status: str, error: Optional[BaseException],
+    def on_ranks_done(self, run: RunView) -> None:
+        pass
+
+    def on_run_end(self, run: RunView, status: str, error: Optional[BaseException],
                    model: Optional[str]) -> None:
         pass
 
 
 class RunJson(RunCallback):
     """``run.json`` (:class:`~sparkhvd.runfolder.record.RunRecord`): what was asked, each
-    transition, each attempt's end, the outcome."""
+    transition, where each attempt went and what it launched, its end (and the stacks the
+    driver saved meanwhile), the outcome."""
 
-    def on_run_start(self, run: "Run") -> None:
+    def __init__(self) -> None:
+        #: the attempts whose stack dumps are in ``run.json`` (an aborted one's: at the end)
+        self.stacks_of: set[int] = set()
+
+    def on_run_start(self, run: RunView) -> None:
         spec, scaling = run.spec, run.scaling
         elastic = {"min_np": scaling.min_np, "max_np": scaling.max_np} if scaling.elastic else {}
         run.record.started(np=spec.scaling.np, mode=spec.scaling.mode,
@@ -69,13 +81,43 @@ class RunJson(RunCallback):
                            node_per_task=spec.scaling.node_per_task, backend=spec.backend,
                            function=getattr(run.fn, "__qualname__", repr(run.fn)), **elastic)
 
-    def on_state(self, run: "Run", entry: dict) -> None:
-        run.record.transition(entry)
+    def on_state(self, run: RunView, transition: Transition) -> None:
+        run.record.transition(transition.entry)
 
-    def on_attempt_end(self, run: "Run", attempt: "Attempt") -> None:
+    def on_attempt_start(self, run: RunView, attempt: AttemptView) -> None:
+        placement = attempt.placement
+        run.record.placed(placement.launcher, **placement.recorded)
+        if attempt.number == 1 and attempt.resume:
+            run.record.resume_requested(attempt.resume)
+
+    def on_attempt_launch(self, run: RunView, attempt: AttemptView) -> None:
+        """Before the job is submitted: its tag, so it can always be found and cancelled."""
+        record = run.record
+        if attempt.placement.launcher == "barrier":
+            record.submitting(attempt.spark_job, attempt.placement.session.job_kind,
+                              attempt.number)
+        record.mark("launch")
+        if run.spec.config.timeline:
+            record.launched(timeline="timeline.json")
+
+    def on_attempt_end(self, run: RunView, attempt: AttemptView) -> None:
+        if attempt.status == "succeeded":
+            run.record.launched(control=attempt.outcome.channel)
+        self._stacks(run, attempt)
         run.record.attempt_ended(attempt.entry(), attempt.outcome.resumed)
 
-    def on_run_end(self, run: "Run", status: str, error: Optional[BaseException],
+    def on_ranks_done(self, run: RunView) -> None:
+        for attempt in run.attempts:  # an attempt the run aborted had no end of its own
+            self._stacks(run, attempt)
+        if run.state_label == "finished":
+            run.record.mark("finished")
+
+    def _stacks(self, run: RunView, attempt: AttemptView) -> None:
+        if attempt.number not in self.stacks_of:
+            self.stacks_of.add(attempt.number)
+            run.record.stacks_saved(attempt.stack_files())
+
+    def on_run_end(self, run: RunView, status: str, error: Optional[BaseException],
                    model: Optional[str]) -> None:
         last = run.attempt
         outcome = last.outcome if last is not None else None
@@ -93,10 +135,10 @@ class Curves(RunCallback):
     def __init__(self) -> None:
         self.metrics: list[dict] = []
 
-    def on_attempt_end(self, run: "Run", attempt: "Attempt") -> None:
+    def on_attempt_end(self, run: RunView, attempt: AttemptView) -> None:
         self.metrics = merge_epochs(self.metrics, attempt.outcome.metrics)
 
-    def on_ranks_done(self, run: "Run") -> None:
+    def on_ranks_done(self, run: RunView) -> None:
         if not self.metrics:
             return
         from sparkhvd.runfolder.curves import can_plot, plot_curves, write_metrics_csv
@@ -118,12 +160,12 @@ class TimeSplitRecorder(RunCallback):
     def __init__(self) -> None:
         self.splits: Optional[TimeSplits] = None
 
-    def on_run_start(self, run: "Run") -> None:
+    def on_run_start(self, run: RunView) -> None:
         record = run.record
         self.splits = TimeSplits(run.run_dir.path, say=run.router.note,
                                  findings=lambda found: record.timed(findings=found))
 
-    def on_attempt_start(self, run: "Run", attempt: "Attempt") -> None:
+    def on_attempt_start(self, run: RunView, attempt: AttemptView) -> None:
         if self.splits is not None:
             self.splits.begin(attempt.number, attempt.size)
             attempt.outcome.time_splits = self.splits.add
@@ -133,7 +175,7 @@ class TimeSplitRecorder(RunCallback):
         if self.splits is not None:
             self.splits.tracker = tracker
 
-    def on_ranks_done(self, run: "Run") -> None:
+    def on_ranks_done(self, run: RunView) -> None:
         if self.splits is not None:
             self.splits.close()
             run.record.timed(**self.splits.summary())
@@ -148,7 +190,7 @@ class Mlflow(RunCallback):
         self.target, self.splits = target, splits
         self.tracker: Any = None
 
-    def on_attempt_start(self, run: "Run", attempt: "Attempt") -> None:
+    def on_attempt_start(self, run: RunView, attempt: AttemptView) -> None:
         if self.tracker is None:
             from sparkhvd.driver.tracking import MlflowTracker
 
@@ -160,11 +202,11 @@ class Mlflow(RunCallback):
                 self.splits.also_to(self.tracker)
         attempt.outcome.listeners.append(self.tracker.metrics)
 
-    def on_state(self, run: "Run", entry: dict) -> None:
+    def on_state(self, run: RunView, transition: Transition) -> None:
         if self.tracker is not None:
-            self.tracker.transition(entry)
+            self.tracker.transition(transition.entry)
 
-    def on_run_end(self, run: "Run", status: str, error: Optional[BaseException],
+    def on_run_end(self, run: RunView, status: str, error: Optional[BaseException],
                    model: Optional[str]) -> None:
         if self.tracker is not None:
             self.tracker.finish(run.run_dir, status)
@@ -174,7 +216,7 @@ class Report(RunCallback):
     """``report.html``: the run at a glance, one offline file (:mod:`sparkhvd.timing.report`),
     written from ``run.json`` once the outcome is in it."""
 
-    def on_run_end(self, run: "Run", status: str, error: Optional[BaseException],
+    def on_run_end(self, run: RunView, status: str, error: Optional[BaseException],
                    model: Optional[str]) -> None:
         from sparkhvd.timing.report import write_report
 
@@ -183,16 +225,6 @@ class Report(RunCallback):
             run.record.reported("report.html")
         except Exception as exc:  # noqa: BLE001 - a report must never hide the run's outcome
             log.warning("could not write report.html: %s", exc)
-
-
-class DatasetCacheSettling(RunCallback):
-    """The run's end is a safe point to delete the caches of datasets garbage-collected
-    meanwhile (never done by the collector itself: :mod:`sparkhvd.data.materialize`)."""
-
-    def on_ranks_done(self, run: "Run") -> None:
-        from sparkhvd.data.materialize import REGISTRY
-
-        REGISTRY.settle()
 
 
 def recorders(config: "RunConfig") -> list[RunCallback]:
@@ -204,5 +236,4 @@ def recorders(config: "RunConfig") -> list[RunCallback]:
     found.append(Report())
     if config.mlflow:
         found.append(Mlflow(config.mlflow, splits))
-    found.append(DatasetCacheSettling())
     return found

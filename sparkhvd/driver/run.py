@@ -34,9 +34,10 @@ The story of a run, start to end (:meth:`Run.execute`):
    hosts its last attempt did not use (:mod:`sparkhvd.driver.host_sweep`) and is published;
    rank 0's result -- or the error, naming the run folder -- goes back to the caller.
 
-What the run leaves behind -- ``run.json``, MLflow, time splits, ``report.html``, curves, the
-settling of dataset caches -- is recorded by callbacks on these moments
-(:mod:`sparkhvd.driver.recording`); this module only acts.
+What the run leaves behind -- ``run.json``, MLflow, time splits, ``report.html``, curves -- is
+written by callbacks on these moments (:mod:`sparkhvd.driver.recording`), which see the run
+read-only (:class:`~sparkhvd.driver.view.RunView`) and each transition as data: this module
+decides and acts, and writes nothing of its record itself.
 
 A rank's end is decoded once, by :func:`sparkhvd.driver.rank_end.verdict_of`, into the
 :class:`~sparkhvd.driver.rank_end.Verdict` the policy and the error are made from. The run is
@@ -70,6 +71,7 @@ from sparkhvd.driver.states import (
     Running,
     RunState,
 )
+from sparkhvd.driver.view import Transition
 from sparkhvd.elastic.scaling import ScalingPolicy
 from sparkhvd.runfolder.record import now
 from sparkhvd.runfolder.rundir import RunDir
@@ -114,6 +116,16 @@ class Run:
         self.router = RankLogRouter(config.driver_log_verbosity, log_dir=self.run_dir.logs,
                                     verbose=launch.verbose)
 
+    @property
+    def restarts(self) -> int:
+        """How many relaunches the retry policy allows (the ranks' rendezvous tag)."""
+        return self.policy.restarts
+
+    @property
+    def state_label(self) -> Optional[str]:
+        """The state the run is in (None before its first)."""
+        return self.state.label if self.state is not None else None
+
     def time_left(self) -> Optional[float]:
         """What is left of ``run(timeout=...)`` now (None: no limit)."""
         return left_until(self.deadline)
@@ -147,6 +159,7 @@ class Run:
             self.router.close()
             for callback in self.callbacks:
                 callback.on_ranks_done(self)
+            self._settle_dataset_caches()
         if last is None:  # a timeout, an interrupt, a bad setting: recorded, then raised
             self._record_end(status, error)
             raise error  # type: ignore[misc]
@@ -163,8 +176,9 @@ class Run:
             raise RuntimeError(f"sparkhvd bug: the run went from {previous.label} to "
                                f"{state.label}, which NEXT does not allow")
         entry = {"state": state.label, "at": now(), "why": state.why, **state.entry()}
+        transition = Transition(previous.label if previous else None, state.label, entry)
         for callback in self.callbacks:
-            callback.on_state(self, entry)
+            callback.on_state(self, transition)
         log.debug("run %s: %s -> %s (%s)", self.run_dir.run_id,
                   previous.label if previous else "-", state.label, state.why)
 
@@ -178,6 +192,7 @@ class Run:
             if state is not self.state:
                 self._enter(state)
             if isinstance(state, (Finished, Failed)):
+                assert state.attempt is not None  # a failed step raised above, not here
                 return state.attempt
             try:
                 state = self._step(state, env)
@@ -206,8 +221,7 @@ class Run:
         if not self.attempts:  # an elastic run's first size: what the free slots allow
             size = wait_for_size(self.placer, self.scaling, size, self.spec.launch.slot_wait_s)
         try:
-            placement = self.placer.place(size, not self.attempts, self.time_left(),
-                                          self.record)
+            placement = self.placer.place(size, not self.attempts, self.time_left())
         except NotEnoughSlotsError:
             fewer = self._fewer_slots(size)
             if fewer is None:
@@ -219,7 +233,8 @@ class Run:
                                                 dict(config.storage_options))
         self.run_dir.remove_torn()  # a retry never trips over a killed writer's leftovers
         attempt = Attempt(self, len(self.attempts) + 1, placement, resume, state.library, size,
-                          state.previous_size)
+                          state.previous_size, launcher=self.launchers(placement.launcher),
+                          free_slots=self.placer.free_slots)
         self.attempts.append(attempt)
         for callback in self.callbacks:
             callback.on_attempt_start(self, attempt)
@@ -254,7 +269,10 @@ class Run:
         or the run's timeout stops them. Once they ended, :meth:`_ended` decides."""
         attempt = state.attempt
         if attempt.status == "placed":
-            attempt.start(dict(env))
+            attempt.prepare(dict(env))
+            for callback in self.callbacks:
+                callback.on_attempt_launch(self, attempt)
+            attempt.start()
         if attempt.status == "running":
             found = attempt.poll(self.time_left())
             if found.kind == "running":
@@ -334,7 +352,6 @@ class Run:
         """Record, track and publish the run; return the results or raise its error."""
         model: Optional[str] = None
         if error is None:
-            self.record.mark("finished")
             saved = self.run_dir.save_result(last.results[0]) if last.results else None
             model = os.path.basename(saved) if saved else None
         self._record_end(status, error, model=model)
@@ -350,6 +367,14 @@ class Run:
             exc.result = last.results if self.return_all else last.results[0]
             raise
         return last.results
+
+    @staticmethod
+    def _settle_dataset_caches() -> None:
+        """No rank runs: a safe point to delete the caches of datasets garbage-collected
+        meanwhile (never done by the collector itself: :mod:`sparkhvd.data.materialize`)."""
+        from sparkhvd.data.materialize import REGISTRY
+
+        REGISTRY.settle()
 
     def _sweep_host_copies(self) -> None:
         """The run succeeded: the host copies earlier attempts kept on hosts the last attempt

@@ -18,9 +18,10 @@ test holds both to it)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 if TYPE_CHECKING:
+    from sparkhvd.driver.attempt import Attempt
     from sparkhvd.driver.rank_end import Verdict
 
 __side__ = "driver"
@@ -28,11 +29,10 @@ __side__ = "driver"
 
 @dataclass(frozen=True)
 class RunState:
-    """A state: its ``label`` in ``run.json``, whether the run ends in it, and ``why`` the run
-    entered it (words, for the record and the log)."""
+    """A state: its ``label`` in ``run.json`` and ``why`` the run entered it (words, for the
+    record and the log)."""
 
     label: ClassVar[str] = "?"
-    terminal: ClassVar[bool] = False
     why: str
 
     def entry(self) -> dict:
@@ -65,7 +65,7 @@ class Running(RunState):
     """An attempt's ranks run; the driver watches them."""
 
     label: ClassVar[str] = "running"
-    attempt: Any = None  # a driver.attempt.Attempt
+    attempt: "Attempt" = None  # type: ignore[assignment]  # always given
 
     def entry(self) -> dict:
         return {"attempt": self.attempt.number, "size": self.attempt.size}
@@ -75,7 +75,7 @@ class Running(RunState):
 class Relaunching(RunState):
     """An attempt ended and the policy said retry: the run relaunches from ``checkpoint``."""
 
-    attempt: Any = None
+    attempt: "Attempt" = None  # type: ignore[assignment]  # always given
     verdict: Optional["Verdict"] = None
     #: the newest checkpoint the relaunch resumes from (None: the library's, or the start)
     checkpoint: Optional[str] = None
@@ -122,8 +122,7 @@ class Finished(RunState):
     """The last attempt succeeded."""
 
     label: ClassVar[str] = "finished"
-    terminal: ClassVar[bool] = True
-    attempt: Any = None
+    attempt: "Attempt" = None  # type: ignore[assignment]  # always given
 
 
 @dataclass(frozen=True)
@@ -132,8 +131,7 @@ class Failed(RunState):
     a step raised (``attempt`` None)."""
 
     label: ClassVar[str] = "failed"
-    terminal: ClassVar[bool] = True
-    attempt: Any = None
+    attempt: Optional["Attempt"] = None
 
 
 #: Which states may follow each (``failed`` also follows any state a step raised in).

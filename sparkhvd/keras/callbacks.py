@@ -430,7 +430,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
         a step checkpoint superseded by a newer one before its upload began staying on this
         host only (:class:`~sparkhvd.runfolder.background_save.UploadQueue`); then the newest
         ``keep`` are kept."""
-        from sparkhvd.runfolder.checkpoint_store import digest, record_of
+        from sparkhvd.runfolder.checkpoint_write import digest, record_of
 
         digests = {name: digest(data) for name, data in files.items()}
         if self.host_copy:
@@ -447,7 +447,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
             self._uploads.put(info["file"], upload, lambda: None, supersedable=bool(step))
 
     def _upload(self, epoch: int, step: int, files: dict, info: dict, digests: dict) -> None:
-        from sparkhvd.runfolder.checkpoint_store import prune, write_checkpoint
+        from sparkhvd.runfolder.checkpoint_write import prune, write_checkpoint
 
         write_checkpoint(self.store, epoch, files, info, step, digests)
         if self.keep:

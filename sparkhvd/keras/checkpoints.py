@@ -8,7 +8,7 @@ A checkpoint of epoch N is these files in a checkpoints folder:
 - ``epoch-000N.json`` and then ``latest.json`` -- written last, so they never name a partial
   checkpoint: ``{"epoch": N, "file": ..., "optimizer": ..., "files": {name: {size, sha256}},
   "state": {"lr": ..., "warmup_target_lr": ...}}``. Resuming checks every file against it and
-  falls back to the newest complete one (:func:`~sparkhvd.runfolder.checkpoint_store.restore_newest`).
+  falls back to the newest complete one (:func:`~sparkhvd.runfolder.checkpoint_read.restore_newest`).
 
 With all three, "train 2 epochs, then resume for 2 more" ends where 4 epochs straight would.
 Where the folder is not on the writing rank's own disk, that rank also keeps the newest
@@ -23,6 +23,7 @@ import io
 from typing import Any, Optional
 
 from sparkhvd.runfolder import nearest_copy
+from sparkhvd.runfolder.checkpoint_read import restore_newest
 from sparkhvd.runfolder.checkpoint_store import (
     DISCARD,
     LATEST,
@@ -32,10 +33,9 @@ from sparkhvd.runfolder.checkpoint_store import (
     checkpoint_name,
     latest,
     record_name,
-    restore_newest,
     url_store,
-    write_checkpoint,
 )
+from sparkhvd.runfolder.checkpoint_write import write_checkpoint
 
 __side__ = "rank"
 

@@ -41,7 +41,8 @@ from sparkhvd.keras.callbacks import (
     uses_schedule,
 )
 from sparkhvd.runfolder import nearest_copy
-from sparkhvd.runfolder.checkpoint_store import announce_resume, check_cadence, resume_store
+from sparkhvd.runfolder.checkpoint_read import announce_resume, resume_store
+from sparkhvd.runfolder.checkpoint_store import check_cadence
 from sparkhvd.runfolder.rank_files import run_files
 
 __side__ = "rank"
@@ -278,11 +279,6 @@ class KerasDistributed:
         self.state: dict = {}
         self.warmup: Optional[LearningRateWarmup] = None
         self.metric_average: Optional[MetricAverage] = None
-
-    @property
-    def checkpoint_url(self) -> Optional[str]:
-        """Where checkpoints go, for messages (None: no checkpoints)."""
-        return self.checkpoint_store.describe() if self.checkpoint_store else None
 
     def scope(self) -> Any:
         """Build and compile the model in this context (the strategy's scope on ``tf``)."""

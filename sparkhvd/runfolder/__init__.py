@@ -7,7 +7,9 @@ metrics and curves), locally or on remote storage.
   :mod:`~sparkhvd.runfolder.curves`;
 - common: :mod:`~sparkhvd.runfolder.wire` (that service's wire format);
 - rank: :mod:`~sparkhvd.runfolder.rank_files` (:func:`run_files`: a rank's view of its run
-  folder), :mod:`~sparkhvd.runfolder.checkpoint_store` (verified checkpoints, resume).
+  folder), :mod:`~sparkhvd.runfolder.checkpoint_store` (where checkpoints live),
+  :mod:`~sparkhvd.runfolder.checkpoint_write` and :mod:`~sparkhvd.runfolder.checkpoint_read`
+  (verified checkpoints, resume).
 """
 from sparkhvd.common.faces import lazy_face
 

@@ -6,7 +6,7 @@ rank's load reads its own shards' file and a few kilobytes of every other rank's
 those files whole would make a restore move ``np`` times the state; sending the ranges it reads
 moves the state once (:mod:`sparkhvd.runfolder.nearest_copy`), and so does reading them from the
 run folder, each item checked against the CRC-32 its record keeps
-(:func:`sparkhvd.runfolder.checkpoint_store.read_file_checked`). :class:`FilePieces` holds such
+(:func:`sparkhvd.runfolder.checkpoint_read.read_file_checked`). :class:`FilePieces` holds such
 ranges where they sit in the file, and reads like the file as long as only they are read.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Needs(Protocol):
 def index_files(needs: Optional[Needs], record: dict, names: Iterable[str]) -> list[str]:
     """Which of a checkpoint's files (``names``) a rank reads first, whole: ``needs``' index
     files -- every file without ``needs``. The one rule for the folder
-    (:func:`sparkhvd.runfolder.checkpoint_store.restore_newest`) and for the host copies
+    (:func:`sparkhvd.runfolder.checkpoint_read.restore_newest`) and for the host copies
     (:func:`sparkhvd.runfolder.nearest_copy.load_nearest`)."""
     names = set(names)
     return sorted(names & set(needs.index(record)) if needs is not None else names)

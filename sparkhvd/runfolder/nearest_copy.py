@@ -19,7 +19,7 @@ large model on ``abfss://``). Here, with the framework's collectives (:class:`Co
    copy is bad, said with a warning) is read from the checkpoint folder;
 4. when a loading rank has not every file that way, or the state does not load, the loading
    ranks read the checkpoint folder as before
-   (:func:`sparkhvd.runfolder.checkpoint_store.restore_newest`).
+   (:func:`sparkhvd.runfolder.checkpoint_read.restore_newest`).
 
 A checkpoint of shards (DCP's: a ``.metadata`` index and a file per rank) need not reach every
 rank whole: with :class:`Needs`, the index comes first, each loading rank says which byte
@@ -36,15 +36,13 @@ from __future__ import annotations
 from typing import Any, Callable, Collection, Optional, Protocol, Union
 
 from sparkhvd.runfolder import host_copy
-from sparkhvd.runfolder.checkpoint_store import (
-    CheckpointStore,
-    files_of,
+from sparkhvd.runfolder.checkpoint_read import (
     newest_checked,
-    progress,
     read_copy,
     read_file_checked,
     restore_newest,
 )
+from sparkhvd.runfolder.checkpoint_store import CheckpointStore, files_of, progress
 from sparkhvd.runfolder.file_pieces import (
     FilePieces,
     Needs,

@@ -157,14 +157,12 @@ class RunDir:
 
     def resume_source(self, resume_from: Any, output_dir: str,
                       storage_options: Optional[dict] = None) -> Optional[str]:
-        """The checkpoints folder this run resumes from (never its own), recorded as
-        *requested* in ``run.json``; None when ``resume_from`` asks for none."""
+        """The checkpoints folder this run resumes from (never its own); None when
+        ``resume_from`` asks for none."""
         if resume_from is None or resume_from is False:
             return None
-        source = resolve_resume_source(resume_from, output_dir, storage_options,
-                                       exclude=self.run_id)
-        self.record.resume_requested(source)
-        return source
+        return resolve_resume_source(resume_from, output_dir, storage_options,
+                                     exclude=self.run_id)
 
     def __str__(self) -> str:
         """The run folder's path, or its URL once published (never a secret)."""

@@ -1,22 +1,11 @@
-"""One small API over fsspec for local paths, ``file://``, ``abfss://`` and ``az://``.
-
-- Credentials: ``storage_options`` first, then ``AZURE_STORAGE_CONNECTION_STRING``, then
-  ``AZURE_STORAGE_ACCOUNT_NAME`` + ``AZURE_STORAGE_ACCOUNT_KEY`` / ``AZURE_STORAGE_SAS_TOKEN``, then
-  adlfs' default credential chain (managed identity, Azure CLI, ...).
-- Writes are atomic: a reader sees the old object or the whole new one (locally a temp file +
-  rename; on Azure one committed upload, or a temporary blob for streamed writes).
-- :func:`preflight` writes and deletes a small object so that a bad account, key, container or
-  permission fails in seconds, before training.
-- :func:`write_or_spill` keeps the bytes in a local spill folder when an upload fails.
-- Retries are bounded (:data:`RETRIES`): a refused or unreachable endpoint is reported within
-  seconds, throttling and server errors (429/5xx) are retried. Set per call in
-  ``storage_options``: ``retry_total``, ``retry_connect``, ``retry_backoff_s``.
-- Secrets never appear in messages: see :func:`sparkhvd.common.redaction.redact`.
-
-This face only hands names on: :mod:`~sparkhvd.storage.location` (where a URL points, with
-which credentials), :mod:`~sparkhvd.storage.files` (reads, atomic writes and what a killed
-one leaves, spill, preflight), :mod:`~sparkhvd.storage.diagnosis` (what a failure means) and
-:mod:`~sparkhvd.storage.delegation` (a short-lived SAS for the ranks).
+"""One small API over fsspec for local paths, ``file://``, ``abfss://`` and ``az://``; this face
+only hands names on: :mod:`~sparkhvd.storage.location` (where a URL points, with which
+credentials: ``storage_options`` first, then the ``AZURE_STORAGE_*`` variables, then adlfs'
+default chain; bounded retries, :data:`RETRIES`), :mod:`~sparkhvd.storage.files` (reads,
+atomic writes and what a killed one leaves, :func:`write_or_spill`'s local spill,
+:func:`preflight` before training), :mod:`~sparkhvd.storage.diagnosis` (what a failure means)
+and :mod:`~sparkhvd.storage.delegation` (a short-lived SAS for the ranks). Secrets never appear
+in messages (:func:`sparkhvd.common.redaction.redact`).
 """
 from sparkhvd.common.errors import StorageError
 from sparkhvd.common.redaction import redact, remember_secret

@@ -1,5 +1,8 @@
 """Reading and writing through one small API: whole objects, atomic writes (a reader sees the
-old object or the whole new one), a local spill when an upload fails, and :func:`preflight`."""
+old object or the whole new one: locally a temp file and a rename, on Azure one committed
+upload or a temporary blob for streamed writes), a local spill when an upload fails, and
+:func:`preflight` (a small object written and deleted, so a bad account, key, container or
+permission fails in seconds, before training)."""
 from __future__ import annotations
 
 import concurrent.futures

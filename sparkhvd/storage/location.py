@@ -1,6 +1,8 @@
 """Where a URL points and with which credentials: :class:`Location`, :func:`resolve`
 (credentials from ``storage_options``, then the environment, then adlfs' chain) and the
-bounded retries every Azure operation gets (:data:`RETRIES`)."""
+bounded retries every Azure operation gets (:data:`RETRIES`: a refused or unreachable endpoint
+is reported within seconds, throttling and server errors -- 429/5xx -- are retried; set per
+call in ``storage_options``: ``retry_total``, ``retry_connect``, ``retry_backoff_s``)."""
 from __future__ import annotations
 
 import os

@@ -14,20 +14,20 @@ whose files land in the run folder, TorchScript model bytes.
         ...
         st.report(epoch, loss=float(loss))
 
-(implementation: :mod:`sparkhvd.torch.training` in the ranks, :mod:`sparkhvd.torch.
-distributor` on the driver -- imported only when used, so a rank stays light)
+(implementation: :mod:`sparkhvd.torch.training`, :mod:`~sparkhvd.torch.checkpoints`,
+:mod:`~sparkhvd.torch.sharded_checkpoints` and :mod:`~sparkhvd.torch.output` in the ranks,
+:mod:`sparkhvd.torch.distributor` on the driver -- imported only when used, so a rank stays
+light)
 """
 from typing import Any
 
+from sparkhvd.torch.checkpoints import Checkpoints
+from sparkhvd.torch.output import last_checkpoint, model_bytes, output_dir
+from sparkhvd.torch.sharded_checkpoints import ShardedCheckpoints
 from sparkhvd.torch.training import (
-    Checkpoints,
     Preempted,
-    ShardedCheckpoints,
     TorchContext,
     WorldSizeChange,
-    last_checkpoint,
-    model_bytes,
-    output_dir,
     report,
     setup,
     unwrap,

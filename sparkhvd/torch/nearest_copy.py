@@ -20,9 +20,9 @@ __side__ = "rank"
 CHUNK = 256 << 20
 
 
-def restore_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, Any]], Any],
-                    rank: int, needs: Optional[nearest_copy.Needs] = None
-                    ) -> tuple[Optional[dict], Any, list[str], str]:
+def load_nearest_copy(store: CheckpointStore, load: Callable[[dict, dict[str, Any]], Any],
+                      rank: int, needs: Optional[nearest_copy.Needs] = None
+                      ) -> tuple[Optional[dict], Any, list[str], str]:
     """``(record, load's value, problems, copy)``: the newest checkpoint in ``store``, read from
     the nearest copy -- ``copy`` is ``"host"``, ``"peer"`` or ``"folder"``. Call on every rank
     (a collective when there are several; ``load`` may be one too: every rank calls it with

@@ -3,7 +3,7 @@ and reads it back (or a memory snapshot of it); and how ``ShardedCheckpoints`` g
 it already read and checked.
 
 A checkpoint's record already carries the SHA-256 of the whole file (computed as the bytes
-pass, :class:`sparkhvd.runfolder.checkpoint_store.DigestingWriter`), and every read checks it.
+pass, :class:`sparkhvd.runfolder.checkpoint_write.DigestingWriter`), and every read checks it.
 ``torch.save`` also computes a CRC-32 of each record with miniz's own routine, about a
 core-second per GB on this project's VM: on a 1 GB state that was half the write's CPU, taken
 from the training threads by a background save (B15: async / none 0.89-0.94x with it,

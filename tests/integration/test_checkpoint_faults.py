@@ -435,12 +435,12 @@ def torch_fit_with_memory_snapshots(url, epochs=2, steps=6, kill_at=None):
     import torch.distributed as dist
 
     import sparkhvd.torch as st
-    from sparkhvd.torch import training
+    from sparkhvd.torch import checkpoints as torch_checkpoints
 
     ctx = st.setup()
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if kill_at and first_attempt and ctx.rank == 0:
-        write, calls = training.save_state, []
+        write, calls = torch_checkpoints.save_state, []
 
         def slow_disk(state, f):
             calls.append(1)
@@ -448,7 +448,7 @@ def torch_fit_with_memory_snapshots(url, epochs=2, steps=6, kill_at=None):
                 threading.Event().wait()  # never ends: the rank is torn down first
             write(state, f)
 
-        training.save_state = slow_disk
+        torch_checkpoints.save_state = slow_disk
     torch.manual_seed(0)
     model = ctx.wrap(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
                                          torch.nn.Linear(8, 1)))

@@ -295,7 +295,7 @@ def test_tasks_that_reached_the_driver_are_detached_when_another_cannot():
 
     from sparkhvd.common import protocol
     from sparkhvd.common.backends import get_backend
-    from sparkhvd.driver.launchers.barrier import ControlServer
+    from sparkhvd.driver.launchers.control import ControlServer
 
     class Sink:
         def receive(self, msg):

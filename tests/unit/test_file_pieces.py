@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from sparkhvd.runfolder import checkpoint_store
+from sparkhvd.runfolder import checkpoint_read, checkpoint_write
 from sparkhvd.runfolder.checkpoint_store import UrlStore
 from sparkhvd.runfolder.file_pieces import (
     FilePieces,
@@ -82,35 +82,35 @@ def shard(tmp_path):
     entry, its bytes."""
     data = bytes(range(256)) * 2
     (tmp_path / "shard.distcp").write_bytes(data)
-    expected = checkpoint_store.digest_file(str(tmp_path / "shard.distcp"), range(0, 512, 64))
+    expected = checkpoint_write.digest_file(str(tmp_path / "shard.distcp"), range(0, 512, 64))
     return _CountedStore(str(tmp_path)), expected, data
 
 
 def test_a_file_is_checked_in_the_pieces_between_its_items(tmp_path, monkeypatch):
     """Each piece's CRC-32, from each cut to the next, whatever the read size."""
-    monkeypatch.setattr(checkpoint_store, "CHECK_BLOCK", 7)  # pieces span reads
+    monkeypatch.setattr(checkpoint_write, "CHECK_BLOCK", 7)  # pieces span reads
     data = bytes(range(256)) * 2
     (tmp_path / "f").write_bytes(data)
     cuts = [100, 3, 511, 600, 0]
-    digest = checkpoint_store.digest_file(str(tmp_path / "f"), cuts)
+    digest = checkpoint_write.digest_file(str(tmp_path / "f"), cuts)
     assert digest["size"] == 512 and digest["sha256"] == hashlib.sha256(data).hexdigest()
     assert digest["pieces"] == [[0, zlib.crc32(data[:3])], [3, zlib.crc32(data[3:100])],
                                 [100, zlib.crc32(data[100:511])], [511, zlib.crc32(data[511:])]]
-    assert "pieces" not in checkpoint_store.digest_file(str(tmp_path / "f"))
+    assert "pieces" not in checkpoint_write.digest_file(str(tmp_path / "f"))
 
 
 def test_a_part_of_a_shard_is_read_from_the_folder_as_the_pieces_that_hold_it(shard):
     store, expected, data = shard
     assert [offset for offset, _ in expected["pieces"]] == list(range(0, 512, 64))
     problems: list[str] = []
-    pieces = checkpoint_store.read_file_checked(store, "shard.distcp", expected, problems,
+    pieces = checkpoint_read.read_file_checked(store, "shard.distcp", expected, problems,
                                                 [(70, 10), (200, 60)])
     assert isinstance(pieces, FilePieces) and not problems
     assert store.ranges == [(64, 64), (192, 128)], "whole pieces, one read per run of them"
     stream = pieces.stream()
     stream.seek(200)
     assert stream.read(60) == data[200:260]
-    whole = checkpoint_store.read_file_checked(store, "shard.distcp", {
+    whole = checkpoint_read.read_file_checked(store, "shard.distcp", {
         k: v for k, v in expected.items() if k != "pieces"}, problems, [(70, 10)])
     assert whole == data and not problems, "a record without the pieces' CRC-32s: the file"
 
@@ -121,13 +121,13 @@ def test_a_changed_piece_is_found_when_it_is_read_and_a_short_file_is_said(shard
     changed[300] ^= 1
     (tmp_path / "shard.distcp").write_bytes(bytes(changed))
     problems: list[str] = []
-    assert checkpoint_store.read_file_checked(store, "shard.distcp", expected, problems,
+    assert checkpoint_read.read_file_checked(store, "shard.distcp", expected, problems,
                                               [(70, 10)]) is not None, "not in a piece read"
-    assert checkpoint_store.read_file_checked(store, "shard.distcp", expected, problems,
+    assert checkpoint_read.read_file_checked(store, "shard.distcp", expected, problems,
                                               [(290, 4)]) is None
     assert problems == [f"{store.describe('shard.distcp')}: checksum mismatch in bytes "
                         "256-320 (corrupt)"]
     (tmp_path / "shard.distcp").write_bytes(data[:250])
-    assert checkpoint_store.read_file_checked(store, "shard.distcp", expected, problems,
+    assert checkpoint_read.read_file_checked(store, "shard.distcp", expected, problems,
                                               [(200, 60)]) is None
     assert "truncated or changed (bytes 192-320 of 512 read as 58)" in problems[-1]

@@ -194,7 +194,8 @@ def test_a_killed_ranks_spool_and_upload_hold_go_with_the_next_processs_first_sa
 def _two_file_checkpoint(tmp_path, epoch: int):
     """A Keras-shaped checkpoint (model file, optimizer file) written to a folder that counts
     as remote, and kept on this host as its writer keeps it."""
-    from sparkhvd.runfolder.checkpoint_store import UrlStore, write_checkpoint
+    from sparkhvd.runfolder.checkpoint_store import UrlStore
+    from sparkhvd.runfolder.checkpoint_write import write_checkpoint
 
     store = UrlStore(str(tmp_path / "ckpt"))
     files = {f"epoch-000{epoch}.h5": b"model %d" % epoch * 50,
@@ -233,7 +234,7 @@ def test_the_nearby_restore_reads_this_hosts_copy_and_says_so(run_env):
 
 @pytest.mark.parametrize("damage", ["corrupt", "deleted", "stale"])
 def test_the_nearby_restore_falls_back_to_the_folder_with_a_warning(run_env, damage):
-    from sparkhvd.runfolder.checkpoint_store import write_checkpoint
+    from sparkhvd.runfolder.checkpoint_write import write_checkpoint
 
     store, files, kept = _two_file_checkpoint(run_env, 1)
     optimizer = kept["epoch-0001.optimizer.npz"].path
@@ -316,12 +317,12 @@ def test_a_torch_restore_reads_this_hosts_copy_in_place(run_env, capsys, monkeyp
     """No copy of the file in memory before torch reads it: the restore loads from a view of
     the host copy mapped into memory (0.9 s of a 1 GB restore's 2.5 s on one rank here)."""
     torch = pytest.importorskip("torch")
-    from sparkhvd.torch import training
+    from sparkhvd.torch import checkpoints as torch_checkpoints
 
     saved = _saved_run(torch, run_env)
     given = []
-    load_state = training.load_state
-    monkeypatch.setattr(training, "load_state",
+    load_state = torch_checkpoints.load_state
+    monkeypatch.setattr(torch_checkpoints, "load_state",
                         lambda data, device: given.append(type(data)) or load_state(data, device))
     model, _, epoch, lines = _restored(torch, run_env, capsys)
     assert given == [memoryview] and "its copy on this host" in lines[-1], (given, lines)
@@ -919,7 +920,7 @@ def test_saves_due_while_one_is_written_are_memory_snapshots_and_a_relaunch_rest
     longer matches) falls back, with a warning, to the newest checkpoint file. The restore reads the slot in place (a view of it
     mapped into memory, not a copy): a relaunched process lays its own slot files out anew."""
     torch = pytest.importorskip("torch")
-    from sparkhvd.torch import training
+    from sparkhvd.torch import checkpoints as torch_checkpoints
 
     model, opt = _bn_model_and_opt(torch, seed=0)
     assert host_copy.in_memory("/dev/shm") or not os.path.isdir("/dev/shm")
@@ -927,8 +928,8 @@ def test_saves_due_while_one_is_written_are_memory_snapshots_and_a_relaunch_rest
     monkeypatch.setattr(host_copy, "in_memory", lambda path: False)
     ckpt, gate, saved = _snapshots_while_a_save_is_held(torch, run_env, monkeypatch, model, opt)
     given = []
-    load_state = training.load_state
-    monkeypatch.setattr(training, "load_state",
+    load_state = torch_checkpoints.load_state
+    monkeypatch.setattr(torch_checkpoints, "load_state",
                         lambda data, device: given.append(type(data)) or load_state(data, device))
     out = capsys.readouterr().out
     assert out.count("kept in memory on this host only") == 1, out
@@ -975,17 +976,17 @@ def _snapshots_while_a_save_is_held(torch, run_env, monkeypatch, model, opt):
     import threading
 
     import sparkhvd.torch as st
-    from sparkhvd.torch import training
+    from sparkhvd.torch import checkpoints as torch_checkpoints
 
     gate, serialising = threading.Event(), threading.Event()
-    real_save = training.save_state
+    real_save = torch_checkpoints.save_state
 
     def held_save(state, f):
         serialising.set()
         assert gate.wait(60)
         real_save(state, f)
 
-    monkeypatch.setattr(training, "save_state", held_save)
+    monkeypatch.setattr(torch_checkpoints, "save_state", held_save)
     ckpt = st.Checkpoints(model, opt, url=str(run_env / "ckpt"), resume=False,
                           async_save=True, every_steps=1, memory_snapshots=True)
     _train(torch, model, opt)
@@ -1040,9 +1041,9 @@ _KILLED_MID_COPY = textwrap.dedent("""
     import json, os, signal, sys, threading
     import torch
     import sparkhvd.torch as st
-    from sparkhvd.torch import snapshot_ring, training
+    from sparkhvd.torch import checkpoints as torch_checkpoints, snapshot_ring
 
-    training.save_state = lambda state, f: threading.Event().wait()  # never serialised
+    torch_checkpoints.save_state = lambda state, f: threading.Event().wait()  # never serialised
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
                                 torch.nn.Linear(8, 1))

@@ -89,7 +89,7 @@ def test_a_checkpoint_is_kept_on_the_host_with_its_record_before_its_write(
     the resume line and marked not uploaded."""
     from sparkhvd.common import protocol
     from sparkhvd.runfolder import host_copy, nearest_copy
-    from sparkhvd.runfolder.checkpoint_store import announce_resume
+    from sparkhvd.runfolder.checkpoint_read import announce_resume
 
     monkeypatch.setenv(protocol.RUN_ID_ENV, "20261128-run")
     monkeypatch.setenv(host_copy.DIR_ENV, str(tmp_path / "host"))

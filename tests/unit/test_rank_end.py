@@ -159,7 +159,7 @@ def test_a_stage_spark_aborted_for_a_lost_worker_names_the_rank_on_it():
     from types import SimpleNamespace
 
     from sparkhvd.common.protocol import TaskInfo
-    from sparkhvd.driver.launchers.barrier import ControlServer
+    from sparkhvd.driver.launchers.control import ControlServer
 
     tasks = {p: SimpleNamespace(rank=p, info=TaskInfo(p, f"h{p + 1}", f"10.0.0.{p + 1}"))
              for p in range(3)}

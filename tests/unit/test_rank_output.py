@@ -195,7 +195,7 @@ def test_control_server_ignores_a_connection_with_a_wrong_token(shown):
     import socket
     import threading
 
-    from sparkhvd.driver.launchers.barrier import ControlServer
+    from sparkhvd.driver.launchers.control import ControlServer
 
     logger, _ = shown
     server = ControlServer("127.0.0.1", 1, "right-token",

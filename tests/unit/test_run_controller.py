@@ -1,7 +1,7 @@
 """The run as a controller (sparkhvd.driver.run), stepped with a scripted placer and launcher.
 
 No Spark and no rank process: :class:`ScriptedPlacer` says how many slots are free and places
-each attempt; :class:`ScriptedLauncher` starts a :class:`ScriptedGroup` the controller polls,
+each attempt; :class:`ScriptedLauncher` makes a :class:`ScriptedGroup` the controller starts and polls,
 which ends as its script says (a result, a lost rank, a notice). The run's own parts are real -- its states, policies, run folder and
 ``run.json``, its polls, monitor and elastic watch -- so each lifecycle case (retries and
 preemptions within and over budget, a shrink, a grow into free slots, slots below ``min_np``,
@@ -18,7 +18,7 @@ import pytest
 
 from sparkhvd.common import protocol
 from sparkhvd.common.errors import LaunchFailure, NotEnoughSlotsError, TrainingError
-from sparkhvd.driver.launchers import LaunchFacts, LaunchSpec, Placement
+from sparkhvd.driver.launchers import GroupStatus, LaunchFacts, LaunchSpec, Placement
 from sparkhvd.driver.run import Run
 from sparkhvd.driver.settings import LaunchConfig, RunConfig, ScalingConfig
 from sparkhvd.driver.spec import RunSpec
@@ -54,17 +54,22 @@ def succeeds(result: Any = b"weights") -> Callable[[LaunchSpec, Any], Any]:
 
 
 class ScriptedGroup:
-    """One attempt's ranks: running for ``polls`` polls, then ended as ``end`` says."""
+    """One attempt's ranks: running for ``polls`` polls, then ended as ``end`` says; it reaches
+    its ranks itself (notices are kept)."""
 
     timeout_message = "scripted ranks ran out of time"
 
     def __init__(self, end: Callable[[LaunchSpec, Any], Any], spec: LaunchSpec, sink: Any,
                  polls: int) -> None:
         self.end, self.spec, self.sink, self.polls = end, spec, sink, polls
+        self.reach = self
         self.notices: list[str] = []
-        self.stopped, self.closed = False, False
-        for rank in range(spec.size):  # every rank's checkpoint helper listens for notices
-            sink.receive(protocol.Listening(rank=rank))
+        self.started, self.stopped, self.closed = False, False, False
+
+    def start(self) -> None:
+        self.started = True
+        for rank in range(self.spec.size):  # every rank's checkpoint helper listens for notices
+            self.sink.receive(protocol.Listening(rank=rank))
 
     def ask_stacks(self) -> None:
         pass
@@ -72,37 +77,39 @@ class ScriptedGroup:
     def notify(self, reason: str) -> None:
         self.notices.append(reason)
 
-    def poll(self, wait_s: float, elapsed_s: float) -> bool:
+    def poll(self, wait_s: float, elapsed_s: float) -> GroupStatus:
         if self.end is until_notified:
             time.sleep(0.001)
-            return bool(self.notices)
-        self.polls -= 1
-        return self.polls < 0
+            if not self.notices:
+                return GroupStatus("running")
+        else:
+            self.polls -= 1
+            if self.polls >= 0:
+                return GroupStatus("running")
+        try:
+            return GroupStatus("ended", results=tuple(self.end(self.spec, self.sink)))
+        except LaunchFailure as failure:
+            return GroupStatus("failed", error=failure)
 
-    def results(self) -> list:
-        return self.end(self.spec, self.sink)
-
-    def fail(self, exc: BaseException) -> BaseException:
-        self.stopped = True
-        return exc
-
-    def close(self) -> None:
+    def shutdown(self, cause: Optional[BaseException] = None) -> Optional[BaseException]:
+        self.stopped = self.stopped or cause is not None
         self.closed = True
+        return cause
 
 
 class ScriptedLauncher:
     """Ends attempt N as ``script[N - 1]`` says (after ``polls`` polls); keeps each attempt's
-    launch spec and rank group."""
+    launch spec and worker group."""
 
     def __init__(self, *script: Callable[[LaunchSpec, Any], Any], polls: int = 0) -> None:
         self.script, self.polls = list(script), polls
         self.specs: list[LaunchSpec] = []
         self.groups: list[ScriptedGroup] = []
 
-    def __call__(self, name: str) -> "ScriptedLauncher":  # the run's launcher by name
-        return self
+    def __call__(self, name: str) -> Callable[[LaunchSpec, Any], ScriptedGroup]:
+        return self.group  # the run's launcher by name: this one's group, whatever the name
 
-    def start(self, spec: LaunchSpec, sink: Any) -> ScriptedGroup:
+    def group(self, spec: LaunchSpec, sink: Any) -> ScriptedGroup:
         self.specs.append(spec)
         self.groups.append(ScriptedGroup(self.script[len(self.specs) - 1], spec, sink,
                                          self.polls))
@@ -122,15 +129,12 @@ class ScriptedPlacer:
         self.losses: list[Any] = []
         self.swept: list[tuple[str, set[str], dict]] = []
 
-    def place(self, size: int, first: bool, time_left: Optional[float],
-              record: Any) -> Placement:
+    def place(self, size: int, first: bool, time_left: Optional[float]) -> Placement:
         if self.fail_placing is not None:
             raise self.fail_placing
         self.placed.append(size)
         if self.session is not None:  # a Spark session: the barrier launcher, watched
-            record.placed("barrier")
             return Placement("barrier", nics=frozenset({"lo"}), session=self.session)
-        record.placed("local")
         return Placement("local", nics=frozenset({"lo"}))
 
     def free_slots(self, ended: Optional[str] = None) -> int:
@@ -291,13 +295,12 @@ class SlotsGoneOnce(ScriptedPlacer):
         super().__init__(free=(3, 3, 2))
         self.tries: list[int] = []
 
-    def place(self, size: int, first: bool, time_left: Optional[float],
-              record: Any) -> Placement:
+    def place(self, size: int, first: bool, time_left: Optional[float]) -> Placement:
         self.tries.append(size)
         if len(self.tries) == 2:
             raise NotEnoughSlotsError(f"np={size} needs {size} Spark task slots, but the "
                                       "session has 2")
-        return super().place(size, first, time_left, record)
+        return super().place(size, first, time_left)
 
 
 def test_an_elastic_relaunch_whose_slots_went_before_its_placement_takes_those_there_are(
@@ -342,15 +345,20 @@ class Moments:
 
     def __init__(self) -> None:
         self.seen: list[str] = []
+        self.transitions: list[tuple[Optional[str], str]] = []
 
     def on_run_start(self, run: Run) -> None:
         self.seen.append("run_start")
 
-    def on_state(self, run: Run, entry: dict) -> None:
-        self.seen.append(entry["state"])
+    def on_state(self, run: Any, transition: Any) -> None:
+        self.seen.append(transition.after)
+        self.transitions.append((transition.before, transition.after))
 
-    def on_attempt_start(self, run: Run, attempt: Any) -> None:
+    def on_attempt_start(self, run: Any, attempt: Any) -> None:
         self.seen.append(f"attempt_start {attempt.number}")
+
+    def on_attempt_launch(self, run: Any, attempt: Any) -> None:
+        self.seen.append(f"attempt_launch {attempt.number}")
 
     def on_attempt_end(self, run: Run, attempt: Any) -> None:
         self.seen.append(f"attempt_end {attempt.number} {attempt.status}")
@@ -371,10 +379,16 @@ def test_callbacks_record_every_moment_in_order_and_the_defaults_write_the_run_f
     run.callbacks = [*recorders(config), moments]  # type: ignore[list-item]
     run.execute()
     assert moments.seen == [
-        "run_start", "placing", "attempt_start 1", "running", "attempt_end 1 failed",
-        "restarting", "placing", "attempt_start 2", "running", "attempt_end 2 succeeded",
-        "finished", "ranks_done", "run_end succeeded result.bin"]
-    assert _record(run)["status"] == "succeeded"
+        "run_start", "placing", "attempt_start 1", "running", "attempt_launch 1",
+        "attempt_end 1 failed", "restarting", "placing", "attempt_start 2", "running",
+        "attempt_launch 2", "attempt_end 2 succeeded", "finished", "ranks_done",
+        "run_end succeeded result.bin"]
+    # each transition comes with the state it left
+    assert moments.transitions[:3] == [(None, "placing"), ("placing", "running"),
+                                       ("running", "restarting")]
+    record = _record(run)
+    assert record["status"] == "succeeded" and record["launcher"] == "local"
+    assert record["timings"]["launch"] <= record["timings"]["finished"]
     assert (tmp_path / "runs" / run.run_dir.run_id / "report.html").exists()
 
 
@@ -445,13 +459,13 @@ def test_a_stall_with_on_stall_stop_is_found_by_a_poll_and_the_step_stops_the_ra
     run = Run(spec, _train, b"", None, kwargs={}, return_all=False, timeout=None,
               placer=ScriptedPlacer(), launchers=launcher)
 
-    def started(spec: LaunchSpec, sink: Any, start=launcher.start) -> ScriptedGroup:
+    def started(spec: LaunchSpec, sink: Any, start=launcher.group) -> ScriptedGroup:
         group = start(spec, sink)
         for rank in range(spec.size):  # ranks that started, then never said anything again
             sink.receive(protocol.Started(rank=rank, pid=(1 << 22) + 1 + rank, host="h1"))
         return group
 
-    launcher.start = started  # type: ignore[method-assign]
+    launcher.group = started  # type: ignore[method-assign]
     with pytest.raises(StallError, match="rank 0 is in train.py:9 wait"):
         run.execute()
     group = launcher.groups[0]

@@ -29,7 +29,8 @@ def test_a_published_remote_run_folder_is_its_url_not_a_path(tmp_path, monkeypat
 
 
 def test_prune_keeps_the_newest_checkpoints_by_epoch_then_step(tmp_path):
-    from sparkhvd.runfolder.checkpoint_store import UrlStore, latest, prune, write_checkpoint
+    from sparkhvd.runfolder.checkpoint_store import UrlStore, latest
+    from sparkhvd.runfolder.checkpoint_write import prune, write_checkpoint
 
     store = UrlStore(str(tmp_path))
     for epoch, step in ((1, 0), (1, 5), (1, 10), (2, 0), (2, 5)):
@@ -49,7 +50,8 @@ def test_the_resume_line_numbers_epochs_as_the_checkpoint_files_do(tmp_path, cap
     """epoch-0001-step-0000040 is step 40 of the loop's epoch 1; epoch-0002 (written when
     epoch 1 ended) continues at the loop's epoch 2: the line says the same numbers."""
     from sparkhvd.common import events
-    from sparkhvd.runfolder.checkpoint_store import UrlStore, announce_resume, checkpoint_name
+    from sparkhvd.runfolder.checkpoint_read import announce_resume
+    from sparkhvd.runfolder.checkpoint_store import UrlStore, checkpoint_name
 
     monkeypatch.setattr(events, "emit", lambda msg: None)
     store = UrlStore(str(tmp_path))
@@ -67,7 +69,9 @@ def test_a_relaunch_resumes_from_the_users_checkpoint_url_and_a_first_attempt_do
     relaunch with nothing there takes what the driver asked -- and when it asked nothing, its
     own folder still (the ranks' hosts may keep what the folder does not have yet)."""
     from sparkhvd.common import protocol
-    from sparkhvd.runfolder.checkpoint_store import UrlStore, resume_store, write_checkpoint
+    from sparkhvd.runfolder.checkpoint_read import resume_store
+    from sparkhvd.runfolder.checkpoint_store import UrlStore
+    from sparkhvd.runfolder.checkpoint_write import write_checkpoint
 
     own = UrlStore(str(tmp_path / "ckpt"))
     empty = UrlStore(str(tmp_path / "none"))
@@ -87,7 +91,9 @@ def test_a_relaunch_resumes_from_the_users_checkpoint_url_and_a_first_attempt_do
 def test_a_resume_reads_the_newest_record_not_every_record_of_the_folder(tmp_path):
     """A run that saved every step keeps a record per step: the resume reads latest.json and
     what it names (and an older one only when the newer is bad), not all of them."""
-    from sparkhvd.runfolder.checkpoint_store import UrlStore, restore_newest, write_checkpoint
+    from sparkhvd.runfolder.checkpoint_read import restore_newest
+    from sparkhvd.runfolder.checkpoint_store import UrlStore
+    from sparkhvd.runfolder.checkpoint_write import write_checkpoint
 
     class Counting(UrlStore):
         reads: list = []
@@ -112,7 +118,8 @@ def test_a_resume_reads_the_newest_record_not_every_record_of_the_folder(tmp_pat
 def test_prune_never_deletes_the_checkpoint_latest_json_names(tmp_path):
     """However the checkpoints' names order, the one committed last (what a relaunch resumes
     from) is never pruned: keep=1 after a newer-named record is left behind by a failure."""
-    from sparkhvd.runfolder.checkpoint_store import UrlStore, latest, prune, write_checkpoint
+    from sparkhvd.runfolder.checkpoint_store import UrlStore, latest
+    from sparkhvd.runfolder.checkpoint_write import prune, write_checkpoint
 
     store = UrlStore(str(tmp_path))
     write_checkpoint(store, 1, {"s40.bin": b"x" * 40}, {"file": "s40.bin"}, 40)

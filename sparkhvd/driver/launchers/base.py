@@ -1,4 +1,4 @@
-"""What every launcher's rank group shares: the helper thread, abort, cancel, kill -- once.
+"""What every launcher's worker group shares: the helper thread, stop, release -- once.
 
 A launch runs in a helper thread (Spark's ``collect()``, horovod's ``run`` or the local process
 loop: :class:`ThreadedGroup`) while the controller's thread polls it, a step at a time
@@ -6,7 +6,7 @@ loop: :class:`ThreadedGroup`) while the controller's thread polls it, a step at 
 (``KeyboardInterrupt``) and ``run(timeout=...)`` always work. Whatever ends the attempt early --
 a failed rank, a stall, the timeout, an interrupt -- the launcher's ``stop`` runs (tell the
 ranks to stop, cancel the Spark job by its tag or group, kill what is left on this machine)
-first (:meth:`ThreadedGroup.fail`).
+first (:meth:`ThreadedGroup.shutdown`).
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from sparkhvd.common.errors import SessionError
 from sparkhvd.common.proctree import stop_pids
-from sparkhvd.driver.launchers.seam import Sink
+from sparkhvd.driver.launchers.seam import RUNNING, GroupStatus, LaunchSpec, RankReach, Sink
 
 __side__ = "driver"
 
@@ -53,84 +53,115 @@ SPARK_TIMEOUT = ("The training did not finish within {timeout:g} s; the ranks we
 
 
 class ThreadedGroup:
-    """The :class:`~sparkhvd.driver.launchers.RankGroup` of a launch whose ranks are awaited by
-    one blocking call -- Spark's ``collect()``, horovod's ``run``, the local process loop --
-    run in a helper thread, so the controller's poll loop stays in the caller's thread (a
-    notebook's stop button and ``run(timeout=...)`` always work).
+    """The :class:`~sparkhvd.driver.launchers.seam.WorkerGroup` of a launch whose ranks are
+    awaited by one blocking call -- Spark's ``collect()``, horovod's ``run``, the local process
+    loop -- run in a helper thread, so the run's polls stay in the caller's thread (a
+    notebook's stop button and ``run(timeout=...)`` always work). Each launcher's group is a
+    subclass and fills in its steps:
 
-    ``check(elapsed_s)`` runs at every poll and may raise (a failed rank); ``finish(value)``
-    turns the call's value into the ranks' results; ``stop()`` ends the ranks after any
-    exception; ``translate(exc)`` may name the rank behind the launcher's own error (or return
-    None); ``close()`` releases what the launch holds, however it ended. ``ask_stacks`` and
-    ``notify`` are the launcher's own ways to reach its ranks (None: it has none).
+    - :meth:`_launch` (before the call: servers, processes; may raise a ``LaunchFailure``),
+      :meth:`_call` (the blocking call), :meth:`_results` (its value as the ranks' results);
+    - :meth:`_check` (at every poll: a failed rank, a lost session -- raises);
+    - :meth:`_stop` (end the ranks after anything), :meth:`_behind` (the rank behind the
+      launcher's own error, or None), :meth:`_release` (what the launch holds, however it
+      ended; also after a :meth:`_launch` that failed half way).
     """
 
-    def __init__(self, target: Callable[[], Any], *, name: str, timeout_message: str,
-                 check: Callable[[float], None], stop: Callable[[], None],
-                 finish: Optional[Callable[[Any], list]] = None,
-                 translate: Optional[Callable[[Exception], Optional[BaseException]]] = None,
-                 close: Optional[Callable[[], None]] = None,
-                 ask_stacks: Optional[Callable[[], None]] = None,
-                 notify: Optional[Callable[[str], None]] = None) -> None:
-        self.timeout_message = timeout_message
-        self.ask_stacks, self.notify = ask_stacks, notify
-        self._check, self._stop, self._finish = check, stop, finish
-        self._translate, self._close = translate, close
+    #: The ``TimeoutError``'s text (``{timeout}``: the run's limit).
+    TIMEOUT = SPARK_TIMEOUT
+    #: The helper thread's name.
+    THREAD = "sparkhvd-launch"
+
+    def __init__(self, spec: LaunchSpec, sink: Sink) -> None:
+        self.spec, self.sink = spec, sink
+        self.timeout_message = self.TIMEOUT.format(timeout=spec.timeout or 0)
+        self.reach: Optional[RankReach] = None
         self._outcome: dict = {}
-        self._thread = threading.Thread(target=self._call, args=(target,), name=name,
-                                        daemon=True)
+        self._thread: Optional[threading.Thread] = None
+        self._released = False
+
+    # -- the steps each launcher fills in --------------------------------------------------
+    def _launch(self) -> None:
+        """Start what the blocking call needs (servers, rank processes)."""
+
+    def _call(self) -> Any:
+        raise NotImplementedError
+
+    def _results(self, value: Any) -> list:
+        return list(value or [])
+
+    def _check(self, elapsed_s: float) -> None:
+        """Raise a failed rank (or an error that is no rank's, as a lost session)."""
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+    def _behind(self, exc: Exception) -> Optional[BaseException]:
+        return None
+
+    def _release(self) -> None:
+        pass
+
+    # -- the worker group -----------------------------------------------------------------
+    def start(self) -> None:
+        try:
+            self._launch()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._thread = threading.Thread(target=self._await_call, name=self.THREAD, daemon=True)
         self._thread.start()
 
-    def _call(self, target: Callable[[], Any]) -> None:
+    def _await_call(self) -> None:
         try:
-            self._outcome["value"] = target()
+            self._outcome["value"] = self._call()
         except BaseException as exc:  # noqa: BLE001 - handed to the polling thread
             self._outcome["error"] = exc
 
-    def poll(self, wait_s: float, elapsed_s: float) -> bool:
-        """Wait up to ``wait_s`` for the call to return; check the ranks (may raise); whether
-        the call has returned."""
-        self._thread.join(wait_s)
-        self._check(elapsed_s)
-        return not self._thread.is_alive()
+    def poll(self, wait_s: float, elapsed_s: float) -> GroupStatus:
+        """Wait up to ``wait_s`` for the call to return; check the ranks; what they do."""
+        thread = self._thread
+        assert thread is not None, "the group was not started"
+        thread.join(wait_s)
+        try:
+            self._check(elapsed_s)
+            if thread.is_alive():
+                return RUNNING
+            if "error" in self._outcome:
+                raise self._outcome["error"]
+            return GroupStatus("ended", results=tuple(self._results(self._outcome.get("value"))))
+        except Exception as exc:  # noqa: BLE001 - a failure is what the poll found
+            return GroupStatus("failed", error=exc)
 
-    def results(self) -> list:
-        """The ranks' results in rank order once :meth:`poll` said so; the call's error."""
-        if "error" in self._outcome:
-            raise self._outcome["error"]
-        value = self._outcome.get("value")
-        return self._finish(value) if self._finish is not None else list(value or [])
+    def shutdown(self, cause: Optional[BaseException] = None) -> Optional[BaseException]:
+        """Release what the launch holds; after ``cause``, stop the ranks first. While the call
+        still runs, it is stopped before anything else; once it has ended (its own error), the
+        error is read while the launcher can still see why (its control server up) before the
+        ranks are stopped."""
+        try:
+            return None if cause is None else self._stop_after(cause)
+        finally:
+            if not self._released:
+                self._released = True
+                self._release()
 
-    def fail(self, exc: BaseException) -> BaseException:
-        """Stop the ranks after ``exc``; the exception to raise for it. While the call still
-        runs, it is stopped first; once it has ended (its own error), the error is read while
-        the launcher can still see why (its control server up) before the ranks are stopped."""
-        running = self._thread.is_alive()
-        if running:
+    def _stop_after(self, cause: BaseException) -> BaseException:
+        thread = self._thread
+        if thread is not None and thread.is_alive():
             with contextlib.suppress(Exception):
                 self._stop()
             # a lost session leaves Spark's call in its client's retries: do not wait for it
-            self._thread.join(2 if isinstance(exc, SessionError) else 60)
-        named = self._translate(exc) \
-            if isinstance(exc, Exception) and self._translate is not None else None
+            thread.join(2 if isinstance(cause, SessionError) else 60)
+        named = self._behind(cause) if isinstance(cause, Exception) else None
         with contextlib.suppress(Exception):
             self._stop()  # (again, if it ran: whatever started meanwhile)
-        return named if named is not None else exc  # the caller raises it from ``exc``
-
-    def close(self) -> None:
-        if self._close is not None:
-            self._close()
+        return named if named is not None else cause  # the caller raises it from ``cause``
 
 
-def stopper(cancel: Callable[[], None], sink: Sink) -> Callable[[], None]:
-    """A Spark launch's ``stop``: ``cancel()`` (tell the ranks, cancel the Spark job), then end
-    the run's rank processes on this machine that are still there (SIGKILL: to a rank, SIGTERM
-    is a notice, :mod:`sparkhvd.elastic.notices`)."""
-    def stop() -> None:
-        cancel()
-        stop_pids(local_rank_pids(sink), kill=True)
-
-    return stop
+def kill_local_ranks(sink: Sink) -> None:
+    """End the run's rank processes on this machine that are still there, after a Spark
+    launch's cancel (SIGKILL: to a rank, SIGTERM is a notice, :mod:`sparkhvd.elastic.notices`)."""
+    stop_pids(local_rank_pids(sink), kill=True)
 
 
 def local_rank_pids(sink: Sink) -> list[int]:

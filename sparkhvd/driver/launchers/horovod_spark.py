@@ -20,8 +20,8 @@ from typing import Any, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.errors import LaunchFailure
-from sparkhvd.driver.launchers import LaunchSpec, Sink
-from sparkhvd.driver.launchers.base import SPARK_TIMEOUT, ThreadedGroup, stopper
+from sparkhvd.driver.launchers.base import ThreadedGroup, kill_local_ranks
+from sparkhvd.driver.launchers.seam import LaunchSpec, Sink
 from sparkhvd.spark.sparkview import cancel_job_group, session_stopped, stopped_session_error
 
 __side__ = "driver"
@@ -142,84 +142,92 @@ def whole_seconds(seconds: float) -> int:
     return max(1, math.ceil(seconds))
 
 
-class HorovodSparkLauncher:
+class HorovodSparkGroup(ThreadedGroup):
     """``spec.size`` ranks through ``horovod.spark.run`` (or ``run_elastic``): the launcher users
     pick with ``launcher="horovod"`` -- not the horovod *backend*
     (:mod:`sparkhvd.common.backends.horovod`, Gloo through horovod's rendezvous), which the
-    barrier launcher runs too."""
+    barrier launcher runs too. It has no way of its own to reach the ranks (no ``reach``)."""
 
-    name = "horovod"
+    THREAD = "sparkhvd-horovod"
 
-    def start(self, spec: LaunchSpec, sink: Sink) -> ThreadedGroup:
-        import horovod.spark
+    def __init__(self, spec: LaunchSpec, sink: Sink) -> None:
+        super().__init__(spec, sink)
+        self._sc: Any = None
+        self._stop_event = threading.Event()
+        self._output = HorovodOutput(sink)
+        self._held = contextlib.ExitStack()  # horovod's hooks, for as long as its run lasts
+        self._hooks: dict = {}
+        self._common: dict[str, Any] = {}
+
+    def _launch(self) -> None:
         from pyspark import SparkContext
 
         from sparkhvd.driver.launchers.horovod_hooks import horovod_driver_hooks
-        from sparkhvd.executor.horovod_spark import rank_in_task, spark_task_mapper
+        from sparkhvd.executor.horovod_spark import spark_task_mapper
 
-        sc = SparkContext._active_spark_context
-        stop_event = threading.Event()
-        output = HorovodOutput(sink)
+        spec = self.spec
+        self._sc = SparkContext._active_spark_context
         # horovod pickles the result itself: the rank checks it can be (a clear error if not).
         options = dataclasses.replace(spec.options, check_result=True).as_dict()
-        common: dict[str, Any] = dict(args=(spec.payload, options), num_proc=spec.size,
-                      start_timeout=whole_seconds(spec.start_timeout), env=dict(spec.env),
-                      stdout=output.stdout, stderr=output.stderr,
-                      verbose=2 if spec.verbose else 0, nics=set(spec.nics) if spec.nics else None,
-                      prefix_output_with_timestamp=False)
-        mapper = functools.partial(spark_task_mapper, sys.executable)
-
-        def target() -> list:
-            if spec.elastic:
-                return horovod.spark.run_elastic(
-                    rank_in_task, min_num_proc=spec.elastic[0], max_num_proc=spec.elastic[1],
-                    elastic_timeout=whole_seconds(spec.start_timeout), **common)
-            return horovod.spark.run(rank_in_task, use_gloo=True, **common)
-
-        def check(_elapsed: float) -> None:
-            if session_stopped(sc):
-                raise stopped_session_error(during=True)
-            stale = sink.stale_error() if not spec.elastic else None
-            if stale is not None:
-                raise stale
-
+        self._common = dict(
+            args=(spec.payload, options), num_proc=spec.size,
+            start_timeout=whole_seconds(spec.start_timeout), env=dict(spec.env),
+            stdout=self._output.stdout, stderr=self._output.stderr,
+            verbose=2 if spec.verbose else 0, nics=set(spec.nics) if spec.nics else None,
+            prefix_output_with_timestamp=False)
         remote = not spec.placement.executors_here
         if remote and not spec.nics:  # each rank picks the interface that reaches the driver
-            common["env"][protocol.GLOO_AUTO_ENV] = "1"
+            self._common["env"][protocol.GLOO_AUTO_ENV] = "1"
         if remote:  # no channel of ours to ranks on other hosts: they look for stack requests
-            common["env"][protocol.STACKS_POLL_ENV] = "1"
+            self._common["env"][protocol.STACKS_POLL_ENV] = "1"
         quiet_cancelled_spark_thread()
-        held = contextlib.ExitStack()  # horovod's hooks, for as long as its run lasts
-        hooks = held.enter_context(horovod_driver_hooks(
-            stop_event, elastic=bool(spec.elastic), mapper=mapper,
+        self._hooks = self._held.enter_context(horovod_driver_hooks(
+            self._stop_event, elastic=bool(spec.elastic),
+            mapper=functools.partial(spark_task_mapper, sys.executable),
             driver_host=spec.driver_host if remote else None))
 
-        def cancel() -> None:
-            stop_event.set()
-            if hooks["job_group"]:
-                cancel_job_group(sc, hooks["job_group"])
+    def _call(self) -> list:
+        import horovod.spark
 
-        def close() -> None:
-            try:
-                hooks["streams"].wait_until_done()  # horovod returns before the output ends
-                output.drain()
-            finally:
-                held.close()
+        from sparkhvd.executor.horovod_spark import rank_in_task
 
+        spec = self.spec
+        if spec.elastic:
+            return horovod.spark.run_elastic(
+                rank_in_task, min_num_proc=spec.elastic[0], max_num_proc=spec.elastic[1],
+                elastic_timeout=whole_seconds(spec.start_timeout), **self._common)
+        return horovod.spark.run(rank_in_task, use_gloo=True, **self._common)
+
+    def _check(self, elapsed_s: float) -> None:
+        if session_stopped(self._sc):
+            raise stopped_session_error(during=True)
+        stale = self.sink.stale_error() if not self.spec.elastic else None
+        if stale is not None:
+            raise stale
+
+    def _results(self, value: Any) -> list:
+        return elastic_result(value) if self.spec.elastic else list(value or [])
+
+    def _stop(self) -> None:
+        """Stop horovod's run, cancel its Spark job group, kill what is left here."""
+        self._stop_event.set()
+        if self._hooks.get("job_group"):
+            cancel_job_group(self._sc, self._hooks["job_group"])
+        kill_local_ranks(self.sink)
+
+    def _behind(self, exc: Exception) -> Optional[BaseException]:
+        return parse_failure(exc) if isinstance(exc, RuntimeError) else None
+
+    def _release(self) -> None:
         try:
-            return ThreadedGroup(
-                target, name="sparkhvd-horovod",
-                timeout_message=SPARK_TIMEOUT.format(timeout=spec.timeout or 0), check=check,
-                stop=stopper(cancel, sink),
-                finish=elastic_result if spec.elastic else None,
-                translate=lambda exc: parse_failure(exc) if isinstance(exc, RuntimeError)
-                else None, close=close)
-        except BaseException:
-            close()
-            raise
+            if "streams" in self._hooks:
+                self._hooks["streams"].wait_until_done()  # horovod returns before the output
+            self._output.drain()
+        finally:
+            self._held.close()
 
 
-LAUNCHER = HorovodSparkLauncher()
+LAUNCHER = HorovodSparkGroup
 
 
 def elastic_result(results: list[Any]) -> list[Any]:

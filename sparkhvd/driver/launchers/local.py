@@ -20,96 +20,97 @@ from sparkhvd.common.identity import RankIdentity
 from sparkhvd.common.netif import PortReservation, collective_iface_env
 from sparkhvd.common.protocol import PREEMPTED_EXIT, rank_slots
 from sparkhvd.common.rankprocess import RankProcess
-from sparkhvd.driver.launchers import LaunchSpec, Sink
 from sparkhvd.driver.launchers.base import ThreadedGroup, preempted_now
+from sparkhvd.driver.launchers.seam import LaunchSpec, Sink
 from sparkhvd.driver.payload import load_result
 from sparkhvd.driver.rank_end import EXTERNAL_SIGNALS, signal_of
 
 __side__ = "driver"
 
 
-class LocalLauncher:
-    """``spec.size`` ranks as local processes (module docstring)."""
+class LocalGroup(ThreadedGroup):
+    """``spec.size`` ranks as local processes (module docstring); the group reaches them
+    itself (stacks, notices: signals to their supervisors)."""
 
-    name = "local"
+    TIMEOUT = "The training did not finish within {timeout:g} s; the rank processes were stopped."
+    THREAD = "sparkhvd-local"
 
-    def start(self, spec: LaunchSpec, sink: Sink) -> ThreadedGroup:
-        backend = get_backend(spec.backend)
-        run_env = {**backend.start("127.0.0.1", {"lo"}, spec.verbose, spec.run),
+    def __init__(self, spec: LaunchSpec, sink: Sink) -> None:
+        super().__init__(spec, sink)
+        self.reach = self
+        self._backend: Any = None
+        self._procs: list[RankProcess] = []
+        self._ports = contextlib.ExitStack()  # the ranks' reserved ports, held until they end
+        self._exited: dict[int, float] = {}  # rank -> when this group saw it exit
+
+    def _launch(self) -> None:
+        self._backend = get_backend(self.spec.backend)
+        run_env = {**self._backend.start("127.0.0.1", {"lo"}, self.spec.verbose, self.spec.run),
                    **collective_iface_env({"lo"}, None)}
-        procs: list[RankProcess] = []
-        ports = contextlib.ExitStack()  # the ranks' reserved ports, held until they end
-        exited: dict[int, float] = {}
+        _start_ranks(self.spec, self._backend, run_env, self.sink, self._procs, self._ports)
 
-        def wait_all() -> None:
-            while len(exited) < len(procs):
-                for proc in procs:
-                    if proc.rank not in exited and proc.poll() is not None:
-                        proc.finish()
-                        exited[proc.rank] = time.monotonic()
-                        sink.receive(protocol.Exit(rank=proc.rank, code=proc.poll()))
-                time.sleep(0.05)
-
-        def check(_elapsed: float) -> None:
-            # a rank killed from outside is the cause of its peers' broken collectives,
-            # whichever of them this loop saw exit first
-            failed = sorted((p for p in procs if p.rank in exited and p.poll() != 0),
-                            key=lambda p: (signal_of(p.poll()) not in EXTERNAL_SIGNALS,
-                                           exited[p.rank]))
-            preempted = preempted_now([(exited[p.rank], p.rank, p.poll()) for p in failed],
-                                      len(exited) < len(procs))
-            if preempted is None:
-                return  # the others are finishing the same step
-            if not preempted:
-                failed = [p for p in failed if p.poll() != PREEMPTED_EXIT] or failed
-            if failed:
-                proc = failed[0]  # the first to exit; the others are stopped after it
-                how = "stopped on a notice after its checkpoint" if preempted else \
-                    f"exited with status {proc.poll()}"
-                raise LaunchFailure(proc.rank, proc.poll(), f"local rank {proc.rank} {how}",
-                                    host=socket.gethostname(), preempted=preempted)
-            stale = sink.stale_error()
-            if stale is not None:
-                raise stale
-
-        def finish(_: Any) -> list[Any]:
-            check(0.0)
-            return _results(procs, spec.size)
-
-        def stop() -> None:
+    def _call(self) -> None:
+        procs, exited = self._procs, self._exited
+        while len(exited) < len(procs):
             for proc in procs:
-                proc.terminate()
-
-        def ask_stacks() -> None:
-            for proc in procs:
-                proc.request_stacks()
-
-        def notify(_reason: str) -> None:
-            for proc in procs:
-                proc.notice()
-
-        def close() -> None:
-            for proc in procs:
-                with contextlib.suppress(Exception):
-                    proc.terminate()
+                if proc.rank not in exited and proc.poll() is not None:
                     proc.finish()
-                proc.close()
-            ports.close()
-            backend.stop()
+                    exited[proc.rank] = time.monotonic()
+                    self.sink.receive(protocol.Exit(rank=proc.rank, code=proc.poll()))
+            time.sleep(0.05)
 
-        try:
-            _start_ranks(spec, backend, run_env, sink, procs, ports)
-            return ThreadedGroup(
-                wait_all, name="sparkhvd-local",
-                timeout_message=f"The training did not finish within {spec.timeout or 0:g} s; "
-                "the rank processes were stopped.", check=check, stop=stop, finish=finish,
-                close=close, ask_stacks=ask_stacks, notify=notify)
-        except BaseException:
-            close()
-            raise
+    def _check(self, elapsed_s: float) -> None:
+        procs, exited = self._procs, self._exited
+        # a rank killed from outside is the cause of its peers' broken collectives,
+        # whichever of them this loop saw exit first
+        failed = sorted((p for p in procs if p.rank in exited and p.poll() != 0),
+                        key=lambda p: (signal_of(p.poll()) not in EXTERNAL_SIGNALS,
+                                       exited[p.rank]))
+        preempted = preempted_now([(exited[p.rank], p.rank, p.poll()) for p in failed],
+                                  len(exited) < len(procs))
+        if preempted is None:
+            return  # the others are finishing the same step
+        if not preempted:
+            failed = [p for p in failed if p.poll() != PREEMPTED_EXIT] or failed
+        if failed:
+            proc = failed[0]  # the first to exit; the others are stopped after it
+            how = "stopped on a notice after its checkpoint" if preempted else \
+                f"exited with status {proc.poll()}"
+            raise LaunchFailure(proc.rank, proc.poll(), f"local rank {proc.rank} {how}",
+                                host=socket.gethostname(), preempted=preempted)
+        stale = self.sink.stale_error()
+        if stale is not None:
+            raise stale
+
+    def _results(self, value: Any) -> list[Any]:
+        self._check(0.0)
+        return _results(self._procs, self.spec.size)
+
+    def _stop(self) -> None:
+        for proc in self._procs:
+            proc.terminate()
+
+    def _release(self) -> None:
+        for proc in self._procs:
+            with contextlib.suppress(Exception):
+                proc.terminate()
+                proc.finish()
+            proc.close()
+        self._ports.close()
+        if self._backend is not None:
+            self._backend.stop()
+
+    # -- its reach ------------------------------------------------------------------------
+    def ask_stacks(self) -> None:
+        for proc in self._procs:
+            proc.request_stacks()
+
+    def notify(self, reason: str) -> None:
+        for proc in self._procs:
+            proc.notice()
 
 
-LAUNCHER = LocalLauncher()
+LAUNCHER = LocalGroup
 
 
 def _start_ranks(spec: LaunchSpec, backend: Any, run_env: dict[str, str], sink: Sink,

@@ -1,12 +1,30 @@
 """The seam between the controller and a launcher: what an attempt's launch is given
 (:class:`LaunchSpec`, :class:`Placement`), where the ranks' messages go (:class:`Sink`), and
-what a launcher hands back for the controller to poll (:class:`RankGroup`)."""
+what a launcher hands back for the run to poll (:class:`WorkerGroup`, and what a poll finds:
+:class:`GroupStatus`).
+
+The launchers, each its group's class (``LAUNCHER`` in its module):
+
+============  ==================================================================================
+``barrier``   the default on Spark: one barrier stage, a control connection per task
+              (:mod:`~sparkhvd.driver.launchers.control`), one supervised rank process per task
+              (:mod:`sparkhvd.driver.launchers.barrier`)
+``horovod``   ``horovod.spark.run`` / ``run_elastic``: sessions with dynamic allocation, which
+              barrier stages cannot use (:mod:`~sparkhvd.driver.launchers.horovod_spark`);
+              horovod starts the ranks itself, in its own task processes
+``local``     ``np < 0``: supervised rank processes on the driver
+              (:mod:`~sparkhvd.driver.launchers.local`)
+============  ==================================================================================
+
+The shared lifecycle -- the launch's blocking call in a helper thread the run polls, stopping,
+releasing -- lives in :mod:`sparkhvd.driver.launchers.base`.
+"""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional, Protocol
+from typing import Any, Mapping, Optional, Protocol
 
 from sparkhvd.common.backends import RunTag
 from sparkhvd.common.protocol import RankOptions
@@ -38,6 +56,9 @@ class Placement:
     nics: Optional[frozenset] = None
     #: The session's :class:`~sparkhvd.spark.sparkview.SparkView` (Spark launchers).
     session: Any = None
+    #: What ``run.json`` keeps of the placement beside the launcher (the Spark session's
+    #: master, app id, kind and slots).
+    recorded: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,8 +78,6 @@ class LaunchSpec:
     placement: Placement
     #: The run's time limit (``run(timeout=...)``), counted from the call.
     timeout: Optional[float] = None
-    #: When that limit ends (``time.monotonic()``); None without a limit.
-    deadline: Optional[float] = None
     #: The run and attempt, for backends that tell their ranks (torchrun's variables).
     run: RunTag = RunTag()
     #: The Spark job tag (or group) the attempt's jobs run under: recorded in ``run.json``
@@ -67,10 +86,6 @@ class LaunchSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
-
-    def time_left(self) -> Optional[float]:
-        """What is left of the run's limit now (None: no limit)."""
-        return left_until(self.deadline)
 
     # -- read through to the one place each setting lives ---------------------------------
     @property
@@ -138,35 +153,62 @@ class Sink(Protocol):
         """A LaunchFailure for a rank that reported an exception but has not exited in time."""
 
 
-class RankGroup(Protocol):
-    """One attempt's ranks, started: what each of the run's polls asks of them
-    (:meth:`sparkhvd.driver.attempt.Attempt.poll`; every launcher's is a
-    :class:`~sparkhvd.driver.launchers.base.ThreadedGroup`)."""
+class RankReach(Protocol):
+    """A launcher's own way to reach its running ranks (the barrier launcher's control channel,
+    the local launcher's processes): without one, stacks are asked for with signals on this
+    machine and no notice can be given (no elastic watch)."""
+
+    def ask_stacks(self) -> None:
+        """Ask every rank for its stacks (they land in the run folder)."""
+
+    def notify(self, reason: str) -> None:
+        """Give every rank a notice: they checkpoint after their step, then stop."""
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """What one :meth:`WorkerGroup.poll` found, as data."""
+
+    #: ``running``; ``ended`` (every rank returned: :attr:`results`, rank 0's first);
+    #: ``failed`` (:attr:`error`: a rank's :class:`~sparkhvd.common.errors.LaunchFailure`, or
+    #: an error that is no rank's, as a lost session -- the other ranks may still run until
+    #: :meth:`WorkerGroup.shutdown`)
+    kind: str
+    results: tuple = ()
+    error: Optional[Exception] = None
+
+
+#: A group whose ranks still run.
+RUNNING = GroupStatus("running")
+
+
+class WorkerGroup(Protocol):
+    """One attempt's ranks, as the run sees them: started once, polled once a step
+    (:meth:`sparkhvd.driver.attempt.Attempt.poll`), shut down once however they ended. One
+    class per launcher (:class:`~sparkhvd.driver.launchers.base.ThreadedGroup`'s subclasses),
+    made for one attempt from its :class:`LaunchSpec` and :class:`Sink`."""
 
     #: The ``TimeoutError``'s text when the run's ``timeout`` passes.
     timeout_message: str
-    #: The launcher's own way to ask its ranks for their stacks (None: signals on this machine).
-    ask_stacks: Optional[Callable[[], None]]
-    #: The launcher's own way to give its ranks a notice (None: it has none).
-    notify: Optional[Callable[[str], None]]
+    #: The launcher's own way to reach the running ranks (None: it has none).
+    reach: Optional[RankReach]
 
-    def poll(self, wait_s: float, elapsed_s: float) -> bool:
-        """Wait up to ``wait_s``; raise a rank's failure; whether the ranks have ended."""
+    def start(self) -> None:
+        """Start the ranks; raises :class:`~sparkhvd.common.errors.LaunchFailure` when one
+        fails at once (what the group held is released first)."""
 
-    def results(self) -> list[Any]:
-        """Once :meth:`poll` said so: the ranks' results in rank order, or their error."""
+    def poll(self, wait_s: float, elapsed_s: float) -> GroupStatus:
+        """Wait up to ``wait_s`` for the ranks to end; what they are doing, as data."""
 
-    def fail(self, exc: BaseException) -> BaseException:
-        """Stop the ranks after ``exc``; the exception to raise (the rank behind it, when the
-        launcher can tell)."""
-
-    def close(self) -> None:
-        """Release what the launch holds (servers, ports, processes), however it ended."""
+    def shutdown(self, cause: Optional[BaseException] = None) -> Optional[BaseException]:
+        """Release what the launch holds (servers, ports, processes), once. After ``cause``
+        (a failed rank, a stall, the time up, an interrupt) the ranks are stopped first, and
+        the exception to raise for it is returned: the rank behind it when the launcher can
+        tell, else ``cause``."""
 
 
 class Launcher(Protocol):
-    """Starts the ranks of one attempt; the controller polls them (:class:`RankGroup`)."""
+    """A launcher is its worker group's class: called with one attempt's spec and sink, it
+    makes the (not yet started) :class:`WorkerGroup`."""
 
-    name: str
-
-    def start(self, spec: LaunchSpec, sink: Sink) -> RankGroup: ...
+    def __call__(self, spec: LaunchSpec, sink: Sink) -> WorkerGroup: ...
