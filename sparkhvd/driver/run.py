@@ -54,7 +54,7 @@ from sparkhvd.common.environment import rank_env
 from sparkhvd.common.errors import NotEnoughSlotsError, StorageError
 from sparkhvd.common.redaction import remember_environment
 from sparkhvd.driver.attempt import Attempt, status_of
-from sparkhvd.driver.launchers import get_launcher, left_until
+from sparkhvd.driver.launchers import get_launcher
 from sparkhvd.driver.logs import RankLogRouter
 from sparkhvd.driver.placing import LocalPlacer, Placer, SparkPlacer, wait_for_size
 from sparkhvd.driver.recording import RunCallback, recorders
@@ -128,7 +128,7 @@ class Run:
 
     def time_left(self) -> Optional[float]:
         """What is left of ``run(timeout=...)`` now (None: no limit)."""
-        return left_until(self.deadline)
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     @property
     def attempt(self) -> Optional["Attempt"]:

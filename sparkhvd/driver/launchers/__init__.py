@@ -20,11 +20,10 @@ from sparkhvd.driver.launchers.seam import (
     RankReach,
     Sink,
     WorkerGroup,
-    left_until,
 )
 
 __side__ = "driver"
 
 __all__ = ["MODULES", "RULES", "LaunchFacts", "check_launch", "choose_launcher", "get_launcher",
            "GroupStatus", "Launcher", "LaunchSpec", "Placement", "RankReach", "Sink",
-           "WorkerGroup", "left_until"]
+           "WorkerGroup"]

@@ -21,7 +21,6 @@ releasing -- lives in :mod:`sparkhvd.driver.launchers.base`.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Protocol
@@ -31,12 +30,6 @@ from sparkhvd.common.protocol import RankOptions
 from sparkhvd.driver.settings import LaunchConfig, ScalingConfig
 
 __side__ = "driver"
-
-
-def left_until(deadline: Optional[float]) -> Optional[float]:
-    """Seconds left until ``deadline`` (a ``time.monotonic()`` time), never below 0; None
-    without one -- what is left of ``run(timeout=...)``."""
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 @dataclass(frozen=True)
