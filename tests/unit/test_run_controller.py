@@ -502,6 +502,10 @@ def test_an_elastic_run_grows_into_free_slots_at_its_next_step(tmp_path, monkeyp
     assert (resizing["from"], resizing["to"]) == (2, 3)
     assert [a["status"] for a in _record(run)["attempts"]] == ["preempted", "succeeded"]
     assert run.spent.preemptions == 0  # a grow the driver asked for spends no budget
+    # the recorders wrote what each barrier attempt was about to submit, before it was
+    job = _record(run)["spark_job"]
+    assert (job["name"], job["kind"], job["attempt"]) == (run.attempts[1].spark_job, "tag", 2)
+    assert _record(run)["launcher"] == "barrier"
 
 
 def test_a_transition_next_does_not_allow_is_refused_as_a_bug(tmp_path):
