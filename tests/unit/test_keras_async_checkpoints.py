@@ -154,7 +154,10 @@ def test_uploads_lag_behind_the_saves_on_the_host_and_a_superseded_step_stays_th
             saver._background.wait()  # a real step outlasts keeping the last save on the host
             if self.seen == 2:
                 saver._uploads.wait()  # step 1 is in the folder ...
+                store.writing.clear()
                 store.gate.clear()  # ... and step 2's write will wait here
+            if self.seen == 3:  # step 2's write began before step 3 is saved (a write not
+                assert store.writing.wait(30)  # begun yet is superseded by the next save)
 
     tf.keras.utils.set_random_seed(0)
     model = tf.keras.Sequential([tf.keras.layers.Input((3,)), tf.keras.layers.Dense(1)])
