@@ -3,8 +3,8 @@
 The run (:class:`~sparkhvd.driver.run.Run`) makes an :class:`Attempt` in each *placing* and
 drives it in *running*, one step a poll: the attempt starts the run folder's service for the
 ranks and builds the launch spec (the size, the resume source, the rendezvous tag:
-:meth:`Attempt.prepare`), then hands it to its launcher (:meth:`Attempt.start`); each :meth:`Attempt.poll` looks at the ranks once and
-returns what it found as data (:class:`AttemptStatus`: running, ended, a stop due, a stall, the
+:meth:`Attempt.prepare`), then hands it to its launcher (:meth:`Attempt.start`); each
+:meth:`Attempt.poll` looks at the ranks once and returns what it found as data (:class:`AttemptStatus`: running, ended, a stop due, a stall, the
 time up) -- the run's step decides what to do about it, as Ray Train v2's controller decides
 from its worker group's ``poll_status``. A rank's failure becomes the
 :class:`~sparkhvd.driver.rank_end.Verdict` the run's policy decides from. ``run.json``'s
