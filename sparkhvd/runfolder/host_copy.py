@@ -74,6 +74,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -543,14 +544,22 @@ def sweep(run_id: str) -> int:
 
 
 def _remove_ranks(run_id: str, mine: Optional[str]) -> int:
-    """Remove run ``run_id``'s rank folder ``mine`` and those whose owner process is gone."""
+    """Remove run ``run_id``'s rank folder ``mine`` and those whose owner process is gone; how
+    many this call removed. Each folder is first renamed out of the ``rank-`` names, so of two
+    sweeps on one host (a sweep job runs a task per slot) one removes and counts it."""
     where = os.path.join(base_folder(), run_id)
     removed = 0
     for path in _owners(where):
         owner = _owner_of(path)
         if path == mine or owner is None or owner == os.getpid() or \
                 not owned_temp.alive(owner):
-            shutil.rmtree(path, ignore_errors=True)
+            claimed = os.path.join(where, f"removing-{os.path.basename(path)}-{os.getpid()}-"
+                                          f"{threading.get_ident()}")
+            try:
+                os.rename(path, claimed)
+            except OSError:  # another sweep took it
+                continue
+            shutil.rmtree(claimed, ignore_errors=True)
             removed += 1
     with contextlib.suppress(OSError):
         os.rmdir(where)

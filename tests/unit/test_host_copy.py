@@ -1207,3 +1207,15 @@ def test_the_sweep_of_a_finished_run_deletes_what_no_live_process_owns(tmp_path,
         live.wait()
     assert host_copy.sweep("20261203-swept") == 1 and not os.path.exists(run)
     assert host_copy.sweep("20261203-never") == 0
+
+
+def test_sweeps_on_one_host_at_once_count_each_folder_once(tmp_path, monkeypatch):
+    """The driver's sweep runs a task per slot, so several sweep one host together: each rank
+    folder is removed by one of them and counted once (the run's log says how many went)."""
+    import concurrent.futures
+
+    monkeypatch.setenv(host_copy.DIR_ENV, str(tmp_path))
+    run = _planted_run(str(tmp_path), "20261204-together", {r: None for r in range(200)})
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        counts = list(pool.map(lambda _: host_copy.sweep("20261204-together"), range(8)))
+    assert sum(counts) == 200 and not os.path.exists(run)
