@@ -18,7 +18,13 @@ from urllib.parse import urlparse
 import numpy as np
 
 from sparkhvd.data.order import DEFAULT_PARTITIONS
-from sparkhvd.data.sharding import MEMORY_CACHE_BYTES, ShardSource
+from sparkhvd.data.sharding import (
+    MEMORY_CACHE_BYTES,
+    READ_MEMORY_BYTES,
+    SHIPPED_FOOTERS_BYTES,
+    ShardSource,
+    footer_size,
+)
 from sparkhvd.spark.slots import task_slots
 from sparkhvd.storage import public_url
 
@@ -50,6 +56,19 @@ def _common_parent(urls: Sequence[str]) -> str:
 
     return posixpath.commonpath([u.split("://", 1)[-1] for u in urls]) if len(urls) > 1 \
         else posixpath.dirname(urls[0].split("://", 1)[-1])
+
+
+def shipped_footers(manifest: Any) -> dict[str, Any]:
+    """The ``ShardSource`` fields that ship the files' footers the driver holds to the ranks
+    (none when they exceed :data:`~sparkhvd.data.sharding.SHIPPED_FOOTERS_BYTES` in all)."""
+    import pickle
+
+    footers = list(manifest.extra.get("footers") or [])
+    if len(footers) != len(manifest.files) or \
+            sum(len(f) for f in footers) > SHIPPED_FOOTERS_BYTES:
+        return {}
+    return {"footers": tuple(footers),
+            "footer_bytes": sum(footer_size(pickle.loads(f)) for f in footers)}
 
 
 def default_cache_parent() -> str:
@@ -237,7 +256,7 @@ class DataFrameDataset:
             row_bytes=mat.row_bytes(self.columns, self.kinds, self._schema, profile["lengths"],
                                     self.dtype),
             extra={"rank_options": found.rank_options, "cast": found.cast, "in_place": True,
-                   "widths": _widths(profile["lengths"])})
+                   "widths": _widths(profile["lengths"]), "footers": found.footers})
         log.info("DataFrameDataset: reading %d rows of %s in place from %d Parquet file(s) "
                  "under %s (a plain file scan: nothing written)", manifest.num_rows,
                  self.columns, len(found.files),
@@ -262,7 +281,9 @@ class DataFrameDataset:
         try:
             written, stats = mat.write(
                 selected, url, storage.delegate(url, self.storage_options, write=True),
-                floats, mat.file_count(task_slots(view)))
+                floats, mat.file_count(task_slots(view)),
+                # a rank at np=1 holds a row group of each partition: P of them fit the bound
+                min(mat.ROW_GROUP_BYTES, READ_MEMORY_BYTES // self.partitions))
             found = mat.merge_stats(stats, stored)
             mat.check_profile(found, self.columns, self.allow_nan)
         except BaseException:
@@ -270,13 +291,14 @@ class DataFrameDataset:
             raise
         row_bytes = mat.row_bytes(self.columns, self.kinds, self._schema, found["lengths"],
                                   self.dtype)
-        manifest = mat.Manifest(url=url, files=[f for f, _, _ in written],
-                                row_counts=[n for _, n, _ in written],
-                                row_groups=[g for _, _, g in written], stored=stored,
+        manifest = mat.Manifest(url=url, files=[f for f, _, _, _ in written],
+                                row_counts=[n for _, n, _, _ in written],
+                                row_groups=[g for _, _, g, _ in written], stored=stored,
                                 row_bytes=row_bytes,
                                 extra={"rank_options": storage.delegate(
                                     url, self.storage_options, write=False),
-                                       "widths": _widths(found["lengths"])})
+                                       "widths": _widths(found["lengths"]),
+                                       "footers": [m for _, _, _, m in written]})
         mat.REGISTRY.add(key, manifest, selected, self.storage_options, self.keep_cache)
         log.info("DataFrameDataset: %d rows of %s in %d Parquet file(s) under %s",
                  manifest.num_rows, self.columns, len(manifest.files), storage.public_url(url))
@@ -342,7 +364,7 @@ class DataFrameDataset:
             memory_cache=self.memory_cache,
             storage_options=dict(manifest.extra.get("rank_options", {})),
             partitions=self.partitions, cast=dict(manifest.extra.get("cast", {})),
-            widths=dict(manifest.extra.get("widths", {})))
+            widths=dict(manifest.extra.get("widths", {})), **shipped_footers(manifest))
 
     def steps_per_epoch(self, batch_size: int, size: Optional[int] = None) -> int:
         """Full batches every rank runs per epoch (the same on all ranks)."""

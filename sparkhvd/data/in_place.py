@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import pickle
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
+
+from sparkhvd.data.sharding import READ_MEMORY_BYTES
 
 __side__ = "driver"
 
@@ -31,8 +34,9 @@ log = logging.getLogger(__name__)
 #: Column kinds read as they are stored (vectors and decimals need Spark to convert them).
 _IN_PLACE_TYPES = ("ByteType", "ShortType", "IntegerType", "LongType", "FloatType", "DoubleType",
                    "BooleanType")
-#: A row group up to this many bytes in memory is always small enough; larger ones only when
-#: the data holds at least :data:`GROUPS_PER_PARTITION` of them per partition.
+#: A row group up to this many bytes in memory is small beside a partition; larger ones only
+#: when the data holds at least :data:`GROUPS_PER_PARTITION` of them per partition. Either way
+#: ``P`` of them must fit the reading bound (:func:`groups_reason`).
 SMALL_GROUP_BYTES = 4 << 20
 GROUPS_PER_PARTITION = 10
 #: Footers read at once (each is one or two range reads).
@@ -51,6 +55,8 @@ class Found:
     #: column -> numpy dtype to convert to when read
     cast: dict[str, str]
     rank_options: dict
+    #: each file's footer, pickled (read here to check the files; shipped to the ranks)
+    footers: list[bytes]
 
 
 def optimized_plan(df: Any) -> str:
@@ -112,6 +118,7 @@ class Footer:
     names: list[str]
     largest_bytes: int
     total_bytes: int
+    pickled: bytes
 
 
 def _footer(url: str, options: Mapping[str, Any], columns: Sequence[str]) -> Footer:
@@ -133,7 +140,8 @@ def _footer(url: str, options: Mapping[str, Any], columns: Sequence[str]) -> Foo
                          for i in range(group.num_columns)
                          if group.column(i).path_in_schema.split(".")[0] in used))
     return Footer([meta.row_group(g).num_rows for g in range(meta.num_row_groups)],
-                  meta.schema.to_arrow_schema().names, max(sizes, default=0), sum(sizes))
+                  meta.schema.to_arrow_schema().names, max(sizes, default=0), sum(sizes),
+                  pickle.dumps(meta))
 
 
 def plan(df: Any, columns: Sequence[str], schema: Mapping[str, Any], dtype: str,
@@ -177,15 +185,34 @@ def plan(df: Any, columns: Sequence[str], schema: Mapping[str, Any], dtype: str,
     row_groups = [footer.groups for footer in footers]
     largest = max(footer.largest_bytes for footer in footers)
     total = sum(footer.total_bytes for footer in footers)
-    if largest > max(SMALL_GROUP_BYTES, total // (GROUPS_PER_PARTITION * partitions)):
-        return (f"its row groups hold up to {largest / (1 << 20):.0f} MB: a rank would read "
-                "far more than its share (write the table with smaller row groups, e.g. "
-                "parquet.block.size=4194304, to read it in place)")
+    reason = groups_reason(largest, total, partitions)
+    if reason:
+        return reason
     float_type = {"float32": "float32", "float64": "float64"}[dtype]
     cast = {c: float_type for c in columns
             if _element(schema[c]) in ("FloatType", "DoubleType")}
     return Found(files=files, row_counts=[sum(g) for g in row_groups], row_groups=row_groups,
-                 cast=cast, rank_options=rank_options)
+                 cast=cast, rank_options=rank_options,
+                 footers=[footer.pickled for footer in footers])
+
+
+def groups_reason(largest: int, total: int, partitions: int) -> Optional[str]:
+    """Why row groups of up to ``largest`` bytes (``total`` in all, in memory) are too large to
+    read in place with ``partitions`` partitions; None when they suit. A rank reads a
+    partition boundary's whole group (so groups must be small beside a partition), and holds
+    a group of each partition it reads at once -- all of them at np=1 -- within
+    :data:`~sparkhvd.data.sharding.READ_MEMORY_BYTES`."""
+    fix = ("write the table with smaller row groups, e.g. parquet.block.size=4194304, to read "
+           "it in place")
+    if largest > max(SMALL_GROUP_BYTES, total // (GROUPS_PER_PARTITION * partitions)):
+        return (f"its row groups hold up to {largest / (1 << 20):.0f} MB: a rank would read "
+                f"far more than its share ({fix})")
+    if largest * partitions > READ_MEMORY_BYTES:
+        return (f"its row groups hold up to {largest / (1 << 20):.0f} MB: a rank reading all "
+                f"{partitions} partitions at once would hold {partitions} of them, "
+                f"{largest * partitions / (1 << 20):.0f} MB, over the "
+                f"{READ_MEMORY_BYTES >> 20} MB reading bound ({fix}, or fewer partitions=)")
+    return None
 
 
 def _element(data_type: Any) -> str:

@@ -5,12 +5,13 @@
    (``a.b`` is a column, not a struct field) and stored as ``c0, c1, ...`` in Parquet.
 2. **Written and checked by the executors in one scan** (:func:`write`): ``mapInArrow`` hands
    each partition's Arrow batches to a function that writes them through
-   :mod:`sparkhvd.storage` (fsspec/adlfs) as one Parquet file with row groups of about
-   :data:`ROW_GROUP_BYTES` -- so ``abfss://`` caches need no Hadoop Azure connector, only a
-   short-lived SAS token the driver mints (:func:`sparkhvd.storage.delegate`) -- and counts, as
-   it writes, what the checks need (:func:`batch_stats`: rows, nulls, NaNs, array lengths).
-   The job returns each file's row and row-group counts -- the :class:`Manifest` the ranks
-   read by -- and the counts; :func:`check_profile` then refuses bad data (a ragged array
+   :mod:`sparkhvd.storage` (fsspec/adlfs) as one Parquet file with row groups sized by the
+   table (:func:`group_bytes_for`: at most :data:`ROW_GROUP_BYTES`) -- so ``abfss://`` caches
+   need no Hadoop Azure connector, only a short-lived SAS token the driver mints
+   (:func:`sparkhvd.storage.delegate`) -- and counts, as it writes, what the checks need
+   (:func:`batch_stats`: rows, nulls, NaNs, array lengths). The job returns each file's row
+   and row-group counts and footer -- the :class:`Manifest` the ranks read by; the footers go
+   to them, so no rank reads one -- and the counts; :func:`check_profile` then refuses bad data (a ragged array
    column would be silently reshaped into garbage) and the files are deleted before anything
    is launched. (A separate checking pass used to scan the DataFrame twice.)
 4. **Reused** (:class:`CacheRegistry`): a DataFrame with the same plan and columns, in the same
@@ -44,13 +45,23 @@ _INTEGERS = ("ByteType", "ShortType", "IntegerType", "LongType")
 _FLOATS = ("FloatType", "DoubleType")
 _NUMERIC = _INTEGERS + _FLOATS + ("BooleanType", "DecimalType")
 _ARRAY_ELEMENTS = _INTEGERS + _FLOATS
-#: Target size of one Parquet row group: the unit a rank reads, and the block the global order
-#: permutes (:mod:`sparkhvd.data.order`). Small, because a row group a partition boundary
-#: splits is read by two ranks (``P`` row groups more than the data per epoch: 1 MB groups
-#: cost 14 % on B14's 237 MB table, 512 KB about half that) and a shuffle window (128 MB by
-#: default, over 24 partitions) should hold many of them; large enough to read at pyarrow's
-#: speed when a scan takes several at once (bench B2T, B14).
+#: Largest size of one Parquet row group: the unit a rank reads, and the block the global
+#: order permutes (:mod:`sparkhvd.data.order`). Small, because a row group a partition
+#: boundary or a span's end splits is read by two ranks (1 MB groups cost 14 % on B14's 237 MB
+#: table, 512 KB about half that) and a shuffle window (128 MB by default, over 24
+#: partitions) should hold many of them; large enough to read at pyarrow's speed when a scan
+#: takes several at once (bench B2T, B14). Smaller tables get smaller groups.
 ROW_GROUP_BYTES = 512 << 10
+#: Row groups a materialised table should hold in all: a rank reads a row group at each end
+#: of its span (and its share is its groups: on sorted data, the labels its batches can
+#: hold), so at np = 64 a share should be tens of groups. A table too small for that many
+#: groups of :data:`ROW_GROUP_BYTES` is written in smaller ones (:func:`group_bytes_for`).
+GROUPS_WANTED = 2048
+#: The smallest row group written (smaller ones cost more in footers and per-group reads than
+#: a split boundary costs).
+MIN_GROUP_BYTES = 32 << 10
+#: What a write task buffers, at most, to learn its partition's size before its first group.
+SIZING_BUFFER_BYTES = 128 << 20
 #: How long a safe point waits for queued cache deletions (they go on in the background after).
 SETTLE_S = 30.0
 
@@ -273,13 +284,23 @@ def file_count(cores: int) -> int:
     return max(1, cores)
 
 
+def group_bytes_for(known_bytes: int, files: int, ceiling: int = ROW_GROUP_BYTES) -> int:
+    """A row group's size for a file whose partition holds at least ``known_bytes`` (in Arrow
+    memory), one of ``files``: :data:`GROUPS_WANTED` groups in all, between
+    :data:`MIN_GROUP_BYTES` and ``ceiling``."""
+    return int(min(ceiling, max(MIN_GROUP_BYTES, known_bytes * max(1, files) // GROUPS_WANTED)))
+
+
 def _partition_writer(url: str, options: Mapping[str, Any], group_bytes: int,
-                      floats: Sequence[str]) -> Any:
-    """The function ``mapInArrow`` runs on the executors (see the module docstring)."""
+                      floats: Sequence[str], files: int = 1) -> Any:
+    """The function ``mapInArrow`` runs on the executors (see the module docstring). Its
+    partition is one of about ``files``; it buffers up to :data:`SIZING_BUFFER_BYTES` (or all
+    of a smaller partition) to size the row groups by the table (:func:`group_bytes_for`)."""
 
     def write(batches: Any) -> Any:
         import itertools
         import json
+        import pickle
 
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -295,12 +316,21 @@ def _partition_writer(url: str, options: Mapping[str, Any], group_bytes: int,
         partition = context.partitionId() if context is not None else 0
         name = f"part-{partition:05d}.parquet"
         groups: list[int] = []
-        rows_per_group = max(1, group_bytes * first.num_rows // max(1, first.nbytes))
+        enough = min(SIZING_BUFFER_BYTES, group_bytes * GROUPS_WANTED // max(1, files))
+        buffered = [first]
+        while sum(b.nbytes for b in buffered) < enough:
+            more = next(batches, None)
+            if more is None:
+                break
+            buffered.append(more)
+        known = sum(b.nbytes for b in buffered)
+        rows_per_group = max(1, group_bytes_for(known, files, group_bytes) *
+                             sum(b.num_rows for b in buffered) // max(1, known))
         stats = []
         with storage.open_atomic(f"{url}/{name}", options) as f:
             writer = pq.ParquetWriter(f, first.schema)
             pending = None
-            for batch in itertools.chain([first], batches):
+            for batch in itertools.chain(buffered, batches):
                 stats.append(batch_stats(batch, floats))
                 table = pa.Table.from_batches([batch])
                 pending = table if pending is None else pa.concat_tables([pending, table])
@@ -315,16 +345,18 @@ def _partition_writer(url: str, options: Mapping[str, Any], group_bytes: int,
             writer.close()
         yield pa.RecordBatch.from_pydict({"partition": [partition], "file": [name],
                                           "rows": [sum(groups)], "groups": [groups],
-                                          "stats": [json.dumps(stats)]})
+                                          "stats": [json.dumps(stats)],
+                                          "footer": [pickle.dumps(writer.writer.metadata)]})
 
     return write
 
 
 def write(df: Any, url: str, executor_options: Mapping[str, Any], floats: Sequence[str],
           files: Optional[int] = None, group_bytes: Optional[int] = None
-          ) -> tuple[list[tuple[str, int, list[int]]], list[dict]]:
-    """Write ``df`` under ``url`` from the executors: ``(file, rows, row groups)`` in row order,
-    and every batch's :func:`batch_stats`.
+          ) -> tuple[list[tuple[str, int, list[int], bytes]], list[dict]]:
+    """Write ``df`` under ``url`` from the executors: ``(file, rows, row groups, footer)`` in
+    row order (the footer: its pickled ``FileMetaData``), and every batch's
+    :func:`batch_stats`.
 
     ``files``: at most this many files (partitions are merged in order, see :func:`file_count`).
     """
@@ -334,14 +366,16 @@ def write(df: Any, url: str, executor_options: Mapping[str, Any], floats: Sequen
     if files:
         df = df.coalesce(files)  # narrow: no shuffle, row order kept
     writer = _partition_writer(url, dict(executor_options), group_bytes or ROW_GROUP_BYTES,
-                               list(floats))
+                               list(floats), files or 1)
     with warnings.catch_warnings():  # pyspark's own pandas/pyarrow version checks warn
         warnings.simplefilter("ignore", DeprecationWarning)
         rows = df.mapInArrow(writer, "partition long, file string, rows long, "
-                                     "groups array<long>, stats string").collect()
+                                     "groups array<long>, stats string, footer binary"
+                             ).collect()
     rows = sorted(rows, key=lambda r: r["partition"])
-    return ([(f"{url}/{r['file']}", int(r["rows"]), [int(g) for g in r["groups"]])
-             for r in rows], [s for r in rows for s in json.loads(r["stats"])])
+    return ([(f"{url}/{r['file']}", int(r["rows"]), [int(g) for g in r["groups"]],
+              bytes(r["footer"])) for r in rows],
+            [s for r in rows for s in json.loads(r["stats"])])
 
 
 # -- reuse ---------------------------------------------------------------------------------------

@@ -26,16 +26,11 @@ from typing import Any, Callable, Generator, Iterator, Mapping, Optional, Sequen
 import numpy as np
 
 from sparkhvd.data.order import Piece, Window, rank_positions, window_permutation
+from sparkhvd.data.sharding import footer_size
 
 __side__ = "rank"
 
 Arrays = dict[str, np.ndarray]
-
-
-def footer_bytes(meta: Any) -> int:
-    """What reading a Parquet file's footer takes from storage: its metadata and the 8 bytes
-    after it (length and magic)."""
-    return int(meta.serialized_size) + 8
 
 
 class ShardReader:
@@ -89,7 +84,7 @@ class ShardReader:
             opened = pq.ParquetFile(source, metadata=meta, pre_buffer=True)
             if meta is None:
                 self.footers[index] = meta = opened.metadata
-                self._count(footer_bytes(meta))
+                self._count(footer_size(meta))
             self._open[index] = opened
             self._groups[index] = self._group_sizes(meta)
         return opened

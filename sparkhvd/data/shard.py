@@ -17,6 +17,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import pickle
 from typing import Any, Generator, Iterator, Optional
 
 import numpy as np
@@ -83,8 +84,10 @@ class DatasetShard:
         #: from the files or the blob store, before decoding): about ``1 / size`` of the data
         #: an epoch, once in all when the rank keeps its share in memory; each footer once.
         self.bytes_read = 0
-        #: file -> its Parquet metadata, read once for the run (every epoch's reader uses it)
-        self._footers: dict[int, Any] = {}
+        #: file -> its Parquet metadata, read once for the run (every epoch's reader uses it),
+        #: or shipped by the driver with the source (not read here at all)
+        self._footers: dict[int, Any] = {i: pickle.loads(meta)
+                                         for i, meta in enumerate(source.footers)}
 
     @property
     def features(self) -> list[str]:

@@ -35,11 +35,16 @@ consecutive spans of equal rows; rank ``r`` reads only the ``r``-th, interleavin
 partitions' rows round robin and drawing each a window at a time (permuted when shuffled). So:
 
 * *share*: every ``size`` reads ``1 / size`` of the row groups per epoch, plus a row group a
-  span's end splits (a rank reads the row groups its partitions share once: B14's plans read
-  1.08x the files at np=5 and 1.10x at np=7, where the round robin read 5x and 7x);
-* *memory*: a window of each unit it reads (about ``1 / size`` of the shuffle window) while
-  streaming; a share that fits ``memory_cache`` is kept by row group, read once (its span is
-  the same row groups every epoch);
+  span's end splits (a rank reads the row groups its partitions share once), which is small
+  when a share holds tens of row groups: a materialised table is written in about 2,048 of
+  them however small it is (:func:`sparkhvd.data.materialize.group_bytes_for`), and the
+  files' footers come with the source (:attr:`ShardSource.footers`). B14's plans: all ranks
+  read 1.00-1.04x the files at every np from 1 to 64, the busiest rank at most 1.12x its
+  share (np=64), where the round robin read np times;
+* *memory*: a window of each unit it reads (about ``1 / size`` of the shuffle window) and at
+  least a row group of each, within :data:`READ_MEMORY_BYTES` by default; a share that fits
+  ``memory_cache`` is kept by row group, read once (its span is the same row groups every
+  epoch);
 * *mixing*: a rank's batch draws from every partition of its span at once, as the round
   robin's does from its partitions -- with the same shuffle window, the same number of row
   groups live;
@@ -92,6 +97,14 @@ MEMORY_CACHE_BYTES = 512 << 20
 #: the partitions -- 128 row groups of :data:`~sparkhvd.data.materialize.ROW_GROUP_BYTES`,
 #: enough blocks for sorted data to mix.
 SHUFFLE_WINDOW_BYTES = 128 << 20
+#: A rank's reading memory by default: the row data in flight while streaming (a window, and
+#: at least one row group of each partition it reads at once -- all ``P`` of them at np=1).
+#: A table read in place whose row groups would not fit (``P`` x its largest group) is
+#: materialised in small row groups instead (:func:`sparkhvd.data.in_place.groups_reason`).
+READ_MEMORY_BYTES = 256 << 20
+#: The files' footers go to the ranks with the source when they take up to this many bytes in
+#: all (:attr:`ShardSource.footers`); beyond, each rank reads its own.
+SHIPPED_FOOTERS_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -178,6 +191,12 @@ def samples_after(start: int, step: int, batch_size: int, size: int, lead: int) 
     return start + step * size * batch_size
 
 
+def footer_size(meta: Any) -> int:
+    """What reading a Parquet file's footer takes from storage: its metadata and the 8 bytes
+    after it (length and magic)."""
+    return int(meta.serialized_size) + 8
+
+
 @dataclass(frozen=True)
 class ShardSource:
     """The Parquet files as the ranks see them (materialised, or the DataFrame's own)."""
@@ -202,6 +221,14 @@ class ShardSource:
     #: column -> elements per row of an array column (what a batch's shape needs before any
     #: row is read; scalars are absent)
     widths: Mapping[str, int] = field(default_factory=dict)
+    #: Each file's Parquet footer (pickled ``FileMetaData``), read once for the run by the
+    #: driver -- the materialiser's writers return them, a table read in place has them read
+    #: to be checked -- so no rank reads one (at np=64 every rank read every file's footer:
+    #: 0.3x its share on B14's plans). Empty when they are larger than
+    #: :data:`SHIPPED_FOOTERS_BYTES` in all: each rank reads its own, once per run.
+    footers: tuple[bytes, ...] = ()
+    #: What the driver read of the files' footers (counted once: :attr:`footers`).
+    footer_bytes: int = 0
 
     @property
     def num_rows(self) -> int:
