@@ -148,13 +148,26 @@ class ShardReader:
         self._open.clear()
 
 
+#: A streamed window's pieces smaller than this are copied together into blocks of about
+#: this size (:class:`WindowRows`).
+MERGE_BYTES = 4 << 20
+
+
 class WindowRows:
     """A window's rows as its pieces were read (this window, or the rank's kept share),
     addressed as one range without copying them together (a window of ~64 MB copied into one
     array cost as much as reading it, and a kept share copied together held twice its size
-    while it was)."""
+    while it was).
 
-    def __init__(self, parts: list[Arrays]) -> None:
+    ``merge`` (a streamed window, which owns its pieces): runs of pieces smaller than
+    :data:`MERGE_BYTES` are copied into blocks of about that size first. A gather costs a few
+    numpy calls per piece it takes rows from, so a window of many small row groups (a small
+    table is written in small ones) cost three times the read in gathers; a block copy is a
+    fraction of it."""
+
+    def __init__(self, parts: list[Arrays], merge: bool = False) -> None:
+        if merge and len(parts) > 1:
+            parts = _merged(parts)
         self.parts = parts
         self.ends = np.cumsum([len(next(iter(p.values()))) for p in parts])
         self.starts = np.concatenate([[0], self.ends[:-1]]).astype(np.int64)
@@ -170,6 +183,35 @@ class WindowRows:
                 local = index[lo:hi] - self.starts[p]
                 for k, v in self.parts[p].items():
                     out[k][where[lo:hi]] = v[local]
+
+
+def _merged(parts: list[Arrays]) -> list[Arrays]:
+    """``parts`` with each run of small ones copied together (see :class:`WindowRows`)."""
+    out: list[Arrays] = []
+    run: list[Arrays] = []
+    held = 0
+
+    def flush() -> None:
+        nonlocal held
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            out.append({k: np.concatenate([p[k] for p in run]) for k in run[0]})
+        run.clear()
+        held = 0
+
+    for part in parts:
+        size = sum(v.nbytes for v in part.values())
+        if size >= MERGE_BYTES:
+            flush()
+            out.append(part)
+            continue
+        run.append(part)
+        held += size
+        if held >= MERGE_BYTES:
+            flush()
+    flush()
+    return out
 
 
 #: Batches gathered in one go (a few numpy calls per window for all of them).

@@ -277,7 +277,8 @@ class DatasetShard:
             def open_windows(windows: Any) -> list[Any]:
                 pieces = [parts[w.partition][k] for w in windows for k in w.pieces]
                 read = iter(reader.read_many(pieces))
-                return [WindowRows([next(read) for _ in w.pieces]) for w in windows]
+                return [WindowRows([next(read) for _ in w.pieces], merge=True)
+                        for w in windows]
         else:
             kept = self._keep(key, parts, owned, reader)
 
@@ -403,7 +404,7 @@ class DatasetShard:
             def open_windows(due: Any) -> list[Any]:
                 pieces = [sequences.pieces(w) for w in due]
                 read = iter(reader.read_many([p for ps in pieces for p in ps]))
-                return [WindowRows([next(read) for _ in ps]) for ps in pieces]
+                return [WindowRows([next(read) for _ in ps], merge=True) for ps in pieces]
         else:
             self._keep_groups([p for ws in windows for w in ws for p in sequences.pieces(w)],
                               reader)

@@ -622,3 +622,27 @@ def test_a_dealt_epoch_resumed_with_the_same_np_goes_on_as_if_it_had_not_stopped
     shard.load_state_dict(positions[3])
     assert shard.steps_in_epoch(8, 1, size=5) == len(whole) - 4
     assert shard.steps_in_epoch(8, 1, size=7) == (2400 - 4 * 40) // 56
+
+
+def test_a_streamed_window_of_many_small_pieces_gathers_the_same_rows(monkeypatch):
+    """A streamed window copies runs of small pieces into blocks (a gather costs per piece):
+    the rows it hands out are the same, a large piece is kept as it is, not copied."""
+    from sparkhvd.data import reader
+
+    monkeypatch.setattr(reader, "MERGE_BYTES", 800)
+    rng = np.random.default_rng(3)
+    sizes = [3, 5, 1, 40, 2, 2, 7, 100, 9, 1]  # rows; 8-byte ids and 2 x 4-byte floats
+    start = np.concatenate([[0], np.cumsum(sizes)])
+    parts = [{"id": np.arange(a, b, dtype=np.int64),
+              "x": rng.random((b - a, 2), dtype=np.float32)} for a, b in zip(start, start[1:])]
+    plain, merged = reader.WindowRows(parts), reader.WindowRows(parts, merge=True)
+    assert len(merged.parts) < len(parts)
+    assert any(p["id"] is parts[7]["id"] for p in merged.parts), "100 rows: kept as they are"
+    index = rng.permutation(int(start[-1]))[:120]
+    got = {}
+    for name, view in (("plain", plain), ("merged", merged)):
+        out = {"id": np.zeros(120, np.int64), "x": np.zeros((120, 2), np.float32)}
+        view.take(index, out, np.arange(120))
+        got[name] = out
+    assert (got["merged"]["id"] == index).all()
+    assert (got["merged"]["x"] == got["plain"]["x"]).all()
