@@ -315,7 +315,8 @@ def label_diversity(tiny: bool) -> list[dict]:
 
 def planned_reads(tiny: bool) -> list[dict]:
     """Every rank's epoch at many np, one rank after another in this process (see the module
-    docstring): bytes over share and over N, labels per rank's batch on sorted labels."""
+    docstring): bytes over share and over N, labels per rank's batch on sorted labels -- from
+    local files, and (not in --tiny) the same files on Azurite through ``abfss://``."""
     import pickle
 
     import numpy as np
@@ -323,11 +324,9 @@ def planned_reads(tiny: bool) -> list[dict]:
     import pyarrow.parquet as pq
 
     from sparkhvd.data.materialize import group_bytes_for
-    from sparkhvd.data.shard import DatasetShard
     from sparkhvd.data.sharding import ShardSource, footer_size
 
     rows_n, width, files = (8_000, 8, 2) if tiny else (200_000, 64, 8)
-    batch, seed = 32, 1
     folder = tempfile.mkdtemp(prefix="bench-b14-plans-")
     labels = np.arange(rows_n) * 10 // rows_n  # sorted: each label's rows together
     x = np.random.default_rng(0).random((rows_n, width), dtype=np.float32)
@@ -352,7 +351,56 @@ def planned_reads(tiny: bool) -> list[dict]:
                          footers=tuple(pickle.dumps(m) for m in metas),
                          footer_bytes=sum(footer_size(m) for m in metas))
     full = np.random.default_rng(0).permutation(labels)
-    uniform = np.mean([len(set(full[i:i + batch])) for i in range(0, rows_n - batch, batch)])
+    uniform = float(np.mean([len(set(full[i:i + 32])) for i in range(0, rows_n - 32, 32)]))
+    nps = [1, 2, 5] if tiny else [1, 2, 3, 4, 5, 7, 8, 16, 32, 64]
+    rows = _plans("plans", source, total, uniform, nps, chains=not tiny)
+    if not tiny:
+        rows += _plans_on_azurite(source, paths, total, uniform, nps)
+    for r in rows:
+        r.pop("_read", None)
+    return rows
+
+
+def _plans_on_azurite(source: Any, paths: list[str], total: int, uniform: float,
+                      nps: list[int]) -> list[dict]:
+    """:func:`_plans` on the same files uploaded to Azurite, and what adlfs fetched."""
+    import dataclasses
+
+    from conftest import Azurite
+    from sparkhvd import storage
+
+    azurite = Azurite.start(tempfile.mkdtemp(prefix="bench-b14-azurite-"))
+    try:
+        azurite.make_container("plans")
+        options = azurite.options()
+        urls = []
+        for path in paths:
+            url = azurite.url("plans", os.path.basename(path))
+            with open(path, "rb") as local, storage.open_atomic(url, options) as remote:
+                remote.write(local.read())
+            urls.append(url)
+        remote_source = dataclasses.replace(source, files=tuple(urls), storage_options=options)
+        fetched = _fetch_counter()
+        before = fetched[0]
+        rows = _plans("plans on abfss:// (Azurite)", remote_source, total, uniform, nps,
+                      chains=False)
+        rows.append({"case": "B14", "variant": "plans on abfss:// (Azurite): bytes adlfs "
+                     f"fetched over all np ({', '.join(map(str, nps))}) / the reader's count",
+                     "unit": "ratio", **_stats([(fetched[0] - before) / max(1, sum(
+                         r.get("_read", 0) for r in rows))])})
+        return rows
+    finally:
+        azurite.stop()
+
+
+def _plans(where: str, source: Any, total: int, uniform: float, nps: list[int],
+           chains: bool) -> list[dict]:
+    """B14's plan rows for ``source`` (see :func:`planned_reads`)."""
+    import numpy as np
+
+    from sparkhvd.data.shard import DatasetShard
+
+    batch, seed = 32, 1
 
     def epoch(size: int, state: Optional[dict] = None, stop: Optional[int] = None,
               window: Optional[int] = None) -> tuple[list[int], list[float], Optional[dict]]:
@@ -372,15 +420,15 @@ def planned_reads(tiny: bool) -> list[dict]:
         return read, mixed, after
 
     out = []
-    for size in ([1, 2, 5] if tiny else [1, 2, 3, 4, 5, 7, 8, 16, 32, 64]):
+    for size in nps:
         read, mixed, _ = epoch(size)
         out.append((f"np={size}", size, read, mixed))
     # 8 -> 7 -> 8 within epoch 1, each attempt stopped after some steps. An attempt that stops
     # has read the windows it was in: with the default window (this whole table) its whole
     # share; with a window of a twentieth of the table, about that much per resize.
     for window, said in ((None, "the default window: the whole table"),
-                         (rows_n // 20, "a window of N / 20")):
-        if tiny:
+                         (source.num_rows // 20, "a window of N / 20")):
+        if not chains:
             break
         chain_read: list[int] = []
         chain_mixed: list[float] = []
@@ -394,14 +442,15 @@ def planned_reads(tiny: bool) -> list[dict]:
     rows = []
     for name, size, read, mixed in out:
         if "->" not in name:  # (a chain's ranks of several sizes: all of them only)
-            rows.append({"case": "B14", "variant": f"plans, {name}: bytes the busiest rank read"
-                         " / its share (the footers came with the source)", "unit": "ratio",
+            rows.append({"case": "B14", "variant": f"{where}, {name}: bytes the busiest rank "
+                         "read / its share (the footers came with the source)", "unit": "ratio",
                          "np": size, **_stats([max(read) / (total / size)])})
-        rows.append({"case": "B14", "variant": f"plans, {name}: bytes all ranks read / N "
+        rows.append({"case": "B14", "variant": f"{where}, {name}: bytes all ranks read / N "
                      "(and the driver's one read of the footers)", "unit": "ratio", "np": size,
+                     "_read": sum(read),
                      **_stats([(sum(read) + source.footer_bytes) / total])})
-        rows.append({"case": "B14", "variant": f"plans, {name}: distinct labels per rank's batch "
-                     f"of {batch}, sorted labels (full permutation: {uniform:.2f})",
+        rows.append({"case": "B14", "variant": f"{where}, {name}: distinct labels per rank's "
+                     f"batch of {batch}, sorted labels (full permutation: {uniform:.2f})",
                      "unit": "labels", "np": size, **_stats([float(np.mean(mixed))])})
     return rows
 
