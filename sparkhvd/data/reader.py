@@ -185,29 +185,6 @@ class WindowRows:
                     out[k][where[lo:hi]] = v[local]
 
 
-class BlockRows:
-    """A window's rows as ranges of one block (a kept partition's rows, copied together once
-    when read): the same ``take`` as :class:`WindowRows`, one gather per column for all of
-    them -- a kept share of many small row groups gathered piece by piece cost twice its
-    reading every epoch."""
-
-    def __init__(self, block: Arrays, lo: np.ndarray, hi: np.ndarray) -> None:
-        self.block = block
-        self.lo = np.asarray(lo, dtype=np.int64)
-        ends = np.cumsum(np.asarray(hi, dtype=np.int64) - self.lo)
-        self.starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
-        self.parts = [block]  # (what a batch's arrays are shaped and typed after)
-
-    def take(self, index: np.ndarray, out: Arrays, where: np.ndarray) -> None:
-        """Rows at window positions ``index`` into ``out[k][where]``, read in memory order."""
-        piece = np.searchsorted(self.starts, index, side="right") - 1
-        rows = self.lo[piece] + (index - self.starts[piece])
-        order = np.argsort(rows, kind="stable")
-        rows, where = rows[order], where[order]
-        for k, v in self.block.items():
-            out[k][where] = v[rows]
-
-
 def _merged(parts: list[Arrays]) -> list[Arrays]:
     """``parts`` with each run of small ones copied together (see :class:`WindowRows`)."""
     out: list[Arrays] = []
@@ -384,7 +361,7 @@ def _gather(chunk: Chunk, live: dict[int, list[tuple[Window, Any, Optional[np.nd
     return out
 
 
-def _empty_like(view: Any, n: int) -> Arrays:
+def _empty_like(view: WindowRows, n: int) -> Arrays:
     sample = view.parts[0]
     return {k: np.empty((n,) + v.shape[1:], v.dtype) for k, v in sample.items()}
 

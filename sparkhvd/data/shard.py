@@ -34,7 +34,6 @@ from sparkhvd.data.order import (
 )
 from sparkhvd.data.reader import (
     Arrays,
-    BlockRows,
     ShardReader,
     WindowRows,
     dealt_batches,
@@ -70,7 +69,7 @@ class DatasetShard:
         self._blocks = blocks_of(source.row_groups)
         self._layouts: dict[tuple, list[tuple[Piece, ...]]] = {}
         #: The rows this rank keeps: (layout key, partitions) -> partition -> its pieces' rows.
-        self._kept: Optional[tuple[tuple, dict[int, tuple[Arrays, np.ndarray]]]] = None
+        self._kept: Optional[tuple[tuple, dict[int, list[Arrays]]]] = None
         #: The row groups this rank keeps in a dealt epoch: (file, row group) -> its rows.
         self._kept_groups: dict[tuple[int, int], Arrays] = {}
         #: epoch -> the deal its batches were dealt by (None: the round robin), for the
@@ -246,27 +245,15 @@ class DatasetShard:
         return key, parts
 
     def _keep(self, key: tuple, parts: list[tuple[Piece, ...]], owned: list[int],
-              reader: ShardReader) -> dict[int, tuple[Arrays, np.ndarray]]:
-        """The rows of partitions ``owned``, read once (in one scan per file: a row group two
-        of its partitions share is read once) and kept: each partition's pieces copied
-        together into one block (and where each piece starts in it), so a window's gather is
-        one index per column however small the row groups. The pieces as read are let go a
-        partition at a time as its block is made."""
+              reader: ShardReader) -> dict[int, list[Arrays]]:
+        """The rows of partitions ``owned``, read once (in one scan per file) and kept, piece
+        by piece as they were read (not copied together)."""
         want = (key, tuple(owned))
         if self._kept is None or self._kept[0] != want:
             self._kept = None  # the old rows go before the new ones are read
             pieces = [p for c in owned for p in parts[c]]
-            read = collections.deque(reader.read_many(pieces) if pieces else ())
-            kept = {}
-            for c in owned:
-                if not parts[c]:
-                    continue
-                rows = [read.popleft() for _ in parts[c]]
-                block = {k: np.concatenate([r[k] for r in rows]) if len(rows) > 1
-                         else rows[0][k] for k in rows[0]}
-                del rows
-                kept[c] = (block, np.concatenate(
-                    [[0], np.cumsum([p.rows for p in parts[c]])]).astype(np.int64))
+            read = iter(reader.read_many(pieces)) if pieces else iter(())
+            kept = {c: [next(read) for _ in parts[c]] for c in owned if parts[c]}
             self._kept = (want, kept)
         return self._kept[1]
 
@@ -296,12 +283,7 @@ class DatasetShard:
             kept = self._keep(key, parts, owned, reader)
 
             def open_windows(windows: Any) -> list[Any]:
-                views = []
-                for w in windows:
-                    block, starts = kept[w.partition]
-                    pieces = np.asarray(w.pieces, dtype=np.int64)
-                    views.append(BlockRows(block, starts[pieces], starts[pieces + 1]))
-                return views
+                return [WindowRows([kept[w.partition][k] for k in w.pieces]) for w in windows]
         def run(rows: int, at: int, first: int, stop: int) -> Generator[Arrays, None, None]:
             return rank_batches(plans, open_windows, partitions=self.partitions,
                                 batch_size=rows, size=size, rank=rank, start=at,

@@ -399,7 +399,7 @@ def test_a_kept_share_is_read_once_and_is_only_the_share(tmp_path, monkeypatch):
     for epoch in range(3):
         list(shard.batches(8, epoch, rank=1, size=4, shuffle=True, seed=4))
     assert len(seen) == 1, "read once, kept for later epochs"
-    kept = sum(len(block["id"]) for block, _ in shard._kept[1].values())
+    kept = sum(len(piece["id"]) for pieces in shard._kept[1].values() for piece in pieces)
     assert kept == 600, "the rank keeps its 1/4, not the dataset"
     tight = DatasetShard(source)
     tight.memory_cache = 599 * source.row_bytes
