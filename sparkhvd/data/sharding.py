@@ -97,9 +97,10 @@ MEMORY_CACHE_BYTES = 512 << 20
 #: the partitions -- 128 row groups of :data:`~sparkhvd.data.materialize.ROW_GROUP_BYTES`,
 #: enough blocks for sorted data to mix.
 SHUFFLE_WINDOW_BYTES = 128 << 20
-#: A rank's reading memory by default: the row data in flight while streaming (a window, and
-#: at least one row group of each partition it reads at once -- all ``P`` of them at np=1).
-#: A table read in place whose row groups would not fit (``P`` x its largest group) is
+#: A rank's reading memory by default: the row data in flight while streaming (the windows it
+#: trains on and the next ones, read ahead: twice :data:`SHUFFLE_WINDOW_BYTES` over all ranks;
+#: and at least one row group of each partition it reads at once -- all ``P`` of them at
+#: np=1). A table read in place whose row groups would not fit (``P`` x its largest group) is
 #: materialised in small row groups instead (:func:`sparkhvd.data.in_place.groups_reason`).
 READ_MEMORY_BYTES = 256 << 20
 #: The files' footers go to the ranks with the source when they take up to this many bytes in

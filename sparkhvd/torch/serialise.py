@@ -18,7 +18,7 @@ import logging
 import os
 import pickle
 import threading
-from typing import IO, Any, Iterator, Mapping, Union
+from typing import IO, Any, Iterator, Mapping, Union, cast
 
 from sparkhvd.runfolder.file_pieces import as_stream
 
@@ -69,12 +69,14 @@ def load_state(data: Union[bytes, memoryview], device: Any) -> Any:
     if snapshot_ring.is_snapshot(data):
         return snapshot_ring.load_snapshot(data)
     try:  # tensors, numbers, strings and containers: nothing in the file can run code
-        return torch.load(as_stream(data), map_location=device, weights_only=True)
+        return torch.load(cast(IO[bytes], as_stream(data)), map_location=device,
+                          weights_only=True)
     except pickle.UnpicklingError as exc:
         # the user's ``extra`` state holds other objects: a full unpickle, of bytes whose
         # SHA-256 the checkpoint's record vouched for, from a folder only the user can write
         log.debug("checkpoint state needs a full unpickle (%s)", str(exc).split("\n", 1)[0])
-        return torch.load(as_stream(data), map_location=device, weights_only=False)
+        return torch.load(cast(IO[bytes], as_stream(data)), map_location=device,
+                          weights_only=False)
 
 
 def reader_of(files: Mapping[str, Any], folder: str) -> Any:
