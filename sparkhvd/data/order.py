@@ -6,14 +6,25 @@ Three layers, from the files up:
 
 1. **Blocks** (:func:`blocks_of`): the Parquet row groups, in storage order. A block is the unit
    that is read and that the shuffle moves around.
-2. **Partitions** (:func:`layout`): the blocks -- in an order drawn once from the seed when
-   shuffled, in storage order otherwise -- laid end to end and cut into ``P`` spans of
+2. **Partitions** (:func:`layout`): the blocks -- in a *spread* order drawn once from the seed
+   when shuffled, in storage order otherwise -- laid end to end and cut into ``P`` spans of
    ``N // P`` or ``N // P + 1`` rows (a block on a boundary is split into two *pieces*). ``P``
    is fixed with the dataset, not by the number of ranks.
-3. **Each partition's epoch sequence** (:func:`plan_partition`): its pieces permuted by
-   ``(seed, epoch, partition)``, grouped into windows of at least ``window_rows / P`` rows, each
-   window's rows permuted (:func:`window_permutation`); unshuffled, the pieces' rows in layout
-   order.
+3. **Each partition's epoch sequence** (:func:`plan_partition`): its pieces in a spread order
+   drawn from ``(seed, epoch, partition)``, grouped into windows of at least ``window_rows / P``
+   rows, each window's rows permuted (:func:`window_permutation`); unshuffled, the pieces' rows
+   in layout order.
+
+A *spread* order (:func:`spread_permutation`) is a permutation in which every run of
+consecutive places holds blocks from all over the files, at near-even gaps -- not a uniform
+draw, where a run of ``k`` blocks is ``k`` independent picks. A rank's share, a window, any
+span of a partition's sequence is such a run, so on data stored sorted (by label, by date)
+each holds about the table's mix of it, at every ``np``: a rank of 64 reading 26 row groups
+of a label-sorted table sees every label in its batches, where 26 uniform picks leave labels
+out and overweight others. The layout spreads the blocks over the files (the golden ratio's
+step), each epoch spreads a partition's pieces over their storage order again (the silver
+ratio's: two steps that do not resonate), and both draw an offset and a jitter of up to one
+place from their seeds, so every seed and epoch has its own order.
 
 The epoch's sequence ``S`` is a round robin over the partitions: position ``i`` is row
 ``i // P`` of partition ``i % P``'s sequence. At each step the ranks take the next ``size * b``
@@ -36,6 +47,12 @@ __side__ = "common"  # numpy inside the functions: nothing third-party at import
 DEFAULT_PARTITIONS = 24
 #: Seed tags: the layout, a partition's pieces and a window's rows draw from separate streams.
 _LAYOUT, _PIECES, _ROWS = 1, 2, 3
+#: The orders' version, kept with every position (:class:`~sparkhvd.data.sharding.Position`):
+#: 2, the spread orders; 1 (a position saved before them), blocks and pieces drawn uniformly.
+ORDER_VERSION = 2
+#: Steps of the spread orders: the golden ratio's for the layout, the silver ratio's for a
+#: partition's pieces each epoch (each the most evenly spreading of its kind, and unlike).
+_GOLDEN, _SILVER = (5 ** 0.5 - 1) / 2, 2 ** 0.5 - 1
 
 
 @dataclass(frozen=True)
@@ -67,12 +84,12 @@ def partition_sizes(num_rows: int, partitions: int) -> list[int]:
 
 def layout(blocks: Sequence[Piece], partitions: int, *, shuffle: bool,
            seed: int) -> list[tuple[Piece, ...]]:
-    """Each partition's pieces: the blocks (permuted by ``seed`` when ``shuffle``) laid end to
+    """Each partition's pieces: the blocks (spread by ``seed`` when ``shuffle``) laid end to
     end and cut at the partition sizes. Fixed for a dataset, seed and ``P``: the same every
     epoch and for any number of ranks."""
     import numpy as np
 
-    order = np.random.default_rng([seed, _LAYOUT]).permutation(len(blocks)) if shuffle \
+    order = spread_permutation(len(blocks), _GOLDEN, [seed, _LAYOUT]) if shuffle \
         else np.arange(len(blocks))
     parts: list[tuple[Piece, ...]] = []
     current: list[Piece] = []
@@ -115,14 +132,29 @@ def partition_window_rows(window_rows: int, partitions: int) -> int:
     return max(1, -(-window_rows // partitions))
 
 
-def piece_order(pieces: Sequence[Piece], *, partition: int, shuffle: bool, seed: int,
-                epoch: int) -> list[int]:
-    """The order of partition ``partition``'s pieces in ``epoch``: permuted (``shuffle``) or
-    the layout's."""
+def spread_permutation(count: int, step: float, key: Sequence[int]) -> np.ndarray:
+    """A spread order of ``range(count)`` (see the module docstring): the indices sorted by
+    ``frac(u + i * step + j_i / count)``, ``u`` and the jitters ``j_i`` in ``[0, 1)`` drawn
+    from ``key``. The points ``frac(i * step)`` of an irrational ``step`` fall at near-even
+    gaps in every interval (the three-gap theorem), so the indices of any run of places --
+    an interval of keys -- lie at near-even gaps over the whole range."""
     import numpy as np
 
-    return (np.random.default_rng([seed, epoch, partition, _PIECES]).permutation(len(pieces))
-            if shuffle else np.arange(len(pieces))).tolist()
+    rng = np.random.default_rng(list(key))
+    keys = (rng.random() + np.arange(count) * step + rng.random(count) / max(1, count)) % 1.0
+    return np.argsort(keys, kind="stable")
+
+
+def piece_order(pieces: Sequence[Piece], *, partition: int, shuffle: bool, seed: int,
+                epoch: int) -> list[int]:
+    """The order of partition ``partition``'s pieces in ``epoch``: spread over their order in
+    the files (``shuffle``), or the layout's."""
+    if not shuffle:
+        return list(range(len(pieces)))
+    stored = sorted(range(len(pieces)), key=lambda k: (pieces[k].file, pieces[k].group,
+                                                       pieces[k].lo))
+    return [stored[j] for j in spread_permutation(len(pieces), _SILVER,
+                                                  [seed, epoch, partition, _PIECES]).tolist()]
 
 
 def epoch_pieces(pieces: Sequence[Piece], *, partition: int, shuffle: bool, seed: int,
@@ -135,7 +167,7 @@ def epoch_pieces(pieces: Sequence[Piece], *, partition: int, shuffle: bool, seed
 
 def plan_partition(pieces: Sequence[Piece], window_rows: int, *, partition: int, shuffle: bool,
                    seed: int, epoch: int) -> list[Window]:
-    """Partition ``partition``'s windows in ``epoch``: its pieces permuted (``shuffle``) or in
+    """Partition ``partition``'s windows in ``epoch``: its pieces spread (``shuffle``) or in
     layout order, grouped into windows of at least ``window_rows`` rows (the last may be
     smaller)."""
     windows: list[Window] = []

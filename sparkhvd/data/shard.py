@@ -25,6 +25,7 @@ import numpy as np
 from sparkhvd.common.identity import current_rank
 from sparkhvd.data.deal import Deal, Sequences, Unit, deal, left_after, units_at
 from sparkhvd.data.order import (
+    ORDER_VERSION,
     Piece,
     blocks_of,
     layout,
@@ -190,7 +191,9 @@ class DatasetShard:
         changed = [f"{name} {was!r} -> {now!r}" for name, was, now in (
             ("shuffle", resume.shuffle, shuffle), ("seed", resume.seed, seed),
             ("shuffle window", resume.window_rows, window),
-            ("partitions", resume.partitions or "none recorded", self.partitions)) if was != now]
+            ("partitions", resume.partitions or "none recorded", self.partitions),
+            ("order version", resume.order_version if shuffle else ORDER_VERSION,
+             ORDER_VERSION)) if was != now]
         if changed and resume.samples:
             log.warning("The saved data position was taken with another order (%s): epoch %d "
                         "continues at row %d of a different order, so some rows of it may be "
@@ -360,7 +363,8 @@ class DatasetShard:
                 self.position = Position(epoch, samples_after(start, step, batch_size, n_size,
                                                               lead),
                                          int(seed), shuffle, window, self.num_rows, batch_size,
-                                         n_size, done_before + step, self.partitions)
+                                         n_size, done_before + step, self.partitions,
+                                         order_version=ORDER_VERSION)
                 yield self._shape(data)
         finally:
             batches.close()  # its read-ahead thread stops before the files close
@@ -421,7 +425,8 @@ class DatasetShard:
             for step, data in enumerate(batches, start=first + 1):
                 self.position = Position(epoch, before + dealt.consumed(step), seed, shuffle,
                                          window, self.num_rows, batch_size, size,
-                                         done_before + step, self.partitions, deal=record)
+                                         done_before + step, self.partitions, deal=record,
+                                         order_version=ORDER_VERSION)
                 yield self._shape(data)
         finally:
             batches.close()

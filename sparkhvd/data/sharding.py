@@ -9,13 +9,14 @@ credentials beyond the read-only ones minted for the ranks; the rank half
 **One global order per epoch, whatever the number of ranks, and each rank reads only its
 share** (Mosaic Streaming's canonical nodes). The ``N`` rows are cut once into ``P``
 *partitions* (``partitions=``, default 24, fixed with the dataset): the Parquet row groups
-(*blocks*), in an order drawn from the seed when shuffled, laid end to end and cut into ``P``
-spans of equal size. For each ``(seed, epoch)`` the rows form one sequence ``S``:
+(*blocks*), in a *spread* order drawn from the seed when shuffled (any run of it holds blocks
+from all over the files: :mod:`sparkhvd.data.order`), laid end to end and cut into ``P`` spans
+of equal size. For each ``(seed, epoch)`` the rows form one sequence ``S``:
 
 * a round robin over the partitions: position ``i`` is row ``i // P`` of partition ``i % P``'s
   own sequence;
-* ``shuffle=True``: a partition's sequence is its blocks permuted (by seed, epoch and
-  partition), grouped into *windows* of at least ``window_rows / P`` rows, each window's rows
+* ``shuffle=True``: a partition's sequence is its blocks in a spread order (drawn by seed,
+  epoch and partition), grouped into *windows* of at least ``window_rows / P`` rows, each window's rows
   permuted. A dataset that fits ``memory_cache`` has one window per partition: each partition
   fully permuted every epoch.
 * ``shuffle=False``: a partition's rows in the files' order (partition 0 holds the first
@@ -39,7 +40,7 @@ partitions' rows round robin and drawing each a window at a time (permuted when 
   when a share holds tens of row groups: a materialised table is written in about 2,048 of
   them however small it is (:func:`sparkhvd.data.materialize.group_bytes_for`), and the
   files' footers come with the source (:attr:`ShardSource.footers`). B14's plans: all ranks
-  read 1.00-1.04x the files at every np from 1 to 64, the busiest rank at most 1.12x its
+  read 1.00-1.04x the files at every np from 1 to 64, the busiest rank at most 1.08x its
   share (np=64), where the round robin read np times;
 * *memory*: a window of each unit it reads (about ``1 / size`` of the shuffle window) and at
   least a row group of each, within :data:`READ_MEMORY_BYTES` by default; a share that fits
@@ -47,7 +48,10 @@ partitions' rows round robin and drawing each a window at a time (permuted when 
   epoch);
 * *mixing*: a rank's batch draws from every partition of its span at once, as the round
   robin's does from its partitions -- with the same shuffle window, the same number of row
-  groups live;
+  groups live; and since a span, like a partition and a window, is a run of spread orders,
+  its row groups come from all over the table: on sorted data a rank of 64 sees about the
+  table's mix (B14's plans: 0.98x the labels of a full permutation per rank's batch at np=64,
+  where uniformly drawn blocks gave 0.87x);
 * *exactly once*: the position of a dealt epoch keeps its deal and the steps run
   (:attr:`Position.deal`); what is left follows from them, on any rank, and a run resumed with
   any number of ranks deals it again (with the same number: the same spans and sequence, as
@@ -133,6 +137,9 @@ class Position:
     #: such a run resized: :mod:`sparkhvd.data.deal`): the deal (``Deal.as_dict``) and
     #: ``step0``, the epoch's steps before it; what is left follows from it and ``step``.
     deal: Optional[dict[str, Any]] = None
+    #: The orders' version (:data:`~sparkhvd.data.order.ORDER_VERSION`; 1: a position saved
+    #: before the spread orders, whose shuffled epochs were another sequence).
+    order_version: int = 1
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
