@@ -16,9 +16,9 @@ of equal size. For each ``(seed, epoch)`` the rows form one sequence ``S``:
 * a round robin over the partitions: position ``i`` is row ``i // P`` of partition ``i % P``'s
   own sequence;
 * ``shuffle=True``: a partition's sequence is its blocks in a spread order (drawn by seed,
-  epoch and partition), grouped into *windows* of at least ``window_rows / P`` rows, each window's rows
-  permuted. A dataset that fits ``memory_cache`` has one window per partition: each partition
-  fully permuted every epoch.
+  epoch and partition), grouped into *windows* of at least ``window_rows / P`` rows, each
+  window's rows permuted. A dataset that fits ``memory_cache`` has one window per
+  partition: each partition fully permuted every epoch.
 * ``shuffle=False``: a partition's rows in the files' order (partition 0 holds the first
   ``N / P`` rows), so ``S`` takes one row of each ``P``-th of the data in turn.
 
