@@ -5,6 +5,7 @@ executors write them (one file per partition, fixed-size row groups)."""
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -404,7 +405,7 @@ def test_each_footer_is_read_once_a_run_and_counted(tmp_path, monkeypatch):
     shard = DatasetShard(streamed)
     for epoch in range(3):
         list(shard.batches(16, epoch, shuffle=True, seed=1, shuffle_buffer=120))
-    assert len(opened) == 3 * 3 and opened.count(True) == 3, "3 files, 3 epochs, 3 footers"
+    assert len(opened) >= 3 * 3 and opened.count(True) == 3, "3 files, 3 epochs, 3 footers"
     (tmp_path / "kept").mkdir()
     kept = DatasetShard(_ids(tmp_path / "kept"))  # np=1, kept: every row group read once
     for epoch in range(3):
@@ -413,6 +414,36 @@ def test_each_footer_is_read_once_a_run_and_counted(tmp_path, monkeypatch):
     groups = sum(m.row_group(g).column(c).total_compressed_size for m in metas
                  for g in range(m.num_row_groups) for c in range(m.num_columns))
     assert kept.bytes_read == groups + sum(_footer(kept.source, f) for f in range(3))
+
+
+def test_a_reader_holds_no_bytes_beyond_the_rows_it_returned(tmp_path):
+    """A read's file (opened with ``pre_buffer``, which keeps the raw bytes of every row group
+    it read while it lives) goes with the read: once its rows are dropped, Arrow's pool holds
+    nothing more for it, though the reader (an epoch's) is still open. Kept open, the files
+    held a kept share's raw bytes beside it: B14's peak RSS 3.0-3.7x the share."""
+    from sparkhvd.data.order import Piece
+    from sparkhvd.data.reader import ShardReader
+
+    rng = np.random.default_rng(0)
+    source = _source(tmp_path, {"x": rng.random((6000, 64), dtype=np.float32),
+                                "y": np.arange(6000)}, group_rows=500)
+    reader = DatasetShard(source)._reader()
+    assert isinstance(reader, ShardReader)
+    pieces = [Piece(f, g, 0, rows) for f, groups in enumerate(source.row_groups)
+              for g, rows in enumerate(groups)]
+    before = pa.total_allocated_bytes()
+    rows = reader.read_many(pieces)
+    assert sum(len(r["y"]) for r in rows) == 6000
+    assert pa.total_allocated_bytes() - before >= 6000 * 64 * 4, "the rows are Arrow's"
+    del rows
+    try:
+        # Arrow's I/O threads let go of a closed file's buffers on their own time
+        deadline = time.monotonic() + 10
+        while pa.total_allocated_bytes() - before >= 64 << 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pa.total_allocated_bytes() - before < 64 << 10, "nothing kept for the files"
+    finally:
+        reader.close()
 
 
 def test_a_kept_share_is_read_once_and_is_only_the_share(tmp_path, monkeypatch):
