@@ -425,9 +425,10 @@ def _plans(where: str, source: Any, total: int, uniform: float, nps: list[int],
         out.append((f"np={size}", size, read, mixed))
     # 8 -> 7 -> 8 within epoch 1, each attempt stopped after some steps. An attempt that stops
     # has read the windows it was in: with the default window (this whole table) its whole
-    # share; with a window of a twentieth of the table, about that much per resize.
+    # share; with a window of a k-th of the table, about that much per resize -- and a rank's
+    # batch draws on fewer row groups at once (the labels per batch say what that costs)
     for window, said in ((None, "the default window: the whole table"),
-                         (source.num_rows // 20, "a window of N / 20")):
+                         *((source.num_rows // k, f"a window of N / {k}") for k in (20, 40, 80))):
         if not chains:
             break
         chain_read: list[int] = []
