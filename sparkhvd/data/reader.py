@@ -68,10 +68,11 @@ class ShardReader:
         if self.on_read is not None:
             self.on_read(stored_bytes)
 
-    def _file(self, index: int) -> Any:
+    @contextlib.contextmanager
+    def _file(self, index: int) -> Iterator[Any]:
         """File ``index`` opened for one read: a new ``ParquetFile`` over the file's source
         (a path, or the fsspec handle kept open) and its footer (read once per run:
-        :attr:`footers`). Drop it after the read (see the class docstring)."""
+        :attr:`footers`), closed after it (see the class docstring)."""
         import pyarrow.parquet as pq
 
         source = self._sources.get(index)
@@ -95,7 +96,10 @@ class ShardReader:
             self._count(footer_size(meta))
         if index not in self._groups:
             self._groups[index] = self._group_sizes(meta)
-        return opened
+        try:
+            yield opened
+        finally:
+            opened.close()  # and its pre-buffered bytes with it
 
     def _group_sizes(self, meta: Any) -> tuple[list[int], list[int]]:
         """Rows and stored bytes of the columns read, per row group (``fragment.row_groups``
@@ -112,11 +116,8 @@ class ShardReader:
 
     def schema(self, file: int = 0) -> Any:
         """File ``file``'s Arrow schema, from its footer (no row is read)."""
-        opened = self._file(file)
-        try:
+        with self._file(file) as opened:
             return opened.schema_arrow
-        finally:
-            opened.close()
 
     def read(self, piece: Piece) -> Arrays:
         """The piece's rows as numpy arrays, by column name."""
@@ -132,13 +133,9 @@ class ShardReader:
         found: list[Any] = [None] * len(pieces)
         columns = list(self.stored.values())
         for file, indices in by_file.items():
-            opened = self._file(file)
             groups = sorted({pieces[i].group for i in indices})
-            try:
+            with self._file(file) as opened:
                 table = opened.read_row_groups(groups, columns=columns)
-            finally:
-                opened.close()  # and its pre-buffered bytes with it
-            del opened
             rows, stored = self._groups[file]
             starts, offset = {}, 0
             for g in groups:
