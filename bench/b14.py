@@ -19,6 +19,9 @@ and all ranks together <= 1.1 x N (footers counted).
   Parquet files written as the materialiser writes them -- 512 KB row groups -- with labels
   sorted): the stored bytes and footers each rank read (``bytes_read``) over its share and
   over the files, and distinct labels per rank's batch against a full permutation.
+- **The same on a 5 GB and a 10 GB table's layout** (:func:`scale_models`): as many row groups
+  as the materialiser writes for them (512 KB each), of narrow rows, the default window: the
+  plans at np = 8 to 64 and the chain.
 
 N is the materialised files' size (the used columns as stored).
 """
@@ -28,6 +31,10 @@ import os
 import sys
 import tempfile
 from typing import Any, Optional
+
+#: Where a resize chain's first two attempts stop: (steps of the 8 ranks, then of the 7), in
+#: 781ths of the epoch
+CHAIN_STOPS = ((100, 120), (230, 60), (45, 300))
 
 #: One rank's epochs: (reader, kept in memory?)
 READS = [("torch_batches", True), ("torch_batches", False), ("batches", False),
@@ -317,22 +324,74 @@ def planned_reads(tiny: bool) -> list[dict]:
     """Every rank's epoch at many np, one rank after another in this process (see the module
     docstring): bytes over share and over N, labels per rank's batch on sorted labels -- from
     local files, and (not in --tiny) the same files on Azurite through ``abfss://``."""
+    from sparkhvd.data.materialize import group_bytes_for
+
+    rows_n, width, files = (8_000, 8, 2) if tiny else (200_000, 64, 8)
+    # row groups as the materialiser sizes them for this table (on a cluster of 64 slots)
+    group_rows = max(1, group_bytes_for(rows_n * (width * 4 + 12), 1) // (width * 4 + 12))
+    source, paths, total, uniform = _sorted_table(rows_n, width, group_rows, files)
+    nps = [1, 2, 5] if tiny else [1, 2, 3, 4, 5, 7, 8, 16, 32, 64]
+    chains = [] if tiny else [
+        (None, "the default window: the whole table"),
+        *((source.num_rows // k, f"a window of N / {k}") for k in (20, 40, 80))]
+    rows = _plans("plans", source, total, uniform, nps, chains)
+    if not tiny:
+        rows += _plans_on_azurite(source, paths, total, uniform, nps)
+        rows += scale_models()
+    for r in rows:
+        r.pop("_read", None)
+    return rows
+
+
+def scale_models() -> list[dict]:
+    """The plans and the 8 -> 7 -> 8 chain at the default window on tables of 5 GB and 10 GB
+    as the materialiser writes them -- 512 KB row groups, 10,240 and 20,480 of them, the
+    default window (128 MB) 256 of them -- modelled by tables of as many row groups of 122
+    narrow rows: what a rank reads and mixes depends on the row groups, not their width. N is
+    the row groups' stored bytes: the model's footers (2 columns of 122 rows a group) weigh
+    far more beside its narrow rows than a real table's do beside 512 KB groups."""
+    import dataclasses
+
+    import pyarrow.parquet as pq
+
+    from sparkhvd.data.materialize import ROW_GROUP_BYTES
+
+    group_rows, rows = 122, []
+    window_groups = (128 << 20) // ROW_GROUP_BYTES
+    for gigabytes in (5, 10):
+        groups = (gigabytes << 30) // ROW_GROUP_BYTES
+        source, paths, _, uniform = _sorted_table(groups * group_rows, 8, group_rows, 8)
+        stored = 0
+        for path in paths:
+            meta = pq.read_metadata(path)
+            stored += sum(meta.row_group(g).column(c).total_compressed_size
+                          for g in range(meta.num_row_groups) for c in range(meta.num_columns))
+        window = window_groups * group_rows
+        rows += _plans(f"plans, a {gigabytes} GB table's layout ({groups:,} row groups, the "
+                       f"default window {window_groups} of them)",
+                       dataclasses.replace(source, footer_bytes=0), stored, uniform,
+                       [8, 16, 32, 64], [(window, "the default window")], window=window)
+    return rows
+
+
+def _sorted_table(rows_n: int, width: int, group_rows: int, files: int
+                  ) -> tuple[Any, list[str], int, float]:
+    """A table of ``rows_n`` rows of ``width`` floats and a label sorted (each label's rows
+    together) in ``files`` Parquet files of ``group_rows``-row groups: its ShardSource (the
+    footers go with it, as the materialiser's writers return them), files, bytes and the
+    distinct labels per 32 rows of a full permutation."""
     import pickle
 
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from sparkhvd.data.materialize import group_bytes_for
     from sparkhvd.data.sharding import ShardSource, footer_size
 
-    rows_n, width, files = (8_000, 8, 2) if tiny else (200_000, 64, 8)
     folder = tempfile.mkdtemp(prefix="bench-b14-plans-")
     labels = np.arange(rows_n) * 10 // rows_n  # sorted: each label's rows together
     x = np.random.default_rng(0).random((rows_n, width), dtype=np.float32)
     paths, counts, groups = [], [], []
-    # row groups as the materialiser sizes them for this table (on a cluster of 64 slots)
-    group_rows = max(1, group_bytes_for(rows_n * (width * 4 + 12), 1) // (width * 4 + 12))
     for f, index in enumerate(np.array_split(np.arange(rows_n), files)):
         path = os.path.join(folder, f"part-{f:05d}.parquet")
         offsets = pa.array(np.arange(len(index) + 1, dtype=np.int32) * width)
@@ -343,7 +402,6 @@ def planned_reads(tiny: bool) -> list[dict]:
         counts.append(len(index))
         groups.append(tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups)))
     total = sum(os.path.getsize(p) for p in paths)
-    # the footers go to the ranks with the source, as the materialiser's writers return them
     metas = [pq.read_metadata(p) for p in paths]
     source = ShardSource(files=tuple(paths), row_counts=tuple(counts), row_groups=tuple(groups),
                          stored={"x": "x", "y": "y"}, row_bytes=width * 4 + 8,
@@ -352,13 +410,7 @@ def planned_reads(tiny: bool) -> list[dict]:
                          footer_bytes=sum(footer_size(m) for m in metas))
     full = np.random.default_rng(0).permutation(labels)
     uniform = float(np.mean([len(set(full[i:i + 32])) for i in range(0, rows_n - 32, 32)]))
-    nps = [1, 2, 5] if tiny else [1, 2, 3, 4, 5, 7, 8, 16, 32, 64]
-    rows = _plans("plans", source, total, uniform, nps, chains=not tiny)
-    if not tiny:
-        rows += _plans_on_azurite(source, paths, total, uniform, nps)
-    for r in rows:
-        r.pop("_read", None)
-    return rows
+    return source, paths, total, uniform
 
 
 def _plans_on_azurite(source: Any, paths: list[str], total: int, uniform: float,
@@ -382,8 +434,7 @@ def _plans_on_azurite(source: Any, paths: list[str], total: int, uniform: float,
         remote_source = dataclasses.replace(source, files=tuple(urls), storage_options=options)
         fetched = _fetch_counter()
         before = fetched[0]
-        rows = _plans("plans on abfss:// (Azurite)", remote_source, total, uniform, nps,
-                      chains=False)
+        rows = _plans("plans on abfss:// (Azurite)", remote_source, total, uniform, nps, [])
         rows.append({"case": "B14", "variant": "plans on abfss:// (Azurite): bytes adlfs "
                      f"fetched over all np ({', '.join(map(str, nps))}) / the reader's count",
                      "unit": "ratio", **_stats([(fetched[0] - before) / max(1, sum(
@@ -394,8 +445,10 @@ def _plans_on_azurite(source: Any, paths: list[str], total: int, uniform: float,
 
 
 def _plans(where: str, source: Any, total: int, uniform: float, nps: list[int],
-           chains: bool) -> list[dict]:
-    """B14's plan rows for ``source`` (see :func:`planned_reads`)."""
+           chains: list[tuple[Optional[int], str]], window: Optional[int] = None
+           ) -> list[dict]:
+    """B14's plan rows for ``source`` (see :func:`planned_reads`): an epoch at each of ``nps``
+    with ``window`` (default: the dataset's), and each of ``chains`` (a window, what it is)."""
     import numpy as np
 
     from sparkhvd.data.shard import DatasetShard
@@ -419,40 +472,47 @@ def _plans(where: str, source: Any, total: int, uniform: float, nps: list[int],
             after = shard.state_dict()
         return read, mixed, after
 
-    out = []
+    # (name, np, the busiest rank / its share, all ranks / N, labels, bytes read): a list of
+    # values each (one per chain's stops), the busiest rank for single epochs only
+    out: list[tuple[str, int, list[float], list[float], list[float], int]] = []
     for size in nps:
-        read, mixed, _ = epoch(size)
-        out.append((f"np={size}", size, read, mixed))
-    # 8 -> 7 -> 8 within epoch 1, each attempt stopped after some steps. An attempt that stops
-    # has read the windows it was in: with the default window (this whole table) its whole
-    # share; with a window of a k-th of the table, about that much per resize -- and a rank's
-    # batch draws on fewer row groups at once (the labels per batch say what that costs)
-    for window, said in ((None, "the default window: the whole table"),
-                         *((source.num_rows // k, f"a window of N / {k}") for k in (20, 40, 80))):
-        if not chains:
-            break
-        chain_read: list[int] = []
-        chain_mixed: list[float] = []
-        state = None
-        for size, stop in ((8, 100), (7, 120), (8, None)):
-            read, mixed, state = epoch(size, state, stop, window)
-            chain_read += read
-            chain_mixed += mixed
-        out.append((f"8 -> 7 -> 8 mid-epoch, {said} (all attempts)", 8, chain_read,
-                    chain_mixed))
+        read, mixed, _ = epoch(size, window=window)
+        out.append((f"np={size}", size, [max(read) / (total / size)],
+                    [(sum(read) + source.footer_bytes) / total], [float(np.mean(mixed))],
+                    sum(read)))
+    # 8 -> 7 -> 8 within epoch 1, each attempt stopped after some steps: three pairs of stops,
+    # in 781ths of the epoch (its steps at 200k rows), as what a stop costs depends on where in
+    # its windows it falls. An attempt that stops has read the windows it was in, and half a
+    # group of windows ahead on average: with a window of the whole table its whole share; with
+    # a window of a k-th of it, about twice that per resize -- and a rank's batch draws on
+    # fewer row groups at once (the labels per batch say the cost)
+    steps = source.num_rows // (8 * batch)
+    for chain_window, said in chains:
+        ratios, labels = [], []
+        for first, second in CHAIN_STOPS:
+            chain_read: list[int] = []
+            chain_mixed: list[float] = []
+            state = None
+            for size, stop in ((8, steps * first // 781), (7, steps * second // 781),
+                               (8, None)):
+                read, mixed, state = epoch(size, state, stop, chain_window)
+                chain_read += read
+                chain_mixed += mixed
+            ratios.append((sum(chain_read) + source.footer_bytes) / total)
+            labels.append(float(np.mean(chain_mixed)))
+        out.append((f"8 -> 7 -> 8 mid-epoch, {said} (all attempts)", 8, [], ratios, labels, 0))
     rows = []
-    for name, size, read, mixed in out:
-        if "->" not in name:  # (a chain's ranks of several sizes: all of them only)
+    for name, size, busiest, ratio, mixed, read_sum in out:
+        if busiest:
             rows.append({"case": "B14", "variant": f"{where}, {name}: bytes the busiest rank "
                          "read / its share (the footers came with the source)", "unit": "ratio",
-                         "np": size, **_stats([max(read) / (total / size)])})
+                         "np": size, **_stats(busiest)})
         rows.append({"case": "B14", "variant": f"{where}, {name}: bytes all ranks read / N "
                      "(and the driver's one read of the footers)", "unit": "ratio", "np": size,
-                     "_read": sum(read),
-                     **_stats([(sum(read) + source.footer_bytes) / total])})
+                     "_read": read_sum, **_stats(ratio)})
         rows.append({"case": "B14", "variant": f"{where}, {name}: distinct labels per rank's "
                      f"batch of {batch}, sorted labels (full permutation: {uniform:.2f})",
-                     "unit": "labels", "np": size, **_stats([float(np.mean(mixed))])})
+                     "unit": "labels", "np": size, **_stats(mixed)})
     return rows
 
 

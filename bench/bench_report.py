@@ -105,8 +105,8 @@ NOTES = """\
   1.14-1.20. The excess is fixed in size -- the row groups a partition boundary splits, read
   by both neighbours (24 x 512 KB), and the files' footers -- so it falls as the data grows;
   at np 6 and 8 on this 237 MB table it was 1-2 points over the goal (1.005-1.02x since the
-  row groups are sized by the table). Peak RSS growth while a rank reads and keeps its share:
-  see below (a fixed part weighs more on a small share); before, each rank held the whole
+  row groups are sized by the table; 1.004-1.021x on 2026-12-05). Peak RSS growth while a
+  rank reads and keeps its share: see below (a fixed part weighs more on a small share); before, each rank held the whole
   dataset. Label diversity on the digits sorted by label, a window of
   a tenth of the data: every global batch holds 9.97-10 of 10 labels (a full permutation: 10);
   a rank's own batch of 32 holds 9.5 at np=2, 9.0 at np=4, 8.0 at np=8 (full permutation
@@ -115,17 +115,27 @@ NOTES = """\
   table of 1,640 groups, the default window): 9.58-9.66 labels per rank's batch at np 1 to 32
   and 9.48 at 64 (0.98x a full permutation; uniformly drawn blocks gave 9.09 at 32 and 8.35
   at 64), the busiest rank at most 1.083x its share (1.122x before, at np=64). The 8 -> 7 -> 8
-  chain (2026-12-05): 3.76x the files with the default window (the whole table: each attempt
-  reads its share up front and the next reads again what was left of it), 1.31x / 1.15x /
-  1.12x with a window of N/20, N/40, N/80 -- where a rank's batch holds 7.8, 5.4 and 3.1
-  labels: what a rank holds to mix its batches is what a resize reads again, so on this table
-  the chain's goal and the mixing goal cannot both be met (not met). Peak RSS growth of a kept
-  share (2026-12-05): 1.70x at np=1 to 2.40x at np=8 (was 3.0x to 3.7x: each file stayed open
-  for the epoch, and pyarrow's `pre_buffer` kept the raw bytes of every row group it read;
-  each read now opens and drops its own; in one process the rest is a fixed ~55 MB of the
-  first read, the share itself about 1.15x). Ready time on a 0.97 GB Parquet table written
-  with 4 MB row groups: read in place 3.3 s (the checks' one Spark job and the footers)
-  against 9.4 s materialised and 10.5 s for petastorm's converter.
+  chain (2026-12-05 09:01; the median of three pairs of stops, as what a stop costs depends on
+  where in its windows it falls; the next group of windows read once a rank is halfway
+  through the current one): 3.63x the files with the default window (the whole table: each
+  attempt reads its share up front and the next reads again what was left of it), 1.27x /
+  1.15x / 1.10x with a window of N/20, N/40, N/80 -- where a rank's batch holds 7.9, 5.4 and
+  3.1 labels: what a rank holds to mix its batches is what a resize reads again, so on this
+  small table the chain's goal and the mixing goal cannot both be met (not met). On the
+  layouts of a 5 GB and a 10 GB table (10,240 and 20,480 row groups of 512 KB, of narrow
+  rows; the default window 256 of them; N the row groups' bytes) they are: the chain read
+  1.086x (1.08-1.10) and 1.055x (1.044-1.055) with 9.48 and 9.51 labels per rank's batch
+  (0.98x), each rank 1.002-1.013x its share at np 8 to 64; at np 16, 32, 64 a rank's batch
+  holds 9.09, 8.83, 8.70 labels (5 GB) and 9.28, 9.13, 9.03 (10 GB): its part of the window
+  is 256 / np row groups. With the next group read as soon as the current one was taken (the
+  same stops, in a script): 3.80x, 1.30x, 1.16x, 1.10x on the small table, 1.119x and 1.057x
+  on the 5 GB and 10 GB layouts. Peak RSS growth of a kept share (2026-12-05 09:01): 1.85x at
+  np=1 to 2.44x at np=8 (2.48x at np=6; was 3.0x to 3.7x: each file stayed open for the
+  epoch, and pyarrow's `pre_buffer` kept the raw bytes of every row group it read; each read
+  now opens and drops its own; in one process the rest is a fixed ~55 MB of the first read,
+  the share itself about 1.15x). Ready time on a 0.97 GB Parquet table written with 4 MB row
+  groups: read in place 3.4 s (the checks' one Spark job and the footers) against 13.1 s
+  materialised and 11.3 s for petastorm's converter (9.4 s and 10.5 s on 2026-12-05 05:23).
 - **B15, a checkpoint every step (issue 51)** (`bench/b15.py`, torch profile; one process, a
   5 x 4096-wide MLP with Adam, 1.01 GB of state, batch 64, about 1 s a step on this 2-core VM
   on 2026-11-28, `every_steps=1`, `keep=2`, a local folder; 2026-11-28 02:57). Since this run
@@ -571,6 +581,22 @@ def _plan_goals(rows: list[dict]) -> list[str]:
             out.append(f"| B14 plans, 8 → 7 → 8 mid-epoch: all attempts ≤ 1.1 × N with batches "
                        f"still mixed (≥ 0.95 × {uniform:.2f} labels) | {'; '.join(said)} | "
                        f"{'yes' if met else 'no'} |")
+    models = dict.fromkeys(m.group(1) for v, _ in plan(r"plans, a \d+ GB table's layout")
+                           for m in [re.match(r"plans, (a \d+ GB table's layout) ", v)] if m)
+    for model in models:
+        mine = plan(rf"plans, {model} ")
+        uniform = float(next(m.group(1) for k, _ in mine
+                             for m in [re.search(r"full permutation: ([\d.]+)", k)] if m))
+        chain = next(v for k, v in mine if "8 -> 7 -> 8" in k and "bytes all ranks" in k)
+        mixed = next(v for k, v in mine if "8 -> 7 -> 8" in k and "labels" in k)
+        met = chain <= 1.1 and mixed >= 0.95 * uniform
+        out.append(f"| B14 plans, {model}, the default window: 8 → 7 → 8 mid-epoch ≤ 1.1 × N "
+                   f"with batches still mixed (≥ 0.95 × {uniform:.2f} labels) | {chain:.3f}× N, "
+                   f"{mixed:.2f} labels | {'yes' if met else 'no'} |")
+        low = min(v for k, v in mine if "->" not in k and "labels" in k)
+        out.append(f"| B14 plans, {model}, the default window, np 8-64: a rank's batch ≥ 0.95 × "
+                   f"the labels of a full permutation | lowest {low:.2f} of {uniform:.2f} "
+                   f"({low / uniform:.2f}×) | {'yes' if low >= 0.95 * uniform else 'no'} |")
     return out
 
 

@@ -18,6 +18,7 @@ number of ranks that does not divide ``P`` (:mod:`sparkhvd.data.deal`) the same 
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import threading
 from dataclasses import dataclass
@@ -270,45 +271,67 @@ def chunks(plans: Mapping[int, Sequence[Window]], *, partitions: int, batch_size
 
 
 class ReadAhead:
-    """Opens groups of windows in order on a helper thread, one group ahead of the one in use:
-    the next windows are read while the rank gathers (and trains on) the current ones.
-    pyarrow reads without the GIL; at most one group is read or waiting beyond those in use."""
+    """Opens groups of windows in order on a helper thread, ahead of the one in use: the next
+    windows are read while the rank gathers (and trains on) the current ones. pyarrow reads
+    without the GIL; at most one group is read or waiting beyond those in use.
 
-    def __init__(self, groups: Sequence[Sequence[Window]], open_windows: WindowOpener) -> None:
+    ``due[i]`` is the chunk of the rank's walk that takes group ``i``; the consumer says where
+    it is (:meth:`at`). Group ``i`` is read once group ``i - 1`` is taken and the consumer is
+    halfway from that chunk to group ``i``'s: an attempt that stops (a resize, a failure) has
+    read, on average, half a group it never used rather than a whole one -- what the next
+    attempt reads again -- while the read still has half a group's training to hide behind."""
+
+    def __init__(self, groups: Sequence[Sequence[Window]], open_windows: WindowOpener,
+                 due: Sequence[int]) -> None:
         self._groups = list(groups)
         self._open = open_windows
+        self._from = [0] + [(a + b) // 2 for a, b in zip(due, due[1:])]
         self._ready: queue.Queue = queue.Queue()
-        self._turn = threading.Semaphore(1)  # read the next group once this one is taken
-        self._stop = threading.Event()
+        self._taken = 0  # groups handed out by next()
+        self._chunk = 0  # the consumer's chunk (at())
+        self._stopped = False
+        self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="sparkhvd-data-read-ahead")
         self._thread.start()
 
     def _run(self) -> None:
-        for group in self._groups:
-            while not self._turn.acquire(timeout=0.5):
-                if self._stop.is_set():
+        for i, group in enumerate(self._groups):
+            with self._changed:
+                self._changed.wait_for(functools.partial(self._may_read, i))
+                if self._stopped:
                     return
-            if self._stop.is_set():
-                return
             try:
                 self._ready.put(self._open(group))
             except BaseException as exc:  # noqa: BLE001 - raised in the reading thread
                 self._ready.put(exc)
                 return
 
+    def _may_read(self, i: int) -> bool:
+        """Whether group ``i`` may be read now (or the reading stops); under ``_changed``."""
+        return self._stopped or (self._taken >= i and self._chunk >= self._from[i])
+
+    def at(self, chunk: int) -> None:
+        """The consumer is at ``chunk`` of its walk."""
+        with self._changed:
+            self._chunk = chunk
+            self._changed.notify_all()
+
     def next(self) -> Sequence[Any]:
         """The next group's views (an error of reading them is raised here)."""
         item = self._ready.get()
-        self._turn.release()
+        with self._changed:
+            self._taken += 1
+            self._changed.notify_all()
         if isinstance(item, BaseException):
             raise item
         return item
 
     def close(self) -> None:
         """Stop reading ahead; returns once the helper thread no longer uses the reader."""
-        self._stop.set()
-        self._turn.release()
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
         self._thread.join()
 
 
@@ -321,18 +344,23 @@ def rank_batches(plans: Mapping[int, Sequence[Window]], open_windows: WindowOpen
 
     ``plans``: the windows of each partition this rank reads (its epoch sequence). A window
     is opened when a position first reaches it (windows of several partitions that come due
-    together are read together; ``read_ahead``: on a helper thread, one group early) and
-    dropped once the positions have passed its end.
+    together are read together; ``read_ahead``: on a helper thread, from halfway through the
+    group before, :class:`ReadAhead`) and dropped once the positions have passed its end.
     """
     def walk() -> Iterator[Chunk]:
         return chunks(plans, partitions=partitions, batch_size=batch_size, size=size,
                       rank=rank, start=start, first_step=first_step, steps=steps)
 
-    ahead = ReadAhead([c.due for c in walk() if c.due], open_windows) if read_ahead else None
+    ahead = None
+    if read_ahead:
+        due = [(k, c.due) for k, c in enumerate(walk()) if c.due]
+        ahead = ReadAhead([d for _, d in due], open_windows, [k for k, _ in due])
     live: dict[int, list[tuple[Window, Any, Optional[np.ndarray]]]] = {c: [] for c in plans}
     b = batch_size
     try:
-        for chunk in walk():
+        for k, chunk in enumerate(walk()):
+            if ahead is not None:
+                ahead.at(k)
             if chunk.due:
                 views = ahead.next() if ahead is not None else open_windows(chunk.due)
                 for window, view in zip(chunk.due, views):
@@ -432,8 +460,9 @@ def dealt_batches(span: Sequence[Any], windows: Sequence[Sequence[Any]],
                   read_ahead: bool = False) -> Generator[Arrays, None, None]:
     """A rank's batches at steps ``[first_step, steps)`` of a deal (see :func:`dealt_chunks`),
     each batch's rows in the rank's sequence. A window is opened (``open_windows``: views with
-    ``take``, read together; ``read_ahead``: on a helper thread, one group early) when a row
-    first reaches it and dropped once no later row needs it."""
+    ``take``, read together; ``read_ahead``: on a helper thread, from halfway through the
+    group before, :class:`ReadAhead`) when a row first reaches it and dropped once no later
+    row needs it."""
     from sparkhvd.data.deal import permutation
 
     flat = [w for unit_windows in windows for w in unit_windows]
@@ -441,11 +470,15 @@ def dealt_batches(span: Sequence[Any], windows: Sequence[Sequence[Any]],
     def walk() -> Iterator[DealtChunk]:
         return dealt_chunks(span, windows, rank_rows, first_step, steps)
 
-    ahead = ReadAhead([[flat[w] for w in c.due] for c in walk() if c.due], open_windows) \
-        if read_ahead else None
+    ahead = None
+    if read_ahead:
+        due = [(k, [flat[w] for w in c.due]) for k, c in enumerate(walk()) if c.due]
+        ahead = ReadAhead([d for _, d in due], open_windows, [k for k, _ in due])
     live: dict[int, tuple[Any, Optional[np.ndarray]]] = {}
     try:
-        for chunk in walk():
+        for k, chunk in enumerate(walk()):
+            if ahead is not None:
+                ahead.at(k)
             if chunk.due:
                 due = [flat[w] for w in chunk.due]
                 views = ahead.next() if ahead is not None else open_windows(due)

@@ -701,3 +701,52 @@ def test_a_streamed_window_of_many_small_pieces_gathers_the_same_rows(monkeypatc
         got[name] = out
     assert (got["merged"]["id"] == index).all()
     assert (got["merged"]["x"] == got["plain"]["x"]).all()
+
+
+def test_the_next_windows_are_read_once_half_of_the_current_ones_are_used():
+    """Read-ahead opens group ``i`` of windows once group ``i - 1`` is taken and the rank is
+    halfway from it to group ``i``: an attempt that stops (a resize) has read half a group it
+    never used, on average, not a whole one -- what the next attempt reads again. Each group
+    is still read before it is due, and the groups come in order."""
+    import threading
+
+    from sparkhvd.data.reader import ReadAhead
+
+    due = [0, 1, 9, 10, 30]  # the chunks that take groups 0..4
+    halfway = [0, 0, 5, 9, 20]
+    now = {"chunk": 0}
+    opened: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def open_windows(group):
+        with lock:
+            opened.append((group[0], now["chunk"]))
+        return [f"view of {group[0]}"]
+
+    ahead = ReadAhead([[f"g{i}"] for i in range(len(due))], open_windows, due)
+    try:
+        for chunk in range(due[-1] + 1):
+            with lock:
+                now["chunk"] = chunk
+            ahead.at(chunk)
+            if chunk in due:
+                assert ahead.next() == [f"view of g{due.index(chunk)}"]
+    finally:
+        ahead.close()
+    assert [name for name, _ in opened] == [f"g{i}" for i in range(len(due))]
+    for i, (_, chunk) in enumerate(opened):
+        assert halfway[i] <= chunk <= due[i], f"group {i} read at chunk {chunk}"
+
+
+def test_read_ahead_that_is_closed_early_stops_without_reading_the_rest():
+    """A rank that stops mid-epoch closes its read-ahead: the groups not yet due are not read."""
+    from sparkhvd.data.reader import ReadAhead
+
+    opened: list[str] = []
+    ahead = ReadAhead([["g0"], ["g1"], ["g2"]], lambda g: opened.append(g[0]) or [g[0]],
+                      [0, 10, 20])
+    ahead.at(0)
+    assert ahead.next() == ["g0"]
+    ahead.at(2)
+    ahead.close()
+    assert opened == ["g0"]
