@@ -370,7 +370,8 @@ def scale_models() -> list[dict]:
         rows += _plans(f"plans, a {gigabytes} GB table's layout ({groups:,} row groups, the "
                        f"default window {window_groups} of them)",
                        dataclasses.replace(source, footer_bytes=0), stored, uniform,
-                       [8, 16, 32, 64], [(window, "the default window")], window=window)
+                       [1, 2, 4, 8, 12, 16, 24, 32, 64], [(window, "the default window")],
+                       window=window)
     return rows
 
 

@@ -115,8 +115,8 @@ NOTES = """\
   table of 1,640 groups, the default window): 9.58-9.66 labels per rank's batch at np 1 to 32
   and 9.48 at 64 (0.98x a full permutation; uniformly drawn blocks gave 9.09 at 32 and 8.35
   at 64), the busiest rank at most 1.083x its share (1.122x before, at np=64). The 8 -> 7 -> 8
-  chain (2026-12-05 09:01; the median of three pairs of stops, as what a stop costs depends on
-  where in its windows it falls; the next group of windows read once a rank is halfway
+  chain (2026-12-05 13:02, as at 09:01; the median of three pairs of stops, as what a stop
+  costs depends on where in its windows it falls; the next group of windows read once a rank is halfway
   through the current one): 3.63x the files with the default window (the whole table: each
   attempt reads its share up front and the next reads again what was left of it), 1.27x /
   1.15x / 1.10x with a window of N/20, N/40, N/80 -- where a rank's batch holds 7.9, 5.4 and
@@ -125,17 +125,20 @@ NOTES = """\
   layouts of a 5 GB and a 10 GB table (10,240 and 20,480 row groups of 512 KB, of narrow
   rows; the default window 256 of them; N the row groups' bytes) they are: the chain read
   1.086x (1.08-1.10) and 1.055x (1.044-1.055) with 9.48 and 9.51 labels per rank's batch
-  (0.98x), each rank 1.002-1.013x its share at np 8 to 64; at np 16, 32, 64 a rank's batch
-  holds 9.09, 8.83, 8.70 labels (5 GB) and 9.28, 9.13, 9.03 (10 GB): its part of the window
-  is 256 / np row groups. With the next group read as soon as the current one was taken (the
-  same stops, in a script): 3.80x, 1.30x, 1.16x, 1.10x on the small table, 1.119x and 1.057x
-  on the 5 GB and 10 GB layouts. Peak RSS growth of a kept share (2026-12-05 09:01): 1.85x at
-  np=1 to 2.44x at np=8 (2.48x at np=6; was 3.0x to 3.7x: each file stayed open for the
+  (0.98x), each rank 1.001-1.013x its share at np 1 to 64 (2026-12-05 13:02). Past 8 ranks
+  the epoch is dealt and a rank draws from at least an eighth of the window (32 row groups):
+  a rank's batch holds 9.30-9.53 labels at np 12 to 64 on the 5 GB layout and 9.37-9.49 on
+  the 10 GB one (0.96-0.99x; lowest at np 12 to 24) -- where a rank of the round robin, or a
+  dealt one drawing from 256 / np row groups, held 9.09, 8.83, 8.70 at np 16, 32, 64 (5 GB;
+  0.94-0.90x) and 9.28, 9.13, 9.03 (10 GB). With the next group read as soon as the current
+  one was taken (the same stops, in a script): 3.80x, 1.30x, 1.16x, 1.10x on the small table, 1.119x and 1.057x
+  on the 5 GB and 10 GB layouts. Peak RSS growth of a kept share (2026-12-05 13:02): 1.80x at
+  np=1 to 2.41x at np=8 (2.43x at np=6; was 3.0x to 3.7x: each file stayed open for the
   epoch, and pyarrow's `pre_buffer` kept the raw bytes of every row group it read; each read
   now opens and drops its own; in one process the rest is a fixed ~55 MB of the first read,
   the share itself about 1.15x). Ready time on a 0.97 GB Parquet table written with 4 MB row
-  groups: read in place 3.4 s (the checks' one Spark job and the footers) against 13.1 s
-  materialised and 11.3 s for petastorm's converter (9.4 s and 10.5 s on 2026-12-05 05:23).
+  groups: read in place 3.1 s (the checks' one Spark job and the footers) against 12.7 s
+  materialised and 10.6 s for petastorm's converter (9.4 s and 10.5 s on 2026-12-05 05:23).
 - **B15, a checkpoint every step (issue 51)** (`bench/b15.py`, torch profile; one process, a
   5 x 4096-wide MLP with Adam, 1.01 GB of state, batch 64, about 1 s a step on this 2-core VM
   on 2026-11-28, `every_steps=1`, `keep=2`, a local folder; 2026-11-28 02:57). Since this run
@@ -594,7 +597,7 @@ def _plan_goals(rows: list[dict]) -> list[str]:
                    f"with batches still mixed (≥ 0.95 × {uniform:.2f} labels) | {chain:.3f}× N, "
                    f"{mixed:.2f} labels | {'yes' if met else 'no'} |")
         low = min(v for k, v in mine if "->" not in k and "labels" in k)
-        out.append(f"| B14 plans, {model}, the default window, np 8-64: a rank's batch ≥ 0.95 × "
+        out.append(f"| B14 plans, {model}, the default window, np 1-64: a rank's batch ≥ 0.95 × "
                    f"the labels of a full permutation | lowest {low:.2f} of {uniform:.2f} "
                    f"({low / uniform:.2f}×) | {'yes' if low >= 0.95 * uniform else 'no'} |")
     return out

@@ -110,9 +110,9 @@ class DataFrameDataset:
             fits reads it once and keeps it, and a dataset that fits whole is shuffled as one
             window per partition; otherwise the rows stream every epoch.
         partitions: ``P``, the parts the rows are cut into for the order (default 24). Any
-            ``np`` reads only its share; for the ``np`` that divide ``P`` (with 24: 1, 2, 3, 4,
-            6, 8, 12, 24) the epoch's order is one and the same, for any other each rank reads
-            a contiguous span of it, dealt (:mod:`sparkhvd.data.deal`). Positions saved with
+            ``np`` reads only its share; for the ``np`` up to 8 that divide ``P`` (with 24:
+            1, 2, 3, 4, 6, 8) the epoch's order is one and the same, for any other each rank
+            reads a contiguous span of it, dealt (:mod:`sparkhvd.data.deal`). Positions saved with
             one ``P`` resume only with the same ``P``.
 
     The materialised files are reused by every run with this dataset -- and by a new dataset
@@ -175,7 +175,7 @@ class DataFrameDataset:
         if isinstance(partitions, bool) or not isinstance(partitions, int) or \
                 not 1 <= partitions <= MAX_PARTITIONS:
             raise ValueError(f"partitions must be an int from 1 to {MAX_PARTITIONS}; got "
-                             f"{partitions!r} (24 or 48: most numbers of ranks divide them and "
+                             f"{partitions!r} (24: 1, 2, 3, 4, 6 and 8 ranks divide it and "
                              "share one order)")
         self.partitions = partitions
         if in_place not in (None, True, False):

@@ -1,6 +1,7 @@
-"""The order of an epoch whose number of ranks does not divide ``P`` (or that such a run
-resized): the rest of the epoch *dealt* to the ranks in contiguous spans. Pure functions of
-plain numbers, the same on every rank; the why is in :mod:`sparkhvd.data.sharding`.
+"""The order of an epoch whose number of ranks does not divide ``P`` or is over 8 (or that
+such a run resized): the rest of the epoch *dealt* to the ranks in contiguous spans. Pure
+functions of plain numbers, the same on every rank; the why is in
+:mod:`sparkhvd.data.sharding`.
 
 The round robin of :mod:`sparkhvd.data.order` gives rank ``r`` of ``size`` the positions
 ``i % size == r``: they fall in the partitions ``c % g == r % g`` (``g = gcd(size, P)``), the
@@ -20,7 +21,10 @@ rank's share when ``size`` divides ``P`` -- but every partition, the whole table
 3. **A rank's sequence**: its units in turn, one row of each (a round robin, as the partitions
    are interleaved), each unit's rows a window at a time -- a window is whole pieces of at
    least ``window_rows`` rows, permuted when shuffled (its seed from the rows it holds, so the
-   same window is drawn the same way on every rank and in every run).
+   same window is drawn the same way on every rank and in every run). A span of few units
+   (more than 8 ranks) widens its runs' windows so that the rank draws from at least
+   ``1 / MIXING_RANKS`` of the shuffle window at once, its batches mixed at any ``size``; a
+   run keeps its windows' size once drawn from, so a resumed deal draws it the same way.
 
 What is left after ``steps`` steps of a deal (:func:`left_after`) follows from the deal alone,
 on any rank: a checkpoint keeps the deal and its steps, and a run resumed with any number of
@@ -32,7 +36,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
-from sparkhvd.data.order import Piece, epoch_pieces, partition_window_rows, plan_partition
+from sparkhvd.data.order import (
+    MIXING_RANKS,
+    Piece,
+    epoch_pieces,
+    partition_window_rows,
+    plan_partition,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -60,6 +70,10 @@ class Unit:
     #: rows of the partition's pieces in the layout's order, the same every epoch (a run a
     #: rank keeps in memory: the same row groups every epoch), not the epoch's
     layout: bool = False
+    #: a run's windows are at least this many rows (0: a partition's share of the shuffle
+    #: window, :attr:`Sequences.window_rows`), set by the deal that gave it to a rank
+    #: (:meth:`Deal.spans`) and kept once it is drawn from
+    window: int = 0
 
     def __post_init__(self) -> None:
         if self.last < 0:
@@ -71,29 +85,42 @@ class Unit:
 
     def as_list(self) -> list:
         return [self.partition, self.lo, self.hi, list(self.key) if self.key else None,
-                self.first, self.last, int(self.layout)]
+                self.first, self.last, int(self.layout), self.window]
 
     @classmethod
     def of(cls, value: Sequence) -> "Unit":
-        c, lo, hi, key, first, last, layout = value
+        c, lo, hi, key, first, last, layout, *window = value  # no window: saved before it
         return cls(int(c), int(lo), int(hi), tuple(int(k) for k in key) if key else None,
-                   int(first), int(last), bool(layout))
+                   int(first), int(last), bool(layout), int(window[0]) if window else 0)
+
+    @property
+    def fresh(self) -> bool:
+        """A run nothing was drawn from yet."""
+        return self.key is None and self.first == 0 and self.last == self.hi - self.lo
 
     def with_rows(self, lo: int, hi: int, first: int = 0, last: int = -1) -> "Unit":
-        """This unit's kind (window key, order) over other rows."""
-        return Unit(self.partition, lo, hi, self.key, first, last, self.layout)
+        """This unit's kind (window key, order, windows' size) over other rows."""
+        return Unit(self.partition, lo, hi, self.key, first, last, self.layout, self.window)
+
+    def with_window(self, rows: int) -> "Unit":
+        """This unit, its windows at least ``rows`` rows."""
+        return Unit(self.partition, self.lo, self.hi, self.key, self.first, self.last,
+                    self.layout, rows)
 
 
 @dataclass(frozen=True)
 class Deal:
     """What was left of the epoch (``units``), dealt to ``size`` ranks: each runs the lead-in
-    step (its part of ``lead`` rows, if any), then ``steps`` full steps of ``batch`` rows."""
+    step (its part of ``lead`` rows, if any), then ``steps`` full steps of ``batch`` rows,
+    drawing from at least ``window`` rows at once (0, a deal saved before it: from a window
+    of each of its units)."""
 
     units: tuple[Unit, ...]
     size: int
     batch: int
     lead: int
     steps: int
+    window: int = 0
 
     def lead_of(self, rank: int) -> int:
         """Rank ``rank``'s rows of the lead-in step (0: none)."""
@@ -118,7 +145,13 @@ class Deal:
         return sum(self.rank_rows(r, steps) for r in range(self.size))
 
     def spans(self) -> list[list[Unit]]:
-        """Each rank's units, in rank order (the rows after the last rank's are left out)."""
+        """Each rank's units, in rank order (the rows after the last rank's are left out). A
+        rank draws from a window of each of its units at once, so where a span holds few units
+        (fewer than ``P / 8``: a share of about a partition or less, past 8 ranks) its runs
+        nothing was drawn from get windows of ``window / units`` rows (where that is more than
+        a partition's share of the shuffle window): a rank's batches always draw from about
+        ``window`` rows or more -- enough row groups to mix -- at the cost of reading further
+        ahead."""
         spans: list[list[Unit]] = []
         queue = list(self.units)
         for rank in range(self.size):
@@ -133,6 +166,9 @@ class Deal:
                     span.append(head)
                     queue.insert(0, tail)
                     need = 0
+            if self.window and span:
+                rows = -(-self.window // len(span))
+                span = [u.with_window(rows) if u.fresh and not u.window else u for u in span]
             spans.append(span)
         return spans
 
@@ -150,19 +186,21 @@ class Deal:
 
     def as_dict(self) -> dict[str, Any]:
         return {"units": [u.as_list() for u in self.units], "size": self.size,
-                "batch": self.batch, "lead": self.lead, "steps": self.steps}
+                "batch": self.batch, "lead": self.lead, "steps": self.steps,
+                "window": self.window}
 
     @classmethod
     def of(cls, value: Mapping[str, Any]) -> "Deal":
         return cls(tuple(Unit.of(u) for u in value["units"]), int(value["size"]),
-                   int(value["batch"]), int(value["lead"]), int(value["steps"]))
+                   int(value["batch"]), int(value["lead"]), int(value["steps"]),
+                   int(value.get("window", 0)))
 
 
 def split(unit: Unit, rows: int) -> tuple[Unit, Unit]:
     """``unit``'s next ``rows`` rows and the rest. A run nothing was drawn from yet is cut
     between its pieces' rows (the two halves share at most one row group); anything else
     between rows of its own sequence (the two share the window the cut falls in)."""
-    if unit.key is None and unit.first == 0 and unit.last == unit.hi - unit.lo:
+    if unit.fresh:
         cut = unit.lo + rows
         return unit.with_rows(unit.lo, cut), unit.with_rows(cut, unit.hi)
     cut = unit.first + rows
@@ -170,17 +208,21 @@ def split(unit: Unit, rows: int) -> tuple[Unit, Unit]:
             unit.with_rows(unit.lo, unit.hi, cut, unit.last))
 
 
-def deal(units: Sequence[Unit], *, size: int, batch: int, num_rows: int) -> Deal:
+def deal(units: Sequence[Unit], *, size: int, batch: int, num_rows: int,
+         window_rows: int = 0) -> Deal:
     """Deal what is left of the epoch to ``size`` ranks of ``batch`` rows per step: the epoch
     ends where a run of ``size`` ranks that never resized ends it (``num_rows`` less
     ``num_rows % (size * batch)``); the steps up to there are full but a lead-in step first
-    where the rows left call for one (fewer rows than ranks: left out instead)."""
+    where the rows left call for one (fewer rows than ranks: left out instead). Each rank
+    draws from at least ``1 / MIXING_RANKS`` of the shuffle window of ``window_rows`` rows
+    (:meth:`Deal.spans`)."""
     left = sum(u.rows for u in units)
     train = max(0, left - num_rows % (size * batch))
     steps, lead = divmod(train, size * batch)
     if lead < size:
         lead = 0
-    return Deal(tuple(u for u in units if u.rows), size, batch, lead, steps)
+    return Deal(tuple(u for u in units if u.rows), size, batch, lead, steps,
+                -(-window_rows // MIXING_RANKS))
 
 
 class Sequences:
@@ -234,10 +276,10 @@ class Sequences:
         if unit.key is not None:
             return [unit.with_rows(unit.lo, unit.hi)]
         _, starts = self.ordered(unit.partition, unit.layout)
-        out, lo = [], unit.lo
+        out, lo, size = [], unit.lo, max(self.window_rows, unit.window)
         while lo < unit.hi:
-            # the first piece end at or after lo + window_rows, or the run's end
-            k = int(np.searchsorted(starts, lo + self.window_rows, side="left"))
+            # the first piece end at or after lo + size, or the run's end
+            k = int(np.searchsorted(starts, lo + size, side="left"))
             hi = min(unit.hi, int(starts[k]) if k < len(starts) else unit.hi)
             rows = hi - lo
             key = (self.seed, self.epoch, unit.partition, _RUN_WINDOW, int(unit.layout), lo) \
@@ -286,9 +328,13 @@ def taken(span: Sequence[Unit], n: int) -> list[int]:
 
 
 def rest(unit: Unit, used: int) -> list[Unit]:
-    """What is left of ``unit`` once ``used`` more of its rows were trained."""
-    return [unit.with_rows(unit.lo, unit.hi, unit.first + used, unit.last)] \
-        if used < unit.rows else []
+    """What is left of ``unit`` once ``used`` more of its rows were trained (a run nothing was
+    drawn from sheds its windows' size: the next deal sets its own)."""
+    if used >= unit.rows:
+        return []
+    if used == 0 and unit.fresh:
+        return [unit.with_window(0)]
+    return [unit.with_rows(unit.lo, unit.hi, unit.first + used, unit.last)]
 
 
 def left_after(done: Deal, steps: int) -> list[Unit]:

@@ -30,7 +30,8 @@ The epoch's sequence ``S`` is a round robin over the partitions: position ``i`` 
 ``i // P`` of partition ``i % P``'s sequence. At each step the ranks take the next ``size * b``
 positions; rank ``r`` the ``b`` of them with ``i % size == r`` (:func:`rank_positions`) -- all
 in partitions ``c`` with ``c % size == r`` when ``size`` divides ``P``
-(:func:`owned_partitions`); any other ``size`` deals the epoch (:mod:`sparkhvd.data.deal`).
+(:func:`owned_partitions`). A ``size`` that divides ``P`` and is at most :data:`MIXING_RANKS`
+reads this order (:func:`round_robin`); any other deals the epoch (:mod:`sparkhvd.data.deal`).
 """
 from __future__ import annotations
 
@@ -42,9 +43,15 @@ if TYPE_CHECKING:
 
 __side__ = "common"  # numpy inside the functions: nothing third-party at import time
 
-#: Default number of partitions: highly composite, so that 1, 2, 3, 4, 6, 8, 12 and 24 ranks
-#: share one order (any other number deals its epochs: :mod:`sparkhvd.data.deal`).
+#: Default number of partitions: highly composite, so that 1, 2, 3, 4, 6 and 8 ranks share one
+#: order (any other number deals its epochs: :mod:`sparkhvd.data.deal`).
 DEFAULT_PARTITIONS = 24
+#: The most ranks that read the round robin's order: a rank of ``size`` draws its batches from
+#: ``1 / size`` of the shuffle window there, and with more than 8 ranks that is too few row
+#: groups for a batch of sorted data to mix (B14: 0.90-0.92x the labels of a full permutation
+#: at np 24 to 64 with the default window on a 5 GB table). More ranks deal their epochs, each
+#: rank drawing from at least ``1 / MIXING_RANKS`` of the window.
+MIXING_RANKS = 8
 #: Seed tags: the layout, a partition's pieces and a window's rows draw from separate streams.
 _LAYOUT, _PIECES, _ROWS = 1, 2, 3
 #: The orders' version, kept with every position (:class:`~sparkhvd.data.sharding.Position`):
@@ -206,7 +213,15 @@ def rank_positions(start: int, first_step: int, steps: int, *, batch_size: int, 
                                              (first_step + steps) * batch_size, dtype=np.int64)
 
 
+def round_robin(partitions: int, size: int) -> bool:
+    """Whether ``size`` ranks read the round robin's order (the one order such sizes share):
+    ``size`` divides ``P`` -- else a rank's positions fall in every partition -- and is at most
+    :data:`MIXING_RANKS` -- else a rank's part of a window is too small to mix. Any other
+    ``size`` deals its epochs (:mod:`sparkhvd.data.deal`)."""
+    return partitions % size == 0 and size <= MIXING_RANKS
+
+
 def owned_partitions(partitions: int, size: int, rank: int) -> list[int]:
-    """The partitions rank ``rank`` of ``size`` reads rows from (``size`` dividing ``P``: the
+    """The partitions rank ``rank`` of ``size`` reads rows from (where :func:`round_robin`: the
     others deal their epochs, :mod:`sparkhvd.data.deal`)."""
     return list(range(rank % size, partitions, size))

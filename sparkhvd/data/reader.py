@@ -11,9 +11,10 @@ the rows, and drops each window once its partition's sequence has moved past it.
 
 A rank reads only its partitions (its share: ``size`` divides ``P``), plus the row groups
 split by a partition boundary. Peak memory while streaming: a window of each partition it
-reads (about ``window_rows / size`` rows) and the batches being gathered; when its share is
-kept in memory, the share. :func:`dealt_batches` reads a rank's span of an epoch dealt to a
-number of ranks that does not divide ``P`` (:mod:`sparkhvd.data.deal`) the same way.
+reads (about ``window_rows / size`` rows, at least ``window_rows / 8`` dealt) and the batches
+being gathered; when its share is kept in memory, the share. :func:`dealt_batches` reads a
+rank's span of an epoch dealt to a number of ranks the round robin does not serve
+(:mod:`sparkhvd.data.deal`) the same way.
 """
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ from sparkhvd.data.order import (
     owned_partitions,
     partition_window_rows,
     plan_partition,
+    round_robin,
 )
 from sparkhvd.data.reader import (
     Arrays,
@@ -339,7 +340,8 @@ class DatasetShard:
         window = self.source.window_rows(shuffle_buffer, self.memory_cache)
         start, done_before, resumed = self._start(epoch, shuffle, seed, window)
         first, stop = steps if steps is not None else (0, None)
-        if (resumed is not None and resumed.deal is not None) or self.partitions % n_size:
+        if (resumed is not None and resumed.deal is not None) \
+                or not round_robin(self.partitions, n_size):
             yield from self._dealt(batch_size, epoch, shuffle=shuffle, seed=int(seed), rank=r,
                                    size=n_size, window=window, start=start, resumed=resumed,
                                    done_before=done_before, first=first, stop=stop,
@@ -385,7 +387,8 @@ class DatasetShard:
         left = self._left_of(resumed) if resumed is not None and resumed.deal is not None \
             else units_at(start, sequences=sequences, window_rows=window,
                           layout=not self.streams(size))
-        dealt = deal(left, size=size, batch=batch_size, num_rows=self.num_rows)
+        dealt = deal(left, size=size, batch=batch_size, num_rows=self.num_rows,
+                     window_rows=window)
         rows_left = sum(u.rows for u in left)
         skipped = rows_left - dealt.consumed(dealt.total_steps) \
             - self.num_rows % (size * batch_size)

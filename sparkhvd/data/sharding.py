@@ -24,13 +24,15 @@ of equal size. For each ``(seed, epoch)`` the rows form one sequence ``S``:
 
 At each step the ranks take the next ``size * b`` positions of ``S``; rank ``r`` takes the
 ``b`` positions ``i`` with ``i % size == r``. Nothing in ``S`` depends on ``size`` or the rank,
-and when ``size`` divides ``P`` (1, 2, 3, 4, 6, 8, 12 and 24 ranks with the default) rank
-``r``'s positions all lie in the partitions ``c % size == r``: it reads its share and keeps
-only that in memory.
+and when ``size`` divides ``P`` rank ``r``'s positions all lie in the partitions
+``c % size == r``: it reads its share and keeps only that in memory. The ``size`` that divide
+``P`` and are at most 8 read this order (1, 2, 3, 4, 6 and 8 ranks with the default:
+:func:`~sparkhvd.data.order.round_robin`).
 
 **Any other number of ranks deals the epoch** (:mod:`sparkhvd.data.deal`): for a ``size``
 prime to ``P`` the round robin's positions of a rank would fall in every partition (each rank
-reading the whole table). Instead what is left of the epoch -- each partition's sequence of
+reading the whole table), and with more than 8 ranks a rank's part of a window (``1 / size``
+of it) holds too few row groups for a batch of sorted data to mix. Instead what is left of the epoch -- each partition's sequence of
 pieces, or the rest of it -- is laid end to end in partition order and cut into ``size``
 consecutive spans of equal rows; rank ``r`` reads only the ``r``-th, interleaving its
 partitions' rows round robin and drawing each a window at a time (permuted when shuffled). So:
@@ -42,24 +44,30 @@ partitions' rows round robin and drawing each a window at a time (permuted when 
   files' footers come with the source (:attr:`ShardSource.footers`). B14's plans: all ranks
   read 1.00-1.04x the files at every np from 1 to 64, the busiest rank at most 1.08x its
   share (np=64), where the round robin read np times;
-* *memory*: a window of each unit it reads (about ``1 / size`` of the shuffle window) and at
-  least a row group of each, within :data:`READ_MEMORY_BYTES` by default; a share that fits
+* *memory*: a window of each unit it reads (about ``1 / size`` of the shuffle window, and at
+  least ``1 / 8`` of it beyond 8 ranks) and at least a row group of each, within
+  :data:`READ_MEMORY_BYTES` by default; a share that fits
   ``memory_cache`` is kept by row group, read once (its span is the same row groups every
   epoch);
 * *mixing*: a rank's batch draws from every partition of its span at once, as the round
-  robin's does from its partitions -- with the same shuffle window, the same number of row
-  groups live; and since a span, like a partition and a window, is a run of spread orders,
-  its row groups come from all over the table: on sorted data a rank of 64 sees about the
-  table's mix (B14's plans: 0.98x the labels of a full permutation per rank's batch at np=64,
-  where uniformly drawn blocks gave 0.87x);
+  robin's does from its partitions, and from at least ``1 / 8`` of the shuffle window: where
+  a span holds fewer units than that takes (more than 8 ranks) its units' windows are
+  widened (:meth:`~sparkhvd.data.deal.Deal.spans`) -- with the default window at least 16 MB
+  of rows, 32 row groups of 512 KB, however many ranks; and since a span, like a partition
+  and a window, is a run of spread orders, its row groups come from all over the table: on
+  sorted data a rank of 64 sees about the table's mix (B14's plans: 0.98x the labels of a full
+  permutation per rank's batch at np=64 on a small table, where uniformly drawn blocks gave
+  0.87x; on a 5 GB table's layout 0.96-0.99x at np 12 to 64, 0.90-0.94x at np 16 to 64
+  before the windows were widened);
 * *exactly once*: the position of a dealt epoch keeps its deal and the steps run
   (:attr:`Position.deal`); what is left follows from them, on any rank, and a run resumed with
   any number of ranks deals it again (with the same number: the same spans and sequence, as
   if it had not stopped);
-* *order*: one and the same ``S`` for every ``size`` dividing ``P``, fixed with the dataset
-  (as Mosaic Streaming fixes its canonical nodes); another ``size`` gets its own order (each
-  rank a span of the same epoch's rows), and a resize from a dividing ``size`` to another
-  deals the rest of the round robin's epoch.
+* *order*: one and the same ``S`` for every ``size`` up to 8 dividing ``P``, fixed with the
+  dataset (as Mosaic Streaming fixes its canonical nodes); another ``size`` gets its own order
+  (each rank a span of the same epoch's rows), and a resize from a round-robin ``size`` to
+  another deals the rest of the round robin's epoch. (Before the mixing bound, 12 and 24
+  ranks read the round robin too: a position they saved resumes with any number of ranks.)
 
 * Each epoch every rank runs ``N // (size * b)`` full batches, the same on all ranks (unequal
   step counts would hang allreduce): the epoch's *end* is ``E = N - N % (size * b)``, and the
@@ -88,7 +96,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
 from sparkhvd.common.identity import current_rank
-from sparkhvd.data.order import DEFAULT_PARTITIONS, partition_sizes
+from sparkhvd.data.order import (
+    DEFAULT_PARTITIONS,
+    MIXING_RANKS,
+    partition_sizes,
+    round_robin,
+)
 
 __side__ = "common"
 
@@ -102,7 +115,8 @@ MEMORY_CACHE_BYTES = 512 << 20
 #: enough blocks for sorted data to mix.
 SHUFFLE_WINDOW_BYTES = 128 << 20
 #: A rank's reading memory by default: the row data in flight while streaming (the windows it
-#: trains on and the next ones, read ahead: twice :data:`SHUFFLE_WINDOW_BYTES` over all ranks;
+#: trains on and the next ones, read ahead: twice :data:`SHUFFLE_WINDOW_BYTES` over all ranks,
+#: and at least a quarter of it per rank past 8 ranks;
 #: and at least one row group of each partition it reads at once -- all ``P`` of them at
 #: np=1). A table read in place whose row groups would not fit (``P`` x its largest group) is
 #: materialised in small row groups instead (:func:`sparkhvd.data.in_place.groups_reason`).
@@ -133,8 +147,8 @@ class Position:
     step: int = 0
     #: The dataset's partition count ``P`` (0: a position saved before partitions existed).
     partitions: int = 0
-    #: An epoch dealt to the ranks (a number of ranks that does not divide ``P``, or an epoch
-    #: such a run resized: :mod:`sparkhvd.data.deal`): the deal (``Deal.as_dict``) and
+    #: An epoch dealt to the ranks (a number of ranks the round robin does not serve, or an
+    #: epoch such a run resized: :mod:`sparkhvd.data.deal`): the deal (``Deal.as_dict``) and
     #: ``step0``, the epoch's steps before it; what is left follows from it and ``step``.
     deal: Optional[dict[str, Any]] = None
     #: The orders' version (:data:`~sparkhvd.data.order.ORDER_VERSION`; 1: a position saved
@@ -270,8 +284,9 @@ class ShardSource:
 
     def deals(self, size: int) -> bool:
         """Whether ``size`` ranks read an epoch dealt in spans (:mod:`sparkhvd.data.deal`): a
-        number of ranks that does not divide ``P``."""
-        return self.partitions % size != 0
+        number of ranks that does not divide ``P``, or more than
+        :data:`~sparkhvd.data.order.MIXING_RANKS` (:func:`~sparkhvd.data.order.round_robin`)."""
+        return not round_robin(self.partitions, size)
 
     def rank_rows(self, size: int) -> int:
         """Rows one of ``size`` ranks reads in an epoch (the largest such share): its
@@ -307,9 +322,9 @@ class ShardSource:
                    shuffle_window: Optional[int] = None) -> int:
         """About how many bytes of rows one of ``size`` ranks holds while reading: its share
         when it keeps it in memory, else a window of each partition (or unit) it reads, about
-        ``1 / size`` of the shuffle window (plus a row group and the batches being gathered,
-        not counted)."""
+        ``1 / size`` of the shuffle window and at least ``1 / MIXING_RANKS`` of it (plus a row
+        group and the batches being gathered, not counted)."""
         if self.keeps(size, memory_cache):
             return self.rank_rows(size) * self.row_bytes
         window = self.window_rows(shuffle_window, memory_cache)
-        return min(self.rank_rows(size), window // size) * self.row_bytes
+        return min(self.rank_rows(size), window // min(size, MIXING_RANKS)) * self.row_bytes

@@ -277,6 +277,24 @@ def test_a_ranks_batches_mix_a_sorted_table_at_any_number_of_ranks(tmp_path):
         assert np.mean(mixed) >= 0.95 * uniform, (size, np.mean(mixed), uniform)
 
 
+def test_a_streamed_ranks_batches_mix_a_sorted_table_at_any_number_of_ranks(tmp_path):
+    """The same bar streamed, with a shuffle window of 256 of the table's 4,096 row groups (the
+    default window's share of a 2.5 GB table): a rank of more than 8 draws from 1/8 of the
+    window, not 1/np of it (which gave 0.92x at np=24 and 0.91x at np=64)."""
+    n, batch, group = 40_960, 32, 10
+    labels = np.arange(n) * 10 // n
+    source = _source(tmp_path, {"id": np.arange(n), "label": labels}, group, files=8,
+                     memory_cache=0)
+    full = np.random.default_rng(0).permutation(labels)
+    uniform = np.mean([len(set(full[i:i + batch])) for i in range(0, n - batch, batch)])
+    for size in (8, 12, 16, 24, 64):
+        mixed = [len(set(y.tolist())) for rank in range(size)
+                 for _, y in DatasetShard(source).batches(batch, 1, rank=rank, size=size,
+                                                          shuffle=True, seed=1,
+                                                          shuffle_buffer=256 * group)]
+        assert np.mean(mixed) >= 0.95 * uniform, (size, np.mean(mixed), uniform)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_every_reader_gives_the_same_order(tmp_path, mode):
     """torch_batches, torch_dataset and tf_dataset are batches() converted: the same rows, in
@@ -645,11 +663,13 @@ def test_a_lead_in_step_of_fewer_rows_than_ranks_is_left_out_and_said(tmp_path, 
 @pytest.mark.parametrize("chain", [
     [(8, 5, 5), (7, 4, 2), (7, 3, 3), (8, None, None)],
     [(5, 3, 3), (2, 7, 5), (7, 2, 2), (3, 1, 1), (24, None, None)],
-], ids=["8-7-7-8", "5-2-7-3-24"])
+    [(16, 3, 2), (12, 3, 3), (32, 2, 1), (24, 2, 2), (8, None, None)],
+], ids=["8-7-7-8", "5-2-7-3-24", "16-12-32-24-8"])
 def test_resizes_through_numbers_that_do_not_divide_p_train_every_id_once(tmp_path, mode,
                                                                             chain):
-    """Chains through np that do not divide 24 (dealt) and back to ones that do, each attempt
-    resuming from the previous one's last checkpoint (the 7 killed 2 steps after it): every id
+    """Chains through np that do not divide 24 or are over 8 (dealt, above 8 with windows of
+    at least 1/8 of the shuffle window) and back to ones that read the round robin, each
+    attempt resuming from the previous one's last checkpoint (some killed after it): every id
     once, as many as a run that never resized trains at the last np, only the killed steps
     redone, checkpoint step numbers only growing."""
     source = _ids(tmp_path, n=2400, group_rows=7, **MODES[mode])
@@ -663,20 +683,35 @@ def test_resizes_through_numbers_that_do_not_divide_p_train_every_id_once(tmp_pa
                               in chain if steps is not None)
 
 
-def test_a_dealt_epoch_resumed_with_the_same_np_goes_on_as_if_it_had_not_stopped(tmp_path):
-    """np=5, stopped after step 4 of epoch 1: the same np from the checkpoint gives exactly the
-    batches the uninterrupted epoch gives after step 4, rank by rank."""
+@pytest.mark.parametrize("size", [5, 16])
+def test_a_dealt_epoch_resumed_with_the_same_np_goes_on_as_if_it_had_not_stopped(tmp_path,
+                                                                                   size):
+    """np=5 and np=16 (its windows widened to 1/8 of the shuffle window), stopped after step 4
+    of epoch 1: the same np from the checkpoint gives exactly the batches the uninterrupted
+    epoch gives after step 4, rank by rank."""
     source = _ids(tmp_path, n=2400, group_rows=7, memory_cache=0)
     kw = {"shuffle": True, "seed": 3, "shuffle_buffer": 300}
-    whole, _ = _attempt(source, 5, 8, 1, None, **kw)
-    _, positions = _attempt(source, 5, 8, 1, None, 4, **kw)
+    whole, _ = _attempt(source, size, 8, 1, None, **kw)
+    _, positions = _attempt(source, size, 8, 1, None, 4, **kw)
     assert positions[3]["deal"] is not None and positions[3]["step"] == 4
-    after, _ = _attempt(source, 5, 8, 1, positions[3], **kw)
+    after, _ = _attempt(source, size, 8, 1, positions[3], **kw)
     assert after == whole[4:]
     shard = DatasetShard(source)
     shard.load_state_dict(positions[3])
-    assert shard.steps_in_epoch(8, 1, size=5) == len(whole) - 4
-    assert shard.steps_in_epoch(8, 1, size=7) == (2400 - 4 * 40) // 56
+    assert shard.steps_in_epoch(8, 1, size=size) == len(whole) - 4
+    assert shard.steps_in_epoch(8, 1, size=7) == (2400 - 4 * size * 8) // 56
+
+
+def test_a_deal_saved_before_windows_were_widened_resumes_as_it_was_dealt():
+    """A deal written before ``window`` (units of seven fields, no ``window`` key) reads back
+    as a deal with none: its ranks draw a window of each unit, as when it was saved."""
+    from sparkhvd.data.deal import Deal
+
+    old = {"units": [[0, 0, 100, None, 0, 100, 0], [1, 0, 100, [3, 1, 1, 4, 0, 0], 5, 60, 0]],
+           "size": 2, "batch": 4, "lead": 0, "steps": 19}
+    dealt = Deal.of(old)
+    assert dealt.window == 0 and all(u.window == 0 for span in dealt.spans() for u in span)
+    assert Deal.of(dealt.as_dict()) == dealt
 
 
 def test_a_streamed_window_of_many_small_pieces_gathers_the_same_rows(monkeypatch):
