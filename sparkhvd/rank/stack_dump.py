@@ -7,6 +7,11 @@ exactly when a Python-level handler would never run. It writes into a pipe; a sm
 reads it, names the threads it can (``threading``'s names for faulthandler's ids) and sends the
 text to the driver as a :class:`~sparkhvd.common.protocol.Stacks` event.
 
+A rank that crashes by itself -- a native library's SIGSEGV, SIGABRT, SIGBUS, SIGFPE or SIGILL --
+writes every thread's stack to its stderr as it dies (:func:`install_crash_dump`), so its
+``[rank N]`` log says where it was and the ``TrainingError``'s last lines show the main
+thread's frames (faulthandler lists it last); the signal still ends the process as before.
+
 Who sends the signal: the rank's Spark task (barrier launcher, asked over its control channel),
 the driver itself for ranks on its own machine, or -- for launchers with no channel to ranks on
 other hosts (horovod's; :data:`~sparkhvd.common.protocol.STACKS_POLL_ENV`) -- the rank, when it
@@ -21,6 +26,7 @@ import os
 import re
 import select
 import socket
+import sys
 import threading
 from typing import Optional
 
@@ -88,12 +94,21 @@ def _poll_requests() -> None:
             os.kill(os.getpid(), protocol.STACKS_SIGNAL)
 
 
+def install_crash_dump() -> None:
+    """Make a fatal signal of this process's own write every thread's stack to its stderr."""
+    stream = sys.__stderr__
+    if stream is not None and not faulthandler.is_enabled():
+        faulthandler.enable(file=stream, all_threads=True)
+
+
 def install() -> None:
-    """Make this process dump its stacks on :data:`~sparkhvd.common.protocol.STACKS_SIGNAL`."""
+    """Make this process dump its stacks on :data:`~sparkhvd.common.protocol.STACKS_SIGNAL`,
+    and on a crash of its own (:func:`install_crash_dump`)."""
     import time
 
     if _state["installed"]:
         return
+    install_crash_dump()
     read_fd, write_fd = os.pipe()
     os.set_inheritable(write_fd, False)
     _state["file"] = os.fdopen(write_fd, "w")  # kept open for faulthandler

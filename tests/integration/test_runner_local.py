@@ -101,3 +101,29 @@ def test_local_rank_process_dies(tmp_path):
     err = info.value
     assert (err.rank, err.exit_code, err.exc_type) == (1, 3, None)
     assert "exited with status 3" in str(err)
+
+
+def test_a_rank_that_crashes_says_where(tmp_path, rank_lines):
+    """A rank that dies of a crash of its own (a native library's SIGSEGV) still dies of the
+    signal, is not retried, and says where it was: its log holds every thread's stack and the
+    error's last lines the crashing function."""
+    def crashes_here():
+        import ctypes
+
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+
+    def train():
+        import os
+        import time
+
+        if os.environ["HOROVOD_RANK"] == "1":
+            crashes_here()
+        time.sleep(30)
+
+    with pytest.raises(TrainingError) as info:
+        HorovodRunner(np=-2, output_dir=str(tmp_path)).run(train)
+    err = info.value
+    assert (err.rank, err.exc_type) == (1, None) and err.exit_code in (-11, 139)
+    assert "signal 11" in str(err)
+    assert "in crashes_here" in err.remote_traceback, err.remote_traceback
+    assert any("Fatal Python error: Segmentation fault" in line for line in rank_lines)
