@@ -105,8 +105,8 @@ def test_local_rank_process_dies(tmp_path):
 
 def test_a_rank_that_crashes_says_where(tmp_path, rank_lines):
     """A rank that dies of a crash of its own (a native library's SIGSEGV) still dies of the
-    signal, is not retried, and says where it was: its log holds every thread's stack and the
-    error's last lines the crashing function."""
+    signal, and says where it was: its log holds every thread's stack and the error's last
+    lines the crashing function."""
     def crashes_here():
         import ctypes
 
