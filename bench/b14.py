@@ -18,7 +18,9 @@ and all ranks together <= 1.1 x N (footers counted).
   (in-process: each rank's epoch read by the real reader, one rank after another, from
   Parquet files written as the materialiser writes them -- 512 KB row groups -- with labels
   sorted): the stored bytes and footers each rank read (``bytes_read``) over its share and
-  over the files, and distinct labels per rank's batch against a full permutation.
+  over the files, and distinct labels per rank's batch against a full permutation. The chain
+  also with the row groups kept on the ranks' hosts (:data:`HOSTS`: all on one, or a rank
+  each), each simulated rank told its attempt, rank and hosts as a run tells it.
 - **The same on a 5 GB and a 10 GB table's layout** (:func:`scale_models`): as many row groups
   as the materialiser writes for them (512 KB each), of narrow rows, the default window: the
   plans at np = 8 to 64 and the chain.
@@ -27,14 +29,22 @@ N is the materialised files' size (the used columns as stored).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
+from unittest import mock
 
 #: Where a resize chain's first two attempts stop: (steps of the 8 ranks, then of the 7), in
 #: 781ths of the epoch
 CHAIN_STOPS = ((100, 120), (230, 60), (45, 300))
+
+#: Where a chain's ranks run when their row groups are kept on their hosts
+#: (:mod:`sparkhvd.data.row_group_cache`): every rank on one host (a local master, one
+#: machine), or each on its own host -- the 7 of the shrink on the hosts of ranks 0 to 6, the
+#: grow's eighth on a new one (the lost host's rows are nowhere).
+HOSTS = ("one host", "8 hosts, a rank each")
 
 #: One rank's epochs: (reader, kept in memory?)
 READS = [("torch_batches", True), ("torch_batches", False), ("batches", False),
@@ -333,6 +343,8 @@ def planned_reads(tiny: bool) -> list[dict]:
     nps = [1, 2, 5] if tiny else [1, 2, 3, 4, 5, 7, 8, 16, 32, 64]
     chains = [] if tiny else [
         (None, "the default window: the whole table"),
+        *((None, f"the default window, the row groups kept on {placing}", placing)
+          for placing in HOSTS),
         *((source.num_rows // k, f"a window of N / {k}") for k in (20, 40, 80))]
     rows = _plans("plans", source, total, uniform, nps, chains)
     if not tiny:
@@ -370,8 +382,10 @@ def scale_models() -> list[dict]:
         rows += _plans(f"plans, a {gigabytes} GB table's layout ({groups:,} row groups, the "
                        f"default window {window_groups} of them)",
                        dataclasses.replace(source, footer_bytes=0), stored, uniform,
-                       [1, 2, 4, 8, 12, 16, 24, 32, 64], [(window, "the default window")],
-                       window=window)
+                       [1, 2, 4, 8, 12, 16, 24, 32, 64], [
+                           (window, "the default window"),
+                           *((window, f"the default window, the row groups kept on {placing}",
+                              placing) for placing in HOSTS)], window=window)
     return rows
 
 
@@ -445,33 +459,70 @@ def _plans_on_azurite(source: Any, paths: list[str], total: int, uniform: float,
         azurite.stop()
 
 
+@contextlib.contextmanager
+def _on_host(root: Optional[str], hosts: list[str], attempt: int, rank: int
+             ) -> Iterator[None]:
+    """This process as rank ``rank`` of attempt ``attempt`` of a run whose ranks are on
+    ``hosts`` (its row groups kept in ``root/<its host>``); nothing changes without a
+    ``root``."""
+    from sparkhvd.common import protocol
+    from sparkhvd.data import row_group_cache
+
+    if root is None:
+        yield
+        return
+    env = {protocol.RUN_ID_ENV: "bench-b14-chain", protocol.ATTEMPT_ENV: str(attempt),
+           "SPARKHVD_RANK": str(rank), protocol.RANK_HOSTS_ENV: ",".join(hosts),
+           row_group_cache.DIR_ENV: os.path.join(root, hosts[rank])}
+    with mock.patch.dict(os.environ, env):
+        yield
+
+
+def _host_of(placing: str, attempt: int, rank: int) -> str:
+    """The host of rank ``rank`` of the chain's ``attempt`` (1, 2, 3) under ``placing``."""
+    if placing == HOSTS[0]:
+        return "host-0"
+    return "host-8" if attempt == 3 and rank == 7 else f"host-{rank}"
+
+
 def _plans(where: str, source: Any, total: int, uniform: float, nps: list[int],
-           chains: list[tuple[Optional[int], str]], window: Optional[int] = None
-           ) -> list[dict]:
+           chains: list[tuple], window: Optional[int] = None) -> list[dict]:
     """B14's plan rows for ``source`` (see :func:`planned_reads`): an epoch at each of ``nps``
-    with ``window`` (default: the dataset's), and each of ``chains`` (a window, what it is)."""
+    with ``window`` (default: the dataset's), and each of ``chains`` (a window, what it is,
+    and where the ranks keep their row groups: none of :data:`HOSTS`, no cache)."""
+    import shutil
+
     import numpy as np
 
+    from sparkhvd.data import row_group_cache
     from sparkhvd.data.shard import DatasetShard
 
     batch, seed = 32, 1
 
     def epoch(size: int, state: Optional[dict] = None, stop: Optional[int] = None,
-              window: Optional[int] = None) -> tuple[list[int], list[float], Optional[dict]]:
+              window: Optional[int] = None, hosts: Optional[tuple[str, str, int]] = None
+              ) -> tuple[list[int], list[float], Optional[dict]]:
         read, mixed, after = [], [], None
         for rank in range(size):
-            shard = DatasetShard(source)
-            if state is not None:
-                shard.load_state_dict(state)
-            for step, (_, y) in enumerate(shard.batches(batch, 1, rank=rank, size=size,
-                                                        shuffle=True, seed=seed,
-                                                        shuffle_buffer=window), 1):
-                mixed.append(len(set(y.tolist())))
-                if stop is not None and step == stop:
-                    break
+            root, placing, attempt = hosts or (None, "", 0)
+            with _on_host(root, [_host_of(placing, attempt, r) for r in range(size)], attempt,
+                          rank):
+                shard = DatasetShard(source)
+                read_epoch(shard, rank, size, state, stop, window, mixed)
             read.append(shard.bytes_read)
             after = shard.state_dict()
         return read, mixed, after
+
+    def read_epoch(shard: Any, rank: int, size: int, state: Optional[dict],
+                   stop: Optional[int], window: Optional[int], mixed: list[float]) -> None:
+        if state is not None:
+            shard.load_state_dict(state)
+        for step, (_, y) in enumerate(shard.batches(batch, 1, rank=rank, size=size,
+                                                    shuffle=True, seed=seed,
+                                                    shuffle_buffer=window), 1):
+            mixed.append(len(set(y.tolist())))
+            if stop is not None and step == stop:
+                break
 
     # (name, np, the busiest rank / its share, all ranks / N, labels, bytes read): a list of
     # values each (one per chain's stops), the busiest rank for single epochs only
@@ -488,17 +539,22 @@ def _plans(where: str, source: Any, total: int, uniform: float, nps: list[int],
     # a window of a k-th of it, about twice that per resize -- and a rank's batch draws on
     # fewer row groups at once (the labels per batch say the cost)
     steps = source.num_rows // (8 * batch)
-    for chain_window, said in chains:
+    for chain_window, said, *placing in chains:
         ratios, labels = [], []
         for first, second in CHAIN_STOPS:
             chain_read: list[int] = []
             chain_mixed: list[float] = []
             state = None
-            for size, stop in ((8, steps * first // 781), (7, steps * second // 781),
-                               (8, None)):
-                read, mixed, state = epoch(size, state, stop, chain_window)
+            root = tempfile.mkdtemp(prefix="bench-b14-hosts-") if placing else None
+            for attempt, (size, stop) in enumerate(((8, steps * first // 781),
+                                                    (7, steps * second // 781), (8, None)), 1):
+                hosts = (root, placing[0], attempt) if root else None
+                read, mixed, state = epoch(size, state, stop, chain_window, hosts)
                 chain_read += read
                 chain_mixed += mixed
+            if root:
+                row_group_cache._caches.clear()
+                shutil.rmtree(root, ignore_errors=True)
             ratios.append((sum(chain_read) + source.footer_bytes) / total)
             labels.append(float(np.mean(chain_mixed)))
         out.append((f"8 -> 7 -> 8 mid-epoch, {said} (all attempts)", 8, [], ratios, labels, 0))

@@ -1,7 +1,8 @@
 """The training function the elastic and notice tests run (pickled by value into the ranks):
 a linear model on the ids' rows, sparkhvd's step checkpoints with the data's position, and a
-log per attempt and rank of every step's ids -- what tells which ids each attempt trained, at
-which world size, and how many steps a notice or a loss cost."""
+log per attempt and rank of every step's ids (and the bytes the rank's data read so far) --
+what tells which ids each attempt trained, at which world size, and how many steps a notice or
+a loss cost."""
 from __future__ import annotations
 
 import os
@@ -13,7 +14,8 @@ def train_ids(data, epochs, log_dir, step_s=0.0, every_steps=1000, notice_at=Non
     later attempts) -- a slow attempt leaves the test time to act in it.
     ``notice_at=(epoch, step, rank)``: that rank of the first attempt gets SIGTERM -- a
     node's notice -- right after that step. Logs ``<log_dir>/a<attempt>-r<rank>.txt``: a
-    ``world BEFORE NOW pid PID`` line, then ``EPOCH STEP id id ...`` per step; with
+    ``world BEFORE NOW pid PID`` line, then ``EPOCH STEP id id ...`` and ``read FILES HOST`` (bytes from the files and from the rows
+    kept on the host) per step; with
     ``log_dir=None`` it prints them (``elastic-log a<attempt>-r<rank> ...``: ranks on hosts
     that cannot see the driver's disk), read back by :func:`read_lines`. ``url`` and
     ``storage_options``: a checkpoint folder other than the run folder's.
@@ -61,6 +63,7 @@ def train_ids(data, epochs, log_dir, step_s=0.0, every_steps=1000, notice_at=Non
                 waited = time.monotonic()
                 while noticed() is None and time.monotonic() - waited < 240:
                     time.sleep(0.05)
+            log.write(f"read {data.bytes_read} {data.host_bytes_read}\n")
             ckpt.step(epoch)
             if step_s:
                 time.sleep(step_s)
@@ -96,6 +99,8 @@ def read_lines(lines):
 def _parse(entry, words):
     if words[0] == "world":
         entry.update(world=(int(words[1]), int(words[2])), pid=int(words[4]))
+    elif words[0] == "read":  # bytes from the files, and from the rows kept on the host
+        entry["read"] = (int(words[1]), int(words[2]))
     elif len(words) >= 2:
         entry["steps"].append((int(words[0]), int(words[1]), [int(w) for w in words[2:]]))
 

@@ -58,6 +58,16 @@ class RankIdentity(NamedTuple):
         return {names[0]: str(getattr(self, field)) for field, names in _NAMES.items()}
 
 
+def rank_hosts(size: int, environ: Optional[Mapping[str, str]] = None) -> tuple[str, ...]:
+    """The host of each of the attempt's ``size`` ranks, in rank order, as the launcher said
+    (``SPARKHVD_RANK_HOSTS``); empty where it did not say, or said it for another size."""
+    from sparkhvd.common.protocol import RANK_HOSTS_ENV
+
+    environ = os.environ if environ is None else environ
+    hosts = tuple(h for h in environ.get(RANK_HOSTS_ENV, "").split(",") if h)
+    return hosts if len(hosts) == size else ()
+
+
 def current_rank() -> RankIdentity:
     """This process's rank identity (rank 0 of 1 outside a run)."""
     return RankIdentity.from_env()

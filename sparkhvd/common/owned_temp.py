@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 import time
+from typing import Optional
 
 __side__ = "common"
 
@@ -55,6 +57,22 @@ def remove_orphans(folder: str) -> list[str]:
                     os.unlink(path)
                 removed.append(name)
     return removed
+
+
+def private_folder(path: str) -> Optional[str]:
+    """Make folder ``path`` (``0700``) if it is not there and check that only this user can
+    write in it -- its owner, not a link, no write or entry for group or others -- as a folder
+    whose files a rank trusts must be. None where it is; else why not, in words.
+
+    Raises:
+        OSError: it could not be made or looked at."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or \
+            st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return (f"it is not a folder only this user can write (owner uid {st.st_uid}, mode "
+                f"{st.st_mode & 0o7777:o})")
+    return None
 
 
 def alive(pid: int) -> bool:

@@ -101,6 +101,9 @@ PARENT_PID_ENV = "SPARKHVD_PARENT_PID"
 TASK_GPUS_ENV = "SPARKHVD_TASK_GPUS"
 #: How many of the run's ranks share this rank's host (its cores), whatever a node is.
 HOST_RANKS_ENV = "SPARKHVD_HOST_RANKS"
+#: The hosts of the attempt's ranks, in rank order, comma-separated: where each rank's rows
+#: were when the next attempt deals the rest of an epoch (:func:`sparkhvd.data.deal.by_host`).
+RANK_HOSTS_ENV = "SPARKHVD_RANK_HOSTS"
 #: Where rank 0 writes the Horovod timeline on its own host before it goes to the run folder.
 TIMELINE_ENV = "HOROVOD_TIMELINE"
 #: Set when the rank itself must pick the network interface that reaches the rendezvous.

@@ -340,11 +340,75 @@ def rest(unit: Unit, used: int) -> list[Unit]:
 def left_after(done: Deal, steps: int) -> list[Unit]:
     """The units left of the epoch after ``steps`` steps of ``done``: each rank's span less what
     it trained, in rank order, then what the deal left undealt."""
-    left: list[Unit] = []
+    return [unit for unit, _ in left_by_rank(done, steps)]
+
+
+def left_by_rank(done: Deal, steps: int) -> list[tuple[Unit, Optional[int]]]:
+    """:func:`left_after`'s units, each with the rank whose span it was (None: undealt)."""
+    left: list[tuple[Unit, Optional[int]]] = []
     for rank, span in enumerate(done.spans()):
         for unit, used in zip(span, taken(span, done.rank_rows(rank, steps))):
-            left += rest(unit, used)
-    return left + done.undealt()
+            left += [(u, rank) for u in rest(unit, used)]
+    return left + [(u, None) for u in done.undealt()]
+
+
+def by_host(dealt: Deal, homes: Sequence[Optional[int]], was: Sequence[str],
+            now: Sequence[str]) -> Deal:
+    """``dealt`` with its units laid out so that each rank's span begins with the units a rank
+    of the attempt before held on the same host -- their rows were read there, and are kept
+    there (:mod:`sparkhvd.data.row_group_cache`) -- and is filled up from what no rank on its
+    host held: the units of a host that is gone, and the rows a host held beyond its ranks'
+    spans now (those at the end of each of its ranks' units: a run's rows not drawn yet).
+
+    ``homes``: the rank of the attempt before that held each of ``dealt.units`` (None: none);
+    ``was`` and ``now``: the hosts of that attempt's ranks and of these. A host's earlier
+    ranks are matched to its ranks now in rank order (the ``j``-th earlier rank on a host to
+    its ``j % n``-th of ``n`` now). The same rows, the same steps: only which rank trains which
+    of them changes (with the same hosts in the same order, nothing does)."""
+    size = dealt.size
+    ranks_now: dict[str, list[int]] = {}
+    for rank, host in enumerate(now):
+        ranks_now.setdefault(host, []).append(rank)
+    seen: dict[str, int] = {}
+    mapped: dict[int, int] = {}
+    for old, host in enumerate(was):
+        j = seen[host] = seen.get(host, -1) + 1
+        if host in ranks_now:
+            mapped[old] = ranks_now[host][j % len(ranks_now[host])]
+    own: list[list[Unit]] = [[] for _ in range(size)]
+    orphans: list[Unit] = []
+    for unit, home in zip(dealt.units, homes):
+        if home is not None and home in mapped:
+            own[mapped[home]].append(unit)
+        else:
+            orphans.append(unit)
+    spans: list[list[Unit]] = [[] for _ in range(size)]
+    extra: list[Unit] = []
+    need = [dealt.rank_rows(rank) for rank in range(size)]
+    for rank in range(size):
+        extra += _fill(spans[rank], own[rank], need, rank)
+    pool = extra + orphans
+    for rank in range(size):
+        pool = _fill(spans[rank], pool, need, rank)
+    return Deal(tuple(u for span in spans for u in span) + tuple(pool), size, dealt.batch,
+                dealt.lead, dealt.steps, dealt.window)
+
+
+def _fill(span: list[Unit], units: list[Unit], need: list[int], rank: int) -> list[Unit]:
+    """Add ``units`` to ``span`` in turn while rank ``rank`` needs rows (the last one split);
+    what is left of them."""
+    for k, unit in enumerate(units):
+        if need[rank] <= 0:
+            return units[k:]
+        if unit.rows <= need[rank]:
+            span.append(unit)
+            need[rank] -= unit.rows
+            continue
+        head, tail = split(unit, need[rank])
+        span.append(head)
+        need[rank] = 0
+        return [tail] + units[k + 1:]
+    return []
 
 
 def units_at(samples: int, *, sequences: Sequences, window_rows: int,

@@ -28,6 +28,7 @@ from typing import Any, Callable, Generator, Iterator, Mapping, Optional, Sequen
 import numpy as np
 
 from sparkhvd.data.order import Piece, Window, rank_positions, window_permutation
+from sparkhvd.data.row_group_cache import RowGroupCache
 from sparkhvd.data.sharding import footer_size
 
 __side__ = "rank"
@@ -52,8 +53,16 @@ class ShardReader:
     def __init__(self, files: Sequence[str], stored: dict[str, str],
                  storage_options: Optional[dict], convert: Callable[[str, Any, int], np.ndarray],
                  on_read: Optional[Callable[[int], None]] = None,
-                 footers: Optional[dict[int, Any]] = None):
+                 footers: Optional[dict[int, Any]] = None,
+                 cache: Optional[RowGroupCache] = None,
+                 on_host_read: Optional[Callable[[int], None]] = None):
         self.files = list(files)
+        #: row groups kept on this host (:mod:`sparkhvd.data.row_group_cache`), read before
+        #: the files and added to as the files are read
+        self.cache = cache
+        #: the decoded bytes of the row groups found in ``cache`` (not in ``bytes_read``)
+        self.host_bytes_read = 0
+        self.on_host_read = on_host_read
         self.stored = stored
         self.storage_options = storage_options
         self.convert = convert
@@ -136,20 +145,36 @@ class ShardReader:
         columns = list(self.stored.values())
         for file, indices in by_file.items():
             groups = sorted({pieces[i].group for i in indices})
-            with self._file(file) as opened:
-                table = opened.read_row_groups(groups, columns=columns)
-            rows, stored = self._groups[file]
-            starts, offset = {}, 0
-            for g in groups:
-                starts[g] = offset
-                offset += rows[g]
-            self._count(sum(stored[g] for g in groups))
+            tables = self._cached(file, columns, groups)
+            missing = [g for g in groups if g not in tables]
+            if missing:
+                with self._file(file) as opened:
+                    table = opened.read_row_groups(missing, columns=columns)
+                rows, stored = self._groups[file]
+                self._count(sum(stored[g] for g in missing))
+                offset = 0
+                for g in missing:
+                    tables[g] = table.slice(offset, rows[g])
+                    offset += rows[g]
+                    if self.cache is not None:
+                        self.cache.keep(self.files[file], columns, g, tables[g])
             for i in indices:
                 piece = pieces[i]
-                part = table.slice(starts[piece.group] + piece.lo, piece.rows)
+                part = tables[piece.group].slice(piece.lo, piece.rows)
                 found[i] = {name: self.convert(name, part.column(col), piece.rows)
                             for name, col in self.stored.items()}
         return found
+
+    def _cached(self, file: int, columns: list[str], groups: list[int]) -> dict[int, Any]:
+        """The row groups of ``groups`` kept on this host (none without a cache)."""
+        if self.cache is None:
+            return {}
+        tables = self.cache.find(self.files[file], columns, groups)
+        found = sum(t.nbytes for t in tables.values())
+        self.host_bytes_read += found
+        if found and self.on_host_read is not None:
+            self.on_host_read(found)
+        return tables
 
     def close(self) -> None:
         """Close the open remote files (they hold connections)."""

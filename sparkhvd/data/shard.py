@@ -22,8 +22,18 @@ from typing import Any, Generator, Iterator, Optional
 
 import numpy as np
 
-from sparkhvd.common.identity import current_rank
-from sparkhvd.data.deal import Deal, Sequences, Unit, deal, left_after, units_at
+from sparkhvd.common.identity import current_rank, rank_hosts
+from sparkhvd.data import row_group_cache
+from sparkhvd.data.deal import (
+    Deal,
+    Sequences,
+    Unit,
+    by_host,
+    deal,
+    left_after,
+    left_by_rank,
+    units_at,
+)
 from sparkhvd.data.order import (
     ORDER_VERSION,
     Piece,
@@ -86,6 +96,9 @@ class DatasetShard:
         #: from the files or the blob store, before decoding): about ``1 / size`` of the data
         #: an epoch, once in all when the rank keeps its share in memory; each footer once.
         self.bytes_read = 0
+        #: Decoded bytes of the row groups this shard found kept on its host instead
+        #: (:mod:`sparkhvd.data.row_group_cache`: what a rank of an earlier attempt read).
+        self.host_bytes_read = 0
         #: file -> its Parquet metadata, read once for the run (every epoch's reader uses it),
         #: or shipped by the driver with the source (not read here at all)
         self._footers: dict[int, Any] = {i: pickle.loads(meta)
@@ -224,10 +237,15 @@ class DatasetShard:
 
     def _reader(self) -> ShardReader:
         return ShardReader(self.source.files, dict(self.source.stored), self.storage_options,
-                           self._to_numpy, on_read=self._count, footers=self._footers)
+                           self._to_numpy, on_read=self._count, footers=self._footers,
+                           cache=row_group_cache.for_this_rank(),
+                           on_host_read=self._count_host)
 
     def _count(self, stored_bytes: int) -> None:
         self.bytes_read += stored_bytes
+
+    def _count_host(self, decoded_bytes: int) -> None:
+        self.host_bytes_read += decoded_bytes
 
     def streams(self, size: Optional[int] = None) -> bool:
         """Whether this rank streams its rows every epoch (its share is larger than
@@ -366,7 +384,8 @@ class DatasetShard:
                                                               lead),
                                          int(seed), shuffle, window, self.num_rows, batch_size,
                                          n_size, done_before + step, self.partitions,
-                                         order_version=ORDER_VERSION)
+                                         order_version=ORDER_VERSION,
+                                         hosts=rank_hosts(n_size))
                 yield self._shape(data)
         finally:
             batches.close()  # its read-ahead thread stops before the files close
@@ -384,11 +403,24 @@ class DatasetShard:
         _, parts = self._layout(shuffle, seed)
         sequences = Sequences(parts, shuffle=shuffle, seed=seed, epoch=epoch,
                               window_rows=window)
-        left = self._left_of(resumed) if resumed is not None and resumed.deal is not None \
-            else units_at(start, sequences=sequences, window_rows=window,
-                          layout=not self.streams(size))
+        if resumed is not None and resumed.deal is not None:
+            pairs = left_by_rank(Deal.of(resumed.deal),
+                                 resumed.step - int(resumed.deal["step0"]))
+        else:
+            old = resumed.world_size if resumed is not None else 0
+            pairs = [(u, u.partition % old if old and round_robin(self.partitions, old)
+                      else None)
+                     for u in units_at(start, sequences=sequences, window_rows=window,
+                                       layout=not self.streams(size))]
+        pairs = [(u, home) for u, home in pairs if u.rows]
+        left = [u for u, _ in pairs]
         dealt = deal(left, size=size, batch=batch_size, num_rows=self.num_rows,
                      window_rows=window)
+        hosts = rank_hosts(size)
+        if resumed is not None and hosts and 0 < len(resumed.hosts) == resumed.world_size \
+                and (resumed.hosts, resumed.world_size) != (hosts, size):
+            # a resize, or the same size on other hosts: each host first the rows it read
+            dealt = by_host(dealt, [home for _, home in pairs], resumed.hosts, hosts)
         rows_left = sum(u.rows for u in left)
         skipped = rows_left - dealt.consumed(dealt.total_steps) \
             - self.num_rows % (size * batch_size)
@@ -429,7 +461,7 @@ class DatasetShard:
                 self.position = Position(epoch, before + dealt.consumed(step), seed, shuffle,
                                          window, self.num_rows, batch_size, size,
                                          done_before + step, self.partitions, deal=record,
-                                         order_version=ORDER_VERSION)
+                                         order_version=ORDER_VERSION, hosts=hosts)
                 yield self._shape(data)
         finally:
             batches.close()

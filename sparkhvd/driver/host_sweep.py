@@ -16,7 +16,7 @@ import logging
 import threading
 from typing import Any, Mapping
 
-from sparkhvd.executor.host_sweep import ROW_SCHEMA, copy_dir_of, sweep_task
+from sparkhvd.executor.host_sweep import ROW_SCHEMA, dirs_of, sweep_task
 
 __side__ = "driver"
 
@@ -48,7 +48,7 @@ def sweep_hosts(view: Any, run_id: str, hosts: set[str], tasks: int,
     def collect() -> None:
         try:
             done["rows"] = job.run(lambda: view.spark.range(0, tasks, 1, tasks).mapInArrow(
-                sweep_task(run_id, copy_dir_of(env)), ROW_SCHEMA).collect())
+                sweep_task(run_id, dirs_of(env)), ROW_SCHEMA).collect())
         except Exception as exc:  # noqa: BLE001 - a sweep never fails a finished run
             done["error"] = exc
 

@@ -156,7 +156,7 @@ def arrow_barrier_task(spec: protocol.TaskSpec, batches: Any) -> Any:
 
 def _rows_plan(spec: protocol.TaskSpec, gathered: list[dict], partition: int) -> list[dict]:
     """Rows mode: the variables of each of this task's ranks, assigned by the tasks themselves."""
-    from sparkhvd.common.backends import get_backend
+    from sparkhvd.common.backends import assign_with_hosts, get_backend
 
     chosen = get_backend(spec.backend)
     if not getattr(chosen, "assigns_in_tasks", False):
@@ -170,7 +170,7 @@ def _rows_plan(spec: protocol.TaskSpec, gathered: list[dict], partition: int) ->
     for g in gathered:
         slots.update(protocol.rank_slots(g["partition"], g["host"], g["address"], g["ports"], k,
                                          spec.node_per_task))
-    plan = chosen.assign(slots)
+    plan = assign_with_hosts(chosen, slots)
     return [{**spec.run_env, **plan[slot]} for slot in protocol.task_slots(partition, k)]
 
 

@@ -72,7 +72,6 @@ import json
 import mmap
 import os
 import shutil
-import stat
 import tempfile
 import threading
 import time
@@ -174,18 +173,14 @@ def private_base() -> bool:
     if base in _private:
         return True
     try:
-        os.makedirs(base, mode=0o700, exist_ok=True)
-        st = os.lstat(base)
+        why = owned_temp.private_folder(base)
     except OSError as exc:
         _said_failed(exc)
         return False
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or \
-            st.st_uid != os.getuid() or st.st_mode & 0o077:
-        _say_once(f"private:{base}", "no host copy kept or read in %s: it is not a folder only "
-                  "this user can write (owner uid %d, mode %o), so anyone could plant a "
-                  "checkpoint there; relaunches restore from the run folder. Fix: remove it, "
-                  "or point %s to a private folder", base, st.st_uid, st.st_mode & 0o7777,
-                  DIR_ENV)
+    if why is not None:
+        _say_once(f"private:{base}", "no host copy kept or read in %s: %s, so anyone could "
+                  "plant a checkpoint there; relaunches restore from the run folder. Fix: "
+                  "remove it, or point %s to a private folder", base, why, DIR_ENV)
         return False
     _private.add(base)
     return True

@@ -18,6 +18,7 @@ import pytest
 import conftest
 import elastic_training as et
 from sparkhvd import DataFrameDataset, HorovodRunner
+from sparkhvd.data import row_group_cache
 from sparkhvd.spark.slots import busy_slots
 
 torch = pytest.importorskip("torch")
@@ -186,6 +187,7 @@ os.environ["PYSPARK_PYTHON"] = sys.executable  # the executors' Python (pyspark 
 import elastic_training as et
 from pyspark.sql import SparkSession
 from sparkhvd import DataFrameDataset, HorovodRunner
+from sparkhvd.data import row_group_cache
 spark = (SparkSession.builder.master({master!r}).config("spark.driver.host", "127.0.0.1")
          .config("spark.decommission.enabled", "true").config("spark.executor.cores", "1")
          .config("spark.executor.memory", "1g").config("spark.ui.enabled", "false")
@@ -279,7 +281,8 @@ def test_a_run_on_a_local_master_grows_back_when_another_job_gives_its_slot_back
     as a run that never resized trains (the steps each loss took since its checkpoint are
     trained again, not counted twice). The checkpoints go to an ``abfss://`` folder
     (Azurite), so rank 0 keeps a host copy: the run resumes at another np from it, the data's
-    position continuing."""
+    position continuing. The relaunches read rows the attempts before them read from the
+    host, and what the ranks kept there is gone when the run is."""
     store = conftest.Azurite.start(str(tmp_path / "azurite"))
     try:
         store.make_container("ckpt")
@@ -317,7 +320,8 @@ def _grow_back(spark, tmp_path, store):
     thread = threading.Thread(target=lose_rank_1_to_another_job, daemon=True)
     with DataFrameDataset(_frame(spark), ["x", "id"], "y") as ds:
         runner = HorovodRunner(np=2, min_np=1, max_np=2, resize_check_s=3, spark=spark,
-                               backend="torch", output_dir=str(tmp_path / "r"))
+                               backend="torch", output_dir=str(tmp_path / "r"),
+                               env={row_group_cache.DIR_ENV: str(tmp_path / "rows")})
         thread.start()
         try:
             runner.run(et.train_ids, data=ds, epochs=3, log_dir=str(logs_dir), every_steps=2,
@@ -345,6 +349,12 @@ def _grow_back(spark, tmp_path, store):
             _cut_at(logs, attempt - 1, attempts[attempt]["restored"].rsplit("/", 1)[-1])
     for epoch in range(3):
         _once_each(logs, epoch, N, 4)
+    # the relaunches read rows the attempts before had read from this host, not the files; and
+    # what the ranks kept there went when the function returned
+    assert any(entry.get("read", (0, 0))[1] > 0 for attempt in range(1, len(attempts))
+               for entry in logs.get(attempt, {}).values()), "no row read from the host"
+    kept = tmp_path / "rows" / f"sparkhvd-row-groups-{os.getuid()}"
+    assert not (kept / runner.last_run_dir.run_id).exists(), list(kept.rglob("*"))
 
 
 def _progress(checkpoint):

@@ -31,6 +31,18 @@ def test_torchrun_numbering_counts_local_ranks_per_host():
     assert {e["GROUP_WORLD_SIZE"] for e in envs.values()} == {"2"}
 
 
+@pytest.mark.parametrize("backend", ["torch", "tf"])
+def test_every_rank_is_told_the_host_of_every_rank(backend):
+    """What a resize deals by (each host the rows its ranks were reading): the hosts of the
+    ranks in rank order, the same for all of them, however the backend numbers them."""
+    from sparkhvd.common.backends import assign_with_hosts
+    from sparkhvd.common.identity import rank_hosts
+
+    envs = assign_with_hosts(get_backend(backend), _slots(per_task=False))
+    assert {e[protocol.RANK_HOSTS_ENV] for e in envs.values()} == {"b,b,a"}
+    assert rank_hosts(3, envs[1]) == ("b", "b", "a") and rank_hosts(2, envs[1]) == ()
+
+
 def test_torchdistributor_numbering_makes_every_task_its_own_node():
     envs = get_backend("torch").assign(_slots(per_task=True))
     got = {p: (e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["NODE_RANK"])

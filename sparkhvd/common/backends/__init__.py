@@ -21,8 +21,8 @@ from sparkhvd.common.protocol import TaskInfo
 
 __side__ = "common"
 
-__all__ = ["BACKENDS", "Backend", "RunTag", "TaskInfo", "get_backend", "hosts_in_order",
-           "nodes_of"]
+__all__ = ["BACKENDS", "Backend", "RunTag", "TaskInfo", "assign_with_hosts", "get_backend",
+           "hosts_in_order", "nodes_of"]
 
 BACKENDS = ("horovod", "tf", "torch")
 
@@ -99,6 +99,21 @@ def host_ranks(tasks: Mapping[int, TaskInfo]) -> dict[int, dict[str, str]]:
 
     count = Counter(t.host for t in tasks.values())
     return {p: {HOST_RANKS_ENV: str(count[t.host])} for p, t in tasks.items()}
+
+
+def assign_with_hosts(backend: "Backend", tasks: Mapping[int, TaskInfo]
+                      ) -> dict[int, dict[str, str]]:
+    """``backend.assign(tasks)``, each rank also told the host of every rank
+    (:data:`~sparkhvd.common.protocol.RANK_HOSTS_ENV`: a resize deals each host the rows its
+    ranks were reading, :mod:`sparkhvd.data.deal`)."""
+    from sparkhvd.common.identity import RankIdentity
+    from sparkhvd.common.protocol import RANK_HOSTS_ENV
+
+    plan = backend.assign(tasks)
+    ranks = {RankIdentity.from_env(env, default_rank=slot).rank: slot
+             for slot, env in plan.items()}
+    hosts = ",".join(tasks[ranks[r]].host for r in sorted(ranks))
+    return {slot: {**env, RANK_HOSTS_ENV: hosts} for slot, env in plan.items()}
 
 
 def hosts_in_order(hosts: Mapping[int, str]) -> dict[str, list[int]]:

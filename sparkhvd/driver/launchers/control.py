@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from sparkhvd.common import protocol
-from sparkhvd.common.backends import TaskInfo
+from sparkhvd.common.backends import TaskInfo, assign_with_hosts
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.common.identity import RankIdentity
 from sparkhvd.common.protocol import rank_slots, task_slots
@@ -106,7 +106,7 @@ class ControlServer(socketserver.ThreadingTCPServer):
                 for p, t in self.tasks.items():
                     slots.update(rank_slots(p, t.info.host, t.info.address, self.ports[p],
                                             self.ranks_per_task, self.node_per_task))
-                self.plan = self.backend.assign(slots)
+                self.plan = assign_with_hosts(self.backend, slots)
                 now = time.monotonic()
                 for p, t in self.tasks.items():
                     t.ranks = [RankIdentity.from_env(self.plan[slot], default_rank=slot).rank

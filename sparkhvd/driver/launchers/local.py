@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from sparkhvd.common import protocol
-from sparkhvd.common.backends import TaskInfo, get_backend
+from sparkhvd.common.backends import TaskInfo, assign_with_hosts, get_backend
 from sparkhvd.common.environment import process_env
 from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.common.identity import RankIdentity
@@ -124,7 +124,7 @@ def _start_ranks(spec: LaunchSpec, backend: Any, run_env: dict[str, str], sink: 
             spec.ranks_per_task if backend.needs_port else 0)).ports
         slots.update(rank_slots(task, "localhost", "127.0.0.1", ports, spec.ranks_per_task,
                                 spec.node_per_task))
-    plan = backend.assign(slots)
+    plan = assign_with_hosts(backend, slots)
     for partition in range(spec.size):
         assigned = {**run_env, **plan[partition]}
         rank = RankIdentity.from_env(assigned, default_rank=partition).rank

@@ -1,0 +1,300 @@
+"""Row groups a rank read, kept on its host's disk for the rest of the run: what a resize or a
+relaunch would read from the files again is read from the host instead.
+
+Why: a rank mixes its batches from many row groups at once (about 32 or more on label-sorted
+data, :mod:`sparkhvd.data.sharding`; on a small table its whole share), and a resize or a
+relaunch stops it part way through them. The next attempt trains the rest of those windows, and
+read them again from the files: on B14's 73 MB table, 8 -> 7 -> 8 mid-epoch read the files
+3.6 times. The ranks of the next attempt on the same host read them here instead (Mosaic
+Streaming keeps the shards it downloaded on the node's disk, for its ranks and their restarts,
+for the same reason).
+
+Rules:
+
+- **what**: each row group as read -- the columns the dataset uses, decoded (Arrow IPC, not a
+  pickle: nothing here runs code) -- named by its file's path, the columns and its number,
+  written whole or not at all (a temporary file renamed into place).
+- **bounded**: each rank keeps the newest :data:`BUDGET_BYTES` it read (what it may keep in
+  memory, :data:`~sparkhvd.data.sharding.MEMORY_CACHE_BYTES`; and at most a quarter of the
+  folder's free space shared by the ranks on the host), deleting its oldest files first: the
+  rows a rank still holds in flight are those it read last. ``$SPARKHVD_ROW_CACHE_BYTES``
+  sets the budget; ``0`` turns the cache off.
+- **shared on a host**: a rank looks in every rank folder of the run on its host -- those of
+  earlier attempts too, whose processes are gone -- before it reads a row group from the files.
+- **private**: the folder is the user's own (``sparkhvd-row-groups-<uid>``, made ``0700``) and
+  checked before use (owned by this user, not a link, no one else may write in it); else no
+  row group is kept or read there (said once) and the ranks read the files.
+- **where**: ``$SPARKHVD_ROW_CACHE_DIR``, else the system's temporary folder, in
+  ``sparkhvd-row-groups-<uid>/<run id>/rank-<N>-a<attempt>-<pid>/``; only inside a run (a run
+  id): a function called outside one reads the files.
+- **cleaned**: when the training function returns (the run is done), each rank deletes its own
+  folder and those of processes that are gone, then the run's folder once empty; the driver's
+  sweep of the hosts an earlier attempt used does the same there
+  (:mod:`sparkhvd.executor.host_sweep`). A run's folder untouched for :data:`STALE_S` (a run
+  that failed) is deleted by the next rank that uses the cache on that host: every row of it is
+  in the files.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+from sparkhvd.common import owned_temp, protocol
+from sparkhvd.common.function_end import at_function_return
+from sparkhvd.common.identity import current_rank
+from sparkhvd.data.sharding import MEMORY_CACHE_BYTES
+
+__side__ = "rank"
+
+log = logging.getLogger(__name__)
+
+#: Where the run folders go (a folder on the host's own disk).
+DIR_ENV = "SPARKHVD_ROW_CACHE_DIR"
+#: A rank's budget in bytes (0: no cache).
+BYTES_ENV = "SPARKHVD_ROW_CACHE_BYTES"
+#: A rank's default budget: what it may keep in memory.
+BUDGET_BYTES = MEMORY_CACHE_BYTES
+#: The share of the folder's free space the ranks on a host may take together.
+FREE_SHARE = 0.25
+#: A run's folder untouched this long is left over (a failed run, a lost process).
+STALE_S = 3600.0
+
+_said: set[str] = set()
+_caches: dict[tuple[str, int, str, str], "RowGroupCache"] = {}
+_lock = threading.Lock()
+
+
+def _after_fork() -> None:
+    """A forked child (a DataLoader worker) starts with free locks, whatever the parent held."""
+    global _lock
+    _lock = threading.Lock()
+    for cache in _caches.values():
+        cache._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def base_folder() -> str:
+    """The folder that holds every run's row groups on this host (this user's)."""
+    return os.path.join(os.environ.get(DIR_ENV) or tempfile.gettempdir(),
+                        f"sparkhvd-row-groups-{os.getuid()}")
+
+
+class RowGroupCache:
+    """This rank's row groups in the run's folder on its host (see the module docstring).
+    Safe to use from the read-ahead thread and the training thread at once."""
+
+    def __init__(self, run_folder: str, budget: int) -> None:
+        rank, attempt = current_rank().rank, os.environ.get(protocol.ATTEMPT_ENV, "1")
+        self.run_folder = run_folder
+        self.own = os.path.join(run_folder, f"rank-{rank}-a{attempt}-{os.getpid()}")
+        self.budget = budget
+        #: this rank's files, oldest first, and their sizes
+        self._kept: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+        self._off = False
+
+    @staticmethod
+    def name(path: str, columns: Sequence[str], group: int) -> str:
+        """The file a row group is kept in: its file's path and the columns hashed (a path
+        names no secret, but it need not show either)."""
+        digest = hashlib.sha256(json.dumps([path, list(columns)]).encode()).hexdigest()[:24]
+        return f"{digest}-{group}.arrow"
+
+    def find(self, path: str, columns: Sequence[str], groups: Sequence[int]) -> dict[int, Any]:
+        """The row groups of ``groups`` a rank on this host kept, as Arrow tables."""
+        import pyarrow as pa
+        import pyarrow.ipc
+
+        if self._off:
+            return {}
+        names = {self.name(path, columns, group): group for group in groups}
+        where: dict[str, str] = {}  # a name -> its file, this rank's own first
+        try:
+            folders = [e.path for e in os.scandir(self.run_folder)
+                       if e.is_dir(follow_symlinks=False) and e.name.startswith("rank-")]
+        except OSError:
+            return {}
+        for folder in sorted(folders, key=lambda f: f != self.own):
+            with contextlib.suppress(OSError):
+                for name in set(os.listdir(folder)) & names.keys():
+                    where.setdefault(name, os.path.join(folder, name))
+        found: dict[int, Any] = {}
+        for name, file in where.items():
+            try:
+                with pa.OSFile(file) as f:
+                    found[names[name]] = pyarrow.ipc.open_file(f).read_all()
+            except (OSError, pa.ArrowInvalid):
+                continue  # deleted as it was opened, or torn: read from the files
+        return found
+
+    def keep(self, path: str, columns: Sequence[str], group: int, table: Any) -> None:
+        """Keep a row group just read from the files; the oldest kept go past the budget."""
+        import pyarrow.ipc
+
+        if self._off or table.nbytes > self.budget:
+            return
+        name = self.name(path, columns, group)
+        target = os.path.join(self.own, name)
+        temporary = f"{target}.tmp-{threading.get_ident()}"
+        try:
+            if not self._kept:
+                os.makedirs(self.own, mode=0o700, exist_ok=True)
+            with pyarrow.OSFile(temporary, "wb") as sink, \
+                    pyarrow.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table)
+            size = os.path.getsize(temporary)
+            os.replace(temporary, target)
+        except OSError as exc:  # a full disk: the ranks read the files, as without a cache
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            self._off = True
+            _say_once(f"write:{self.run_folder}", "row groups are no longer kept on this host "
+                      "(%s: %s); a resize reads them from the files again", target, exc)
+            return
+        drop: list[str] = []
+        with self._lock:
+            self._held += size - self._kept.pop(name, 0)
+            self._kept[name] = size
+            while self._held > self.budget and len(self._kept) > 1:
+                old, old_size = self._kept.popitem(last=False)
+                self._held -= old_size
+                drop.append(old)
+        for old in drop:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.own, old))
+
+
+def for_this_rank() -> Optional[RowGroupCache]:
+    """This rank's cache, or None: outside a run, turned off, or no private folder."""
+    run_id = os.environ.get(protocol.RUN_ID_ENV)
+    if not run_id:
+        return None
+    try:
+        budget = int(os.environ.get(BYTES_ENV, BUDGET_BYTES))
+    except ValueError:
+        _say_once("bytes", "%s=%r is not a number of bytes; the default %d is used", BYTES_ENV,
+                  os.environ.get(BYTES_ENV), BUDGET_BYTES)
+        budget = BUDGET_BYTES
+    if budget <= 0 or not _private_base():
+        return None
+    base = base_folder()
+    key = (base, current_rank().rank, os.environ.get(protocol.ATTEMPT_ENV, "1"), run_id)
+    with _lock:
+        cache = _caches.get(key)
+        if cache is None:
+            _remove_stale(base, keep=run_id)
+            free = _free_bytes(base) * FREE_SHARE / max(1, _host_ranks())
+            cache = _caches[key] = RowGroupCache(os.path.join(base, run_id),
+                                                 int(min(budget, free)))
+            at_function_return(clean)
+    return cache
+
+
+def clean() -> None:
+    """This rank's part of deleting the run's row groups on this host (the run is done): its
+    own folder, and those of processes that are gone; then the run's folder, once empty."""
+    run_id = os.environ.get(protocol.RUN_ID_ENV)
+    with _lock:
+        mine = [c.own for c in _caches.values() if c.run_folder.endswith(os.sep + str(run_id))]
+        _caches.clear()
+    if run_id:
+        sweep(run_id, mine)
+
+
+def sweep(run_id: str, mine: Sequence[str] = ()) -> int:
+    """Delete run ``run_id``'s rank folders on this host that ``mine`` names or whose process is
+    gone; the run's folder too, once empty. How many rank folders went (the driver's sweep of a
+    finished run's hosts calls it with none of its own)."""
+    where = os.path.join(base_folder(), run_id)
+    if not os.path.isdir(where) or not _private_base():
+        return 0
+    removed = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(where):
+            pid = entry.name.rsplit("-", 1)[-1]
+            if not entry.name.startswith("rank-") or not (
+                    entry.path in mine or not pid.isdigit() or not owned_temp.alive(int(pid))):
+                continue
+            claimed = os.path.join(where, f"removing-{entry.name}-{os.getpid()}-"
+                                          f"{threading.get_ident()}")
+            try:
+                os.rename(entry.path, claimed)  # of two sweeps on a host, one removes it
+            except OSError:
+                continue
+            shutil.rmtree(claimed, ignore_errors=True)
+            removed += 1
+    with contextlib.suppress(OSError):
+        os.rmdir(where)
+    return removed
+
+
+def _host_ranks() -> int:
+    try:
+        return int(os.environ.get(protocol.HOST_RANKS_ENV) or current_rank().local_size)
+    except ValueError:
+        return 1
+
+
+def _free_bytes(path: str) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+_private: set[str] = set()
+
+
+def _private_base() -> bool:
+    """Make :func:`base_folder` (``0700``) if it is not there and check only this user can
+    write in it; False (said once) where not."""
+    base = base_folder()
+    if base in _private:
+        return True
+    try:
+        why = owned_temp.private_folder(base)
+    except OSError as exc:
+        _say_once(f"make:{base}", "row groups are not kept on this host (%s); a resize reads "
+                  "them from the files again", exc)
+        return False
+    if why is not None:
+        _say_once(f"private:{base}", "row groups are not kept in %s: %s, so anyone could "
+                  "change the rows a rank trains on. Fix: remove it, or point %s to a private "
+                  "folder", base, why, DIR_ENV)
+        return False
+    _private.add(base)
+    return True
+
+
+def _remove_stale(base: str, keep: str) -> None:
+    """Delete the run folders untouched for :data:`STALE_S` (runs that ended without cleaning
+    theirs), but ``keep``'s."""
+    now = time.time()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(base):
+            if entry.name == keep or not entry.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError):
+                touched = max([entry.stat(follow_symlinks=False).st_mtime] + [
+                    e.stat(follow_symlinks=False).st_mtime for e in os.scandir(entry.path)])
+                if now - touched > STALE_S:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _say_once(key: str, message: str, *args: object) -> None:
+    if key not in _said:
+        _said.add(key)
+        log.warning("data: " + message, *args)
