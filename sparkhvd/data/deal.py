@@ -10,7 +10,8 @@ rank's share when ``size`` divides ``P`` -- but every partition, the whole table
 
 1. **Units** (:class:`Unit`): the rows of the epoch still to train, each a range of one
    partition's epoch sequence of pieces (:func:`~sparkhvd.data.order.epoch_pieces`) -- a *run*
-   of rows not drawn yet, or one *window* of rows permuted, of which a range is left. An epoch's
+   of rows not drawn yet, or one *window* of rows permuted, of which a range is left (or of
+   its rows that lie in some of its row groups: a *part*, :func:`split_by_rows`). An epoch's
    start is one run per partition (:func:`units_at`, which also turns a round-robin position
    into units).
 2. **A deal** (:class:`Deal`, :func:`deal`): the units laid end to end in partition order and
@@ -25,6 +26,9 @@ rank's share when ``size`` divides ``P`` -- but every partition, the whole table
    (more than 8 ranks) widens its runs' windows so that the rank draws from at least
    ``1 / MIXING_RANKS`` of the shuffle window at once, its batches mixed at any ``size``; a
    run keeps its windows' size once drawn from, so a resumed deal draws it the same way.
+
+A run resumed at another size, or on other hosts, lays the units out by host first
+(:func:`by_host`): each rank's span begins with what a rank on its host was reading.
 
 What is left after ``steps`` steps of a deal (:func:`left_after`) follows from the deal alone,
 on any rank: a checkpoint keeps the deal and its steps, and a run resumed with any number of
@@ -74,6 +78,11 @@ class Unit:
     #: window, :attr:`Sequences.window_rows`), set by the deal that gave it to a rank
     #: (:meth:`Deal.spans`) and kept once it is drawn from
     window: int = 0
+    #: a window's rows ``[lo + a, lo + b)`` only (None: all of them): its sequence is the
+    #: window's permuted rows that lie there, in the window's order, and ``first``/``last``
+    #: count in it -- part of a window a rank was drawn from, given to another by the row
+    #: groups it lies in (:func:`split_by_rows`), so that rank reads only those
+    part: Optional[tuple[int, int]] = None
 
     def __post_init__(self) -> None:
         if self.last < 0:
@@ -85,13 +94,16 @@ class Unit:
 
     def as_list(self) -> list:
         return [self.partition, self.lo, self.hi, list(self.key) if self.key else None,
-                self.first, self.last, int(self.layout), self.window]
+                self.first, self.last, int(self.layout), self.window,
+                list(self.part) if self.part else None]
 
     @classmethod
     def of(cls, value: Sequence) -> "Unit":
-        c, lo, hi, key, first, last, layout, *window = value  # no window: saved before it
+        c, lo, hi, key, first, last, layout, *more = value  # saved before window, part: none
+        part = more[1] if len(more) > 1 and more[1] else None
         return cls(int(c), int(lo), int(hi), tuple(int(k) for k in key) if key else None,
-                   int(first), int(last), bool(layout), int(window[0]) if window else 0)
+                   int(first), int(last), bool(layout), int(more[0]) if more else 0,
+                   (int(part[0]), int(part[1])) if part else None)
 
     @property
     def fresh(self) -> bool:
@@ -99,13 +111,14 @@ class Unit:
         return self.key is None and self.first == 0 and self.last == self.hi - self.lo
 
     def with_rows(self, lo: int, hi: int, first: int = 0, last: int = -1) -> "Unit":
-        """This unit's kind (window key, order, windows' size) over other rows."""
-        return Unit(self.partition, lo, hi, self.key, first, last, self.layout, self.window)
+        """This unit's kind (window key, order, windows' size, part) over other rows."""
+        return Unit(self.partition, lo, hi, self.key, first, last, self.layout, self.window,
+                    self.part)
 
     def with_window(self, rows: int) -> "Unit":
         """This unit, its windows at least ``rows`` rows."""
         return Unit(self.partition, self.lo, self.hi, self.key, self.first, self.last,
-                    self.layout, rows)
+                    self.layout, rows, self.part)
 
 
 @dataclass(frozen=True)
@@ -208,6 +221,38 @@ def split(unit: Unit, rows: int) -> tuple[Unit, Unit]:
             unit.with_rows(unit.lo, unit.hi, cut, unit.last))
 
 
+def split_by_rows(unit: Unit, rows: int) -> tuple[Unit, Unit]:
+    """``rows`` of a window's rows left (``unit.key`` set) and the rest, cut by where they lie:
+    the head those in the window's rows before some row, the tail those at or after it -- each
+    drawn in the window's order still. Unlike :func:`split`, the two share at most a row group:
+    the rank given the tail reads only the row groups it lies in, not the window's."""
+    import numpy as np
+
+    assert unit.key is not None and 0 < rows < unit.rows
+    a, b = unit.part or (0, unit.hi - unit.lo)
+    order = own_order(unit)
+    cut = int(np.sort(order[unit.first:unit.last])[rows])
+    halves = []
+    for lo, hi in ((a, cut), (cut, b)):
+        inside = (order >= lo) & (order < hi)
+        halves.append(Unit(unit.partition, unit.lo, unit.hi, unit.key,
+                           int(inside[:unit.first].sum()), int(inside[:unit.last].sum()),
+                           unit.layout, unit.window, (lo, hi)))
+    return halves[0], halves[1]
+
+
+def own_order(window: Unit) -> np.ndarray:
+    """A window's rows (from its ``lo``) in the order its sequence draws them: its permutation,
+    or (``part`` set) the permutation's rows that lie in the part."""
+    import numpy as np
+
+    assert window.key is not None
+    order = np.random.default_rng(list(window.key)).permutation(window.hi - window.lo)
+    if window.part is not None:
+        order = order[(order >= window.part[0]) & (order < window.part[1])]
+    return order
+
+
 def deal(units: Sequence[Unit], *, size: int, batch: int, num_rows: int,
          window_rows: int = 0) -> Deal:
     """Deal what is left of the epoch to ``size`` ranks of ``batch`` rows per step: the epoch
@@ -255,7 +300,8 @@ class Sequences:
         """The pieces holding ``unit``'s rows ``[lo, hi)`` (cut at the ends)."""
         import numpy as np
 
-        lo, hi = unit.lo, unit.hi
+        lo, hi = (unit.lo + unit.part[0], unit.lo + unit.part[1]) if unit.part \
+            else (unit.lo, unit.hi)
         pieces, starts = self.ordered(unit.partition, unit.layout)
         out = []
         k = int(np.searchsorted(starts, lo, side="right")) - 1
@@ -274,7 +320,8 @@ class Sequences:
         import numpy as np
 
         if unit.key is not None:
-            return [unit.with_rows(unit.lo, unit.hi)]
+            whole = len(own_order(unit)) if unit.part else -1
+            return [unit.with_rows(unit.lo, unit.hi, 0, whole)]
         _, starts = self.ordered(unit.partition, unit.layout)
         out, lo, size = [], unit.lo, max(self.window_rows, unit.window)
         while lo < unit.hi:
@@ -295,6 +342,8 @@ def permutation(window: Unit) -> Optional[np.ndarray]:
 
     if window.key is None:
         return None
+    if window.part is not None:  # the part's rows, from its first (what is read of it)
+        return own_order(window) - window.part[0]
     return np.random.default_rng(list(window.key)).permutation(window.hi - window.lo)
 
 
@@ -358,7 +407,9 @@ def by_host(dealt: Deal, homes: Sequence[Optional[int]], was: Sequence[str],
     of the attempt before held on the same host -- their rows were read there, and are kept
     there (:mod:`sparkhvd.data.row_group_cache`) -- and is filled up from what no rank on its
     host held: the units of a host that is gone, and the rows a host held beyond its ranks'
-    spans now (those at the end of each of its ranks' units: a run's rows not drawn yet).
+    spans now (those at the end of each of its ranks' units: a run's rows not drawn yet). A
+    window cut between two ranks is cut by where its rows lie (:func:`split_by_rows`): the
+    rank on another host reads only the row groups of its part, not the whole window.
 
     ``homes``: the rank of the attempt before that held each of ``dealt.units`` (None: none);
     ``was`` and ``now``: the hosts of that attempt's ranks and of these. A host's earlier
@@ -404,7 +455,7 @@ def _fill(span: list[Unit], units: list[Unit], need: list[int], rank: int) -> li
             span.append(unit)
             need[rank] -= unit.rows
             continue
-        head, tail = split(unit, need[rank])
+        head, tail = (split_by_rows if unit.key is not None else split)(unit, need[rank])
         span.append(head)
         need[rank] = 0
         return [tail] + units[k + 1:]

@@ -273,3 +273,31 @@ def test_a_resize_deals_each_host_the_rows_its_ranks_were_reading(tmp_path, monk
     monkeypatch.setenv(protocol.RANK_HOSTS_ENV, "")
     plain = _chain(source, monkeypatch)[0]
     assert len(plain) == len(trained) and plain != trained
+
+
+def test_part_of_a_window_given_to_another_host_is_cut_by_where_its_rows_lie():
+    """A window 50 rows into its 300, 100 of the 250 left given away (as a resize gives a new
+    host rows of a window a surviving host was reading): the two parts hold exactly the rows
+    left, the head those before some row of the window and the tail those at or after it (so
+    the rank given the tail reads only the row groups from there), each drawn in the window's
+    order; a part cut again is cut within it; a part survives a checkpoint."""
+    from sparkhvd.data.deal import Unit, own_order, split_by_rows
+
+    window = Unit(3, 100, 400, key=(1, 0, 3, 4, 100), first=50)
+    order = own_order(window)
+    at = {int(row): i for i, row in enumerate(order)}
+
+    def drawn(unit):
+        rows = own_order(unit)[unit.first:unit.last]
+        assert [at[int(r)] for r in rows] == sorted(at[int(r)] for r in rows), "the order"
+        return rows
+
+    head, tail = split_by_rows(window, 100)
+    assert (head.rows, tail.rows) == (100, 150) and head.part[1] == tail.part[0]
+    assert sorted(np.concatenate([drawn(head), drawn(tail)])) == sorted(order[50:])
+    assert drawn(head).max() < tail.part[0] <= drawn(tail).min()
+    first, second = split_by_rows(tail, 60)
+    assert sorted(np.concatenate([drawn(first), drawn(second)])) == sorted(drawn(tail))
+    assert tail.part[0] == first.part[0] < first.part[1] == second.part[0] < second.part[1] \
+        == tail.part[1]
+    assert Unit.of(second.as_list()) == second and Unit.of(window.as_list()) == window
