@@ -115,26 +115,27 @@ NOTES = """\
   table of 1,640 groups, the default window): 9.58-9.66 labels per rank's batch at np 1 to 32
   and 9.48 at 64 (0.98x a full permutation; uniformly drawn blocks gave 9.09 at 32 and 8.35
   at 64), the busiest rank at most 1.083x its share (1.122x before, at np=64). The 8 -> 7 -> 8
-  chain (2026-12-06 05:11, as on 2026-12-05; the median of three pairs of stops, as what a stop
+  chain (2026-12-06 05:44, as on 2026-12-05; the median of three pairs of stops, as what a stop
   costs depends on where in its windows it falls; the next group of windows read once a rank is halfway
   through the current one): 3.63x the files with the default window (the whole table: each
-  attempt reads its share up front and the next reads again what was left of it), 1.26x /
+  attempt reads its share up front and the next reads again what was left of it), 1.27x /
   1.15x / 1.10x with a window of N/20, N/40, N/80 -- where a rank's batch holds 7.9, 5.4 and
   3.1 labels: what a rank holds to mix its batches is what a resize reads again, so on this
   small table the chain's goal and the mixing goal cannot both be met without keeping the
   row groups. Since 2026-12-06 each rank keeps the row groups it read on its host's disk for
   the run (its newest 512 MB), and a resize deals each host first the rows its ranks were
-  reading (2026-12-06 05:11): the same chain at the default window read **0.996x** the files
-  with every rank on one host (3.63x without) and **1.55x** on 8 hosts of a rank each, the
-  lost host's rank back on a new one (2.70x with the rows kept but dealt as before, in a
-  script): there the lost host's rows are read again -- at the default window it had read its
-  whole share, so no deal goes below about 1.125x -- and a rank given part of another host's
-  window reads that whole window, here a whole partition. On the layouts of a 5 GB and a 10
-  GB table (10,240 and 20,480 row groups of 512 KB, of narrow rows; the default window 256 of
-  them; N the row groups' bytes) they are: the chain read 1.080x and 1.048x without the cache
-  (1.086x and 1.055x on 2026-12-05), 1.000x on one host and 1.024x and 1.014x on 8 hosts with
-  it, with 9.48-9.49 and 9.51-9.53 labels per rank's batch (0.98x), each rank 1.001-1.013x its
-  share at np 1 to 64 (2026-12-06 05:11, as on 2026-12-05). Past 8 ranks
+  reading, a window cut between hosts cut by where its rows lie (2026-12-06 05:44): the same
+  chain at the default window read **0.996x** the files with every rank on one host (3.63x
+  without) and **1.31x** on 8 hosts of a rank each, the lost host's rank back on a new one
+  (1.55x with a window's part moved whole, 2.70x with the rows kept but dealt as before):
+  there the lost host's rows are read again -- at the default window it had read its whole
+  share, so no deal goes below about 1.125x -- and the new host reads the row groups of the
+  parts it is given. On the layouts of a 5 GB and a 10 GB table (10,240 and 20,480 row
+  groups of 512 KB, of narrow rows; the default window 256 of them; N the row groups' bytes)
+  they are: the chain read 1.086x and 1.055x without the cache, 1.000x on one host and 1.028x
+  and 1.013x on 8 hosts with it, with 9.48-9.49 and 9.51-9.53 labels per rank's batch
+  (0.98x), each rank 1.001-1.013x its share at np 1 to 64 (2026-12-06 05:44, as on
+  2026-12-05). Past 8 ranks
   the epoch is dealt and a rank draws from at least an eighth of the window (32 row groups):
   a rank's batch holds 9.30-9.53 labels at np 12 to 64 on the 5 GB layout and 9.37-9.49 on
   the 10 GB one (0.96-0.99x; lowest at np 12 to 24) -- where a rank of the round robin, or a

@@ -54,8 +54,9 @@ partitions' rows round robin and drawing each a window at a time (permuted when 
   hosts, deals each host first the rows its ranks held (:func:`~sparkhvd.data.deal.by_host`,
   the hosts from :attr:`Position.hosts`): the windows a stopped attempt was in are read from
   the host, not the files -- on one host nothing is read twice (B14's 73 MB table, 8 -> 7 ->
-  8 mid-epoch: 0.996x the files, was 3.63x); across hosts what moves is read again, a whole
-  window for a part of one (1.55x on 8 hosts of a rank each);
+  8 mid-epoch: 0.996x the files, was 3.63x); across hosts what moves is read again, a
+  window cut between hosts by where its rows lie (1.31x on 8 hosts of a rank each, of which
+  the lost host's whole share, read again, is 1/8);
 * *mixing*: a rank's batch draws from every partition of its span at once, as the round
   robin's does from its partitions, and from at least ``1 / 8`` of the shuffle window: where
   a span holds fewer units than that takes (more than 8 ranks) its units' windows are
