@@ -378,14 +378,14 @@ class DatasetShard:
         batches = self._epoch(batch_size, epoch, shuffle=shuffle, seed=int(seed), rank=r,
                               size=n_size, start=start, window=window, reader=reader,
                               first_step=first, stop_step=stop)
+        hosts = rank_hosts(n_size)
         try:
             for step, data in enumerate(batches, start=first + 1):
                 self.position = Position(epoch, samples_after(start, step, batch_size, n_size,
                                                               lead),
                                          int(seed), shuffle, window, self.num_rows, batch_size,
                                          n_size, done_before + step, self.partitions,
-                                         order_version=ORDER_VERSION,
-                                         hosts=rank_hosts(n_size))
+                                         order_version=ORDER_VERSION, hosts=hosts)
                 yield self._shape(data)
         finally:
             batches.close()  # its read-ahead thread stops before the files close
