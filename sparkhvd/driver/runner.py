@@ -18,11 +18,14 @@ from sparkhvd.driver.arguments import Prepared
 from sparkhvd.driver.launchers import LaunchFacts, check_launch
 from sparkhvd.driver.run import Run
 from sparkhvd.driver.settings import (
+    KEYWORD_GROUPS,
+    UNSET,
     LaunchConfig,
     RunConfig,
     ScalingConfig,
     SessionConfig,
     group_keywords,
+    scaling_config,
     seconds,
 )
 from sparkhvd.driver.spec import RunSpec
@@ -74,7 +77,7 @@ def split_run_limit(fn: Callable, kwargs: dict[str, Any], run_timeout: Any) -> O
     parameter called ``timeout``: then it could mean either, and a PayloadError says how to say
     which.
     """
-    if run_timeout is not _UNSET:
+    if run_timeout is not UNSET:
         return run_timeout
     if "timeout" not in kwargs:
         return None
@@ -109,9 +112,6 @@ def _the_function(method: str, args: tuple, kwargs: dict[str, Any]) -> Callable[
                         f"{method}(fn=train, ...).")
     return kwargs.pop("fn")
 
-
-#: A keyword setting the caller did not give (its default lives in sparkhvd.driver.settings).
-_UNSET: Any = object()
 
 
 class HorovodRunner:
@@ -157,31 +157,27 @@ class HorovodRunner:
         model_bytes = hr.run(train_fn, lr=0.1, epochs=3)
     """
 
-    def __init__(self, np: int = _UNSET, *, backend: str = "horovod",
+    def __init__(self, np: int = UNSET, *, backend: str = "horovod",
                  scaling: Optional[ScalingConfig] = None, launch: Optional[LaunchConfig] = None,
                  run_config: Optional[RunConfig] = None, session: Optional[SessionConfig] = None,
-                 spark: Any = _UNSET, driver_log_verbosity: str = _UNSET,
-                 start_timeout: float = _UNSET, env: Optional[Mapping[str, str]] = _UNSET,
-                 output_dir: str = _UNSET, storage_options: Optional[Mapping[str, Any]] = _UNSET,
-                 resume_from: Any = _UNSET, timeline: bool = _UNSET, preset: Any = _UNSET,
-                 min_np: Optional[int] = _UNSET, max_np: Optional[int] = _UNSET,
-                 ranks_per_task: int = _UNSET, local_ranks: Optional[str] = _UNSET,
-                 launcher: str = _UNSET, verbose: bool = _UNSET,
-                 nics: Optional[set[str]] = _UNSET, slot_wait_s: float = _UNSET,
-                 heartbeat_timeout: float = _UNSET,
-                 mlflow: Union[None, bool, str] = _UNSET,
-                 stall_timeout: Optional[float] = _UNSET, on_stall: str = _UNSET,
-                 max_retries: Optional[int] = _UNSET, max_preemptions: Optional[int] = _UNSET,
-                 resize_check_s: float = _UNSET, time_split: bool = _UNSET) -> None:
+                 spark: Any = UNSET, driver_log_verbosity: str = UNSET,
+                 start_timeout: float = UNSET, env: Optional[Mapping[str, str]] = UNSET,
+                 output_dir: str = UNSET, storage_options: Optional[Mapping[str, Any]] = UNSET,
+                 resume_from: Any = UNSET, timeline: bool = UNSET, preset: Any = UNSET,
+                 min_np: Optional[int] = UNSET, max_np: Optional[int] = UNSET,
+                 ranks_per_task: int = UNSET, local_ranks: Optional[str] = UNSET,
+                 launcher: str = UNSET, verbose: bool = UNSET,
+                 nics: Optional[set[str]] = UNSET, slot_wait_s: float = UNSET,
+                 heartbeat_timeout: float = UNSET,
+                 mlflow: Union[None, bool, str] = UNSET,
+                 stall_timeout: Optional[float] = UNSET, on_stall: str = UNSET,
+                 max_retries: Optional[int] = UNSET, max_preemptions: Optional[int] = UNSET,
+                 resize_check_s: float = UNSET, time_split: bool = UNSET) -> None:
         given = {k: v for k, v in locals().items()
-                 if v is not _UNSET and k not in ("self", "backend", "scaling", "launch",
-                                                   "run_config", "session", "__class__")}
-        if "np" not in given and scaling is None:
-            raise TypeError("HorovodRunner needs np (HorovodRunner(np=2)) or "
-                            "scaling=ScalingConfig(np=2).")
-        groups = group_keywords({ScalingConfig: scaling, LaunchConfig: launch,
-                                 RunConfig: run_config, SessionConfig: session}, given)
-        self.scaling: ScalingConfig = groups[ScalingConfig]
+                 if v is not UNSET and k in KEYWORD_GROUPS and k != "np"}
+        self.scaling = scaling_config(scaling, np, given)
+        groups = group_keywords({LaunchConfig: launch, RunConfig: run_config,
+                                 SessionConfig: session}, given)
         self.launch_config: LaunchConfig = groups[LaunchConfig]
         self.run_config: RunConfig = groups[RunConfig]
         self.session_config: SessionConfig = groups[SessionConfig]
@@ -214,7 +210,7 @@ class HorovodRunner:
                            bool(self.run_config.timeline), self.scaling.node_per_task)
 
     # -- public API ----------------------------------------------------------------------
-    def run(self, *args: Any, run_timeout: Optional[float] = _UNSET, **kwargs: Any) -> Any:
+    def run(self, *args: Any, run_timeout: Optional[float] = UNSET, **kwargs: Any) -> Any:
         """Run ``fn(**kwargs)`` on every rank and return rank 0's return value:
         ``run(fn, **kwargs)``, or ``run(fn=fn, **kwargs)`` as Databricks' HorovodRunner allows
         (a function with its own ``fn`` parameter gets it when ``fn`` itself is passed first).
@@ -238,7 +234,7 @@ class HorovodRunner:
         timeout = split_run_limit(fn, kwargs, run_timeout)
         return self._execute(fn, kwargs, return_all=False, timeout=timeout)[0]
 
-    def run_all(self, *args: Any, run_timeout: Optional[float] = _UNSET,
+    def run_all(self, *args: Any, run_timeout: Optional[float] = UNSET,
                 **kwargs: Any) -> list[Any]:
         """Like :meth:`run`, but return every rank's return value, in rank order."""
         fn = _the_function("run_all", args, kwargs)
@@ -304,11 +300,11 @@ class SparkRunner(HorovodRunner):
     ``backend="horovod"`` by default.
     """
 
-    def __init__(self, np: int = _UNSET, *, backend: str, **settings: Any) -> None:
+    def __init__(self, np: int = UNSET, *, backend: str, **settings: Any) -> None:
         super().__init__(np, backend=backend, **settings)
 
 
-def distributed(np: int = _UNSET, *, backend: str, **settings: Any
+def distributed(np: int = UNSET, *, backend: str, **settings: Any
                 ) -> Callable[[Callable[..., Any]], Any]:
     """Mark a training function to run on ``np`` ranks, in the shape Databricks' serverless GPU
     API uses::

@@ -4,8 +4,9 @@ Like Ray Train's ``ScalingConfig``/``RunConfig``: a run is described by *how man
 (:class:`ScalingConfig`), *how they start* (:class:`LaunchConfig`), *what the run keeps*
 (:class:`RunConfig`: run folder, logs, resume, tracking) and *which Spark session*
 (:class:`SessionConfig`). ``HorovodRunner(np=2, output_dir=..., start_timeout=...)`` keywords still
-work: :func:`group_keywords` files each one into its group (:data:`KEYWORD_GROUPS`, the one
-table), and a keyword given both ways is refused rather than guessed.
+work: :func:`scaling_config` takes ``np`` by name and :func:`group_keywords` files every other
+keyword into its group (:data:`KEYWORD_GROUPS`, the one table); a keyword given both ways is
+refused rather than guessed.
 
 Defaults live here only; ``HorovodRunner``'s signature leaves them unset.
 """
@@ -21,6 +22,9 @@ from sparkhvd.elastic.scaling import RESIZE_CHECK_S
 
 __side__ = "driver"
 
+
+#: A keyword setting the caller did not give (its default lives in this module).
+UNSET: Any = object()
 
 #: What ``HorovodRunner(launcher=...)`` accepts.
 LAUNCHERS = ("auto", "barrier", "horovod")
@@ -190,8 +194,8 @@ class LaunchConfig:
         set_ = object.__setattr__
         set_(self, "start_timeout", seconds("start_timeout", self.start_timeout))
         set_(self, "heartbeat_timeout", seconds("heartbeat_timeout", self.heartbeat_timeout))
-        if isinstance(self.slot_wait_s, bool) or not isinstance(self.slot_wait_s, (int, float)) \
-                or self.slot_wait_s < 0:
+        wait = self.slot_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
             raise ValueError(f"slot_wait_s must be a number of seconds >= 0; "
                              f"got {self.slot_wait_s!r}")
         if self.stall_timeout is not None:
@@ -253,10 +257,9 @@ class RunConfig:
         object.__setattr__(self, "storage_options", _frozen_map(self.storage_options))
 
     def __repr__(self) -> str:  # storage_options hold credentials: never shown
-        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                 if f.name != "storage_options"}
-        return f"RunConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())}, " \
-               f"storage_options=<{len(self.storage_options)} keys>)"
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                          if f.name != "storage_options")
+        return f"RunConfig({shown}, storage_options=<{len(self.storage_options)} keys>)"
 
 
 @dataclass(frozen=True)
@@ -293,25 +296,49 @@ GROUP_ARGUMENT = {ScalingConfig: "scaling", LaunchConfig: "launch", RunConfig: "
 
 
 def group_keywords(groups: Mapping[type, Any], keywords: Mapping[str, Any]) -> dict[type, Any]:
-    """One object per group: the one given (``groups``), or one made from the keywords.
+    """One object for each group in ``groups``: the one given, or one made from the keywords
+    of that group (the scaling group, which holds ``np``, is :func:`scaling_config`'s).
 
     Raises:
         ValueError: a keyword was given together with the group object it belongs to.
     """
-    made: dict[type, Any] = {}
-    for cls in GROUP_ARGUMENT:
-        given = groups.get(cls)
-        mine = {k: v for k, v in keywords.items() if KEYWORD_GROUPS[k] is cls}
-        if given is not None:
-            if not isinstance(given, cls):
-                raise TypeError(f"{GROUP_ARGUMENT[cls]}= takes a {cls.__name__}; "
-                                f"got {type(given).__name__}")
-            if mine:
-                raise ValueError(
-                    f"{', '.join(sorted(mine))} given both as keyword(s) and in "
-                    f"{GROUP_ARGUMENT[cls]}={cls.__name__}(...): set each once. Fix: move them "
-                    f"into the {cls.__name__}, or drop {GROUP_ARGUMENT[cls]}=.")
-            made[cls] = given
-        else:
-            made[cls] = cls(**mine)
-    return made
+    return {cls: _one_group(cls, given,
+                            {k: v for k, v in keywords.items() if KEYWORD_GROUPS[k] is cls})
+            for cls, given in groups.items()}
+
+
+def scaling_config(given: Optional[ScalingConfig], np: Any, keywords: Mapping) -> ScalingConfig:
+    """The scaling group, with ``np`` -- the runner's one required setting -- handed on by name.
+
+    ``np`` is the number every later step reads (the spec's scaling policy, the placing, the
+    launchers, each rank's ``WORLD_SIZE``), so it comes here as itself, not in a bag of
+    keywords: ``HorovodRunner(np=2)`` is ``ScalingConfig(np=2)``. ``np`` is ``UNSET`` when the
+    caller did not give it (``scaling=`` then says how many ranks).
+
+    Raises:
+        TypeError: neither ``np`` nor ``scaling=`` was given.
+        ValueError: ``np`` (or another scaling keyword) was given together with ``scaling=``.
+    """
+    mine = {k: v for k, v in keywords.items() if KEYWORD_GROUPS[k] is ScalingConfig}
+    if np is UNSET:
+        if given is None:
+            raise TypeError("HorovodRunner needs np (HorovodRunner(np=2)) or "
+                            "scaling=ScalingConfig(np=2).")
+        return _one_group(ScalingConfig, given, mine)
+    if given is not None:
+        return _one_group(ScalingConfig, given, {"np": np, **mine})
+    return ScalingConfig(np=np, **{k: v for k, v in mine.items() if k != "np"})
+
+
+def _one_group(cls: type, given: Any, mine: Mapping[str, Any]) -> Any:
+    if given is None:
+        return cls(**mine)
+    if not isinstance(given, cls):
+        raise TypeError(f"{GROUP_ARGUMENT[cls]}= takes a {cls.__name__}; "
+                        f"got {type(given).__name__}")
+    if mine:
+        raise ValueError(
+            f"{', '.join(sorted(mine))} given both as keyword(s) and in "
+            f"{GROUP_ARGUMENT[cls]}={cls.__name__}(...): set each once. Fix: move them "
+            f"into the {cls.__name__}, or drop {GROUP_ARGUMENT[cls]}=.")
+    return given

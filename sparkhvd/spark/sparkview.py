@@ -53,16 +53,33 @@ def is_loopback_master(master: str) -> bool:
     return is_loopback(host)
 
 
-def session_stopped(sc: Any) -> bool:
+#: How often a failed question to the JVM is asked again before the session counts as stopped.
+STOPPED_ASKS = 3
+#: How long to wait between those questions (seconds).
+STOPPED_ASK_GAP_S = 0.2
+
+
+def session_stopped(sc: Any, *, asks: int = STOPPED_ASKS) -> bool:
     """Whether a SparkContext was stopped, or is stopping (Java marks that first, before it
-    kills the tasks; Python clears ``_jsc`` last)."""
-    jsc = getattr(sc, "_jsc", None) if sc is not None else None
-    if jsc is None:
-        return True
-    try:
-        return bool(jsc.sc().isStopped())
-    except Exception:  # noqa: BLE001 - the gateway is going away with the context
-        return True
+    kills the tasks; Python clears ``_jsc`` last).
+
+    A py4j error alone does not mean stopped: a gateway busy with another thread's call can
+    fail one question (a run was once failed as "stopped" 0.7 s in). The question is asked
+    again, ``asks`` times in all; only a context Python cleared, or a JVM that keeps failing,
+    counts as stopped.
+    """
+    for ask in range(asks):
+        jsc = getattr(sc, "_jsc", None) if sc is not None else None
+        if jsc is None:
+            return True
+        try:
+            return bool(jsc.sc().isStopped())
+        except Exception as exc:  # noqa: BLE001 - py4j errors: going away, or one busy call
+            log.debug("asking whether the SparkContext is stopped failed (%d of %d): %s",
+                      ask + 1, asks, exc)
+            if ask + 1 < asks:
+                time.sleep(STOPPED_ASK_GAP_S)
+    return True
 
 
 def stopped_session_error(during: bool) -> SessionError:

@@ -127,6 +127,32 @@ def test_a_remote_connect_servers_local_master_is_not_this_machine(monkeypatch):
     assert local.executors_here() and local.driver_host() == "127.0.0.1"
 
 
+def test_one_failed_question_to_the_jvm_is_not_a_stopped_session(monkeypatch):
+    """A py4j error while asking whether the context stopped is asked again: a run is failed
+    as "the SparkSession was stopped" only for a cleared context or a JVM that keeps failing."""
+    from sparkhvd.spark import sparkview
+
+    monkeypatch.setattr(sparkview, "STOPPED_ASK_GAP_S", 0.0)
+
+    def context(answers):
+        def is_stopped():
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        jvm_context = type("JavaSparkContext", (), {"isStopped": staticmethod(is_stopped)})()
+        jsc = type("JavaContext", (), {"sc": lambda self: jvm_context})()
+        return type("SparkContext", (), {"_jsc": jsc})()
+
+    busy = ConnectionError("an answer from the Java side is empty")
+    assert not sparkview.session_stopped(context([busy, False]))
+    assert sparkview.session_stopped(context([busy, True]))
+    assert sparkview.session_stopped(context([busy, busy, busy]))
+    assert sparkview.session_stopped(type("SparkContext", (), {"_jsc": None})())
+    assert sparkview.session_stopped(None)
+
+
 def test_prepared_arguments_are_found_in_containers_and_opened_in_the_rank():
     """The preparation protocol, both halves, without Spark: the driver swaps each prepared
     argument (also inside lists, tuples and dicts) for what the ranks get; the rank opens it."""

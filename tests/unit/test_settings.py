@@ -30,6 +30,12 @@ def test_groups_can_be_given_whole_and_a_setting_given_twice_is_refused():
         HorovodRunner(np=2, launch=RunConfig())
     with pytest.raises(TypeError, match="needs np"):
         HorovodRunner()
+    with pytest.raises(ValueError, match="np given both as keyword.*ScalingConfig"):
+        HorovodRunner(np=2, scaling=ScalingConfig(np=4))
+    with pytest.raises(ValueError, match="max_np given both as keyword.*ScalingConfig"):
+        HorovodRunner(max_np=4, scaling=ScalingConfig(np=2))
+    assert HorovodRunner(np=2, min_np=1, max_np=3).scaling == ScalingConfig(np=2, min_np=1,
+                                                                             max_np=3)
 
 
 def test_settings_are_immutable_and_hide_credentials():
