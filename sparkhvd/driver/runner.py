@@ -28,7 +28,7 @@ from sparkhvd.driver.settings import (
     scaling_config,
     seconds,
 )
-from sparkhvd.driver.spec import RunSpec
+from sparkhvd.driver.spec import RunSpec, run_spec
 from sparkhvd.runfolder.rundir import RunDir
 from sparkhvd.spark.installed import check_horovod_installed
 
@@ -184,7 +184,11 @@ class HorovodRunner:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
         self.backend = backend
-        check_launch(self.launch_facts())  # the rules a session cannot change, now
+        facts = self.launch_facts()
+        check_launch(facts)  # the rules a session cannot change, now
+        #: what every run of this runner is: the settings and the policies decided from them
+        self.spec: RunSpec = run_spec(backend, self.scaling, self.launch_config,
+                                      self.run_config, facts)
         preset = self.session_config.preset
         if preset is not None and self.scaling.spark:
             preset.check_np(self.scaling.size)
@@ -256,9 +260,7 @@ class HorovodRunner:
         succeeded = False
         try:
             blob = _payload.dumps(fn, prepared.kwargs)
-            spec = RunSpec.of(self.backend, self.scaling, self.launch_config,
-                              self.run_config, self.launch_facts())
-            run = Run(spec, fn, blob, spark, kwargs=kwargs, return_all=return_all,
+            run = Run(self.spec, fn, blob, spark, kwargs=kwargs, return_all=return_all,
                       timeout=timeout)
             self.last_run_dir, self._run = run.run_dir, run
             try:

@@ -1,9 +1,11 @@
-"""What one run is, frozen when ``run()`` is called: :class:`RunSpec`.
+"""What one run is, frozen when the runner is made: :class:`RunSpec` (:func:`run_spec`).
 
 A :class:`~sparkhvd.driver.run.Run` is built from this description -- the runner's four groups
 of settings, the backend, what decides the launcher and the policies that decide its size and
 its relaunches -- never from the :class:`~sparkhvd.driver.runner.HorovodRunner` itself, so the
-run cannot change the runner and the runner's module is the only one that knows both.
+run cannot change the runner and the runner's module is the only one that knows both. The
+policies are decided from the settings alone, so a runner decides them once, when it is made:
+a setting that cannot make a run is refused there, not at ``run()``.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from sparkhvd.driver.launchers import LaunchFacts
 from sparkhvd.driver.retry import RetryPolicy
 from sparkhvd.driver.settings import LaunchConfig, RunConfig, ScalingConfig
-from sparkhvd.elastic.scaling import ScalingPolicy
+from sparkhvd.elastic.scaling import ScalingPolicy, scaling_policy
 
 __side__ = "driver"
 
@@ -32,13 +34,13 @@ class RunSpec:
     #: whether a failed attempt is relaunched (the run counts and relaunches)
     retry_policy: RetryPolicy
 
-    @classmethod
-    def of(cls, backend: str, scaling: ScalingConfig, launch: LaunchConfig, config: RunConfig,
-           facts: LaunchFacts) -> "RunSpec":
-        """The description of a run with these settings, its policies decided from them."""
-        size = scaling.size
-        # horovod's elastic mode resizes inside one attempt (horovod.spark.run_elastic)
-        sizes = ScalingPolicy(size, size, size) if facts.horovod_elastic else \
-            ScalingPolicy.of(scaling)
-        retries = RetryPolicy.of(config.max_retries, config.max_preemptions, sizes.elastic)
-        return cls(backend, scaling, launch, config, facts, sizes, retries)
+
+def run_spec(backend: str, scaling: ScalingConfig, launch: LaunchConfig, config: RunConfig,
+             facts: LaunchFacts) -> RunSpec:
+    """The description of a run with these settings, its policies decided from them."""
+    size = scaling.size
+    # horovod's elastic mode resizes inside one attempt (horovod.spark.run_elastic)
+    elastic = None if facts.horovod_elastic else scaling.elastic
+    sizes = scaling_policy(size, elastic, scaling.resize_check_s)
+    retries = RetryPolicy.of(config.max_retries, config.max_preemptions, sizes.elastic)
+    return RunSpec(backend, scaling, launch, config, facts, sizes, retries)

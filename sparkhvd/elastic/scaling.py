@@ -59,14 +59,6 @@ class ScalingPolicy:
     max_np: int
     resize_check_s: float = RESIZE_CHECK_S
 
-    @classmethod
-    def of(cls, scaling: "object") -> "ScalingPolicy":
-        """The policy of a :class:`~sparkhvd.driver.settings.ScalingConfig`."""
-        size = scaling.size  # type: ignore[attr-defined]
-        elastic = scaling.elastic  # type: ignore[attr-defined]
-        lo, hi = elastic if elastic else (size, size)
-        return cls(size, lo, hi, scaling.resize_check_s)  # type: ignore[attr-defined]
-
     @property
     def elastic(self) -> bool:
         return self.min_np != self.max_np
@@ -99,3 +91,12 @@ class ScalingPolicy:
         if size >= self.max_np or free < 1:
             return None
         return min(self.max_np, size + free)
+
+
+def scaling_policy(size: int, elastic: Optional[tuple[int, int]],
+                   resize_check_s: float = RESIZE_CHECK_S) -> ScalingPolicy:
+    """The policy of a run of ``size`` ranks, elastic within ``elastic`` (``min_np``, ``max_np``)
+    or not (``None``): a :class:`~sparkhvd.driver.settings.ScalingConfig`'s ``size``,
+    ``elastic`` and ``resize_check_s``."""
+    lo, hi = elastic if elastic else (size, size)
+    return ScalingPolicy(size, lo, hi, resize_check_s)

@@ -21,7 +21,7 @@ from sparkhvd.common.errors import LaunchFailure, NotEnoughSlotsError, TrainingE
 from sparkhvd.driver.launchers import GroupStatus, LaunchFacts, LaunchSpec, Placement
 from sparkhvd.driver.run import Run
 from sparkhvd.driver.settings import LaunchConfig, RunConfig, ScalingConfig
-from sparkhvd.driver.spec import RunSpec
+from sparkhvd.driver.spec import run_spec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -157,7 +157,7 @@ def _run(tmp_path, launcher: ScriptedLauncher, placer: Optional[ScriptedPlacer] 
     launch = LaunchConfig(**{k: settings.pop(k) for k in ("slot_wait_s", "env")
                              if k in settings})
     config = RunConfig(output_dir=str(tmp_path / "runs"), time_split=False, **settings)
-    spec = RunSpec.of("torch", scaling, launch, config, LaunchFacts("torch"))
+    spec = run_spec("torch", scaling, launch, config, LaunchFacts("torch"))
     return Run(spec, _train, b"", None, kwargs={}, return_all=False, timeout=None,
                placer=placer or ScriptedPlacer(), launchers=launcher)
 
@@ -412,7 +412,7 @@ def test_the_controller_polls_the_group_stops_it_on_a_failure_and_always_closes_
 def test_the_runs_timeout_stops_a_group_that_does_not_end(tmp_path):
     launcher = ScriptedLauncher(succeeds(), polls=10**9)
     config = RunConfig(output_dir=str(tmp_path / "runs"), time_split=False)
-    spec = RunSpec.of("torch", ScalingConfig(np=2), LaunchConfig(), config, LaunchFacts("torch"))
+    spec = run_spec("torch", ScalingConfig(np=2), LaunchConfig(), config, LaunchFacts("torch"))
     run = Run(spec, _train, b"", None, kwargs={}, return_all=False, timeout=0.3,
               placer=ScriptedPlacer(), launchers=launcher)
     with pytest.raises(TimeoutError, match="scripted ranks ran out of time"):
@@ -453,7 +453,7 @@ def test_a_stall_with_on_stall_stop_is_found_by_a_poll_and_the_step_stops_the_ra
         reason, "rank 0 is in train.py:9 wait()", None, {}, []))
     launcher = ScriptedLauncher(on_hosts("h1", "h1", then=succeeds()), polls=10**9)
     config = RunConfig(output_dir=str(tmp_path / "runs"), time_split=False)
-    spec = RunSpec.of("torch", ScalingConfig(np=2),
+    spec = run_spec("torch", ScalingConfig(np=2),
                       LaunchConfig(stall_timeout=0.05, on_stall="stop"), config,
                       LaunchFacts("torch"))
     run = Run(spec, _train, b"", None, kwargs={}, return_all=False, timeout=None,

@@ -5,11 +5,16 @@ import pytest
 
 from sparkhvd.common.errors import NotEnoughSlotsError
 from sparkhvd.driver.settings import ScalingConfig
-from sparkhvd.elastic.scaling import ScalingPolicy, SizeDecision, not_enough_slots
+from sparkhvd.elastic.scaling import SizeDecision, not_enough_slots, scaling_policy
+
+
+def _policy(config: ScalingConfig):
+    """The policy a runner with these settings decides (as ``driver.spec.run_spec`` does)."""
+    return scaling_policy(config.size, config.elastic, config.resize_check_s)
 
 
 def test_a_relaunch_takes_the_free_slots_up_to_max_np():
-    policy = ScalingPolicy.of(ScalingConfig(np=3, min_np=2, max_np=4, resize_check_s=5))
+    policy = _policy(ScalingConfig(np=3, min_np=2, max_np=4, resize_check_s=5))
     assert policy.elastic and (policy.min_np, policy.max_np, policy.resize_check_s) == (2, 4, 5)
     assert policy.size_now(2, 0, 0) == SizeDecision("place", 2)
     assert policy.size_now(9, 0, 0) == SizeDecision("place", 4)
@@ -17,7 +22,7 @@ def test_a_relaunch_takes_the_free_slots_up_to_max_np():
 
 def test_below_min_np_it_waits_for_slots_then_says_it_is_short():
     """The policy only decides: the run sleeps between looks and raises the error it names."""
-    policy = ScalingPolicy.of(ScalingConfig(np=3, min_np=2))
+    policy = _policy(ScalingConfig(np=3, min_np=2))
     assert policy.size_now(1, 0.0, 5) == SizeDecision("wait")
     assert policy.size_now(1, 4.9, 5) == SizeDecision("wait")
     assert policy.size_now(3, 4.9, 5) == SizeDecision("place", 3)  # slots came back in time
@@ -29,10 +34,10 @@ def test_below_min_np_it_waits_for_slots_then_says_it_is_short():
 
 
 def test_it_grows_only_below_max_np_and_only_into_free_slots():
-    policy = ScalingPolicy.of(ScalingConfig(np=4, min_np=2, max_np=4))
+    policy = _policy(ScalingConfig(np=4, min_np=2, max_np=4))
     assert policy.grow_to(2, 0) is None and policy.grow_to(4, 3) is None
     assert policy.grow_to(2, 1) == 3 and policy.grow_to(2, 5) == 4
-    assert not ScalingPolicy.of(ScalingConfig(np=-2)).elastic
+    assert not _policy(ScalingConfig(np=-2)).elastic
 
 
 def test_resize_check_s_is_a_positive_time():
@@ -41,7 +46,7 @@ def test_resize_check_s_is_a_positive_time():
 
 
 def test_a_grow_waits_a_moment_for_its_slots_then_takes_what_is_free():
-    policy = ScalingPolicy.of(ScalingConfig(np=3, min_np=2))
+    policy = _policy(ScalingConfig(np=3, min_np=2))
     assert policy.size_now(2, 0, 0, want=3, settle_s=5) == SizeDecision("wait")
     assert policy.size_now(3, 1, 0, want=3, settle_s=5) == SizeDecision("place", 3)
     assert policy.size_now(2, 5, 0, want=3, settle_s=5) == SizeDecision("place", 2)
@@ -57,7 +62,7 @@ def test_a_grow_is_asked_for_only_when_a_second_look_agrees(monkeypatch):
     looks = iter([1, 0, 1, 2])
     now = [0.0]
     view = SimpleNamespace(connect=False, master="spark://x:7077")
-    w = watch.AttemptWatch(view, "job", ScalingPolicy.of(ScalingConfig(np=4, min_np=2)), 2,
+    w = watch.AttemptWatch(view, "job", _policy(ScalingConfig(np=4, min_np=2)), 2,
                            listening=lambda: True, free=lambda: next(looks),
                            clock=lambda: now[0])
     monkeypatch.setattr(watch.AttemptWatch, "_look_for_decommission", lambda self: None)
