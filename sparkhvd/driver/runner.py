@@ -113,7 +113,6 @@ def _the_function(method: str, args: tuple, kwargs: dict[str, Any]) -> Callable[
     return kwargs.pop("fn")
 
 
-
 class HorovodRunner:
     """Runs a training function on ``np`` ranks and returns rank 0's result.
 

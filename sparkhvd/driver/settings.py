@@ -320,14 +320,12 @@ def scaling_config(given: Optional[ScalingConfig], np: Any, keywords: Mapping) -
         ValueError: ``np`` (or another scaling keyword) was given together with ``scaling=``.
     """
     mine = {k: v for k, v in keywords.items() if KEYWORD_GROUPS[k] is ScalingConfig}
-    if np is UNSET:
-        if given is None:
-            raise TypeError("HorovodRunner needs np (HorovodRunner(np=2)) or "
-                            "scaling=ScalingConfig(np=2).")
-        return _one_group(ScalingConfig, given, mine)
-    if given is not None:
-        return _one_group(ScalingConfig, given, {"np": np, **mine})
-    return ScalingConfig(np=np, **{k: v for k, v in mine.items() if k != "np"})
+    if np is not UNSET:
+        mine = {"np": np, **mine}
+    elif given is None:
+        raise TypeError("HorovodRunner needs np (HorovodRunner(np=2)) or "
+                        "scaling=ScalingConfig(np=2).")
+    return _one_group(ScalingConfig, given, mine)
 
 
 def _one_group(cls: type, given: Any, mine: Mapping[str, Any]) -> Any:
