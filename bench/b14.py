@@ -43,8 +43,10 @@ CHAIN_STOPS = ((100, 120), (230, 60), (45, 300))
 #: Where a chain's ranks run when their row groups are kept on their hosts
 #: (:mod:`sparkhvd.data.row_group_cache`): every rank on one host (a local master, one
 #: machine), or each on its own host -- the 7 of the shrink on the hosts of ranks 0 to 6, the
-#: grow's eighth on a new one (the lost host's rows are nowhere).
-HOSTS = ("one host", "8 hosts, a rank each")
+#: grow's eighth on a new one -- with a small table's row groups also copied to the driver
+#: (the default: a run-folder service in this process), or without (the lost host's rows are
+#: nowhere but in the files).
+HOSTS = ("one host", "8 hosts, a rank each", "8 hosts, a rank each, no copies on the driver")
 
 #: One rank's epochs: (reader, kept in memory?)
 READS = [("torch_batches", True), ("torch_batches", False), ("batches", False),
@@ -361,7 +363,8 @@ def scale_models() -> list[dict]:
     default window (128 MB) 256 of them -- modelled by tables of as many row groups of 122
     narrow rows: what a rank reads and mixes depends on the row groups, not their width. N is
     the row groups' stored bytes: the model's footers (2 columns of 122 rows a group) weigh
-    far more beside its narrow rows than a real table's do beside 512 KB groups."""
+    far more beside its narrow rows than a real table's do beside 512 KB groups. No row group
+    is copied to the driver: such tables are past the copies' bound (1 GB of rows)."""
     import dataclasses
 
     import pyarrow.parquet as pq
@@ -385,7 +388,7 @@ def scale_models() -> list[dict]:
                        [1, 2, 4, 8, 12, 16, 24, 32, 64], [
                            (window, "the default window"),
                            *((window, f"the default window, the row groups kept on {placing}",
-                              placing) for placing in HOSTS)], window=window)
+                              placing) for placing in HOSTS[:2])], window=window, copies=False)
     return rows
 
 
@@ -460,11 +463,12 @@ def _plans_on_azurite(source: Any, paths: list[str], total: int, uniform: float,
 
 
 @contextlib.contextmanager
-def _on_host(root: Optional[str], hosts: list[str], attempt: int, rank: int
-             ) -> Iterator[None]:
+def _on_host(root: Optional[str], hosts: list[str], attempt: int, rank: int,
+             driver: Optional[dict] = None) -> Iterator[None]:
     """This process as rank ``rank`` of attempt ``attempt`` of a run whose ranks are on
-    ``hosts`` (its row groups kept in ``root/<its host>``); nothing changes without a
-    ``root``."""
+    ``hosts`` (its row groups kept in ``root/<its host>``, and sent to the run-folder service
+    ``driver`` points at); nothing changes without a ``root``. It ends once the rank's row
+    groups went to the driver: a host is lost long after it read them."""
     from sparkhvd.common import protocol
     from sparkhvd.data import row_group_cache
 
@@ -473,9 +477,37 @@ def _on_host(root: Optional[str], hosts: list[str], attempt: int, rank: int
         return
     env = {protocol.RUN_ID_ENV: "bench-b14-chain", protocol.ATTEMPT_ENV: str(attempt),
            "SPARKHVD_RANK": str(rank), protocol.RANK_HOSTS_ENV: ",".join(hosts),
-           row_group_cache.DIR_ENV: os.path.join(root, hosts[rank])}
+           row_group_cache.DIR_ENV: os.path.join(root, hosts[rank]), **(driver or {})}
     with mock.patch.dict(os.environ, env):
         yield
+        cache = row_group_cache.for_this_rank()
+        if cache is not None and not cache.sent(120):
+            raise RuntimeError("the row groups did not reach the driver in 2 minutes")
+
+
+@contextlib.contextmanager
+def _driver_copies(placing: Optional[str]) -> Iterator[Optional[dict]]:
+    """A run-folder service keeping row-group copies, as the driver runs it, for ``placing``
+    :data:`HOSTS`'s second: the variables that point a rank at it (None: no copies)."""
+    import shutil
+
+    from sparkhvd.data import row_group_cache
+    from sparkhvd.runfolder.rank_files import driver_row_copies
+    from sparkhvd.runfolder.service import RunFileService
+
+    if placing != HOSTS[1]:
+        yield None
+        return
+    folder = tempfile.mkdtemp(prefix="bench-b14-driver-")
+    service = RunFileService("127.0.0.1", folder,
+                             row_copies=os.path.join(folder, "copies", "run")).start()
+    row_group_cache.use_driver_copies(driver_row_copies)
+    try:
+        yield service.env()
+    finally:
+        row_group_cache.use_driver_copies(None)
+        service.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _host_of(placing: str, attempt: int, rank: int) -> str:
@@ -486,10 +518,12 @@ def _host_of(placing: str, attempt: int, rank: int) -> str:
 
 
 def _plans(where: str, source: Any, total: int, uniform: float, nps: list[int],
-           chains: list[tuple], window: Optional[int] = None) -> list[dict]:
+           chains: list[tuple], window: Optional[int] = None, copies: bool = True
+           ) -> list[dict]:
     """B14's plan rows for ``source`` (see :func:`planned_reads`): an epoch at each of ``nps``
     with ``window`` (default: the dataset's), and each of ``chains`` (a window, what it is,
-    and where the ranks keep their row groups: none of :data:`HOSTS`, no cache)."""
+    and where the ranks keep their row groups: none of :data:`HOSTS`, no cache) -- with the
+    driver's row-group copies where :data:`HOSTS` says so and ``copies``."""
     import shutil
 
     import numpy as np
@@ -500,16 +534,19 @@ def _plans(where: str, source: Any, total: int, uniform: float, nps: list[int],
     batch, seed = 32, 1
 
     def epoch(size: int, state: Optional[dict] = None, stop: Optional[int] = None,
-              window: Optional[int] = None, hosts: Optional[tuple[str, str, int]] = None
+              window: Optional[int] = None, hosts: Optional[tuple[str, str, int]] = None,
+              driver: Optional[dict] = None, from_driver: Optional[list[int]] = None
               ) -> tuple[list[int], list[float], Optional[dict]]:
         read, mixed, after = [], [], None
         for rank in range(size):
             root, placing, attempt = hosts or (None, "", 0)
             with _on_host(root, [_host_of(placing, attempt, r) for r in range(size)], attempt,
-                          rank):
+                          rank, driver):
                 shard = DatasetShard(source)
                 read_epoch(shard, rank, size, state, stop, window, mixed)
             read.append(shard.bytes_read)
+            if from_driver is not None:
+                from_driver.append(shard.driver_bytes_read)
             after = shard.state_dict()
         return read, mixed, after
 
@@ -539,25 +576,34 @@ def _plans(where: str, source: Any, total: int, uniform: float, nps: list[int],
     # a window of a k-th of it, about twice that per resize -- and a rank's batch draws on
     # fewer row groups at once (the labels per batch say the cost)
     steps = source.num_rows // (8 * batch)
+    copied: list[tuple[str, list[float]]] = []
     for chain_window, said, *placing in chains:
-        ratios, labels = [], []
+        ratios, labels, driver_ratios = [], [], []
         for first, second in CHAIN_STOPS:
             chain_read: list[int] = []
             chain_mixed: list[float] = []
+            from_driver: list[int] = []
             state = None
             root = tempfile.mkdtemp(prefix="bench-b14-hosts-") if placing else None
-            for attempt, (size, stop) in enumerate(((8, steps * first // 781),
-                                                    (7, steps * second // 781), (8, None)), 1):
-                hosts = (root, placing[0], attempt) if root else None
-                read, mixed, state = epoch(size, state, stop, chain_window, hosts)
-                chain_read += read
-                chain_mixed += mixed
-            if root:
-                row_group_cache._caches.clear()
-                shutil.rmtree(root, ignore_errors=True)
+            with _driver_copies(placing[0] if placing and copies else None) as driver:
+                for attempt, (size, stop) in enumerate(((8, steps * first // 781),
+                                                        (7, steps * second // 781),
+                                                        (8, None)), 1):
+                    hosts = (root, placing[0], attempt) if root else None
+                    read, mixed, state = epoch(size, state, stop, chain_window, hosts, driver,
+                                               from_driver)
+                    chain_read += read
+                    chain_mixed += mixed
+                if root:
+                    row_group_cache._caches.clear()
+                    shutil.rmtree(root, ignore_errors=True)
             ratios.append((sum(chain_read) + source.footer_bytes) / total)
             labels.append(float(np.mean(chain_mixed)))
-        out.append((f"8 -> 7 -> 8 mid-epoch, {said} (all attempts)", 8, [], ratios, labels, 0))
+            driver_ratios.append(sum(from_driver) / total)
+        name = f"8 -> 7 -> 8 mid-epoch, {said} (all attempts)"
+        out.append((name, 8, [], ratios, labels, 0))
+        if driver is not None:
+            copied.append((name, driver_ratios))
     rows = []
     for name, size, busiest, ratio, mixed, read_sum in out:
         if busiest:
@@ -570,6 +616,10 @@ def _plans(where: str, source: Any, total: int, uniform: float, nps: list[int],
         rows.append({"case": "B14", "variant": f"{where}, {name}: distinct labels per rank's "
                      f"batch of {batch}, sorted labels (full permutation: {uniform:.2f})",
                      "unit": "labels", "np": size, **_stats(mixed)})
+    for name, driver_ratios in copied:
+        rows.append({"case": "B14", "variant": f"{where}, {name}: decoded bytes the ranks "
+                     "read from the driver's row-group copies / N", "unit": "ratio", "np": 8,
+                     **_stats(driver_ratios)})
     return rows
 
 

@@ -14,8 +14,9 @@ def train_ids(data, epochs, log_dir, step_s=0.0, every_steps=1000, notice_at=Non
     later attempts) -- a slow attempt leaves the test time to act in it.
     ``notice_at=(epoch, step, rank)``: that rank of the first attempt gets SIGTERM -- a
     node's notice -- right after that step. Logs ``<log_dir>/a<attempt>-r<rank>.txt``: a
-    ``world BEFORE NOW pid PID`` line, then ``EPOCH STEP id id ...`` and ``read FILES HOST`` (bytes from the files and from the rows
-    kept on the host) per step; with
+    ``world BEFORE NOW pid PID`` line, then ``EPOCH STEP id id ...`` and ``read FILES HOST
+    DRIVER`` (bytes from the files, from the rows kept on the host and from the driver's copies)
+    per step; with
     ``log_dir=None`` it prints them (``elastic-log a<attempt>-r<rank> ...``: ranks on hosts
     that cannot see the driver's disk), read back by :func:`read_lines`. ``url`` and
     ``storage_options``: a checkpoint folder other than the run folder's.
@@ -63,7 +64,8 @@ def train_ids(data, epochs, log_dir, step_s=0.0, every_steps=1000, notice_at=Non
                 waited = time.monotonic()
                 while noticed() is None and time.monotonic() - waited < 240:
                     time.sleep(0.05)
-            log.write(f"read {data.bytes_read} {data.host_bytes_read}\n")
+            log.write(f"read {data.bytes_read} {data.host_bytes_read} "
+                      f"{data.driver_bytes_read}\n")
             ckpt.step(epoch)
             if step_s:
                 time.sleep(step_s)
@@ -99,8 +101,8 @@ def read_lines(lines):
 def _parse(entry, words):
     if words[0] == "world":
         entry.update(world=(int(words[1]), int(words[2])), pid=int(words[4]))
-    elif words[0] == "read":  # bytes from the files, and from the rows kept on the host
-        entry["read"] = (int(words[1]), int(words[2]))
+    elif words[0] == "read":  # bytes from the files, the rows kept on the host, the driver
+        entry["read"] = tuple(int(w) for w in words[1:4])
     elif len(words) >= 2:
         entry["steps"].append((int(words[0]), int(words[1]), [int(w) for w in words[2:]]))
 

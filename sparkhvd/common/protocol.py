@@ -104,6 +104,12 @@ HOST_RANKS_ENV = "SPARKHVD_HOST_RANKS"
 #: The hosts of the attempt's ranks, in rank order, comma-separated: where each rank's rows
 #: were when the next attempt deals the rest of an epoch (:func:`sparkhvd.data.deal.by_host`).
 RANK_HOSTS_ENV = "SPARKHVD_RANK_HOSTS"
+#: A table whose rows take up to this many bytes has each row group ranks on other hosts read
+#: copied to the driver for the run (:mod:`sparkhvd.data.row_group_cache`); the driver keeps
+#: at most this many bytes of copies a run. ``$SPARKHVD_ROW_COPIES_BYTES`` (the ranks' variable)
+#: sets it, ``0`` turns the copies off.
+ROW_COPIES_BYTES = 1 << 30
+ROW_COPIES_BYTES_ENV = "SPARKHVD_ROW_COPIES_BYTES"
 #: Where rank 0 writes the Horovod timeline on its own host before it goes to the run folder.
 TIMELINE_ENV = "HOROVOD_TIMELINE"
 #: Set when the rank itself must pick the network interface that reaches the rendezvous.

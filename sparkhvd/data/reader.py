@@ -55,7 +55,9 @@ class ShardReader:
                  on_read: Optional[Callable[[int], None]] = None,
                  footers: Optional[dict[int, Any]] = None,
                  cache: Optional[RowGroupCache] = None,
-                 on_host_read: Optional[Callable[[int], None]] = None):
+                 on_host_read: Optional[Callable[[int], None]] = None,
+                 copies: bool = False,
+                 on_driver_read: Optional[Callable[[int], None]] = None):
         self.files = list(files)
         #: row groups kept on this host (:mod:`sparkhvd.data.row_group_cache`), read before
         #: the files and added to as the files are read
@@ -63,6 +65,12 @@ class ShardReader:
         #: the decoded bytes of the row groups found in ``cache`` (not in ``bytes_read``)
         self.host_bytes_read = 0
         self.on_host_read = on_host_read
+        #: whether the row groups are also copied to the driver and read from there
+        #: (:func:`sparkhvd.data.row_group_cache.copies_for`), and the bytes read there (not
+        #: in ``host_bytes_read``)
+        self.copies = copies
+        self.driver_bytes_read = 0
+        self.on_driver_read = on_driver_read
         self.stored = stored
         self.storage_options = storage_options
         self.convert = convert
@@ -157,7 +165,8 @@ class ShardReader:
                     tables[g] = table.slice(offset, rows[g])
                     offset += rows[g]
                     if self.cache is not None:
-                        self.cache.keep(self.files[file], columns, g, tables[g])
+                        self.cache.keep(self.files[file], columns, g, tables[g],
+                                        copies=self.copies)
             for i in indices:
                 piece = pieces[i]
                 part = tables[piece.group].slice(piece.lo, piece.rows)
@@ -166,14 +175,20 @@ class ShardReader:
         return found
 
     def _cached(self, file: int, columns: list[str], groups: list[int]) -> dict[int, Any]:
-        """The row groups of ``groups`` kept on this host (none without a cache)."""
+        """The row groups of ``groups`` kept on this host or copied to the driver (none
+        without a cache)."""
         if self.cache is None:
             return {}
-        tables = self.cache.find(self.files[file], columns, groups)
-        found = sum(t.nbytes for t in tables.values())
-        self.host_bytes_read += found
-        if found and self.on_host_read is not None:
-            self.on_host_read(found)
+        tables, from_driver = self.cache.find(self.files[file], columns, groups,
+                                              copies=self.copies)
+        driver = sum(tables[g].nbytes for g in from_driver)
+        host = sum(t.nbytes for t in tables.values()) - driver
+        self.host_bytes_read += host
+        self.driver_bytes_read += driver
+        if host and self.on_host_read is not None:
+            self.on_host_read(host)
+        if driver and self.on_driver_read is not None:
+            self.on_driver_read(driver)
         return tables
 
     def close(self) -> None:

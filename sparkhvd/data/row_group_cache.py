@@ -27,6 +27,17 @@ Rules:
 - **where**: ``$SPARKHVD_ROW_CACHE_DIR``, else the system's temporary folder, in
   ``sparkhvd-row-groups-<uid>/<run id>/rank-<N>-a<attempt>-<pid>/``; only inside a run (a run
   id): a function called outside one reads the files.
+- **copied to the driver** (a small table, on a cluster): a rank on another host than the
+  driver's also sends each row group it read from the files of a table of up to
+  :data:`~sparkhvd.common.protocol.ROW_COPIES_BYTES` of rows to the driver's run-folder
+  service, in the background (:mod:`sparkhvd.runfolder.service`: the driver keeps one copy of
+  each for the run, at most that many bytes); and a rank of a later attempt reads there what no
+  rank on its host kept before it reads the files. Why: on a small table a rank holds its whole
+  share in flight (its window is the table), so a lost host took every row it had not trained
+  yet with it, and a new host takes rows only other hosts hold -- B14's 8 -> 7 -> 8 on 8 hosts
+  read 1.31x the files with the hosts' own copies alone. On a large table a rank holds a small
+  part of its share, and what a resize reads again is small without them.
+  ``$SPARKHVD_ROW_COPIES_BYTES`` sets the bound, ``0`` turns them off.
 - **cleaned**: when the training function returns (the run is done), each rank deletes its own
   folder and those of processes that are gone, then the run's folder once empty; the driver's
   sweep of the hosts an earlier attempt used does the same there
@@ -42,11 +53,12 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import shutil
 import tempfile
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from sparkhvd.common import owned_temp, protocol
 from sparkhvd.common.function_end import at_function_return
@@ -73,12 +85,46 @@ _caches: dict[tuple[str, int, str, str], "RowGroupCache"] = {}
 _lock = threading.Lock()
 
 
+class DriverCopies(Protocol):
+    """The driver's row-group copies as a rank reaches them (the run-folder service's client,
+    :class:`sparkhvd.runfolder.rank_files.DriverRowCopies`)."""
+
+    def put(self, name: str, local_path: str) -> None:
+        """Send a kept file. ``PermissionError``: refused (full); ``OSError``: out of reach."""
+
+    def get(self, name: str) -> bytes:
+        """A copy's bytes. ``FileNotFoundError``: the driver has none."""
+
+
+#: Makes this rank's :class:`DriverCopies` (None: it has none) -- set where the rank starts
+#: (:mod:`sparkhvd.rank.bootstrap`), which knows how the rank reaches the driver.
+_driver_copies: Optional[Callable[[], Optional[DriverCopies]]] = None
+
+
+def use_driver_copies(make: Optional[Callable[[], Optional[DriverCopies]]]) -> None:
+    """Where this process' ranks reach the driver's row-group copies (None: nowhere)."""
+    global _driver_copies
+    _driver_copies = make
+
+
+def copies_for(data_bytes: int) -> bool:
+    """Whether a table of ``data_bytes`` of rows has its row groups copied to the driver."""
+    try:
+        bound = int(os.environ.get(protocol.ROW_COPIES_BYTES_ENV, protocol.ROW_COPIES_BYTES))
+    except ValueError:
+        bound = protocol.ROW_COPIES_BYTES
+    return _driver_copies is not None and 0 < data_bytes <= bound
+
+
 def _after_fork() -> None:
-    """A forked child (a DataLoader worker) starts with free locks, whatever the parent held."""
+    """A forked child (a DataLoader worker) starts with free locks, whatever the parent held,
+    and reaches the driver on a connection and a sender thread of its own (its parent's
+    connection is the parent's; its sender thread is not in the child)."""
     global _lock
     _lock = threading.Lock()
     for cache in _caches.values():
         cache._lock = threading.Lock()
+        cache._copies, cache._sender, cache._sends = None, None, queue.Queue()
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -104,6 +150,16 @@ class RowGroupCache:
         self._held = 0
         self._lock = threading.Lock()
         self._off = False
+        try:
+            self.attempt = int(attempt)
+        except ValueError:
+            self.attempt = 1
+        #: the driver's copies (made at first use), and the row groups waiting to go there
+        self._copies: Optional[DriverCopies] = None
+        self._copies_off = _driver_copies is None
+        self._sends: "queue.Queue[tuple[str, str]]" = queue.Queue()
+        self._sender: Optional[threading.Thread] = None
+        self._sent: set[str] = set()  # sent once: a row group read again is not sent again
 
     @staticmethod
     def name(path: str, columns: Sequence[str], group: int) -> str:
@@ -112,13 +168,30 @@ class RowGroupCache:
         digest = hashlib.sha256(json.dumps([path, list(columns)]).encode()).hexdigest()[:24]
         return f"{digest}-{group}.arrow"
 
-    def find(self, path: str, columns: Sequence[str], groups: Sequence[int]) -> dict[int, Any]:
-        """The row groups of ``groups`` a rank on this host kept, as Arrow tables."""
+    def find(self, path: str, columns: Sequence[str], groups: Sequence[int],
+             copies: bool = False) -> tuple[dict[int, Any], set[int]]:
+        """The row groups of ``groups`` a rank on this host kept, as Arrow tables -- and, for a
+        table whose row groups are ``copies`` (:func:`copies_for`) in an attempt after the
+        first, those the driver has of the rest (kept here too); with the groups that came
+        from the driver."""
+        if self._off:
+            return {}, set()
+        found = self._on_host(path, columns, groups)
+        from_driver: set[int] = set()
+        if copies and self.attempt > 1 and len(found) < len(groups):
+            for group in groups:
+                if group not in found and not self._copies_off:
+                    table = self._from_driver(path, columns, group)
+                    if table is not None:
+                        found[group] = table
+                        from_driver.add(group)
+        return found, from_driver
+
+    def _on_host(self, path: str, columns: Sequence[str], groups: Sequence[int]
+                 ) -> dict[int, Any]:
         import pyarrow as pa
         import pyarrow.ipc
 
-        if self._off:
-            return {}
         names = {self.name(path, columns, group): group for group in groups}
         where: dict[str, str] = {}  # a name -> its file, this rank's own first
         try:
@@ -139,8 +212,83 @@ class RowGroupCache:
                 continue  # deleted as it was opened, or torn: read from the files
         return found
 
-    def keep(self, path: str, columns: Sequence[str], group: int, table: Any) -> None:
-        """Keep a row group just read from the files; the oldest kept go past the budget."""
+    def _from_driver(self, path: str, columns: Sequence[str], group: int) -> Optional[Any]:
+        """Row group ``group`` from the driver's copies (kept here too), or None."""
+        import pyarrow as pa
+        import pyarrow.ipc
+
+        copies = self._driver()
+        if copies is None:
+            return None
+        try:
+            data = copies.get(self.name(path, columns, group))
+            table = pyarrow.ipc.open_file(pa.py_buffer(data)).read_all()
+        except FileNotFoundError:
+            return None
+        except (OSError, pa.ArrowInvalid) as exc:  # out of reach, or torn: the files
+            self._copies_off = True
+            _say_once("copies-get", "the driver's row-group copies are out of reach (%s); "
+                      "the files are read instead", exc, level=logging.INFO)
+            return None
+        self.keep(path, columns, group, table)
+        return table
+
+    def _driver(self) -> Optional[DriverCopies]:
+        if self._copies is None and not self._copies_off:
+            made = _driver_copies() if _driver_copies is not None else None
+            if made is None:
+                self._copies_off = True
+            self._copies = made
+        return self._copies
+
+    def sent(self, timeout: float) -> bool:
+        """Wait until every row group queued for the driver went (or was given up on);
+        whether they did within ``timeout`` seconds."""
+        done = self._sends.all_tasks_done
+        with done:
+            return done.wait_for(lambda: not self._sends.unfinished_tasks, timeout)
+
+    def _send(self, name: str, file: str) -> None:
+        """Queue a kept file for the driver (a name: the file stays on the host's disk, and
+        one deleted past the budget before it went is not sent)."""
+        if self._copies_off or self._driver() is None:
+            return
+        with self._lock:
+            if name in self._sent:
+                return
+            self._sent.add(name)
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_all, daemon=True,
+                                                name="sparkhvd-row-copies")
+                self._sender.start()
+        self._sends.put((name, file))
+
+    def _send_all(self) -> None:
+        while True:
+            name, file = self._sends.get()
+            try:
+                self._send_one(name, file)
+            finally:
+                self._sends.task_done()
+
+    def _send_one(self, name: str, file: str) -> None:
+        copies = self._copies
+        if self._copies_off or copies is None:
+            return
+        try:
+            copies.put(name, file)
+        except FileNotFoundError:
+            return  # past the budget and deleted before it went: not needed
+        except OSError as exc:  # full, or out of reach
+            self._copies_off = True
+            _say_once("copies-put", "row groups are no longer copied to the driver (%s); "
+                      "a resize reads a lost host's rows from the files", exc,
+                      level=logging.INFO)
+
+    def keep(self, path: str, columns: Sequence[str], group: int, table: Any,
+             copies: bool = False) -> None:
+        """Keep a row group just read from the files (and send it to the driver, when its
+        table's row groups are ``copies``); the oldest kept go past the budget."""
         import pyarrow.ipc
 
         if self._off or table.nbytes > self.budget:
@@ -174,6 +322,8 @@ class RowGroupCache:
         for old in drop:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.own, old))
+        if copies:
+            self._send(name, target)
 
 
 def for_this_rank() -> Optional[RowGroupCache]:
@@ -294,7 +444,7 @@ def _remove_stale(base: str, keep: str) -> None:
                     shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def _say_once(key: str, message: str, *args: object) -> None:
+def _say_once(key: str, message: str, *args: object, level: int = logging.WARNING) -> None:
     if key not in _said:
         _said.add(key)
-        log.warning("data: " + message, *args)
+        log.log(level, "data: " + message, *args)

@@ -99,6 +99,9 @@ class DatasetShard:
         #: Decoded bytes of the row groups this shard found kept on its host instead
         #: (:mod:`sparkhvd.data.row_group_cache`: what a rank of an earlier attempt read).
         self.host_bytes_read = 0
+        #: Decoded bytes of the row groups this shard read from the driver's copies (a small
+        #: table on a cluster, after a resize or a relaunch: rows no rank on its host kept).
+        self.driver_bytes_read = 0
         #: file -> its Parquet metadata, read once for the run (every epoch's reader uses it),
         #: or shipped by the driver with the source (not read here at all)
         self._footers: dict[int, Any] = {i: pickle.loads(meta)
@@ -239,13 +242,18 @@ class DatasetShard:
         return ShardReader(self.source.files, dict(self.source.stored), self.storage_options,
                            self._to_numpy, on_read=self._count, footers=self._footers,
                            cache=row_group_cache.for_this_rank(),
-                           on_host_read=self._count_host)
+                           on_host_read=self._count_host,
+                           copies=row_group_cache.copies_for(self.source.data_bytes),
+                           on_driver_read=self._count_driver)
 
     def _count(self, stored_bytes: int) -> None:
         self.bytes_read += stored_bytes
 
     def _count_host(self, decoded_bytes: int) -> None:
         self.host_bytes_read += decoded_bytes
+
+    def _count_driver(self, decoded_bytes: int) -> None:
+        self.driver_bytes_read += decoded_bytes
 
     def streams(self, size: Optional[int] = None) -> bool:
         """Whether this rank streams its rows every epoch (its share is larger than

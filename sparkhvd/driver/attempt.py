@@ -308,13 +308,15 @@ class Attempt:
     def _start_files(self) -> tuple[Any, dict[str, str]]:
         """Start the run-folder service; the variables that tell the ranks where their run
         folder is."""
-        from sparkhvd.runfolder.service import RunFileService
+        from sparkhvd.runfolder.service import RunFileService, row_copies_folder
         from sparkhvd.storage import public_url
 
         run_dir, config = self.run.run_dir, self.run.spec.config
         options = dict(config.storage_options)
         files = RunFileService(self.placement.driver_host, run_dir.path,
-                               (self.resume, options) if self.resume else None).start()
+                               (self.resume, options) if self.resume else None,
+                               row_copies=row_copies_folder(run_dir.run_id),
+                               copies_budget=self._copies_budget()).start()
         env = {**files.env(), protocol.RUN_ID_ENV: run_dir.run_id}
         if self.placement.executors_here:
             env[protocol.RUN_URL_ENV] = run_dir.path
@@ -325,6 +327,12 @@ class Attempt:
                 run_dir.file("timeline.json") if self.placement.executors_here else
                 os.path.join("/tmp", f"sparkhvd-timeline-{run_dir.run_id}.json"))
         return files, env
+
+    def _copies_budget(self) -> int:
+        """The bytes of row-group copies the driver keeps: what the ranks are told, or the
+        default."""
+        given = (self.run.spec.launch.env or {}).get(protocol.ROW_COPIES_BYTES_ENV, "")
+        return int(given) if given.strip().isdigit() else protocol.ROW_COPIES_BYTES
 
     def _clean_up(self) -> None:
         """Release what the launch holds, once, however the attempt ended: the worker group, the

@@ -75,6 +75,7 @@ from sparkhvd.driver.view import Transition
 from sparkhvd.elastic.scaling import ScalingPolicy
 from sparkhvd.runfolder.record import now
 from sparkhvd.runfolder.rundir import RunDir
+from sparkhvd.runfolder.service import remove_row_copies
 from sparkhvd.spark.installed import check_keras
 
 __side__ = "driver"
@@ -160,6 +161,7 @@ class Run:
             for callback in self.callbacks:
                 callback.on_ranks_done(self)
             self._settle_dataset_caches()
+            remove_row_copies(self.run_dir.run_id)
         if last is None:  # a timeout, an interrupt, a bad setting: recorded, then raised
             self._record_end(status, error)
             raise error  # type: ignore[misc]

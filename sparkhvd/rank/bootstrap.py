@@ -114,8 +114,8 @@ def rank_main(payload: bytes, wire_options: dict, *, pickle_result: bool = False
 
 def _prepare_process(options: protocol.RankOptions, *, supervised: bool) -> None:
     """Before the user's code: the environment it may see, the process tree it owns, notices,
-    the rank announced, stacks on request, its time sampled, elastic resets followed, library
-    noise quieted."""
+    the rank announced, the driver's row-group copies in reach, stacks on request, its time
+    sampled, elastic resets followed, library noise quieted."""
     events.take_from_env()
     scrub_environment(list(options.env_keep))
     pick_gloo_iface()
@@ -125,6 +125,11 @@ def _prepare_process(options: protocol.RankOptions, *, supervised: bool) -> None
     else:  # SIGTERM is a notice: a listening checkpoint helper turns it into a checkpoint
         install_notices()
     announce(current_rank().rank)
+    if os.environ.get(protocol.FILES_ADDR_ENV):  # a small table's row groups go to the driver
+        from sparkhvd.data.row_group_cache import use_driver_copies
+        from sparkhvd.runfolder.rank_files import driver_row_copies
+
+        use_driver_copies(driver_row_copies)
     install_stacks()  # every thread's stack on request, however stuck the rank is
     if options.time_split:  # where the rank's time goes, sampled (sparkhvd.timing)
         from sparkhvd.timing.sampler import start

@@ -58,6 +58,8 @@ class RunFiles:
                                     "sparkhvd.HorovodRunner (pass a checkpoint URL instead).")
         sock = socket.create_connection(self.addr, timeout=60)
         sock.settimeout(600)
+        # a request is a header then a body: without this each waits for a delayed ack (40 ms)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         send_json(sock, {"token": self.token})
         self._sock, self._rfile = sock, sock.makefile("rb")
 
@@ -98,16 +100,17 @@ class RunFiles:
         self._sock = self._rfile = None
 
     # -- operations -----------------------------------------------------------------------
-    def write_file(self, path: str, local_path: str) -> None:
-        """Copy a local file into the run folder at ``path``, atomically."""
+    def write_file(self, path: str, local_path: str, *, root: str = "run") -> None:
+        """Copy a local file into the run folder at ``path``, atomically (or, ``root=
+        "row-groups"``, into the driver's row-group copies)."""
         path = clean_path(path)
-        if self.local:
+        if self.local and root == "run":
             from sparkhvd.common.fileio import atomic_copy
 
             atomic_copy(local_path, os.path.join(self.local, path))
             return
         with open(local_path, "rb") as f:
-            self._request({"op": "put", "root": "run", "path": path,
+            self._request({"op": "put", "root": root, "path": path,
                            "size": os.path.getsize(local_path)}, body=f)
 
     def write_bytes(self, path: str, data: bytes) -> None:
@@ -160,6 +163,30 @@ class RunFiles:
         if self.addr is None:
             return False
         return bool(self._request({"op": "exists", "root": root, "path": path}).get("exists"))
+
+
+class DriverRowCopies:
+    """The driver's copies of the row groups of a small table (root ``row-groups`` of the
+    run-folder service, :mod:`sparkhvd.data.row_group_cache`): a connection of their own, so
+    a checkpoint never waits behind them."""
+
+    def __init__(self, files: RunFiles) -> None:
+        self.files = files
+
+    def put(self, name: str, local_path: str) -> None:
+        self.files.write_file(name, local_path, root="row-groups")
+
+    def get(self, name: str) -> bytes:
+        return self.files.read_bytes(name, root="row-groups")
+
+
+def driver_row_copies() -> Optional[DriverRowCopies]:
+    """This rank's way to the driver's row-group copies; None on the driver's machine (its
+    host's own copies are the driver's) or without the service."""
+    files = RunFiles()
+    if files.local or files.addr is None:
+        return None
+    return DriverRowCopies(files)
 
 
 _shared: Optional[RunFiles] = None

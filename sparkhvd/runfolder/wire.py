@@ -1,7 +1,8 @@
 """The run-folder service's wire format, shared by the driver's service and a rank's client.
 
 Wire format (one TCP connection per client): a JSON hello ``{"token": ...}``, then requests
-``{"op": "put"|"get"|"exists"|"list", "root": "run"|"resume", "path": ..., "size": n}`` (``put``
+``{"op": "put"|"get"|"exists"|"list", "root": "run"|"resume"|"row-groups", "path": ...,
+"size": n}`` (``put``
 followed by ``n`` raw bytes; ``get`` with ``"span": [offset, length]`` asks for those bytes of the
 file only), each answered by ``{"ok": true, "size": n}`` (``get`` followed by the bytes), or
 ``{"ok": false, "error": ...}``.
@@ -20,7 +21,9 @@ __side__ = "common"
 #: A socket's file or a local file, read as bytes.
 Readable = Union[IO[bytes], io.BufferedIOBase]
 
-ROOTS = ("run", "resume")
+#: The run folder (read/write), the resume source (read-only), and the driver's copies of the
+#: row groups ranks on other hosts read (:mod:`sparkhvd.data.row_group_cache`)
+ROOTS = ("run", "resume", "row-groups")
 CHUNK = 1 << 20
 
 

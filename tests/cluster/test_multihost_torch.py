@@ -1,6 +1,7 @@
 """backend="torch" across hosts: the netns cluster (tests/netns_cluster.py), gloo over the veth,
 and a host lost mid-run named in the error. Runs in the modern profile."""
 import json
+import os
 import threading
 import time
 
@@ -119,10 +120,12 @@ def test_an_elastic_run_loses_a_host_goes_on_with_two_and_grows_back(
     """np=3, min_np=2 on three hosts: a host dies mid-epoch -> the run relaunches from its
     newest step checkpoint with the 2 hosts left (never waiting for the lost one); the host
     comes back -> the run grows back to 3 at its next step. Every id once per epoch (the steps
-    since the checkpoint, lost with the host, are trained again, not counted twice)."""
+    since the checkpoint, lost with the host, are trained again, not counted twice). The
+    relaunches read no row from the files: what the hosts kept, and the driver's copies."""
     import elastic_training as et
     from conftest import wait_for
     from sparkhvd import DataFrameDataset
+    from sparkhvd.runfolder.service import row_copies_folder
     from sparkhvd.spark.slots import check_slots
 
     # A host an earlier test restored has a worker again, but its executor may still be
@@ -173,6 +176,13 @@ def test_an_elastic_run_loses_a_host_goes_on_with_two_and_grows_back(
             ids = et.ids_of_epoch(logs, e)
             assert len(ids) == len(set(ids)), f"epoch {e}: an id trained twice"
             assert set(ids) <= set(range(n)) and n - len(ids) < 3 * 4, f"epoch {e}"
+        # this small table's row groups went to the driver as attempt 1 read them: the
+        # relaunches read what their hosts kept, the new host the driver's copies -- nothing
+        # from the files -- and the copies went with the run
+        later = [entry["read"] for attempt in (1, 2) for entry in logs[attempt].values()]
+        assert sum(files for files, _, _ in later) == 0, logs
+        assert any(driver > 0 for _, _, driver in later), logs
+        assert not os.path.exists(row_copies_folder(runner.last_run_dir.run_id))
     finally:
         thread.join(60)
         if "host" in lost and netns_cluster.alive_workers() < 3:

@@ -225,9 +225,11 @@ def test_the_rows_found_on_the_host_are_the_rows_in_the_files(tmp_path, monkeypa
         np.testing.assert_array_equal(x1[:, 0], y1)
 
 
-def _on_hosts(source, monkeypatch, root, attempt, hosts, state, steps=None):
+def _on_hosts(source, monkeypatch, root, attempt, hosts, state, steps=None, read=None):
     """Attempt ``attempt`` with rank ``r`` on host ``hosts[r]`` (its row groups kept in
-    ``root/hosts[r]``), from ``state``: each rank's ids and the position after ``steps``."""
+    ``root/hosts[r]``), from ``state``: each rank's ids and the position after ``steps``
+    (``read``: adds each rank's bytes from the files and from the driver, once the rank's row
+    groups went to the driver)."""
     monkeypatch.setenv(protocol.ATTEMPT_ENV, str(attempt))
     monkeypatch.setenv(protocol.RANK_HOSTS_ENV, ",".join(hosts))
     ids, after = [], None
@@ -243,6 +245,10 @@ def _on_hosts(source, monkeypatch, root, attempt, hosts, state, steps=None):
             if step == steps:
                 break
         after = shard.state_dict()
+        if read is not None:
+            assert row_group_cache.for_this_rank().sent(30)
+            read["files"] += shard.bytes_read
+            read["driver"] += shard.driver_bytes_read
     return ids, after
 
 
@@ -301,3 +307,72 @@ def test_part_of_a_window_given_to_another_host_is_cut_by_where_its_rows_lie():
     assert tail.part[0] == first.part[0] < first.part[1] == second.part[0] < second.part[1] \
         == tail.part[1]
     assert Unit.of(second.as_list()) == second and Unit.of(window.as_list()) == window
+
+
+@pytest.fixture()
+def driver(tmp_path, monkeypatch):
+    """The driver's run-folder service keeping the run's row-group copies, and the ranks
+    pointed at it as ranks on other hosts are."""
+    from sparkhvd.runfolder.rank_files import driver_row_copies
+    from sparkhvd.runfolder.service import RunFileService
+
+    (tmp_path / "run").mkdir()
+    server = RunFileService("127.0.0.1", str(tmp_path / "run"),
+                            row_copies=str(tmp_path / "driver" / "copies")).start()
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(protocol.RUN_URL_ENV, raising=False)
+    row_group_cache.use_driver_copies(driver_row_copies)
+    yield server
+    row_group_cache.use_driver_copies(None)
+    server.stop()
+
+
+def _hosts_chain(source, monkeypatch, root):
+    """8 ranks on 8 hosts -> 7 (host 7 lost, its folder gone) -> 8 (a new host), mid-epoch:
+    every id trained, in order, and the bytes read from the files and from the driver."""
+    import shutil
+
+    eight, seven = [f"h{r}" for r in range(8)], [f"h{r}" for r in range(7)]
+    read = {"files": 0, "driver": 0}
+    first, state = _on_hosts(source, monkeypatch, root, 1, eight, None, 4, read)
+    shutil.rmtree(root / "h7")
+    second, state = _on_hosts(source, monkeypatch, root, 2, seven, state, 5, read)
+    third, _ = _on_hosts(source, monkeypatch, root, 3, seven + ["h8"], state, None, read)
+    row_group_cache._caches.clear()
+    return [i for attempt in (first, second, third) for ids in attempt for i in ids], read
+
+
+def test_on_a_cluster_a_small_table_s_lost_rows_are_read_from_the_driver(tmp_path,
+                                                                         monkeypatch, host,
+                                                                         driver):
+    """A small table's row groups also go to the driver: 8 -> 7 -> 8 on 8 hosts, the lost
+    host's rows and the new host's read from the driver's copies, not the files -- each row
+    group read from the files about once in the whole chain -- and the same ids in the same
+    order as without the copies."""
+    source = _table(tmp_path, 1200, group_rows=10, files=3)
+    stored = _stored_bytes(source)
+    trained, read = _hosts_chain(source, monkeypatch, tmp_path / "with")
+    assert len(set(trained)) == len(trained), "an id trained twice"
+    assert read["driver"] > 0, "no row group came from the driver"
+    row_group_cache.use_driver_copies(None)
+    without, read_without = _hosts_chain(source, monkeypatch, tmp_path / "without")
+    assert trained == without
+    assert read_without["driver"] == 0
+    assert read["files"] <= 1.1 * stored < read_without["files"], (read, read_without, stored)
+
+
+def test_only_a_table_within_the_bound_is_copied_and_0_turns_the_copies_off(monkeypatch):
+    """``SPARKHVD_ROW_COPIES_BYTES`` (default 1 GB of rows) bounds the tables whose row groups
+    go to the driver; ``0`` sends none; a rank that cannot reach the driver sends none."""
+    row_group_cache.use_driver_copies(None)
+    assert not row_group_cache.copies_for(1 << 20)  # no way to the driver
+    row_group_cache.use_driver_copies(lambda: None)
+    try:
+        monkeypatch.delenv(protocol.ROW_COPIES_BYTES_ENV, raising=False)
+        assert row_group_cache.copies_for(protocol.ROW_COPIES_BYTES)
+        assert not row_group_cache.copies_for(protocol.ROW_COPIES_BYTES + 1)
+        monkeypatch.setenv(protocol.ROW_COPIES_BYTES_ENV, "0")
+        assert not row_group_cache.copies_for(1)
+    finally:
+        row_group_cache.use_driver_copies(None)

@@ -1,6 +1,9 @@
 """The driver's run-folder service as a rank on another host meets it: a part of a large file,
-from the run folder and from the checkpoints the run resumes from, without the rest."""
+from the run folder and from the checkpoints the run resumes from, without the rest; the run's
+row-group copies."""
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -33,3 +36,71 @@ def test_a_rank_reads_a_range_of_a_file_in_either_folder_through_the_service(ser
     with pytest.raises(PermissionError, match="bad byte range"):
         files.read_bytes("shard.distcp", span=(-1, 5))
     files.close()
+
+
+def test_the_driver_keeps_one_copy_of_each_row_group_in_its_budget_and_only_copies(tmp_path):
+    """Root ``row-groups``: a copy sent twice is kept once; a name that is not a row group's,
+    or a path out of the folder, is refused; past the budget the copies are refused (the rank
+    stops sending); a copy not there is missing; the run's end removes them."""
+    from sparkhvd.runfolder.rank_files import DriverRowCopies
+    from sparkhvd.runfolder.service import remove_row_copies, row_copies_folder
+
+    run_id = f"run-{tmp_path.name}"
+    folder = row_copies_folder(run_id)
+    server = RunFileService("127.0.0.1", str(tmp_path), row_copies=folder,
+                            copies_budget=2500).start()
+    try:
+        copies = DriverRowCopies(RunFiles({**server.env(), protocol.RUN_URL_ENV: ""}))
+        name = "0123456789abcdef01234567-7.arrow"
+        kept = tmp_path / "kept.arrow"
+        kept.write_bytes(b"a" * 1000)
+        copies.put(name, str(kept))
+        kept.write_bytes(b"b" * 1000)
+        copies.put(name, str(kept))  # another rank's copy of the same row group: not twice
+        assert copies.get(name) == b"a" * 1000
+        assert oct(os.stat(folder).st_mode & 0o777) == "0o700"
+        with pytest.raises(PermissionError, match="not the name of a row group"):
+            copies.put("notes.txt", str(kept))
+        with pytest.raises(ValueError, match="outside"):  # refused before it is sent
+            copies.put("../0123456789abcdef01234567-7.arrow", str(kept))
+        copies.put("0123456789abcdef01234567-8.arrow", str(kept))
+        with pytest.raises(PermissionError, match="full"):
+            copies.put("0123456789abcdef01234567-9.arrow", str(kept))
+        with pytest.raises(FileNotFoundError):
+            copies.get("0123456789abcdef01234567-9.arrow")
+        copies.files.close()
+    finally:
+        server.stop()
+    remove_row_copies(run_id)
+    assert not os.path.exists(folder)
+
+
+def test_copies_a_dead_driver_left_are_removed_by_the_next_run_s(tmp_path):
+    """A driver that died kept its run's copies: the next run's service removes them at its
+    first copy; a live driver's stay."""
+    import subprocess
+    import sys
+
+    from sparkhvd.runfolder.rank_files import DriverRowCopies
+    from sparkhvd.runfolder.service import remove_row_copies, row_copies_folder
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    base = os.path.dirname(row_copies_folder("any"))
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    left, live = os.path.join(base, f"run-left-{gone}"), os.path.join(base, "run-live-1")
+    for folder in (left, live):
+        os.makedirs(folder, exist_ok=True)
+    run_id = f"run-{tmp_path.name}"
+    server = RunFileService("127.0.0.1", str(tmp_path), row_copies=row_copies_folder(run_id))
+    server.start()
+    try:
+        (tmp_path / "kept.arrow").write_bytes(b"x")
+        copies = DriverRowCopies(RunFiles({**server.env(), protocol.RUN_URL_ENV: ""}))
+        copies.put("0123456789abcdef01234567-1.arrow", str(tmp_path / "kept.arrow"))
+        copies.files.close()
+    finally:
+        server.stop()
+        remove_row_copies(run_id)
+    assert not os.path.exists(left) and os.path.isdir(live)  # pid 1 is alive
+    os.rmdir(live)
