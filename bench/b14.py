@@ -23,7 +23,9 @@ and all ranks together <= 1.1 x N (footers counted).
   each), each simulated rank told its attempt, rank and hosts as a run tells it.
 - **The same on a 5 GB and a 10 GB table's layout** (:func:`scale_models`): as many row groups
   as the materialiser writes for them (512 KB each), of narrow rows, the default window: the
-  plans at np = 8 to 64 and the chain.
+  plans at np = 8 to 64 and the chain; and the chain on 8 hosts on a 1.1 GB and a 2.2 GB
+  table's layout, about the bound of the tables whose row groups are copied to the driver
+  (:func:`bound_models`).
 
 N is the materialised files' size (the used columns as stored).
 """
@@ -351,7 +353,7 @@ def planned_reads(tiny: bool) -> list[dict]:
     rows = _plans("plans", source, total, uniform, nps, chains)
     if not tiny:
         rows += _plans_on_azurite(source, paths, total, uniform, nps)
-        rows += scale_models()
+        rows += scale_models() + bound_models()
     for r in rows:
         r.pop("_read", None)
     return rows
@@ -364,7 +366,7 @@ def scale_models() -> list[dict]:
     narrow rows: what a rank reads and mixes depends on the row groups, not their width. N is
     the row groups' stored bytes: the model's footers (2 columns of 122 rows a group) weigh
     far more beside its narrow rows than a real table's do beside 512 KB groups. No row group
-    is copied to the driver: such tables are past the copies' bound (1 GB of rows)."""
+    is copied to the driver: such tables are past the copies' bound (2 GB of rows)."""
     import dataclasses
 
     import pyarrow.parquet as pq
@@ -389,6 +391,35 @@ def scale_models() -> list[dict]:
                            (window, "the default window"),
                            *((window, f"the default window, the row groups kept on {placing}",
                               placing) for placing in HOSTS[:2])], window=window, copies=False)
+    return rows
+
+
+def bound_models() -> list[dict]:
+    """The 8 -> 7 -> 8 chain on 8 hosts at the default window on the layouts of tables about
+    the driver's copies' bound (:data:`~sparkhvd.common.protocol.ROW_COPIES_BYTES`, 2 GB):
+    1.1 GB (under it: with the copies, and without) and 2.2 GB (past it: no copies). Modelled
+    as :func:`scale_models` models its tables."""
+    import dataclasses
+
+    import pyarrow.parquet as pq
+
+    from sparkhvd.data.materialize import ROW_GROUP_BYTES
+
+    group_rows, rows = 122, []
+    window_groups = (128 << 20) // ROW_GROUP_BYTES
+    for megabytes, copies in ((1100, True), (2200, False)):
+        groups = (megabytes << 20) // ROW_GROUP_BYTES
+        source, paths, _, uniform = _sorted_table(groups * group_rows, 8, group_rows, 8)
+        stored = sum(pq.read_metadata(p).row_group(g).column(c).total_compressed_size
+                     for p in paths for g in range(pq.read_metadata(p).num_row_groups)
+                     for c in range(2))
+        window = window_groups * group_rows
+        rows += _plans(f"plans, a {megabytes:,} MB table's layout ({groups:,} row groups, the "
+                       f"default window {window_groups} of them)",
+                       dataclasses.replace(source, footer_bytes=0), stored, uniform, [], [
+                           (window, f"the default window, the row groups kept on {placing}",
+                            placing) for placing in (HOSTS[1:] if copies else HOSTS[1:2])],
+                       window=window, copies=copies)
     return rows
 
 

@@ -130,11 +130,14 @@ NOTES = """\
   (1.55x with a window's part moved whole, 2.70x with the rows kept but dealt as before):
   there the lost host's rows are read again -- at the default window it had read its whole
   share, so no deal goes below about 1.125x -- and the new host reads the row groups of the
-  parts it is given. Since 2026-12-06 19:55 a small table's row groups (up to 1 GB of rows)
+  parts it is given. Since 2026-12-06 19:55 a small table's row groups (up to 2 GB of rows)
   are also sent to the driver's run-folder service as the ranks read them, and a later
   attempt's rank reads there what its host did not keep: the chain on 8 hosts reads
   **1.010x** the files (1.31x without the copies), the ranks 0.23 N (decoded) from the
-  driver, the labels per batch unchanged (9.64). On the layouts of a 5 GB and a 10 GB table (10,240 and 20,480 row
+  driver, the labels per batch unchanged (9.64). About the bound (2026-12-06 20:58, the
+  layouts modelled as below): a 1.1 GB table's chain on 8 hosts reads 1.000x with the copies
+  and 1.12x without (the default window is a 9th of it), a 2.2 GB table's, past the bound,
+  1.064x without. On the layouts of a 5 GB and a 10 GB table (10,240 and 20,480 row
   groups of 512 KB, of narrow rows; the default window 256 of them; N the row groups' bytes)
   they are: the chain read 1.086x and 1.055x without the cache, 1.000x on one host and 1.028x
   and 1.013x on 8 hosts with it, with 9.48-9.49 and 9.51-9.53 labels per rank's batch
