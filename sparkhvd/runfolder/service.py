@@ -185,7 +185,6 @@ class RunFileService(socketserver.ThreadingTCPServer):
         url, options = self.resume
         return storage.exists(f"{url.rstrip('/')}/{path}", options)
 
-
     def _copy_path(self, name: str) -> str:
         """The copy ``name`` in the run's folder of copies (``ValueError``: not a copy's name;
         ``FileNotFoundError``: this run keeps none, or not in a private folder)."""
