@@ -157,7 +157,8 @@ def test_an_elastic_run_loses_a_host_goes_on_with_two_and_grows_back(
                                    driver_log_verbosity="all", output_dir=str(tmp_path / "runs"))
             thread.start()
             result = runner.run(et.train_ids, data=ds, epochs=2, log_dir=None,
-                                step_s=(0.1, 0.6, 0.05), every_steps=2)  # slow at 2 ranks
+                                step_s=(0.1, 0.6, 0.05), every_steps=2,
+                                hold=(1, 3))  # at 2 ranks: until it grows
         thread.join(60)
         record = runner.last_run_dir.record
         assert [a["size"] for a in record["attempts"]] == [3, 2, 3], record["attempts"]
