@@ -23,7 +23,7 @@ import dataclasses
 import json
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 __side__ = "common"
 
@@ -112,6 +112,15 @@ RANK_HOSTS_ENV = "SPARKHVD_RANK_HOSTS"
 #: layouts: 8 -> 7 -> 8 on 8 hosts 1.12x at 1.1 GB, 1.07x at 1.5 and 2 GB, 1.03x at 5 GB).
 ROW_COPIES_BYTES = 2 << 30
 ROW_COPIES_BYTES_ENV = "SPARKHVD_ROW_COPIES_BYTES"
+
+
+def row_copies_bytes(environ: Mapping[str, str]) -> int:
+    """The bound on the row-group copies ``environ`` sets (the ranks' variables, on a rank or
+    on the driver): :data:`ROW_COPIES_BYTES` unless it names a number of bytes."""
+    try:
+        return int(environ.get(ROW_COPIES_BYTES_ENV, ROW_COPIES_BYTES))
+    except ValueError:
+        return ROW_COPIES_BYTES
 #: Where rank 0 writes the Horovod timeline on its own host before it goes to the run folder.
 TIMELINE_ENV = "HOROVOD_TIMELINE"
 #: Set when the rank itself must pick the network interface that reaches the rendezvous.

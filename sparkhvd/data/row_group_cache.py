@@ -109,11 +109,8 @@ def use_driver_copies(make: Optional[Callable[[], Optional[DriverCopies]]]) -> N
 
 def copies_for(data_bytes: int) -> bool:
     """Whether a table of ``data_bytes`` of rows has its row groups copied to the driver."""
-    try:
-        bound = int(os.environ.get(protocol.ROW_COPIES_BYTES_ENV, protocol.ROW_COPIES_BYTES))
-    except ValueError:
-        bound = protocol.ROW_COPIES_BYTES
-    return _driver_copies is not None and 0 < data_bytes <= bound
+    return _driver_copies is not None and \
+        0 < data_bytes <= protocol.row_copies_bytes(os.environ)
 
 
 def _after_fork() -> None:

@@ -331,8 +331,7 @@ class Attempt:
     def _copies_budget(self) -> int:
         """The bytes of row-group copies the driver keeps: what the ranks are told, or the
         default."""
-        given = (self.run.spec.launch.env or {}).get(protocol.ROW_COPIES_BYTES_ENV, "")
-        return int(given) if given.strip().isdigit() else protocol.ROW_COPIES_BYTES
+        return protocol.row_copies_bytes(self.run.spec.launch.env or {})
 
     def _clean_up(self) -> None:
         """Release what the launch holds, once, however the attempt ended: the worker group, the
