@@ -342,7 +342,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, sys.argv[4])
 import b15, sparkhvd.torch as st
-from sparkhvd.runfolder.checkpoint_store import UrlStore
+from sparkhvd.checkpoint.stores import UrlStore
 dist.init_process_group("gloo")
 model, opt, batch, _ = b15._model(sys.argv[3] == "tiny")
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -261,7 +261,7 @@ def gated_store(url: str):
     once a write began."""
     import threading
 
-    from sparkhvd.runfolder.checkpoint_store import UrlStore
+    from sparkhvd.checkpoint.stores import UrlStore
 
     class Gated(UrlStore):
         def __init__(self) -> None:

@@ -108,6 +108,12 @@ class CheckpointError(SparkhvdError, RuntimeError):
     message names the folder, each file and why, and the fix. Raised before training."""
 
 
+class DataChanged(SparkhvdError, ValueError):
+    """A saved data position cannot be continued with this dataset (another table, another
+    partition count, an order that cannot be drawn again): the message says what changed and
+    how to start that epoch over. Raised when the position is restored, before training."""
+
+
 class StorageError(SparkhvdError, OSError):
     """Storage could not be reached or written; the message names the URL and the likely cause.
 

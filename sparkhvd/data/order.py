@@ -54,7 +54,7 @@ DEFAULT_PARTITIONS = 24
 MIXING_RANKS = 8
 #: Seed tags: the layout, a partition's pieces and a window's rows draw from separate streams.
 _LAYOUT, _PIECES, _ROWS = 1, 2, 3
-#: The orders' version, kept with every position (:class:`~sparkhvd.data.sharding.Position`):
+#: The orders' version, kept with every position (:class:`~sparkhvd.data.position.Position`):
 #: 2, the spread orders; 1 (a position saved before them), blocks and pieces drawn uniformly.
 ORDER_VERSION = 2
 #: Steps of the spread orders: the golden ratio's for the layout, the silver ratio's for a

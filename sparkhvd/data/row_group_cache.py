@@ -54,16 +54,14 @@ import json
 import logging
 import os
 import queue
-import shutil
-import tempfile
 import threading
-import time
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-from sparkhvd.common import owned_temp, protocol
+from sparkhvd.common import protocol
 from sparkhvd.common.function_end import at_function_return
 from sparkhvd.common.identity import current_rank
 from sparkhvd.data.sharding import MEMORY_CACHE_BYTES
+from sparkhvd.storage.host_store import HostStore
 
 __side__ = "rank"
 
@@ -127,10 +125,16 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
+#: This user's row groups on this host (``sparkhvd-row-groups-<uid>``, in
+#: ``$SPARKHVD_ROW_CACHE_DIR`` or the temporary folder): the rules every host store keeps.
+STORE = HostStore("row-groups", DIR_ENV, stale_s=STALE_S,
+                  refused=("row groups are not kept", "change the rows a rank trains on"),
+                  say=lambda message: log.warning("data: %s", message))
+
+
 def base_folder() -> str:
     """The folder that holds every run's row groups on this host (this user's)."""
-    return os.path.join(os.environ.get(DIR_ENV) or tempfile.gettempdir(),
-                        f"sparkhvd-row-groups-{os.getuid()}")
+    return STORE.base()
 
 
 class RowGroupCache:
@@ -334,15 +338,15 @@ def for_this_rank() -> Optional[RowGroupCache]:
         _say_once("bytes", "%s=%r is not a number of bytes; the default %d is used", BYTES_ENV,
                   os.environ.get(BYTES_ENV), BUDGET_BYTES)
         budget = BUDGET_BYTES
-    if budget <= 0 or not _private_base():
+    if budget <= 0 or not STORE.private():
         return None
     base = base_folder()
     key = (base, current_rank().rank, os.environ.get(protocol.ATTEMPT_ENV, "1"), run_id)
     with _lock:
         cache = _caches.get(key)
         if cache is None:
-            _remove_stale(base, keep=run_id)
-            free = _free_bytes(base) * FREE_SHARE / max(1, _host_ranks())
+            STORE.remove_stale(keep=run_id)
+            free = STORE.free(base) * FREE_SHARE / max(1, _host_ranks())
             cache = _caches[key] = RowGroupCache(os.path.join(base, run_id),
                                                  int(min(budget, free)))
             at_function_return(clean)
@@ -364,27 +368,13 @@ def sweep(run_id: str, mine: Sequence[str] = ()) -> int:
     """Delete run ``run_id``'s rank folders on this host that ``mine`` names or whose process is
     gone; the run's folder too, once empty. How many rank folders went (the driver's sweep of a
     finished run's hosts calls it with none of its own)."""
-    where = os.path.join(base_folder(), run_id)
-    if not os.path.isdir(where) or not _private_base():
-        return 0
-    removed = 0
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(where):
-            pid = entry.name.rsplit("-", 1)[-1]
-            if not entry.name.startswith("rank-") or not (
-                    entry.path in mine or not pid.isdigit() or not owned_temp.alive(int(pid))):
-                continue
-            claimed = os.path.join(where, f"removing-{entry.name}-{os.getpid()}-"
-                                          f"{threading.get_ident()}")
-            try:
-                os.rename(entry.path, claimed)  # of two sweeps on a host, one removes it
-            except OSError:
-                continue
-            shutil.rmtree(claimed, ignore_errors=True)
-            removed += 1
-    with contextlib.suppress(OSError):
-        os.rmdir(where)
-    return removed
+    return STORE.sweep(run_id, _owner, mine)
+
+
+def _owner(path: str) -> Optional[int]:
+    """The process a rank folder is named by (``rank-<N>-a<attempt>-<pid>``; None: not so)."""
+    pid = path.rsplit("-", 1)[-1]
+    return int(pid) if pid.isdigit() else None
 
 
 def _host_ranks() -> int:
@@ -392,53 +382,6 @@ def _host_ranks() -> int:
         return int(os.environ.get(protocol.HOST_RANKS_ENV) or current_rank().local_size)
     except ValueError:
         return 1
-
-
-def _free_bytes(path: str) -> int:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
-
-
-_private: set[str] = set()
-
-
-def _private_base() -> bool:
-    """Make :func:`base_folder` (``0700``) if it is not there and check only this user can
-    write in it; False (said once) where not."""
-    base = base_folder()
-    if base in _private:
-        return True
-    try:
-        why = owned_temp.private_folder(base)
-    except OSError as exc:
-        _say_once(f"make:{base}", "row groups are not kept on this host (%s); a resize reads "
-                  "them from the files again", exc)
-        return False
-    if why is not None:
-        _say_once(f"private:{base}", "row groups are not kept in %s: %s, so anyone could "
-                  "change the rows a rank trains on. Fix: remove it, or point %s to a private "
-                  "folder", base, why, DIR_ENV)
-        return False
-    _private.add(base)
-    return True
-
-
-def _remove_stale(base: str, keep: str) -> None:
-    """Delete the run folders untouched for :data:`STALE_S` (runs that ended without cleaning
-    theirs), but ``keep``'s."""
-    now = time.time()
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(base):
-            if entry.name == keep or not entry.is_dir(follow_symlinks=False):
-                continue
-            with contextlib.suppress(OSError):
-                touched = max([entry.stat(follow_symlinks=False).st_mtime] + [
-                    e.stat(follow_symlinks=False).st_mtime for e in os.scandir(entry.path)])
-                if now - touched > STALE_S:
-                    shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _say_once(key: str, message: str, *args: object, level: int = logging.WARNING) -> None:

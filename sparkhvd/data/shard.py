@@ -13,9 +13,6 @@ the checkpoint helpers save and restore it with the model.
 """
 from __future__ import annotations
 
-import collections
-import contextlib
-import itertools
 import logging
 import pickle
 from typing import Any, Generator, Iterator, Optional
@@ -34,6 +31,7 @@ from sparkhvd.data.deal import (
     left_by_rank,
     units_at,
 )
+from sparkhvd.data.framework_batches import FrameworkBatches
 from sparkhvd.data.order import (
     ORDER_VERSION,
     Piece,
@@ -44,6 +42,13 @@ from sparkhvd.data.order import (
     plan_partition,
     round_robin,
 )
+from sparkhvd.data.position import (
+    EpochPlan,
+    Position,
+    check_resumable,
+    resume_order,
+    source_key,
+)
 from sparkhvd.data.reader import (
     Arrays,
     ShardReader,
@@ -52,11 +57,9 @@ from sparkhvd.data.reader import (
     rank_batches,
 )
 from sparkhvd.data.sharding import (
-    Position,
     ShardSource,
     lead_in,
     left_out,
-    samples_after,
     steps_from,
 )
 
@@ -65,7 +68,7 @@ __side__ = "rank"
 log = logging.getLogger(__name__)
 
 
-class DatasetShard:
+class DatasetShard(FrameworkBatches):
     """This rank's view of a ``DataFrameDataset`` (see the module docstring).
 
     A rank reads only the partitions its positions fall in. When those rows fit
@@ -84,11 +87,15 @@ class DatasetShard:
         self._kept: Optional[tuple[tuple, dict[int, list[Arrays]]]] = None
         #: The row groups this rank keeps in a dealt epoch: (file, row group) -> its rows.
         self._kept_groups: dict[tuple[int, int], Arrays] = {}
-        #: epoch -> the deal its batches were dealt by (None: the round robin), for the
-        #: checkpoint helpers of an input pipeline that runs ahead of training
-        self._deals: dict[int, Optional[dict]] = {}
+        #: epoch -> how this rank handed it out last (the newest few epochs): the position
+        #: after any of its steps follows from it (:meth:`position_at`)
+        self._plans: dict[int, EpochPlan] = {}
         self._resume: Optional[Position] = None
+        #: the position restored (:meth:`load_state_dict`), kept: where this shard began
+        self._restored: Optional[Position] = None
         self._restored_epoch = 0
+        #: the table's layout, saved with every position (:func:`source_key`)
+        self._source_key = source_key(source.files, source.row_groups)
         #: Where the ranks are after the last batch this rank handed out (None before any):
         #: what :meth:`state_dict` returns.
         self.position: Optional[Position] = None
@@ -153,10 +160,6 @@ class DatasetShard:
         assert position.deal is not None
         return left_after(Deal.of(position.deal), position.step - int(position.deal["step0"]))
 
-    def deal_of(self, epoch: int) -> Optional[dict]:
-        """The deal ``epoch``'s batches were dealt by (None: the round robin, or not read yet):
-        what a checkpoint taken in that epoch must keep beside its step."""
-        return self._deals.get(epoch)
 
     @property
     def partitions(self) -> int:
@@ -174,49 +177,84 @@ class DatasetShard:
         """The position after the last batch handed out (plain data; None before any)."""
         return self.position.as_dict() if self.position is not None else None
 
+    def position_at(self, epoch: int, step: int = 0) -> Optional[Position]:
+        """The position after step ``step`` of ``epoch`` (0: at the epoch's start, dealt anew
+        when it begins) -- what a checkpoint taken there saves, as this rank handed the epoch
+        out. A step this rank did not hand out is taken to be where it is now. None before any
+        batch was handed out."""
+        last = self.position
+        if last is None:
+            return None
+        plan = self._plans.get(epoch)
+        if plan is not None and step and plan.step0 <= step <= plan.last_step:
+            return plan.position(step)
+        if step == 0:
+            return last.at_epoch_start(epoch)
+        if (last.epoch, last.step) != (epoch, step):
+            log.warning("A checkpoint of step %d of epoch %d saves the data's position as it "
+                        "is (step %d of epoch %d): this rank did not hand that step out.",
+                        step, epoch, last.step, last.epoch)
+        return last
+
+    def position_after(self, steps: int) -> Optional[Position]:
+        """The position after ``steps`` steps trained since this shard began -- at the
+        position it was restored to, else at epoch 0 -- for a model fed by a pipeline that runs
+        ahead of it (``tf.data``'s prefetch: :attr:`position` is where the reading is, not
+        the training). None before any batch was handed out."""
+        if self.position is None:
+            return None
+        epoch = self._restored.epoch if self._restored is not None else 0
+        left = steps
+        while True:
+            plan = self._plans.get(epoch)
+            if plan is None:
+                if left:
+                    raise ValueError(f"{steps} steps trained, but this rank handed out no "
+                                     f"batch of epoch {epoch}")
+                return self.position.at_epoch_start(epoch)
+            if left < plan.steps or left == plan.steps == 0:
+                if left == 0 and plan.step0 == 0:
+                    return self.position.at_epoch_start(epoch)
+                return plan.position(plan.step0 + left)
+            left -= plan.steps
+            epoch += 1
+
+    def begin_at(self, epoch: int) -> None:
+        """Begin at the start of ``epoch`` (a checkpoint that kept no position of the data)."""
+        self.load_state_dict(Position(epoch, 0).as_dict())
+
     def load_state_dict(self, state: Optional[dict]) -> None:
         """Continue from a saved position: the next :meth:`batches` (or ``torch_batches``,
-        ``tf_dataset``) of that epoch starts where it stopped -- with any number of ranks."""
+        ``tf_dataset``) of that epoch starts where it stopped -- with any number of ranks.
+        Raises :class:`~sparkhvd.common.errors.DataChanged` when that epoch cannot be
+        continued with this dataset (:func:`~sparkhvd.data.position.check_resumable`)."""
         if not state:
-            self._resume = None
+            self._resume = self._restored = None
             self._restored_epoch = 0
             return
         position = Position.from_dict(state)
-        if position.num_rows and position.num_rows != self.num_rows:
-            raise ValueError(
-                f"The saved data position is for {position.num_rows} rows, but this dataset has "
-                f"{self.num_rows}: it is not the data the checkpoint trained on. Resume with "
-                "the same DataFrame, or start the data over (resume=False).")
-        if position.partitions and position.partitions != self.partitions and position.samples:
-            raise ValueError(
-                f"The saved data position is in an order of {position.partitions} partitions, "
-                f"but this dataset has {self.partitions}: the rest of that epoch would be "
-                "another sequence, training some rows twice and others not at all. Create the "
-                f"DataFrameDataset with partitions={position.partitions} to resume it.")
-        self._resume = position
+        check_resumable(position, source=self._source_key, num_rows=self.num_rows,
+                        partitions=self.partitions)
+        self._resume = self._restored = position
         self._restored_epoch = position.epoch
         self.position = position
 
-    def _start(self, epoch: int, shuffle: bool, seed: int, window: int
-               ) -> tuple[int, int, Optional[Position]]:
-        """``(samples, step, position)`` where ``epoch`` begins: 0, or a restored position's."""
+    def _start(self, epoch: int) -> Optional[Position]:
+        """The restored position ``epoch`` continues (None: the epoch begins at its start)."""
         resume, self._resume = self._resume, None
         if resume is None or resume.epoch != epoch:
             if resume is not None and resume.epoch > epoch:
                 self._resume = resume  # an earlier epoch first: keep it for its own epoch
-            return 0, 0, None
-        changed = [f"{name} {was!r} -> {now!r}" for name, was, now in (
-            ("shuffle", resume.shuffle, shuffle), ("seed", resume.seed, seed),
-            ("shuffle window", resume.window_rows, window),
-            ("partitions", resume.partitions or "none recorded", self.partitions),
-            ("order version", resume.order_version if shuffle else ORDER_VERSION,
-             ORDER_VERSION)) if was != now]
-        if changed and resume.samples:
-            log.warning("The saved data position was taken with another order (%s): epoch %d "
-                        "continues at row %d of a different order, so some rows of it may be "
-                        "seen twice and others not at all.", ", ".join(changed), epoch,
-                        resume.samples)
-        return resume.samples, resume.step, resume
+            return None
+        return resume
+
+    def _plan(self, plan: EpochPlan) -> EpochPlan:
+        """Keep how ``plan.epoch`` is handed out (the newest few epochs: a pipeline that runs
+        ahead of training is at most one epoch on)."""
+        self._plans[plan.epoch] = plan
+        for old in [e for e in self._plans if e < plan.epoch - 3]:
+            del self._plans[old]
+        return plan
 
     def _to_numpy(self, name: str, column: Any, n: int) -> np.ndarray:
         import pyarrow as pa
@@ -364,17 +402,25 @@ class DatasetShard:
         r = me.rank if rank is None else rank
         n_size = me.size if size is None else size
         window = self.source.window_rows(shuffle_buffer, self.memory_cache)
-        start, done_before, resumed = self._start(epoch, shuffle, seed, window)
+        resumed = self._start(epoch)
+        start, done_before = (resumed.samples, resumed.step) if resumed else (0, 0)
+        if resumed is not None:  # the rest of an epoch is read in the order it began in
+            shuffle, seed, window = resume_order(resumed, shuffle=shuffle, seed=int(seed),
+                                                 window=window, rank=r)
         first, stop = steps if steps is not None else (0, None)
+        order = Position(epoch, start, int(seed), shuffle, window, self.num_rows, batch_size,
+                         n_size, done_before, self.partitions, order_version=ORDER_VERSION,
+                         hosts=rank_hosts(n_size), source=self._source_key)
         if (resumed is not None and resumed.deal is not None) \
                 or not round_robin(self.partitions, n_size):
             yield from self._dealt(batch_size, epoch, shuffle=shuffle, seed=int(seed), rank=r,
                                    size=n_size, window=window, start=start, resumed=resumed,
-                                   done_before=done_before, first=first, stop=stop,
-                                   reader=reader)
+                                   first=first, stop=stop, reader=reader, order=order)
             return
-        self._deals[epoch] = None
         lead = lead_in(self.num_rows, start, batch_size, n_size)
+        plan = self._plan(EpochPlan(epoch, start, done_before,
+                                    steps_from(self.num_rows, start, batch_size, n_size),
+                                    order, lead=lead))
         skipped = left_out(self.num_rows, start, batch_size, n_size)
         if skipped and r == 0:
             log.warning("Epoch %d resumes at row %d of its order, %d row(s) short of a step "
@@ -386,14 +432,9 @@ class DatasetShard:
         batches = self._epoch(batch_size, epoch, shuffle=shuffle, seed=int(seed), rank=r,
                               size=n_size, start=start, window=window, reader=reader,
                               first_step=first, stop_step=stop)
-        hosts = rank_hosts(n_size)
         try:
             for step, data in enumerate(batches, start=first + 1):
-                self.position = Position(epoch, samples_after(start, step, batch_size, n_size,
-                                                              lead),
-                                         int(seed), shuffle, window, self.num_rows, batch_size,
-                                         n_size, done_before + step, self.partitions,
-                                         order_version=ORDER_VERSION, hosts=hosts)
+                self.position = plan.position(done_before + step)
                 yield self._shape(data)
         finally:
             batches.close()  # its read-ahead thread stops before the files close
@@ -402,8 +443,8 @@ class DatasetShard:
 
     def _dealt(self, batch_size: int, epoch: int, *, shuffle: bool, seed: int, rank: int,
                size: int, window: int, start: int, resumed: Optional[Position],
-               done_before: int, first: int, stop: Optional[int],
-               reader: Optional[ShardReader]) -> Iterator[Any]:
+               first: int, stop: Optional[int], reader: Optional[ShardReader],
+               order: Position) -> Iterator[Any]:
         """:meth:`_batches` of a dealt epoch (:mod:`sparkhvd.data.deal`): what is left of it --
         the restored deal's rest, or the round robin's after ``start`` -- dealt to the ranks;
         this rank's span read a window at a time (kept by row group when its share fits
@@ -424,7 +465,7 @@ class DatasetShard:
         left = [u for u, _ in pairs]
         dealt = deal(left, size=size, batch=batch_size, num_rows=self.num_rows,
                      window_rows=window)
-        hosts = rank_hosts(size)
+        hosts = order.hosts
         if resumed is not None and hosts and 0 < len(resumed.hosts) == resumed.world_size \
                 and (resumed.hosts, resumed.world_size) != (hosts, size):
             # a resize, or the same size on other hosts: each host first the rows it read
@@ -436,9 +477,9 @@ class DatasetShard:
             log.warning("Epoch %d resumes with %d row(s) short of a step boundary of %d ranks: "
                         "too few to give every rank one, so they are left out of this epoch "
                         "(a batch_size of at least %d avoids it).", epoch, skipped, size, size)
-        record = {**dealt.as_dict(), "step0": done_before}
-        self._deals[epoch] = record
-        before = self.num_rows - rows_left
+        record = {**dealt.as_dict(), "step0": order.step}
+        plan = self._plan(EpochPlan(epoch, self.num_rows - rows_left, order.step,
+                                    dealt.total_steps, order, deal=record, _dealt=dealt))
         span = dealt.spans()[rank]
         windows = [sequences.windows(u) for u in span]
         steps = dealt.total_steps if stop is None else min(stop, dealt.total_steps)
@@ -466,10 +507,7 @@ class DatasetShard:
                                 steps=steps, read_ahead=self.streams(size))
         try:
             for step, data in enumerate(batches, start=first + 1):
-                self.position = Position(epoch, before + dealt.consumed(step), seed, shuffle,
-                                         window, self.num_rows, batch_size, size,
-                                         done_before + step, self.partitions, deal=record,
-                                         order_version=ORDER_VERSION, hosts=hosts)
+                self.position = plan.position(order.step + step)
                 yield self._shape(data)
         finally:
             batches.close()
@@ -486,165 +524,6 @@ class DatasetShard:
         for (f, g), rows in zip(missing, reader.read_many(
                 [Piece(f, g, 0, counts[f][g]) for f, g in missing])):
             self._kept_groups[(f, g)] = rows
-
-    def torch_batches(self, batch_size: int, epoch: int = 0, *, shuffle: bool = False,
-                      seed: int = 0, shuffle_buffer: Optional[int] = None,
-                      device: Any = None) -> Iterator[Any]:
-        """One epoch of this rank's full batches as torch tensors: ``(x, y)``, or ``x`` (a dict
-        of tensors for several feature columns) -- :meth:`batches`, converted without a copy:
-        a tensor shares memory with the rows gathered for it, so change a batch only out of
-        place (``x = x / 255``, not ``x.div_(255)``).
-
-        ``device``: hand out batches already there. On a CUDA device each batch is gathered
-        into pinned memory and copied on a side stream one batch ahead of the one training
-        uses (:mod:`sparkhvd.data.device`); on any other device, moved with ``.to()``."""
-        batches = self._torch(self.batches(batch_size, epoch, shuffle=shuffle, seed=seed,
-                                           shuffle_buffer=shuffle_buffer))
-        if device is None:
-            yield from batches
-            return
-        from sparkhvd.data.device import to_device
-
-        # the copy runs a batch ahead: the position is the one after the batch handed out
-        # (a checkpoint taken after it must not skip the batch still being copied)
-        positions: collections.deque = collections.deque()
-
-        def noted() -> Iterator[Any]:
-            for batch in batches:
-                positions.append(self.position)
-                yield batch
-
-        for batch in to_device(noted(), device):
-            self.position = positions.popleft()
-            yield batch
-
-    @staticmethod
-    def _torch(batches: Iterator[Any]) -> Iterator[Any]:
-        """Batches of numpy arrays as torch tensors sharing their memory."""
-        import torch
-
-        def convert(value: Any) -> Any:
-            if isinstance(value, dict):
-                return {k: convert(v) for k, v in value.items()}
-            if isinstance(value, tuple):
-                return tuple(convert(v) for v in value)
-            return torch.from_numpy(value)
-
-        for batch in batches:
-            yield convert(batch)
-
-    def torch_dataset(self, batch_size: int, *, shuffle: bool = False, seed: int = 0,
-                      shuffle_buffer: Optional[int] = None) -> Any:
-        """This rank's shard as a ``torch.utils.data.IterableDataset`` of full batches.
-
-        Each iteration is one epoch (:meth:`torch_batches`); call ``set_epoch(e)`` before each,
-        as with ``DistributedSampler``, for a new shuffle. Use it with
-        ``DataLoader(ds, batch_size=None)`` (the batches are already made). With
-        ``num_workers=N`` each worker hands out one N-th of the epoch's steps, a consecutive
-        run of them, and reads only the rows of those steps: every row is still seen once
-        and each rank's k-th batch is still the same step on every rank, but the steps come
-        in the workers' turns, not in order -- and the position lives in the workers: save it
-        (:meth:`state_dict`) only from a loader without workers.
-        """
-        import torch
-
-        shard = self
-
-        class ShardBatches(torch.utils.data.IterableDataset):
-            def __init__(self) -> None:
-                super().__init__()
-                self.epoch = 0
-
-            def set_epoch(self, epoch: int) -> None:
-                self.epoch = int(epoch)
-
-            def __len__(self) -> int:
-                return shard.steps_in_epoch(batch_size, self.epoch)
-
-            def __iter__(self) -> Iterator[Any]:
-                info = torch.utils.data.get_worker_info()
-                if info is None:
-                    yield from shard.torch_batches(batch_size, self.epoch, shuffle=shuffle,
-                                                   seed=seed, shuffle_buffer=shuffle_buffer)
-                    return
-                steps = len(self)
-                bounds = np.linspace(0, steps, info.num_workers + 1).astype(int)
-                part = (int(bounds[info.id]), int(bounds[info.id + 1]))
-                if part[0] < part[1]:
-                    yield from shard._torch(shard._batches(
-                        batch_size, self.epoch, shuffle=shuffle, seed=seed, rank=None,
-                        size=None, shuffle_buffer=shuffle_buffer, reader=None, steps=part))
-
-        return ShardBatches()
-
-    @contextlib.contextmanager
-    def tf_dataset(self, batch_size: int, epochs: Optional[int] = None, *, shuffle: bool = False,
-                   seed: int = 0, prefetch: int = 2,
-                   shuffle_buffer: Optional[int] = None) -> Iterator[Any]:
-        """This rank's shard as a ``tf.data.Dataset`` of full batches, for the ``with`` block.
-
-        The block owns the open Parquet files (remote ones hold connections); they are closed
-        when it ends.
-
-        Args:
-            batch_size: rows per batch (per rank).
-            epochs: the epoch the dataset ends before; ``None`` (default) repeats forever, which
-                suits ``model.fit(..., steps_per_epoch=ds.steps_per_epoch(batch_size))``. It
-                starts at epoch 0, or where a restored position continues.
-            shuffle: a new global order each epoch (seeded by ``seed`` and the epoch).
-            prefetch: batches prepared ahead of the training step.
-            shuffle_buffer: rows per shuffle window when streaming.
-        """
-        import tensorflow as tf
-
-        reader = self._reader()
-        try:
-            self.source.steps_per_epoch(batch_size)
-            signature = self._signature(reader, tf)
-
-            def generate() -> Iterator[Any]:
-                begin = self._restored_epoch  # every iterator (Keras may make several)
-                for epoch in (range(begin, epochs) if epochs is not None
-                              else itertools.count(begin)):
-                    yield from self.batches(batch_size, epoch, shuffle=shuffle, seed=seed,
-                                            shuffle_buffer=shuffle_buffer, reader=reader)
-
-            dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
-            options = tf.data.Options()
-            options.experimental_distribute.auto_shard_policy = \
-                tf.data.experimental.AutoShardPolicy.OFF
-            yield dataset.with_options(options).prefetch(prefetch)
-        finally:
-            reader.close()
-
-    def _signature(self, reader: ShardReader, tf: Any) -> Any:
-        """The batches' ``tf.TensorSpec``s: dtypes from the files' schema and shapes from the
-        dataset (no row is read for it); a batch of one row where a source lacks the widths
-        (a cache written by an older sparkhvd)."""
-        import pyarrow as pa
-
-        def spec_of(value: Any) -> Any:
-            if isinstance(value, dict):
-                return {k: spec_of(v) for k, v in value.items()}
-            return tf.TensorSpec((None,) + value.shape[1:], tf.as_dtype(value.dtype))
-
-        schema = reader.schema()  # one footer read for every column
-        array_columns = {c for c, stored in self.source.stored.items()
-                         if pa.types.is_list(schema.field(stored).type)}
-        if array_columns - set(self.source.widths):
-            first = reader.read(self._blocks[0])
-            data = {c: v[:1] for c, v in first.items()}
-        else:
-            data = {}
-            for column, stored in self.source.stored.items():
-                kind = schema.field(stored).type
-                element = kind.value_type if pa.types.is_list(kind) else kind
-                dtype = np.dtype(self.source.cast.get(column) or element.to_pandas_dtype())
-                row = self.shapes.get(column) or ((self.source.widths[column],)
-                                                   if column in array_columns else ())
-                data[column] = np.zeros((1,) + tuple(row), dtype)
-        shaped = self._shape(data)
-        return tuple(spec_of(v) for v in shaped) if self.label else spec_of(shaped)
 
     def __repr__(self) -> str:
         return (f"DatasetShard(features={self.features}, label={self.label!r}, "

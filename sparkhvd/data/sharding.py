@@ -52,7 +52,7 @@ partitions' rows round robin and drawing each a window at a time (permuted when 
 * *resizes*: what a rank reads is also kept on its host's disk for the run (its newest 512
   MB: :mod:`sparkhvd.data.row_group_cache`), and a run resumed at another size, or on other
   hosts, deals each host first the rows its ranks held (:func:`~sparkhvd.data.deal.by_host`,
-  the hosts from :attr:`Position.hosts`): the windows a stopped attempt was in are read from
+  the hosts from :attr:`~sparkhvd.data.position.Position.hosts`): the windows a stopped attempt was in are read from
   the host, not the files -- on one host nothing is read twice (B14's 73 MB table, 8 -> 7 ->
   8 mid-epoch: 0.996x the files, was 3.63x); across hosts what moves is read again, a
   window cut between hosts by where its rows lie (1.31x on 8 hosts of a rank each, of which
@@ -68,7 +68,7 @@ partitions' rows round robin and drawing each a window at a time (permuted when 
   0.87x; on a 5 GB table's layout 0.96-0.99x at np 12 to 64, 0.90-0.94x at np 16 to 64
   before the windows were widened);
 * *exactly once*: the position of a dealt epoch keeps its deal and the steps run
-  (:attr:`Position.deal`); what is left follows from them, on any rank, and a run resumed with
+  (:attr:`~sparkhvd.data.position.Position.deal`); what is left follows from them, on any rank, and a run resumed with
   any number of ranks deals it again (with the same number: the same spans and sequence, as
   if it had not stopped);
 * *order*: one and the same ``S`` for every ``size`` up to 8 dividing ``P``, fixed with the
@@ -87,11 +87,12 @@ partitions' rows round robin and drawing each a window at a time (permuted when 
   ``E`` (:func:`lead_in`, :func:`steps_from`). So every row up to the end is trained exactly
   once across any chain of shrinks and grows -- the tail too. (A lead-in of fewer rows than
   ranks would leave a rank without a row: those rows are left out, with a warning.)
-* A **position** (:class:`Position`) is ``(epoch, samples)``: how many rows of ``S`` the ranks
-  together consumed, and ``step``: the steps run in the epoch, counted on across resizes (what
-  checkpoints are named and ordered by, so it only grows). A run resumed with any number of
-  ranks continues ``S`` from there; a position of another ``P`` is refused (it is another
-  sequence).
+* A **position** (:class:`~sparkhvd.data.position.Position`, made in the data room alone) is
+  ``(epoch, samples)``: how many rows of ``S`` the ranks together consumed, and ``step``: the
+  steps run in the epoch, counted on across resizes (what checkpoints are named and ordered
+  by, so it only grows). A run resumed with any number of ranks continues ``S`` from there; a
+  position of another ``P`` or another table is refused (it is another sequence), and an epoch
+  saved under another shuffle, seed or window goes on in the order it was saved in.
 
 Before: every rank read every row group of every window and kept ``1 / size`` of the rows
 (``size`` times the reads of the data per epoch), and a dataset kept in memory was kept whole
@@ -100,7 +101,7 @@ whole table).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from sparkhvd.common.identity import current_rank
@@ -132,50 +133,6 @@ READ_MEMORY_BYTES = 256 << 20
 #: The files' footers go to the ranks with the source when they take up to this many bytes in
 #: all (:attr:`ShardSource.footers`); beyond, each rank reads its own.
 SHIPPED_FOOTERS_BYTES = 4 << 20
-
-
-@dataclass(frozen=True)
-class Position:
-    """Where the ranks are in the global order: ``samples`` rows of epoch ``epoch``'s sequence
-    consumed by all ranks together, and what that sequence was made from (a resumed run checks
-    it reads the same one). Plain data: it goes into checkpoints as a dict (:meth:`as_dict`).
-    """
-
-    epoch: int
-    samples: int
-    seed: int = 0
-    shuffle: bool = False
-    window_rows: int = 0
-    num_rows: int = 0
-    batch_size: int = 0
-    world_size: int = 1
-    #: Steps the ranks have run in this epoch, counted on across resizes: a resumed epoch goes
-    #: on from the step it was saved at, whatever the number of ranks (checkpoints are named
-    #: and ordered by it, so it must only grow).
-    step: int = 0
-    #: The dataset's partition count ``P`` (0: a position saved before partitions existed).
-    partitions: int = 0
-    #: An epoch dealt to the ranks (a number of ranks the round robin does not serve, or an
-    #: epoch such a run resized: :mod:`sparkhvd.data.deal`): the deal (``Deal.as_dict``) and
-    #: ``step0``, the epoch's steps before it; what is left follows from it and ``step``.
-    deal: Optional[dict[str, Any]] = None
-    #: The orders' version (:data:`~sparkhvd.data.order.ORDER_VERSION`; 1: a position saved
-    #: before the spread orders, whose shuffled epochs were another sequence).
-    order_version: int = 1
-    #: The hosts of the ranks that were here, in rank order (empty: not known): a run resumed
-    #: at another size deals each host the rows its ranks were reading
-    #: (:func:`sparkhvd.data.deal.by_host`).
-    hosts: tuple[str, ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, value: Mapping[str, Any]) -> "Position":
-        known = {k: value[k] for k in cls.__dataclass_fields__ if k in value}
-        if "hosts" in known:
-            known["hosts"] = tuple(known["hosts"] or ())
-        return cls(**known)
 
 
 def epoch_end(num_rows: int, batch_size: int, size: int) -> int:

@@ -50,6 +50,7 @@ import os
 import time
 from typing import Any, Callable, Mapping, Optional
 
+from sparkhvd.checkpoint.lineage import resumable
 from sparkhvd.common.environment import rank_env
 from sparkhvd.common.errors import NotEnoughSlotsError, StorageError
 from sparkhvd.common.redaction import remember_environment
@@ -308,7 +309,7 @@ class Run:
         watch = attempt.watch
         self.placer.note_losses(attempt.failure, lambda: set(watch.executors.values())
                                 if watch is not None else set())
-        resume = self.run_dir.own_checkpoints() or attempt.resume
+        resume = resumable(self.run_dir.file("checkpoints")) or attempt.resume
         library = None if resume else self.run_dir.library_checkpoints(
             {name for earlier in self.attempts for name in earlier.outcome.output_dirs})
         size = attempt.size

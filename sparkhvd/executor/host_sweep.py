@@ -3,7 +3,7 @@ kept): what one Spark task does.
 
 A run that succeeded after using hosts its last attempt did not (a lost host that came back, a
 resize) may have left host copies there (``/dev/shm``: several times the model's state) that no
-rank of the last attempt could delete (:mod:`sparkhvd.runfolder.host_copy`'s rules). The
+rank of the last attempt could delete (:mod:`sparkhvd.checkpoint.host_copy`'s rules). The
 driver's sweep (:mod:`sparkhvd.driver.host_sweep`) runs one task per slot; each deletes the
 run's copies on its host that no live process owns, and says its host.
 """
@@ -20,8 +20,8 @@ ROW_SCHEMA = "host string, removed long"
 def dirs_of(env: Mapping[str, str]) -> dict[str, str]:
     """Where the run told its ranks to keep host copies and row groups (its ``env=``), where
     it did: the variables and their folders."""
+    from sparkhvd.checkpoint.host_copy import DIR_ENV
     from sparkhvd.data.row_group_cache import DIR_ENV as ROWS_DIR_ENV
-    from sparkhvd.runfolder.host_copy import DIR_ENV
 
     return {name: env[name] for name in (DIR_ENV, ROWS_DIR_ENV) if env.get(name)}
 
@@ -37,8 +37,8 @@ def sweep_task(run_id: str, dirs: Mapping[str, str]) -> Callable[[Iterator[Any]]
 
         import pyarrow as pa
 
+        from sparkhvd.checkpoint import host_copy
         from sparkhvd.data import row_group_cache
-        from sparkhvd.runfolder import host_copy
 
         before = {name: os.environ.get(name) for name in dirs}
         os.environ.update(dirs)  # for this task only: Spark may reuse this worker for other jobs

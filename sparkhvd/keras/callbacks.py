@@ -14,13 +14,12 @@ from typing import Any, Callable, Optional, Union
 
 import tensorflow as tf
 
+from sparkhvd.checkpoint import host_copy as host_copies
+from sparkhvd.checkpoint.background import BackgroundSave, SavesInBackground, UploadQueue
 from sparkhvd.common import protocol
 from sparkhvd.common.events import emit
 from sparkhvd.common.function_end import at_function_end, at_function_return, held_weakly
-from sparkhvd.data.sharding import lead_in, samples_after, steps_from
 from sparkhvd.keras import checkpoints
-from sparkhvd.runfolder import host_copy as host_copies
-from sparkhvd.runfolder.background_save import BackgroundSave, SavesInBackground, UploadQueue
 
 __side__ = "rank"
 
@@ -267,7 +266,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
             run folder on the driver's host), that rank also keeps the newest checkpoint's
             files on its host with their record, before writing them to the folder, for a
             relaunched rank there to restore from -- even when that write never ended
-            (:mod:`sparkhvd.runfolder.host_copy`); deleted when the function returns.
+            (:mod:`sparkhvd.checkpoint.host_copy`); deleted when the function returns.
     """
 
     def __init__(self, url: Union[str, checkpoints.CheckpointStore], every: int = 1,
@@ -275,7 +274,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
                  state: Optional[Callable[[], dict]] = None, write: bool = True,
                  every_steps: Optional[int] = None, every_seconds: Optional[float] = None,
                  agree: Optional[Callable[..., tuple]] = None,
-                 data: Any = None, start: tuple[int, int] = (0, 0), start_step: int = 0,
+                 data: Any = None, start: tuple[int, int] = (0, 0),
                  collective: bool = False, every_step_notices: bool = False,
                  async_save: bool = False, host_copy: bool = True) -> None:
         super().__init__()
@@ -289,7 +288,6 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
         self.write = write
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self.agree, self.data, self.start = agree, data, start
-        self.start_step = start_step  # steps of the epoch it resumes in, run before it
         self.collective = collective
         self.every_step_notices = every_step_notices
         self.saved: list[str] = []
@@ -315,24 +313,18 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
     def position(self) -> tuple[int, int, int]:
         """``(epoch, samples, step)`` of the data now: epochs done, then rows of the next one
         consumed by all ranks and steps into it (counted on from the step the epoch resumed
-        at, whatever the number of ranks then: checkpoint names must only grow). Counted from
-        the steps trained (``data``'s own position runs ahead of the model by what the input
-        pipeline prefetched); the epoch it resumed in may begin with a lead-in step
-        (:mod:`sparkhvd.data.sharding`)."""
-        now = self.data.state_dict() if self.data is not None else None
-        if not now or not now.get("batch_size"):
+        at, whatever the number of ranks then: checkpoint names must only grow). The data
+        makes it from the steps trained (``DatasetShard.position_after``: ``data``'s own
+        position runs ahead of the model by what the input pipeline prefetched)."""
+        now = self._data_position()
+        if now is None:
             return self._epoch, 0, self._in_epoch
-        per_rank, size = int(now["batch_size"]), int(now.get("world_size") or 1)
-        batch = per_rank * size
-        rows = int(now["num_rows"])
-        epoch, samples = self.start
-        first = steps_from(rows, samples, per_rank, size)  # steps left in the epoch it began in
-        if self._trained < first:
-            lead = lead_in(rows, samples, per_rank, size)
-            return (epoch, samples_after(samples, self._trained, per_rank, size, lead),
-                    self.start_step + self._trained)
-        epoch, step = divmod(self._trained - first, max(1, rows // batch))
-        return self.start[0] + 1 + epoch, step * batch, step
+        return now.epoch, now.samples, now.step
+
+    def _data_position(self) -> Any:
+        """The data's position after the steps trained (None: no data, or none read yet)."""
+        position_after = getattr(self.data, "position_after", None)
+        return position_after(self._trained) if position_after is not None else None
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
         self._epoch, self._in_epoch = epoch, 0
@@ -399,11 +391,9 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
         lr = getattr(self.model.optimizer, "learning_rate", None)
         if lr is not None and hasattr(lr, "numpy") and "lr" not in state:
             state["lr"] = float(lr.numpy())
-        if self.data is not None and self.data.state_dict() is not None:
-            data_epoch, samples, data_step = self.position()
-            # the deal of the epoch trained (the pipeline may have read into the next one)
-            state["data"] = {**self.data.state_dict(), "epoch": data_epoch, "samples": samples,
-                             "step": data_step, "deal": self.data.deal_of(data_epoch)}
+        position = self._data_position()
+        if position is not None:  # as the data made it, stored as it is
+            state["data"] = position.as_dict()
         name = checkpoints.checkpoint_name(epoch, step)
         if self._background is not None:  # the writer, async_save
             self._background.wait()  # one in flight
@@ -425,12 +415,13 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
     def _write(self, epoch: int, step: int, files: dict, info: dict) -> None:
         """With ``host_copy``, this host's copy of the files *with their record* first -- a
         relaunch restores it even when the write below never ends or fails
-        (:mod:`sparkhvd.runfolder.host_copy`); then the files, their record and
+        (:mod:`sparkhvd.checkpoint.host_copy`); then the files, their record and
         ``latest.json`` in the folder -- at once, or (``async_save``) queued behind the saves,
         a step checkpoint superseded by a newer one before its upload began staying on this
-        host only (:class:`~sparkhvd.runfolder.background_save.UploadQueue`); then the newest
+        host only (:class:`~sparkhvd.checkpoint.background.UploadQueue`); then the newest
         ``keep`` are kept."""
-        from sparkhvd.runfolder.checkpoint_write import digest, record_of
+        from sparkhvd.checkpoint.lineage import record_of
+        from sparkhvd.checkpoint.write import digest
 
         digests = {name: digest(data) for name, data in files.items()}
         if self.host_copy:
@@ -447,7 +438,7 @@ class RankZeroCheckpoint(tf.keras.callbacks.Callback, SavesInBackground):
             self._uploads.put(info["file"], upload, lambda: None, supersedable=bool(step))
 
     def _upload(self, epoch: int, step: int, files: dict, info: dict, digests: dict) -> None:
-        from sparkhvd.runfolder.checkpoint_write import prune, write_checkpoint
+        from sparkhvd.checkpoint.write import prune, write_checkpoint
 
         write_checkpoint(self.store, epoch, files, info, step, digests)
         if self.keep:

@@ -8,34 +8,32 @@ A checkpoint of epoch N is these files in a checkpoints folder:
 - ``epoch-000N.json`` and then ``latest.json`` -- written last, so they never name a partial
   checkpoint: ``{"epoch": N, "file": ..., "optimizer": ..., "files": {name: {size, sha256}},
   "state": {"lr": ..., "warmup_target_lr": ...}}``. Resuming checks every file against it and
-  falls back to the newest complete one (:func:`~sparkhvd.runfolder.checkpoint_read.restore_newest`).
+  falls back to the newest complete one (:func:`~sparkhvd.checkpoint.read.restore_newest`).
 
 With all three, "train 2 epochs, then resume for 2 more" ends where 4 epochs straight would.
 Where the folder is not on the writing rank's own disk, that rank also keeps the newest
-checkpoint's files on its host (:mod:`sparkhvd.runfolder.host_copy`), and a relaunched run
+checkpoint's files on its host (:mod:`sparkhvd.checkpoint.host_copy`), and a relaunched run
 reads them from there, or from a rank that landed on that host (:func:`restore_nearest`).
 
-Where the folder is: :mod:`sparkhvd.runfolder.checkpoint_store` (shared with the PyTorch helpers).
+Where the folder is: :mod:`sparkhvd.checkpoint.stores` (shared with the PyTorch helpers).
 """
 from __future__ import annotations
 
 import io
 from typing import Any, Optional
 
-from sparkhvd.runfolder import nearest_copy
-from sparkhvd.runfolder.checkpoint_read import restore_newest
-from sparkhvd.runfolder.checkpoint_store import (
+from sparkhvd.checkpoint import nearest_copy
+from sparkhvd.checkpoint.lineage import LATEST, checkpoint_name, record_name
+from sparkhvd.checkpoint.read import restore_newest
+from sparkhvd.checkpoint.stores import (
     DISCARD,
-    LATEST,
     CheckpointStore,
     RunFolderStore,
     UrlStore,
-    checkpoint_name,
     latest,
-    record_name,
     url_store,
 )
-from sparkhvd.runfolder.checkpoint_write import write_checkpoint
+from sparkhvd.checkpoint.write import write_checkpoint
 
 __side__ = "rank"
 
@@ -109,7 +107,7 @@ def restore_nearest(store: CheckpointStore, model: Any, rank: int,
                     world: nearest_copy.Collectives, loaders: Optional[set[int]] = None
                     ) -> tuple[Optional[dict], list[str], str]:
     """:func:`restore_latest` from the nearest copy of the newest checkpoint: this host's, a
-    rank's that has it, else the folder (:mod:`sparkhvd.runfolder.nearest_copy`); also which
+    rank's that has it, else the folder (:mod:`sparkhvd.checkpoint.nearest_copy`); also which
     copy was read (``"host"``, ``"peer"`` or ``"folder"``, for the resume line). Call on every
     rank; it loads on ``loaders`` (default: every rank), the others return no record."""
     record, value, problems, copy = nearest_copy.load_nearest(

@@ -22,6 +22,9 @@ import logging
 import os
 from typing import Any, Optional, Sequence, Union
 
+from sparkhvd.checkpoint import nearest_copy
+from sparkhvd.checkpoint.lineage import check_cadence
+from sparkhvd.checkpoint.read import announce_resume, resume_store
 from sparkhvd.common import protocol
 from sparkhvd.elastic.notices import (  # noqa: F401 - public in sparkhvd.keras
     Preempted,
@@ -40,9 +43,6 @@ from sparkhvd.keras.callbacks import (
     RunFolderTensorBoard,
     uses_schedule,
 )
-from sparkhvd.runfolder import nearest_copy
-from sparkhvd.runfolder.checkpoint_read import announce_resume, resume_store
-from sparkhvd.runfolder.checkpoint_store import check_cadence
 from sparkhvd.runfolder.rank_files import run_files
 
 __side__ = "rank"
@@ -88,7 +88,7 @@ class _HorovodFlavour:
 
     def copies(self) -> Any:
         """The collectives a host copy travels by to rank 0 (which loads it)."""
-        from sparkhvd.keras.nearest_copy import HorovodCollectives
+        from sparkhvd.keras.restore_collectives import HorovodCollectives
 
         return HorovodCollectives(self.collectives)
 
@@ -150,7 +150,7 @@ class _TFFlavour:
         """The collectives a host copy travels by to every worker (each loads it), and the
         flags of :meth:`agree`."""
         if self._collectives is None:
-            from sparkhvd.keras.nearest_copy import StrategyCollectives
+            from sparkhvd.keras.restore_collectives import StrategyCollectives
 
             self._collectives = StrategyCollectives(self.strategy, self.rank)
         return self._collectives
@@ -214,8 +214,8 @@ class KerasDistributed:
             folder, so a relaunch restores it even when that write never ended -- and a
             relaunch restores from it: rank 0 back on that host reads it (the resume line says
             "its copy on this host"), else the rank now on that host sends it
-            (:mod:`sparkhvd.runfolder.nearest_copy`); on by default, deleted when the function
-            returns (see :mod:`sparkhvd.runfolder.host_copy`).
+            (:mod:`sparkhvd.checkpoint.nearest_copy`); on by default, deleted when the function
+            returns (see :mod:`sparkhvd.checkpoint.host_copy`).
 
     In a sparkhvd run the checkpoints also *listen for notices*: SIGTERM to any rank (a node
     about to be reclaimed) or the driver resizing the run makes every rank save after its
@@ -262,7 +262,6 @@ class KerasDistributed:
         self.every_steps, self.every_seconds, self.keep = every_steps, every_seconds, keep
         self.async_save, self.host_copy = async_save, host_copy
         self.start: tuple[int, int] = (0, 0)
-        self.start_step = 0  # steps of the epoch it resumes in, run before it
         files = run_files()
         self.checkpoint_store: Optional[checkpoints.CheckpointStore]
         if checkpoint is True:
@@ -333,15 +332,15 @@ class KerasDistributed:
         step = int(self.state.pop("step", 0) or 0)
         position = self.state.pop("data", None)
         samples = int(position.get("samples") or 0) if step and position else 0
-        if self.data is not None and (self.initial_epoch or samples):
-            self.data.load_state_dict(position if samples else
-                                      {"epoch": self.initial_epoch, "samples": 0})
+        if self.data is not None and position:
+            self.data.load_state_dict(position)  # as the data made it
+        elif self.data is not None and self.initial_epoch:
+            self.data.begin_at(self.initial_epoch)  # a checkpoint without the data's position
         if step and self.data is None:
             log.warning("sparkhvd: the checkpoint was taken after step %d of epoch %d; without "
                         "KerasDistributed(data=...) the run resumes at the start of that epoch "
                         "(those steps are trained again)", step, self.initial_epoch)
         self.start = (self.initial_epoch, samples if self.data is not None else 0)
-        self.start_step = step if samples and self.data is not None else 0
         return self.initial_epoch
 
     def agree(self, by_time: bool, notice: bool, busy: Optional[bool] = None) -> tuple:
@@ -370,7 +369,6 @@ class KerasDistributed:
                 self.checkpoint_store, state=self._checkpoint_state, write=self.rank == 0,
                 keep=self.keep, every_steps=self.every_steps, every_seconds=self.every_seconds,
                 agree=self.agree if self.size > 1 else None, data=self.data, start=self.start,
-                start_step=self.start_step,
                 collective=self.flavour.save_everywhere,
                 every_step_notices=bool(os.environ.get(protocol.ELASTIC_ENV)),
                 async_save=self.async_save, host_copy=self.host_copy))

@@ -7,8 +7,8 @@ metrics and curves), locally or on remote storage.
   :mod:`~sparkhvd.runfolder.curves`;
 - common: :mod:`~sparkhvd.runfolder.wire` (that service's wire format);
 - rank: :mod:`~sparkhvd.runfolder.rank_files` (:func:`run_files`: a rank's view of its run
-  folder), :mod:`~sparkhvd.runfolder.checkpoint_store` (where checkpoints live),
-  :mod:`~sparkhvd.runfolder.checkpoint_write` and :mod:`~sparkhvd.runfolder.checkpoint_read`
+  folder), :mod:`~sparkhvd.checkpoint.stores` (where checkpoints live),
+  :mod:`~sparkhvd.checkpoint.write` and :mod:`~sparkhvd.checkpoint.read`
   (verified checkpoints, resume).
 """
 from sparkhvd.common.faces import lazy_face

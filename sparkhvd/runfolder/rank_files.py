@@ -21,7 +21,14 @@ import threading
 from typing import IO, Mapping, Optional
 
 from sparkhvd.common import protocol
-from sparkhvd.runfolder.wire import clean_path, copy_exact, read_json, send_json
+from sparkhvd.runfolder.wire import (
+    CHECKPOINTS,
+    clean_path,
+    copy_exact,
+    read_json,
+    remove_file,
+    send_json,
+)
 
 __side__ = "rank"
 
@@ -154,6 +161,17 @@ class RunFiles:
         if self.addr is None:
             return []
         return list(self._request({"op": "list", "root": root, "path": path}).get("names", []))
+
+    def delete(self, path: str) -> None:
+        """Delete a checkpoint's file of the run folder (``checkpoints/...``: what ``keep=``
+        prunes); gone already is fine."""
+        path = clean_path(path)
+        if self.local:
+            if not path.startswith(CHECKPOINTS + "/"):
+                raise PermissionError(f"only the run's checkpoints can be deleted, not {path!r}")
+            remove_file(self.local, path)
+            return
+        self._request({"op": "delete", "root": "run", "path": path})
 
     def exists(self, path: str, *, root: str = "run") -> bool:
         """Whether ``path`` exists in the run folder (or the resume source)."""

@@ -15,7 +15,7 @@ import os
 import platform
 import secrets
 import time
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from sparkhvd.common.fileio import atomic_write
 from sparkhvd.runfolder.record import RunRecord
@@ -29,8 +29,10 @@ MODEL_NAMES = {b"\x89HDF\r\n\x1a\n": "model.h5", b"PK\x03\x04": "model.keras"}
 
 
 def new_run_id() -> str:
-    """A sortable, unique run id: ``YYYYmmdd-HHMMSS-xxxx``."""
-    return _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+    """A sortable run id, ``YYYYmmdd-HHMMSS-xxxxxxxx``: 32 random bits after the second, so
+    runs started in the same second (a sweep) draw different ones -- and :class:`RunDir`
+    creates its folder exclusively, so two that drew the same still never share one."""
+    return _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(4)
 
 
 #: A zip archive holding these is a TorchScript module (torch.jit.save), not a .keras file.
@@ -131,6 +133,31 @@ def staging_root() -> str:
         os.path.expanduser("~"), ".cache", "sparkhvd", "runs")
 
 
+def _claimed_run_id(local_root: str, run_id: Optional[str],
+                    taken_remotely: Optional[Callable[[str], bool]]) -> str:
+    """A run id whose folder under ``local_root`` this process created (``mkdir``: exclusive,
+    so no two runs share a folder, host copies or row cache): ``run_id`` -- an error when its
+    folder exists -- or a new one, drawn again while taken (here, or in the remote output
+    folder: ``taken_remotely``)."""
+    os.makedirs(local_root, exist_ok=True)
+    for _ in range(100):
+        name = run_id or new_run_id()
+        if taken_remotely is not None and taken_remotely(name):
+            if run_id:
+                raise FileExistsError(f"run {run_id} already exists in the output folder: "
+                                      "give another run id, or none (a new one is drawn)")
+            continue
+        try:
+            os.mkdir(os.path.join(local_root, name))
+            return name
+        except FileExistsError:
+            if run_id:
+                raise FileExistsError(
+                    f"run folder {os.path.join(local_root, name)} already exists: give another "
+                    "run id, or none (a new one is drawn)") from None
+    raise FileExistsError(f"could not create a new run folder under {local_root}")
+
+
 class RunDir:
     """A run's folder: ``root/<run-id>`` on local disk, or staged locally and published to a
     storage URL (``abfss://...``) when ``root`` is one.
@@ -143,10 +170,12 @@ class RunDir:
                  storage_options: Optional[dict] = None) -> None:
         from sparkhvd import storage
 
-        self.run_id = run_id or new_run_id()
         root_loc = storage.resolve(root, storage_options)
-        self.remote = None if root_loc.is_local else root_loc.child(self.run_id)
         local_root = root_loc.path if root_loc.is_local else staging_root()
+        self.run_id = _claimed_run_id(local_root, run_id, None if root_loc.is_local else
+                                      lambda name: storage.exists(root_loc.child(name).url,
+                                                                  storage_options))
+        self.remote = None if root_loc.is_local else root_loc.child(self.run_id)
         self.path = os.path.abspath(os.path.join(local_root, self.run_id))
         self.url = self.remote.url if self.remote else self.path
         self.logs = os.path.join(self.path, "logs")
@@ -204,12 +233,6 @@ class RunDir:
             log.warning("removed %d torn temporary file(s) a killed writer left in %s: %s",
                         len(removed), folder, ", ".join(removed[:5]))
         return removed
-
-    def own_checkpoints(self) -> Optional[str]:
-        """This run's checkpoints folder when it holds a complete checkpoint (what a retry
-        resumes from), else None."""
-        folder = self.file("checkpoints")
-        return folder if os.path.exists(os.path.join(folder, "latest.json")) else None
 
     def library_checkpoints(self, names: Iterable[str]) -> Optional[str]:
         """Which of the ``st.output_dir`` folders ``names`` hold files -- a library's own

@@ -34,7 +34,15 @@ from typing import Any, Mapping, Optional, Sequence
 from sparkhvd.common import owned_temp, protocol
 from sparkhvd.common.fileio import atomic_open
 from sparkhvd.common.redaction import remember_secret
-from sparkhvd.runfolder.wire import ROOTS, clean_path, copy_exact, read_json, send_json
+from sparkhvd.runfolder.wire import (
+    CHECKPOINTS,
+    ROOTS,
+    clean_path,
+    copy_exact,
+    read_json,
+    remove_file,
+    send_json,
+)
 
 __side__ = "driver"
 
@@ -185,6 +193,16 @@ class RunFileService(socketserver.ThreadingTCPServer):
         url, options = self.resume
         return storage.exists(f"{url.rstrip('/')}/{path}", options)
 
+    def delete(self, root: str, path: str) -> None:
+        """Delete a checkpoint's file (what ``keep=`` prunes from a rank on another host): only
+        a file inside the run folder's ``checkpoints/``; its folder too once empty (a sharded
+        checkpoint's)."""
+        path = clean_path(path)
+        if root != "run" or not path.startswith(CHECKPOINTS + "/"):
+            raise PermissionError(f"only the run's checkpoints can be deleted, not {root} "
+                                  f"{path!r}")
+        remove_file(self.run_path, path)
+
     def _copy_path(self, name: str) -> str:
         """The copy ``name`` in the run's folder of copies (``ValueError``: not a copy's name;
         ``FileNotFoundError``: this run keeps none, or not in a private folder)."""
@@ -301,6 +319,9 @@ class _Handler(socketserver.StreamRequestHandler):
                 send_json(sock, {"ok": True, "exists": server.exists(root, path)})
             elif op == "list":
                 send_json(sock, {"ok": True, "names": server.listdir(root, path)})
+            elif op == "delete":
+                server.delete(root, path)
+                send_json(sock, {"ok": True})
             else:
                 raise PermissionError(f"unknown operation {op!r}")
         except (ValueError, PermissionError) as exc:

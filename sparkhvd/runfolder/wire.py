@@ -1,11 +1,11 @@
 """The run-folder service's wire format, shared by the driver's service and a rank's client.
 
 Wire format (one TCP connection per client): a JSON hello ``{"token": ...}``, then requests
-``{"op": "put"|"get"|"exists"|"list", "root": "run"|"resume"|"row-groups", "path": ...,
-"size": n}`` (``put``
-followed by ``n`` raw bytes; ``get`` with ``"span": [offset, length]`` asks for those bytes of the
-file only), each answered by ``{"ok": true, "size": n}`` (``get`` followed by the bytes), or
-``{"ok": false, "error": ...}``.
+``{"op": "put"|"get"|"exists"|"list"|"delete", "root": "run"|"resume"|"row-groups", "path":
+..., "size": n}`` (``put`` followed by ``n`` raw bytes; ``get`` with ``"span": [offset,
+length]`` asks for those bytes of the file only; ``delete`` only a file of the run folder's
+``checkpoints/``: what ``keep=`` prunes), each answered by ``{"ok": true, "size": n}`` (``get``
+followed by the bytes), or ``{"ok": false, "error": ...}``.
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ Readable = Union[IO[bytes], io.BufferedIOBase]
 #: The run folder (read/write), the resume source (read-only), and the driver's copies of the
 #: row groups ranks on other hosts read (:mod:`sparkhvd.data.row_group_cache`)
 ROOTS = ("run", "resume", "row-groups")
+#: The run folder's checkpoints: the only files a rank may delete there (``keep=``)
+CHECKPOINTS = "checkpoints"
 CHUNK = 1 << 20
 
 
@@ -36,6 +38,25 @@ def clean_path(path: str) -> str:
         raise ValueError(f"{path!r} is outside the run folder: use a path inside it, e.g. "
                          "'checkpoints/epoch-0001.h5'")
     return norm
+
+
+def remove_file(folder: str, path: str) -> None:
+    """Delete the file ``path`` (cleaned: :func:`clean_path`) of ``folder`` -- gone already is
+    fine -- and the folders above it that it leaves empty, up to the first one of ``path``."""
+    target = os.path.join(folder, path)
+    if os.path.isdir(target) and not os.path.islink(target):
+        raise IsADirectoryError(f"{path!r} is a folder: delete its files")
+    try:
+        os.unlink(target)
+    except FileNotFoundError:
+        return
+    parent = posixpath.dirname(path)
+    while posixpath.dirname(parent):  # never the first folder of the path (checkpoints/)
+        try:
+            os.rmdir(os.path.join(folder, parent))
+        except OSError:
+            return
+        parent = posixpath.dirname(parent)
 
 
 def send_json(sock: socket.socket, obj: dict[str, Any]) -> None:

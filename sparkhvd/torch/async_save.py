@@ -19,8 +19,8 @@ The rules (:class:`sparkhvd.torch.Checkpoints` applies them; its docstring says 
 - **complete or absent**: the file, then its record, then ``latest.json``, as for a synchronous
   save -- a rank killed mid-write leaves the previous complete checkpoint to resume from.
   With a host copy and the folder elsewhere, "complete" comes twice: on rank 0's host (the
-  file and its record kept there, :mod:`sparkhvd.runfolder.host_copy`) and then in the folder,
-  uploaded behind the saves (:class:`~sparkhvd.runfolder.background_save.UploadQueue`), so the
+  file and its record kept there, :mod:`sparkhvd.checkpoint.host_copy`) and then in the folder,
+  uploaded behind the saves (:class:`~sparkhvd.checkpoint.background.UploadQueue`), so the
   one in flight is the serialisation, not the upload.
 - **errors are not lost**: a failed write is raised by the next ``step()``/``save()``, or when
   the training function ends; the function's end waits for the save in flight
@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Iterator, Optional
 
-from sparkhvd.runfolder.background_save import BackgroundSave
+from sparkhvd.checkpoint.background import BackgroundSave
 
 __side__ = "rank"
 

@@ -9,30 +9,23 @@ import atexit
 import time
 from typing import Any, Callable, Optional
 
-from sparkhvd.common.function_end import at_function_end, at_function_return, held_weakly
-from sparkhvd.common.identity import current_rank
-from sparkhvd.elastic.notices import listen, noticed, stop
-from sparkhvd.runfolder import host_copy
-from sparkhvd.runfolder.background_save import SavesInBackground, UploadQueue
-from sparkhvd.runfolder.checkpoint_read import announce_resume, restore_newest, resume_store
-from sparkhvd.runfolder.checkpoint_store import (
-    DISCARD,
-    CheckpointStore,
-    RunFolderStore,
-    UrlStore,
-    check_cadence,
-    checkpoint_name,
-)
-from sparkhvd.runfolder.checkpoint_write import (
+from sparkhvd.checkpoint import host_copy
+from sparkhvd.checkpoint.background import SavesInBackground, UploadQueue
+from sparkhvd.checkpoint.lineage import check_cadence, checkpoint_name, record_of
+from sparkhvd.checkpoint.read import announce_resume, restore_newest, resume_store
+from sparkhvd.checkpoint.stores import DISCARD, CheckpointStore, RunFolderStore, UrlStore
+from sparkhvd.checkpoint.write import (
     not_written,
     prune,
-    record_of,
     serialise_into,
     upload_checkpoint,
     write_checkpoint_streamed,
 )
+from sparkhvd.common.function_end import at_function_end, at_function_return, held_weakly
+from sparkhvd.common.identity import current_rank
+from sparkhvd.elastic.notices import listen, noticed, stop
 from sparkhvd.torch.async_save import BackgroundSave, HostSnapshot
-from sparkhvd.torch.nearest_copy import DcpNeeds, load_nearest_copy
+from sparkhvd.torch.restore_collectives import DcpNeeds, load_nearest_copy
 from sparkhvd.torch.serialise import load_state, save_state
 from sparkhvd.torch.side_group import side_group
 from sparkhvd.torch.snapshot_ring import SLOTS, SnapshotRing
@@ -173,14 +166,14 @@ class CheckpointsBase(SavesInBackground):
             prune(self.store, self.keep)
 
     def _data_state(self, epoch: int, step: Optional[int]) -> Optional[dict]:
-        """The data's position to save with the model: where it is after ``step`` of
-        ``epoch``, or at the start of the next epoch for an epoch-end checkpoint."""
-        if self.data is None:
-            return None
-        state = self.data.state_dict()
-        if state is not None and step is None and "samples" in state:
-            state = {**state, "epoch": epoch + 1, "samples": 0, "step": 0}
-        return state
+        """The data's position to save with the model, as the data made it (stored as it is,
+        never edited here): after ``step`` of ``epoch``, or at the start of the next epoch for
+        an epoch-end checkpoint (:meth:`~sparkhvd.data.shard.DatasetShard.position_at`)."""
+        position_at = getattr(self.data, "position_at", None)
+        if position_at is None:  # no data=, or a loader of the user's own
+            return self.data.state_dict() if self.data is not None else None
+        position = position_at(epoch + 1, 0) if not step else position_at(epoch, step)
+        return position.as_dict() if position is not None else None
 
     def _restore_data(self, state: Optional[dict]) -> None:
         if self.data is not None and state:
@@ -233,8 +226,8 @@ class Checkpoints(CheckpointsBase):
         every_seconds: ... and/or when this many seconds passed since the last save was taken
             (a background save: at its host copy, not when its write ends).
         keep: keep only the newest this many checkpoints (rank 0 deletes older ones after each
-            save; the newest is never deleted). Through the run-folder service from a host
-            that cannot see the run folder, nothing is deleted.
+            save; the newest is never deleted) -- in the run folder from any host (through
+            the driver's run-folder service where rank 0 cannot see it) and in ``url``.
         async_save: write in the background: a save holds training up only while rank 0
             copies the state into host memory (buffers kept between saves: one more copy of
             the model and optimizer state in host RAM; pinned, on a side stream, for GPU
@@ -263,7 +256,7 @@ class Checkpoints(CheckpointsBase):
             ``run.json``'s ``resume.copy`` say which was read (and ``resume.uploaded``
             is false for one the folder never got). Kept in ``$SPARKHVD_HOST_COPY_DIR``
             (default: the temporary folder) when it fits in half its free space, and deleted
-            when the function returns (see :mod:`sparkhvd.runfolder.host_copy`). Only inside a
+            when the function returns (see :mod:`sparkhvd.checkpoint.host_copy`). Only inside a
             sparkhvd run.
         memory_snapshots: with ``async_save`` and ``host_copy``, inside a sparkhvd run: every
             due save's state is first kept as a *memory snapshot* on rank 0's host (copied into
@@ -461,7 +454,7 @@ class Checkpoints(CheckpointsBase):
                          ) -> tuple[Callable[[], None], Callable[[], None]]:
         """Keep the serialised checkpoint file ``spool`` as this host's copy *with its
         record* before it is uploaded -- a relaunch restores it from here even when its
-        upload never ended (:mod:`sparkhvd.runfolder.host_copy`) -- and return its upload
+        upload never ended (:mod:`sparkhvd.checkpoint.host_copy`) -- and return its upload
         (the file, the record, ``latest.json``, then prune) and what lets its file go when
         the upload is superseded. Where the file cannot be held for the upload (no hard
         links), it is kept here only after its upload, as a plain host copy."""

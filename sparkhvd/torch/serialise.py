@@ -3,7 +3,7 @@ and reads it back (or a memory snapshot of it); and how ``ShardedCheckpoints`` g
 it already read and checked.
 
 A checkpoint's record already carries the SHA-256 of the whole file (computed as the bytes
-pass, :class:`sparkhvd.runfolder.checkpoint_write.DigestingWriter`), and every read checks it.
+pass, :class:`sparkhvd.checkpoint.write.DigestingWriter`), and every read checks it.
 ``torch.save`` also computes a CRC-32 of each record with miniz's own routine, about a
 core-second per GB on this project's VM: on a 1 GB state that was half the write's CPU, taken
 from the training threads by a background save (B15: async / none 0.89-0.94x with it,
@@ -20,7 +20,7 @@ import pickle
 import threading
 from typing import IO, Any, Iterator, Mapping, Union, cast
 
-from sparkhvd.runfolder.file_pieces import as_stream
+from sparkhvd.checkpoint.file_pieces import as_stream
 
 __side__ = "rank"
 
@@ -82,7 +82,7 @@ def load_state(data: Union[bytes, memoryview], device: Any) -> Any:
 def reader_of(files: Mapping[str, Any], folder: str) -> Any:
     """A DCP storage reader of the checkpoint ``folder``'s files, already in memory (name in the
     checkpoint folder -> bytes, read and checked against the record, a view of this host's copy
-    mapped into memory, or the :class:`~sparkhvd.runfolder.file_pieces.FilePieces` of it this
+    mapped into memory, or the :class:`~sparkhvd.checkpoint.file_pieces.FilePieces` of it this
     rank's load reads): DCP reads its slices of them where they are, not from a copy written
     to disk first (that write was 1.5 s of a 5.3 s restore of a 1 GB state, B15)."""
     from torch.distributed.checkpoint import FileSystemReader

@@ -9,19 +9,14 @@ import shutil
 import time
 from typing import Any, Callable, Optional
 
+from sparkhvd.checkpoint import host_copy
+from sparkhvd.checkpoint.lineage import checkpoint_name, record_of
+from sparkhvd.checkpoint.stores import spool_folder
+from sparkhvd.checkpoint.write import CHECK_BLOCK, commit_checkpoint, digest_file, not_written
 from sparkhvd.common.function_end import at_function_end, at_function_return, held_weakly
-from sparkhvd.runfolder import host_copy
-from sparkhvd.runfolder.checkpoint_store import checkpoint_name, spool_folder
-from sparkhvd.runfolder.checkpoint_write import (
-    CHECK_BLOCK,
-    commit_checkpoint,
-    digest_file,
-    not_written,
-    record_of,
-)
 from sparkhvd.torch.async_save import BackgroundSave, ShardedStaging
 from sparkhvd.torch.checkpoints import CheckpointsBase, drop_host_copy
-from sparkhvd.torch.nearest_copy import DcpNeeds
+from sparkhvd.torch.restore_collectives import DcpNeeds
 from sparkhvd.torch.serialise import reader_of
 
 __side__ = "rank"

@@ -6,7 +6,7 @@ A background save of a 1 GB state takes seconds to serialise and write (B15); me
 saves that come due cannot start, so a rank killed then loses every step since the last one
 whose file was whole -- 4 steps a rank with a checkpoint due every step (B12). Copying the
 state into host memory takes a tenth of a step. So every due save is first copied into a
-*slot*: a file in this rank's host-copy folder (:mod:`sparkhvd.runfolder.host_copy`;
+*slot*: a file in this rank's host-copy folder (:mod:`sparkhvd.checkpoint.host_copy`;
 ``$SPARKHVD_HOST_COPY_DIR=/dev/shm`` keeps it in memory) mapped into the process, each tensor
 at a fixed offset in a mapping of its own, reused from one snapshot to the next. Then the slot
 is named this rank's newest snapshot (``snapshot.json``, with its record: one rename). A save
@@ -25,7 +25,7 @@ side stream like a background save's into pinned buffers; it is unregistered bef
 goes (a new layout, or the training function's end, which lets every mapping go).
 
 The files outlive the process (not its host): a relaunch on that host restores the newest
-snapshot when it is newer than every checkpoint file (:mod:`sparkhvd.runfolder.nearest_copy`;
+snapshot when it is newer than every checkpoint file (:mod:`sparkhvd.checkpoint.nearest_copy`;
 ranks elsewhere get its bytes over the process group) -- and the folder never gets it: the
 next save that is written goes there. The restore reads the slot in place, mapped into memory:
 a process fills only slot files it laid out itself (its first fill of a slot makes a new
@@ -37,10 +37,10 @@ does not end with the marker is not a snapshot. Where the slots are on a disk (a
 host may leave one torn, for a relaunch there to read), the record carries the file's CRC-32,
 taken on the copying thread once the copy is done (the optimizer step waits for the copy, not
 for the sum) and checked when the snapshot is read back; in memory (``/dev/shm``) a snapshot
-dies with its host, and none is taken (:data:`sparkhvd.runfolder.host_copy.SNAPSHOT`).
+dies with its host, and none is taken (:data:`sparkhvd.checkpoint.host_copy.SNAPSHOT`).
 
 Bounded: the three slots must fit in half of what their folder has free
-(:data:`sparkhvd.runfolder.host_copy.FREE_SHARE`); otherwise no snapshot is kept (said once)
+(:data:`sparkhvd.checkpoint.host_copy.FREE_SHARE`); otherwise no snapshot is kept (said once)
 and the saves go on as without ``memory_snapshots``.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ import weakref
 import zlib
 from typing import Any, Callable, Collection, Optional, Union
 
-from sparkhvd.runfolder import host_copy
+from sparkhvd.checkpoint import host_copy
 from sparkhvd.torch.async_save import HostSnapshot, StagingCopies, tensors_of
 
 __side__ = "rank"

@@ -156,7 +156,7 @@ def test_a_retry_removes_the_torn_temporary_and_records_each_attempt(torch_runs)
     assert record["resume"]["restored"].endswith("epoch-0002.pt"), "resume says what was restored"
     # the run folder is on rank 0's own disk: it is the nearest copy, none is kept beside it
     assert record["resume"]["copy"] == "folder", record["resume"]
-    from sparkhvd.runfolder import host_copy
+    from sparkhvd.checkpoint import host_copy
 
     assert not os.path.exists(os.path.join(host_copy.base_folder(), runner.last_run_dir.run_id))
 
@@ -412,7 +412,7 @@ def test_a_rank_killed_while_its_save_uploads_to_abfss_resumes_from_a_complete_c
     copy = runner.last_run_dir.record["resume"]["copy"]
     if sharded:  # each rank's part is kept before the commit: whichever is the newest
         assert copy == "host", (copy, restored)
-        from sparkhvd.runfolder import host_copy as copies
+        from sparkhvd.checkpoint import host_copy as copies
 
         run_id = runner.last_run_dir.run_id
         assert not os.path.exists(os.path.join(copies.base_folder(), run_id)), "cleaned"
@@ -516,7 +516,7 @@ def keras_fit_killed(url, storage_options, epochs=4, kill=True, hosts=None, asyn
     kd = KerasDistributed(epochs=epochs, batch_size=16, checkpoint=url,
                           storage_options=storage_options, async_save=async_save)
     if hosts:
-        from sparkhvd.runfolder import host_copy
+        from sparkhvd.checkpoint import host_copy
 
         first = os.environ.get(protocol.ATTEMPT_ENV) == "1"
         os.environ[host_copy.DIR_ENV] = os.path.join(
@@ -553,7 +553,7 @@ def test_a_keras_relaunch_restores_rank_0s_host_copy(tmp_path, backend, moved, a
     function returns. With ``async_save`` (uploads behind the saves) the kill may come before
     epoch 2's checkpoint is kept: the relaunch starts from epoch 1's or 2's, the same weights."""
     from conftest import Azurite
-    from sparkhvd.runfolder import host_copy
+    from sparkhvd.checkpoint import host_copy
 
     store = Azurite.start(str(tmp_path / "azurite"))
     try:
@@ -622,8 +622,8 @@ def test_the_sweep_after_a_run_deletes_dead_ranks_copies_on_the_executors_hosts(
     import subprocess
     import sys
 
+    from sparkhvd.checkpoint import host_copy
     from sparkhvd.driver.host_sweep import sweep_hosts
-    from sparkhvd.runfolder import host_copy
     from sparkhvd.spark.sparkview import SparkView
 
     run = tmp_path / host_copy.BASE_NAME / "20261203-swept"

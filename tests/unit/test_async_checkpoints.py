@@ -92,7 +92,7 @@ def test_a_save_due_while_one_is_in_flight_is_skipped_and_said_once(tmp_path, ca
 def test_the_background_write_runs_below_the_training_threads_priority():
     """Serialising and writing take the CPU the step leaves idle: on Linux each thread has its
     own nice value, and the writer's is above the caller's."""
-    from sparkhvd.runfolder.background_save import BackgroundSave
+    from sparkhvd.checkpoint.background import BackgroundSave
 
     def nice() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -394,7 +394,7 @@ def test_the_writing_rank_removes_what_a_killed_writer_left_in_its_url_folder(tm
     is a write nobody finishes; a newer one may be in flight, and stays."""
     import time
 
-    from sparkhvd.runfolder.checkpoint_store import TORN_MARGIN_S
+    from sparkhvd.checkpoint.stores import TORN_MARGIN_S
 
     folder = tmp_path / "ckpt"
     (folder / "shards").mkdir(parents=True)

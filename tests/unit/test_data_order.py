@@ -143,8 +143,9 @@ def test_a_position_resumes_mid_epoch_with_any_number_of_ranks(tmp_path, mode, n
 
 def test_a_position_of_other_data_is_refused(tmp_path):
     shard = DatasetShard(_ids(tmp_path))
-    with pytest.raises(ValueError, match="for 999 rows.*has 1000.*not the data"):
+    with pytest.raises(ValueError, match="999 rows, now 1000.*not the data"):
         shard.load_state_dict({"epoch": 0, "samples": 32, "num_rows": 999})
+    shard.load_state_dict({"epoch": 1, "samples": 0, "num_rows": 999})  # an epoch's start
     with pytest.raises(ValueError, match="seed must be a non-negative int"):
         next(shard.batches(8, 0, shuffle=True, seed=-1))
 
@@ -326,24 +327,30 @@ def test_every_reader_gives_the_same_order(tmp_path, mode):
         assert batches == want, reader
 
 
-def test_a_position_of_another_order_warns_only_mid_epoch(tmp_path, caplog):
+def test_an_epoch_saved_under_another_order_goes_on_in_that_order(tmp_path, caplog):
+    """A position saved mid-epoch with seed 2, resumed by a loop that now asks for seed 3 and
+    another shuffle window: the rest of that epoch is the rest of seed 2's sequence (every id
+    once), said once; the next epoch is seed 3's. An epoch's start says nothing."""
     source = _ids(tmp_path)
+    ids, positions = _attempt(source, 2, 8, 1, None, steps=4, shuffle=True, seed=2)
+    whole, _ = _attempt(source, 2, 8, 1, None, shuffle=True, seed=2)
     shard = DatasetShard(source)
-    shard.load_state_dict({"epoch": 1, "samples": 0})  # an epoch's start, as Keras restores it
-    with caplog.at_level("WARNING", logger="sparkhvd.data.shard"):
-        next(shard.batches(8, 1, shuffle=True, seed=3))
-        assert not caplog.records
-        shard.load_state_dict({"epoch": 1, "samples": 64, "seed": 2, "shuffle": True,
-                               "window_rows": 1000, "num_rows": 1000})
-        next(shard.batches(8, 1, shuffle=True, seed=3))
-    assert "seed 2 -> 3" in caplog.text and "continues at row 64" in caplog.text
-    # a position saved before the spread orders (no order_version) was in another sequence
-    assert "order version 1 -> 2" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="sparkhvd.data.shard"):
-        shard.load_state_dict(shard.state_dict())  # one saved now, mid-epoch: the same order
+    shard.load_state_dict({"epoch": 1, "samples": 0})  # an epoch's start
+    with caplog.at_level("WARNING", logger="sparkhvd.data.position"):
         next(shard.batches(8, 1, shuffle=True, seed=3))
     assert not caplog.records
+    with caplog.at_level("WARNING", logger="sparkhvd.data.position"):
+        rest, _ = _attempt(source, 2, 8, 1, positions[3], shuffle=True, seed=3,
+                           shuffle_buffer=100)
+    assert "seed 2 -> 3" in caplog.text and "apply from epoch 2" in caplog.text
+    assert ids + rest == whole, "the rest of the epoch it was saved in"
+    nxt, _ = _attempt(source, 2, 8, 2, None, shuffle=True, seed=3)
+    shard = DatasetShard(source)
+    shard.load_state_dict(positions[3])
+    list(shard.batches(8, 1, rank=0, size=2, shuffle=True, seed=3))
+    assert [[int(i) for i in x] for x, _ in shard.batches(8, 2, rank=0, size=2, shuffle=True,
+                                                          seed=3)] == \
+        [step[:8] for step in nxt], "the next epoch in the new order"
 
 
 def _read_groups(monkeypatch):
@@ -513,7 +520,7 @@ def test_a_position_of_another_partition_count_is_refused(tmp_path):
     other = DatasetShard(replace(source, partitions=48))
     with pytest.raises(ValueError, match="order of 24 partitions.*has 48.*partitions=24"):
         other.load_state_dict(state)
-    other.load_state_dict({**state, "samples": 0})  # an epoch's start is the same anywhere
+    other.load_state_dict({**state, "samples": 0, "step": 0})  # an epoch's start: anywhere
 
 
 def test_a_dealt_epoch_trains_every_row_once_and_its_steps_may_be_handed_out_in_parts(
@@ -785,3 +792,76 @@ def test_read_ahead_that_is_closed_early_stops_without_reading_the_rest():
     ahead.at(2)
     ahead.close()
     assert opened == ["g0"]
+
+
+@pytest.mark.parametrize("then", [5, 4])
+def test_an_epoch_end_position_starts_the_next_epoch_whole(tmp_path, then):
+    """The chain found from outside: 4 ranks stop after step 3 of epoch 0; 5 resume and end
+    the epoch (a dealt epoch that began at step 3); the position the data makes for the epoch's
+    end -- what an epoch-end checkpoint saves -- starts epoch 1 with a fresh deal: all of its
+    rows, at 5 ranks or 4 (it gave 768 of 960 when the checkpoint kept the ended epoch's
+    deal)."""
+    source = _ids(tmp_path, n=1000)
+    kw = {"shuffle": True, "seed": 0}
+    _, positions = _attempt(source, 4, 16, 0, None, steps=3, **kw)
+    shard = DatasetShard(source)
+    shard.load_state_dict(positions[-1])
+    for _ in shard.batches(16, 0, rank=0, size=5, **kw):
+        pass
+    end = shard.position_at(1, 0)
+    assert (end.epoch, end.samples, end.step, end.deal) == (1, 0, 0, None)
+    ids, _ = _attempt(source, then, 16, 1, end.as_dict(), **kw)
+    straight, _ = _attempt(source, then, 16, 1, None, **kw)
+    assert sorted(sum(ids, [])) == sorted(sum(straight, [])) and \
+        len(sum(ids, [])) == 1000 // (then * 16) * then * 16
+    # an epoch-end position saved with the ended epoch's deal (sparkhvd before) starts whole
+    old = {**shard.state_dict(), "epoch": 1, "samples": 0, "step": 0}
+    assert old["deal"] is not None
+    ids, _ = _attempt(source, then, 16, 1, old, **kw)
+    assert sorted(sum(ids, [])) == sorted(sum(straight, []))
+
+
+def test_the_position_after_the_steps_trained_is_the_data_s_own(tmp_path):
+    """A pipeline that reads ahead of training (tf.data's prefetch): the position after k
+    steps trained, as the data makes it, is the one it handed out after its k-th batch --
+    across a resumed dealt epoch, its end and the next epoch."""
+    source = _ids(tmp_path, n=600)
+    kw = {"shuffle": True, "seed": 1, "rank": 0, "size": 5}
+    _, positions = _attempt(source, 2, 8, 0, None, steps=5, shuffle=True, seed=1)
+    shard = DatasetShard(source)
+    shard.load_state_dict(positions[-1])
+    seen = [shard.position]
+    for epoch in (0, 1):
+        for _ in shard.batches(8, epoch, **kw):
+            seen.append(shard.position)
+    steps0 = sum(1 for p in seen[1:] if p.epoch == 0)
+    for k, handed in enumerate(seen):
+        made = shard.position_after(k)
+        if k == 0:  # where it was restored to (as 5 ranks deal it)
+            assert (made.epoch, made.samples, made.step) == \
+                (handed.epoch, handed.samples, handed.step)
+        elif k in (steps0, len(seen) - 1):  # an epoch's end: the start of the next one
+            assert (made.epoch, made.samples, made.step, made.deal) == \
+                (handed.epoch + 1, 0, 0, None)
+        else:
+            assert made == handed, k
+
+
+def test_a_position_of_another_table_or_an_earlier_order_stops_only_mid_epoch(tmp_path):
+    """A position saved mid-epoch says what it was made from: another table (other row
+    groups), or a shuffled order of the orders before the spread ones, stops the resume with
+    what changed and how to start over -- at an epoch's start, anything resumes."""
+    from sparkhvd.common.errors import DataChanged
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    source = _ids(tmp_path / "a")
+    _, positions = _attempt(source, 2, 8, 1, None, steps=3, shuffle=True, seed=2)
+    other = _ids(tmp_path / "b", group_rows=19)  # the same rows, written in other row groups
+    with pytest.raises(DataChanged, match="another table.*start that epoch over"):
+        DatasetShard(other).load_state_dict(positions[-1])
+    DatasetShard(other).load_state_dict({**positions[-1], "samples": 0, "step": 0})
+    with pytest.raises(DataChanged, match="orders version 1.*cannot be drawn again"):
+        DatasetShard(source).load_state_dict({"epoch": 1, "samples": 64, "seed": 2,
+                                              "shuffle": True, "num_rows": 1000})
+    DatasetShard(source).load_state_dict({"epoch": 1, "samples": 64, "num_rows": 1000})

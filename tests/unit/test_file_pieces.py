@@ -1,4 +1,4 @@
-"""The byte ranges of a checkpoint file a rank's load reads (sparkhvd.runfolder.file_pieces):
+"""The byte ranges of a checkpoint file a rank's load reads (sparkhvd.checkpoint.file_pieces):
 what a rank that lacks the file is sent instead of the file, and what it reads of the file from
 the run folder (the pieces that hold them, each checked against the record's CRC-32)."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import zlib
 
 import pytest
 
-from sparkhvd.runfolder import checkpoint_read, checkpoint_write
-from sparkhvd.runfolder.checkpoint_store import UrlStore
-from sparkhvd.runfolder.file_pieces import (
+from sparkhvd.checkpoint import read as checkpoint_read
+from sparkhvd.checkpoint import write as checkpoint_write
+from sparkhvd.checkpoint.file_pieces import (
     FilePieces,
     cut,
     index_files,
@@ -19,6 +19,7 @@ from sparkhvd.runfolder.file_pieces import (
     merged,
     wanted_spans,
 )
+from sparkhvd.checkpoint.stores import UrlStore
 
 
 def test_ranges_are_merged_and_one_whole_reader_takes_the_file_whole():

@@ -1,5 +1,5 @@
 """The newest checkpoint kept on the writing rank's host, and restoring from the nearest copy
-(sparkhvd.runfolder.host_copy, sparkhvd.runfolder.nearest_copy): real files, real torch.save, and
+(sparkhvd.checkpoint.host_copy, sparkhvd.checkpoint.nearest_copy): real files, real torch.save, and
 two real processes in a gloo group for a copy sent from the rank that has it."""
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Optional
 import pytest
 
 import preloaded
+from sparkhvd.checkpoint import host_copy
 from sparkhvd.common import protocol
 from sparkhvd.common.function_end import function_ended
-from sparkhvd.runfolder import host_copy
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,7 +27,7 @@ def run_env(tmp_path, monkeypatch):
     """A run id and a host-copy folder, as a sparkhvd rank has them; the checkpoint folders
     in ``tmp_path`` count as remote ones (``abfss://``, a run folder on the driver's host),
     for which a host copy is kept."""
-    from sparkhvd.runfolder.checkpoint_store import UrlStore
+    from sparkhvd.checkpoint.stores import UrlStore
 
     monkeypatch.setenv(protocol.RUN_ID_ENV, "20261126-run")
     monkeypatch.setenv(host_copy.DIR_ENV, str(tmp_path / "host-a"))
@@ -163,7 +163,7 @@ def test_a_folder_others_can_write_is_never_used(run_env, made, capsys, monkeypa
     assert len(said) == 1 and "not a folder only this user can write" in said[0], said
     assert host_copy.DIR_ENV in said[0]
     assert os.listdir(elsewhere) == [] and not os.listdir(base)
-    monkeypatch.setattr(host_copy, "_private", set())
+    monkeypatch.setattr(host_copy.STORE, "_private", set())
     if made == "a link":
         os.unlink(base)
     else:
@@ -194,8 +194,8 @@ def test_a_killed_ranks_spool_and_upload_hold_go_with_the_next_processs_first_sa
 def _two_file_checkpoint(tmp_path, epoch: int):
     """A Keras-shaped checkpoint (model file, optimizer file) written to a folder that counts
     as remote, and kept on this host as its writer keeps it."""
-    from sparkhvd.runfolder.checkpoint_store import UrlStore
-    from sparkhvd.runfolder.checkpoint_write import write_checkpoint
+    from sparkhvd.checkpoint.stores import UrlStore
+    from sparkhvd.checkpoint.write import write_checkpoint
 
     store = UrlStore(str(tmp_path / "ckpt"))
     files = {f"epoch-000{epoch}.h5": b"model %d" % epoch * 50,
@@ -219,7 +219,7 @@ def _load(record, files):
 
 def _alone(store):
     """The nearest-copy restore of a run of one rank."""
-    from sparkhvd.runfolder import nearest_copy
+    from sparkhvd.checkpoint import nearest_copy
 
     return nearest_copy.load_nearest(store, _load, 0, nearest_copy.Alone())
 
@@ -234,7 +234,7 @@ def test_the_nearby_restore_reads_this_hosts_copy_and_says_so(run_env):
 
 @pytest.mark.parametrize("damage", ["corrupt", "deleted", "stale"])
 def test_the_nearby_restore_falls_back_to_the_folder_with_a_warning(run_env, damage):
-    from sparkhvd.runfolder.checkpoint_write import write_checkpoint
+    from sparkhvd.checkpoint.write import write_checkpoint
 
     store, files, kept = _two_file_checkpoint(run_env, 1)
     optimizer = kept["epoch-0001.optimizer.npz"].path
@@ -293,7 +293,7 @@ def _restored(torch, tmp_path, capsys):
 def test_no_host_copy_is_kept_of_a_folder_on_this_hosts_disk(tmp_path, monkeypatch):
     """A local checkpoint folder is the nearest copy already: nothing is written twice."""
     torch = pytest.importorskip("torch")
-    from sparkhvd.runfolder.checkpoint_store import UrlStore
+    from sparkhvd.checkpoint.stores import UrlStore
 
     monkeypatch.setenv(protocol.RUN_ID_ENV, "20261126-run")
     monkeypatch.setenv(host_copy.DIR_ENV, str(tmp_path / "host-a"))
@@ -606,8 +606,8 @@ def test_a_checkpoint_whose_upload_failed_is_sent_to_a_rank_on_a_new_host(run_en
     assert "another rank's host copy" in [line for line in ranks[0]["out"].splitlines()
                                           if "resume:" in line][-1], ranks[0]["out"]
     shutil.copytree(run_env / "ckpt", run_env / "elsewhere")
-    from sparkhvd.runfolder import nearest_copy
-    from sparkhvd.runfolder.checkpoint_store import UrlStore
+    from sparkhvd.checkpoint import nearest_copy
+    from sparkhvd.checkpoint.stores import UrlStore
 
     record, _, _, _ = nearest_copy.load_nearest(UrlStore(str(run_env / "elsewhere")), _load,
                                                    0, nearest_copy.Alone())
@@ -633,7 +633,7 @@ _SHARDED_RANK = textwrap.dedent("""
     import json, os, sys
     import torch, torch.distributed as dist
     import sparkhvd.torch as st
-    from sparkhvd.runfolder.checkpoint_store import UrlStore
+    from sparkhvd.checkpoint.stores import UrlStore
     UrlStore.on_this_host = property(lambda self: False)  # as abfss:// is (see run_env)
     mode, url, out, rendezvous, world = sys.argv[1:6]
     if int(world) > 1:
@@ -651,15 +651,15 @@ _SHARDED_RANK = textwrap.dedent("""
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     model(torch.randn(16, 256)).sum().backward()
     opt.step()
-    from sparkhvd.torch import nearest_copy
+    from sparkhvd.torch import restore_collectives
     got = []  # bytes this rank got from another rank's host copy
-    broadcast_bytes = nearest_copy.TorchCollectives.broadcast_bytes
+    broadcast_bytes = restore_collectives.TorchCollectives.broadcast_bytes
     def counted(self, data, source, rank):
         sent = broadcast_bytes(self, data, source, rank)
         if rank != source and sent is not None:
             got.append(len(sent))
         return sent
-    nearest_copy.TorchCollectives.broadcast_bytes = counted
+    restore_collectives.TorchCollectives.broadcast_bytes = counted
     read = {}  # bytes this rank read of each file of the folder
     for method in ("read", "read_range"):
         def counting(self, name, *span, _original=getattr(UrlStore, method)):
@@ -838,7 +838,7 @@ def test_a_sharded_relaunch_with_every_file_on_its_host_reads_them_there(sharded
 
 def _move_copies(run_env, source: str, target: str) -> None:
     """Every rank's copies kept on host ``source`` to host ``target``."""
-    run = os.path.join(host_copy.BASE_NAME, "20261126-run")
+    run = os.path.join(os.path.basename(host_copy.base_folder()), "20261126-run")
     for rank_folder in (run_env / source / run).iterdir():
         os.rename(rank_folder, run_env / target / run / rank_folder.name)
 

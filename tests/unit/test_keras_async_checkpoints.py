@@ -87,9 +87,9 @@ def test_a_checkpoint_is_kept_on_the_host_with_its_record_before_its_write(
     record on its host *before* it writes them there, so a write that fails (or never ends)
     still leaves a checkpoint a relaunch restores -- newer than the folder's newest, said in
     the resume line and marked not uploaded."""
+    from sparkhvd.checkpoint import host_copy, nearest_copy
+    from sparkhvd.checkpoint.read import announce_resume
     from sparkhvd.common import protocol
-    from sparkhvd.runfolder import host_copy, nearest_copy
-    from sparkhvd.runfolder.checkpoint_read import announce_resume
 
     monkeypatch.setenv(protocol.RUN_ID_ENV, "20261128-run")
     monkeypatch.setenv(host_copy.DIR_ENV, str(tmp_path / "host"))
@@ -136,8 +136,8 @@ def test_uploads_lag_behind_the_saves_on_the_host_and_a_superseded_step_stays_th
     host, and their write to the folder is queued behind -- so a slow folder (a gate holds step
     2's write) skips no save. A step checkpoint superseded before its write began stays on
     the host only (said once); the epoch's end is always written; the function's end waits."""
+    from sparkhvd.checkpoint import host_copy
     from sparkhvd.common import protocol
-    from sparkhvd.runfolder import host_copy
 
     monkeypatch.setenv(protocol.RUN_ID_ENV, "20261128-run")
     monkeypatch.setenv(host_copy.DIR_ENV, str(tmp_path / "host"))
@@ -211,7 +211,7 @@ def test_the_writing_rank_removes_what_a_killed_writer_left_in_its_url_folder(tm
     import os
     import time
 
-    from sparkhvd.runfolder.checkpoint_store import TORN_MARGIN_S
+    from sparkhvd.checkpoint.stores import TORN_MARGIN_S
 
     folder = tmp_path / "ckpt"
     folder.mkdir()

@@ -92,7 +92,7 @@ def test_curves_files(tmp_path):
 def test_a_strategys_peer_transfer_sizes_files_past_2_gib():
     """tf.distribute sends a host copy's size as summed int32 words: a file of 3 GiB (and the
     -1 that says "none") comes through whole, not wrapped."""
-    from sparkhvd.keras.nearest_copy import StrategyCollectives
+    from sparkhvd.keras.restore_collectives import StrategyCollectives
 
     collectives = StrategyCollectives(tf.distribute.get_strategy(), 0)
     for size in (-1, 0, 12, (1 << 31) - 1, 3 << 30, 1 << 40):

@@ -48,6 +48,7 @@ FLOORS = [
     {"storage", "elastic", "timing"},  # I/O; notices and resizing; where the time goes
     {"spark"},  # the driver's view of Spark: session, slots, what is installed, presets
     {"runfolder", "data"},  # what a run leaves behind; DataFrames to every rank's batches
+    {"checkpoint"},  # the checkpoint lineage, its stores, host copies, the nearest copy
     {"keras"},  # Keras/TF integration (checkpoints into the run folder, notices)
     {"rank", "scoring"},  # the rank process, wiring the rank halves below; scoring a DataFrame
     {"executor"},  # the Spark task that starts ranks

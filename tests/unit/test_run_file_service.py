@@ -7,8 +7,8 @@ import os
 
 import pytest
 
+from sparkhvd.checkpoint.stores import RunFolderStore
 from sparkhvd.common import protocol
-from sparkhvd.runfolder.checkpoint_store import RunFolderStore
 from sparkhvd.runfolder.rank_files import RunFiles
 from sparkhvd.runfolder.service import RunFileService
 
@@ -104,3 +104,31 @@ def test_copies_a_dead_driver_left_are_removed_by_the_next_run_s(tmp_path):
         remove_row_copies(run_id)
     assert not os.path.exists(left) and os.path.isdir(live)  # pid 1 is alive
     os.rmdir(live)
+
+
+def test_keep_prunes_through_the_service_from_another_host(service, tmp_path):
+    """Rank 0 on another host than the run folder: keep=2 deletes the older checkpoints
+    through the driver's service (a sharded one's folder too), and the service deletes only
+    files of the run's checkpoints -- nothing else of the run folder, nothing outside it, no
+    folder, nothing of the run resumed."""
+    from sparkhvd.checkpoint.write import prune, write_checkpoint
+
+    store = RunFolderStore("run")
+    store.files = RunFiles({**service.env(), protocol.RUN_URL_ENV: ""})  # another host
+    for epoch in range(1, 6):
+        write_checkpoint(store, epoch, {f"epoch-{epoch:04d}.pt": b"x" * epoch,
+                                        f"epoch-{epoch:04d}/__0_0.distcp": b"y"},
+                         {"file": f"epoch-{epoch:04d}.pt"})
+        prune(store, 2)
+    left = sorted(os.listdir(tmp_path / "run" / "checkpoints"))
+    assert left == ["epoch-0004", "epoch-0004.json", "epoch-0004.pt", "epoch-0005",
+                    "epoch-0005.json", "epoch-0005.pt", "latest.json"]
+    (tmp_path / "run" / "run.json").write_text("{}")
+    for path, root in (("run.json", "run"), ("checkpoints/../run.json", "run"),
+                       ("checkpoints/epoch-0005", "run"), ("../earlier/x", "run"),
+                       ("checkpoints/epoch-0005.pt", "resume")):
+        with pytest.raises((PermissionError, OSError)):
+            store.files._request({"op": "delete", "root": root, "path": path})
+    assert (tmp_path / "run" / "run.json").exists()
+    assert (tmp_path / "run" / "checkpoints" / "epoch-0005" / "__0_0.distcp").exists()
+    store.files.close()

@@ -1,9 +1,9 @@
-"""The upload queue of checkpoints kept on this host (sparkhvd.runfolder.background_save)."""
+"""The upload queue of checkpoints kept on this host (sparkhvd.checkpoint.background)."""
 from __future__ import annotations
 
 import threading
 
-from sparkhvd.runfolder.background_save import UploadQueue
+from sparkhvd.checkpoint.background import UploadQueue
 
 
 def test_uploads_run_oldest_first_a_superseded_step_is_dropped_and_no_thread_stays():

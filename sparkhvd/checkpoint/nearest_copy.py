@@ -1,7 +1,7 @@
 """Restore the newest checkpoint from its nearest copy, for every framework.
 
 The rank that writes a checkpoint file keeps its newest on its host
-(:mod:`sparkhvd.runfolder.host_copy`). After a relaunch the ranks that load the state need
+(:mod:`sparkhvd.checkpoint.host_copy`). After a relaunch the ranks that load the state need
 those files: read from the run folder, they cross the network once per rank (minutes for a
 large model on ``abfss://``). Here, with the framework's collectives (:class:`Collectives`:
 ``torch.distributed``, Horovod or a ``tf.distribute`` strategy):
@@ -10,7 +10,7 @@ large model on ``abfss://``). Here, with the framework's collectives (:class:`Co
    upload (one small all-gather);
 2. rank 0 reads the newest complete checkpoint's record from the checkpoint folder -- or takes
    a newer one kept on the hosts first, when the ranks' hosts hold every file of it (its upload
-   had not ended: :mod:`sparkhvd.runfolder.host_copy`) -- and tells every rank its files and
+   had not ended: :mod:`sparkhvd.checkpoint.host_copy`) -- and tells every rank its files and
    checksums (one small broadcast): the one decision, so every rank takes the same path
    through the collectives below;
 3. for each file, a loading rank whose host has it reads it from disk (checked against the
@@ -19,12 +19,12 @@ large model on ``abfss://``). Here, with the framework's collectives (:class:`Co
    copy is bad, said with a warning) is read from the checkpoint folder;
 4. when a loading rank has not every file that way, or the state does not load, the loading
    ranks read the checkpoint folder as before
-   (:func:`sparkhvd.runfolder.checkpoint_read.restore_newest`).
+   (:func:`sparkhvd.checkpoint.read.restore_newest`).
 
 A checkpoint of shards (DCP's: a ``.metadata`` index and a file per rank) need not reach every
 rank whole: with :class:`Needs`, the index comes first, each loading rank says which byte
 ranges of which files its own load reads (its DCP load plan; one small all-gather), and a rank
-that lacks a file gets only those ranges (:mod:`sparkhvd.runfolder.file_pieces`) -- so under
+that lacks a file gets only those ranges (:mod:`sparkhvd.checkpoint.file_pieces`) -- so under
 FSDP a restore moves each rank's shards once, not every rank's file to every rank.
 
 Which ranks load is the framework's: every rank with torch and ``tf.distribute``, rank 0 on
@@ -35,15 +35,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Collection, Optional, Protocol, Union
 
-from sparkhvd.runfolder import host_copy
-from sparkhvd.runfolder.checkpoint_read import (
-    newest_checked,
-    read_copy,
-    read_file_checked,
-    restore_newest,
-)
-from sparkhvd.runfolder.checkpoint_store import CheckpointStore, files_of, progress
-from sparkhvd.runfolder.file_pieces import (
+from sparkhvd.checkpoint import host_copy
+from sparkhvd.checkpoint.file_pieces import (
     FilePieces,
     Needs,
     Span,
@@ -52,6 +45,9 @@ from sparkhvd.runfolder.file_pieces import (
     load_plan,
     wanted_spans,
 )
+from sparkhvd.checkpoint.lineage import files_of, progress
+from sparkhvd.checkpoint.read import newest_checked, read_copy, read_file_checked, restore_newest
+from sparkhvd.checkpoint.stores import CheckpointStore
 
 __side__ = "rank"
 
@@ -113,7 +109,7 @@ def load_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, Any]], 
     them). It gets every file's bytes -- or, with ``needs``, the files its load reads, each as
     bytes or as the :class:`FilePieces` it reads. ``mapped``: ``load`` also takes a file
     read from this host's disk as a read-only ``memoryview`` of it mapped into memory, not a
-    copy (:func:`~sparkhvd.runfolder.file_pieces.as_stream` reads either). A rank outside
+    copy (:func:`~sparkhvd.checkpoint.file_pieces.as_stream` reads either). A rank outside
     ``loaders`` returns ``(None, None, [], "folder")``."""
     readers = set(range(world.size)) if loaders is None else set(loaders)
     loading = rank in readers

@@ -1,8 +1,8 @@
 """Reading checkpoints back: the newest one whose files match its record (an older one when
 they do not, :func:`restore_newest`), a file or only its pieces checked as they are read, what
 rank 0 says it resumed from, and the one rule of where a rank resumes from
-(:func:`resume_store`). The store is :mod:`sparkhvd.runfolder.checkpoint_store`; writing,
-:mod:`sparkhvd.runfolder.checkpoint_write`.
+(:func:`resume_store`). The store is :mod:`sparkhvd.checkpoint.stores`; writing,
+:mod:`sparkhvd.checkpoint.write`.
 """
 from __future__ import annotations
 
@@ -21,24 +21,9 @@ from typing import (
     Union,
 )
 
-from sparkhvd.runfolder.checkpoint_store import (
-    LATEST,
-    RECORD_PATTERN,
-    CheckpointStore,
-    RunFolderStore,
-    UrlStore,
-    expected_files,
-    progress,
-    url_store,
-)
-from sparkhvd.runfolder.file_pieces import (
-    FilePieces,
-    Needs,
-    Span,
-    index_files,
-    load_plan,
-    merged,
-)
+from sparkhvd.checkpoint.file_pieces import FilePieces, Needs, Span, index_files, load_plan, merged
+from sparkhvd.checkpoint.lineage import LATEST, RECORD_PATTERN, expected_files, progress
+from sparkhvd.checkpoint.stores import CheckpointStore, RunFolderStore, UrlStore, url_store
 
 __side__ = "rank"
 
@@ -122,7 +107,7 @@ def read_copy(store: CheckpointStore, name: str, expected: Optional[dict], copy:
               problems: list[str], mapped: bool = False) -> Union[bytes, memoryview, None]:
     """The host copy ``copy`` of the checkpoint file ``name`` when it is the one the record
     names and reads back whole (``mapped``: as a view of the file mapped into memory, see
-    :meth:`~sparkhvd.runfolder.host_copy.HostCopy.read`); None otherwise (a copy that does
+    :meth:`~sparkhvd.checkpoint.host_copy.HostCopy.read`); None otherwise (a copy that does
     not read back is a problem)."""
     if copy is None or expected is None or copy.sha256 != expected.get("sha256"):
         return None

@@ -1,5 +1,5 @@
 """Restore PyTorch checkpoints from the nearest copy of the newest one, over the process
-group: the framework's half of :mod:`sparkhvd.runfolder.nearest_copy` (which decides what is
+group: the framework's half of :mod:`sparkhvd.checkpoint.nearest_copy` (which decides what is
 read from where). Rank 0 keeps its :class:`sparkhvd.torch.Checkpoints` file on its host, every
 rank its shards of a :class:`sparkhvd.torch.ShardedCheckpoints` one; every rank loads the
 state, and a copy some rank lacks is sent by the lowest rank that has it (on gloo, beside an
@@ -9,9 +9,9 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Optional
 
-from sparkhvd.runfolder import nearest_copy
-from sparkhvd.runfolder.checkpoint_store import CheckpointStore
-from sparkhvd.runfolder.file_pieces import Span, merged
+from sparkhvd.checkpoint import nearest_copy
+from sparkhvd.checkpoint.file_pieces import Span, merged
+from sparkhvd.checkpoint.stores import CheckpointStore
 from sparkhvd.torch.side_group import side_group
 
 __side__ = "rank"
@@ -76,7 +76,7 @@ class DcpNeeds:
 
 
 class TorchCollectives:
-    """:class:`sparkhvd.runfolder.nearest_copy.Collectives` on the helpers' gloo group."""
+    """:class:`sparkhvd.checkpoint.nearest_copy.Collectives` on the helpers' gloo group."""
 
     def __init__(self) -> None:
         import torch.distributed as dist

@@ -12,25 +12,21 @@ import contextlib
 import json
 import logging
 import os
-import re
 import tempfile
 from typing import (
     IO,
-    Any,
     Iterator,
     Optional,
     Sequence,
 )
 
+from sparkhvd.checkpoint.lineage import LATEST
 from sparkhvd.common import owned_temp
 
 __side__ = "rank"
 
 
 log = logging.getLogger(__name__)
-
-LATEST = "latest.json"
-
 
 def spool_file() -> tuple[int, str]:
     """A temporary file (``mkstemp``) to spool one checkpoint file in before its upload; named
@@ -51,6 +47,16 @@ class CheckpointStore:
     committed: Optional[dict] = None
 
     @property
+    def files_of(self) -> dict[str, list[str]]:
+        """Record name -> the files it names, for the checkpoints this process committed or
+        read here: pruning reads a record at most once
+        (:func:`~sparkhvd.checkpoint.write.prune`)."""
+        known = self.__dict__.get("_files_of")
+        if known is None:
+            known = self.__dict__["_files_of"] = {}
+        return known
+
+    @property
     def on_this_host(self) -> bool:
         """Whether the folder is on this host's own disk (then it is its nearest copy)."""
         return False
@@ -58,7 +64,7 @@ class CheckpointStore:
     @property
     def key(self) -> str:
         """What names this folder for the host copies kept before their upload to it
-        (:mod:`sparkhvd.runfolder.host_copy`): the same whether the run writes it or, after a
+        (:mod:`sparkhvd.checkpoint.host_copy`): the same whether the run writes it or, after a
         relaunch, resumes from it."""
         return self.describe()
 
@@ -100,7 +106,7 @@ class CheckpointStore:
         return []
 
     def delete(self, name: str) -> None:
-        """Remove a file (best effort; a service-backed store keeps everything)."""
+        """Remove a file (gone already is fine)."""
 
     def describe(self, name: str = "") -> str:
         raise NotImplementedError
@@ -155,10 +161,11 @@ class RunFolderStore(CheckpointStore):
         return self.files.listdir(self.prefix, root=self.root)
 
     def delete(self, name: str) -> None:
-        if self.root == "run" and self.files.local:
-            path = os.path.join(self.files.local, self._path(name))
-            if os.path.exists(path):
-                os.unlink(path)
+        """Delete a file of this run's checkpoints -- on this host, or through the driver's
+        service from another (``keep=`` keeps its word everywhere); the resumed run's are
+        read-only."""
+        if self.root == "run":
+            self.files.delete(self._path(name))
 
     @property
     def key(self) -> str:
@@ -297,51 +304,3 @@ def latest(store: CheckpointStore) -> Optional[dict]:
     return json.loads(store.read(LATEST))
 
 
-def check_cadence(every_steps: Any, every_seconds: Any, keep: Any) -> None:
-    """The checkpoint helpers' cadence settings (torch and Keras), checked once: ValueError
-    naming the one that is wrong."""
-    for name, value in (("every_steps", every_steps), ("keep", keep)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise ValueError(f"{name} must be a positive int or None; got {value!r}")
-    if every_seconds is not None and not every_seconds > 0:
-        raise ValueError(f"every_seconds must be a positive number or None; got "
-                         f"{every_seconds!r}")
-
-
-def checkpoint_name(epoch: int, step: int = 0) -> str:
-    """A checkpoint's name: ``epoch-000N`` after N epochs, ``epoch-000N-step-000000K`` after
-    step K of the epoch that follows them (a mid-epoch checkpoint). Names sort as progress."""
-    return f"epoch-{epoch:04d}" + (f"-step-{step:07d}" if step else "")
-
-
-def record_name(epoch: int, step: int = 0) -> str:
-    """The record of a checkpoint (its files, sizes, checksums): its name + ``.json``."""
-    return checkpoint_name(epoch, step) + ".json"
-
-
-def progress_of(name: str) -> Optional[tuple[int, int]]:
-    """``(epoch, step)`` of a record's name, None for other files."""
-    match = RECORD_PATTERN.match(name)
-    return (int(match.group(1)), int(match.group(2) or 0)) if match else None
-
-
-def files_of(record: dict) -> dict[str, dict]:
-    """A checked record's files: name -> its size and SHA-256 (and, sharded, its rank)."""
-    return {name: dict(expected or {}) for name, expected in expected_files(record).items()}
-
-
-def progress(record: dict) -> tuple[int, int]:
-    """``(epoch, step)`` of a record: which of two checkpoints is newer."""
-    return int(record["epoch"]), int(record.get("step") or 0)
-
-
-def expected_files(record: dict) -> dict[str, Optional[dict]]:
-    """name -> expected digest (None for checkpoints written before records had them)."""
-    if isinstance(record.get("files"), dict):
-        return dict(record["files"])
-    legacy = [record.get("file"), record.get("optimizer")]
-    return {name: None for name in legacy if isinstance(name, str)}
-
-
-RECORD_PATTERN = re.compile(r"^epoch-(\d{4,})(?:-step-(\d+))?\.json$")

@@ -4,9 +4,9 @@ A DCP checkpoint spreads the items every rank holds -- an optimizer's settings a
 counts -- over the ranks' files (DCP writes each replicated item once), so with FSDP's shards a
 rank's load reads its own shards' file and a few kilobytes of every other rank's. Sending it
 those files whole would make a restore move ``np`` times the state; sending the ranges it reads
-moves the state once (:mod:`sparkhvd.runfolder.nearest_copy`), and so does reading them from the
+moves the state once (:mod:`sparkhvd.checkpoint.nearest_copy`), and so does reading them from the
 run folder, each item checked against the CRC-32 its record keeps
-(:func:`sparkhvd.runfolder.checkpoint_read.read_file_checked`). :class:`FilePieces` holds such
+(:func:`sparkhvd.checkpoint.read.read_file_checked`). :class:`FilePieces` holds such
 ranges where they sit in the file, and reads like the file as long as only they are read.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ Plan = Optional[dict[str, Optional[list[Span]]]]
 
 class Needs(Protocol):
     """What of a checkpoint's files a rank's load reads, where that is less than all of them
-    (:class:`sparkhvd.torch.nearest_copy.DcpNeeds`)."""
+    (:class:`sparkhvd.torch.restore_collectives.DcpNeeds`)."""
 
     def index(self, record: dict) -> Collection[str]:
         """The files every loading rank reads whole first (a DCP checkpoint's ``.metadata``)."""
@@ -39,8 +39,8 @@ class Needs(Protocol):
 def index_files(needs: Optional[Needs], record: dict, names: Iterable[str]) -> list[str]:
     """Which of a checkpoint's files (``names``) a rank reads first, whole: ``needs``' index
     files -- every file without ``needs``. The one rule for the folder
-    (:func:`sparkhvd.runfolder.checkpoint_read.restore_newest`) and for the host copies
-    (:func:`sparkhvd.runfolder.nearest_copy.load_nearest`)."""
+    (:func:`sparkhvd.checkpoint.read.restore_newest`) and for the host copies
+    (:func:`sparkhvd.checkpoint.nearest_copy.load_nearest`)."""
     names = set(names)
     return sorted(names & set(needs.index(record)) if needs is not None else names)
 

@@ -1,7 +1,7 @@
 """Writing rank 0's checkpoints so that they can be checked: each file digested (size, SHA-256,
 and the CRC-32 of its pieces) as it is written, the record naming them, ``latest.json`` written
 last (:func:`commit_checkpoint`), and the old ones pruned. The store is
-:mod:`sparkhvd.runfolder.checkpoint_store`; reading back, :mod:`sparkhvd.runfolder.checkpoint_read`.
+:mod:`sparkhvd.checkpoint.stores`; reading back, :mod:`sparkhvd.checkpoint.read`.
 """
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ from typing import (
     Optional,
 )
 
-from sparkhvd.runfolder.checkpoint_store import (
+from sparkhvd.checkpoint.lineage import (
     LATEST,
-    CheckpointStore,
     expected_files,
-    latest,
     progress,
     progress_of,
     record_name,
+    record_of,
 )
+from sparkhvd.checkpoint.stores import CheckpointStore, latest
 
 __side__ = "rank"
 
@@ -190,18 +190,13 @@ def commit_checkpoint(store: CheckpointStore, epoch: int, files: Mapping[str, di
     return _commit(store, record_of(epoch, files, info, step))
 
 
-def record_of(epoch: int, files: Mapping[str, dict], info: dict, step: int = 0) -> dict:
-    """The record of a checkpoint of ``files`` (name -> :func:`digest`) after ``step`` steps of
-    epoch ``epoch`` (0: an epoch-end checkpoint)."""
-    return {**info, "epoch": epoch, "step": step, "files": dict(files)}
-
-
 def _commit(store: CheckpointStore, record: dict) -> dict:
     epoch, step = progress(record)
     data = json.dumps(record).encode()
     store.write(record_name(epoch, step), data)
     store.write(LATEST, data)
     store.committed = record  # what a later failed write names as the last good one
+    store.files_of[record_name(epoch, step)] = list(expected_files(record))
     return record
 
 
@@ -209,25 +204,32 @@ def prune(store: CheckpointStore, keep: int) -> list[str]:
     """Delete all but the newest ``keep`` checkpoints (by epoch, then step: the step counts on
     across resizes, so the order only grows) from ``store``: each record's files, then the
     record. The newest is never deleted, nor the one ``latest.json`` names (the last one
-    committed), and a checkpoint whose record cannot be read is left as it is. Returns the
-    records deleted."""
+    committed), and a checkpoint whose record cannot be read is left as it is. A record this
+    process committed is not read again (``store.files_of`` knows its files), and one of an
+    earlier process is read once, when it goes: a save reads no more than its own record.
+    Returns the records deleted."""
     records = sorted(((made, name) for name in store.list()
                       if (made := progress_of(name)) is not None), reverse=True)
-    try:
-        committed = latest(store)
-        spared = record_name(*progress(committed)) if committed else None
-    except Exception:  # noqa: BLE001 - an unreadable latest.json protects nothing
-        spared = None
+    committed = store.committed
+    if committed is None:
+        try:
+            committed = latest(store)
+        except Exception:  # noqa: BLE001 - an unreadable latest.json protects nothing
+            committed = None
+    spared = record_name(*progress(committed)) if committed else None
     deleted = []
     for _, name in records[max(1, keep):]:
         if name == spared:
             continue
-        try:
-            record = json.loads(store.read(name))
-        except Exception:  # noqa: BLE001 - an unreadable record is left for a person to see
-            continue
-        for file in expected_files(record):
+        files = store.files_of.get(name)
+        if files is None:
+            try:
+                files = list(expected_files(json.loads(store.read(name))))
+            except Exception:  # noqa: BLE001 - an unreadable record is left for a person to see
+                continue
+        for file in files:
             store.delete(file)
         store.delete(name)
+        store.files_of.pop(name, None)
         deleted.append(name)
     return deleted

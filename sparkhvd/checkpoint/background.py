@@ -6,7 +6,7 @@ said in :mod:`sparkhvd.torch.async_save`: one save in flight, a failed write rai
 next call, a due save skipped -- or kept as a memory snapshot -- while one is in flight (said
 once).
 
-A checkpoint committed on its host first (:mod:`sparkhvd.runfolder.host_copy`) is uploaded
+A checkpoint committed on its host first (:mod:`sparkhvd.checkpoint.host_copy`) is uploaded
 behind the saves by :class:`UploadQueue`, so a slow folder delays the folder's copy, not the
 next save.
 """
@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from sparkhvd.runfolder.checkpoint_store import LATEST
+from sparkhvd.checkpoint.lineage import LATEST
 
 __side__ = "rank"
 

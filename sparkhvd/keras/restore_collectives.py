@@ -1,5 +1,5 @@
 """Restore Keras checkpoints from the nearest copy of the newest one: the framework's half of
-:mod:`sparkhvd.runfolder.nearest_copy` (which decides what is read from where).
+:mod:`sparkhvd.checkpoint.nearest_copy` (which decides what is read from where).
 
 Rank 0 writes the checkpoint and keeps its files (model and optimizer) on its host. After a
 relaunch that puts rank 0 on another host, a rank that landed on the old one sends them: with
@@ -20,7 +20,7 @@ CHUNK = 64 << 20
 
 
 class HorovodCollectives:
-    """:class:`sparkhvd.runfolder.nearest_copy.Collectives` on Horovod (``horovod.tensorflow``)."""
+    """:class:`sparkhvd.checkpoint.nearest_copy.Collectives` on Horovod (``horovod.tensorflow``)."""
 
     def __init__(self, collectives: Any) -> None:
         self.hvd = collectives
@@ -57,7 +57,7 @@ class HorovodCollectives:
 
 
 class StrategyCollectives:
-    """:class:`sparkhvd.runfolder.nearest_copy.Collectives` on a ``tf.distribute`` strategy
+    """:class:`sparkhvd.checkpoint.nearest_copy.Collectives` on a ``tf.distribute`` strategy
     (MultiWorkerMirroredStrategy: one replica a worker): every message is a summed int32
     vector in which only its sender's part is not zero."""
 

@@ -3,7 +3,7 @@
 A relaunched run reads its newest checkpoint back from the run folder -- on ``abfss://`` that is
 the whole state over the network, once per rank. When the checkpoint folder is not on its own
 disk, the rank that writes a checkpoint also keeps its newest files here, on its host's disk,
-so a relaunch restores from the nearest copy (:mod:`sparkhvd.runfolder.nearest_copy`, for
+so a relaunch restores from the nearest copy (:mod:`sparkhvd.checkpoint.nearest_copy`, for
 every framework's helpers): a rank on the same host reads them from disk, a rank on another
 host gets the files from a rank that has them, and only when no rank has them does a rank read
 the run folder.
@@ -72,15 +72,13 @@ import json
 import mmap
 import os
 import shutil
-import tempfile
-import threading
-import time
 import zlib
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
 from sparkhvd.common import owned_temp, protocol
 from sparkhvd.common.identity import current_rank
+from sparkhvd.storage.host_store import HostStore
 
 __side__ = "rank"
 
@@ -101,8 +99,7 @@ _METAS = (_META, _SNAPSHOT_META)
 #: (:func:`snapshot_sum`), not a SHA-256.
 SNAPSHOT = "snapshot:"
 _CRC = ":crc32="
-_said: set = set()
-_swept: set = set()  # the base folders this process looked for stale runs in (once each)
+_swept: set = set()  # this process' rank folders it looked for orphans in (once each)
 
 
 @dataclass(frozen=True)
@@ -154,45 +151,30 @@ class HostCopy:
         return data
 
 
-#: The folder of this user's host copies, in ``$SPARKHVD_HOST_COPY_DIR`` or the temp folder.
-BASE_NAME = f"sparkhvd-host-copies-{os.getuid()}"
-_private: set = set()  # the base folders this process made or found private
+#: This user's host copies on this host (``sparkhvd-host-copies-<uid>``, in
+#: ``$SPARKHVD_HOST_COPY_DIR`` or the temporary folder): the rules every host store keeps.
+STORE = HostStore("host-copies", DIR_ENV, stale_s=STALE_S,
+                  refused=("no host copy kept or read",
+                           "plant a checkpoint there; relaunches restore from the run folder"),
+                  say=lambda message: print(f"checkpoint: {message}", flush=True))
+BASE_NAME = STORE.name
 
 
 def base_folder() -> str:
     """The folder that holds every run's host copies on this host (this user's)."""
-    base = os.environ.get(DIR_ENV) or tempfile.gettempdir()
-    return os.path.join(base, BASE_NAME)
+    return STORE.base()
 
 
 def private_base() -> bool:
-    """Make :func:`base_folder` (``0700``) if it is not there, and check that only this user
-    can write in it: its owner, not a link, no write or entry for group or others. False (said
-    once) where it is not, or cannot be made: then no copy is kept or read there."""
-    base = base_folder()
-    if base in _private:
-        return True
-    try:
-        why = owned_temp.private_folder(base)
-    except OSError as exc:
-        _said_failed(exc)
-        return False
-    if why is not None:
-        _say_once(f"private:{base}", "no host copy kept or read in %s: %s, so anyone could "
-                  "plant a checkpoint there; relaunches restore from the run folder. Fix: "
-                  "remove it, or point %s to a private folder", base, why, DIR_ENV)
-        return False
-    _private.add(base)
-    return True
+    """Whether :func:`base_folder` is this user's alone (made ``0700`` if it is not there):
+    else (said once) no copy is kept or read there (:meth:`HostStore.private`)."""
+    return STORE.private()
 
 
 def folder() -> Optional[str]:
     """This run's host-copy folder; None outside a sparkhvd run (no run id), or where the
     base folder is not private (:func:`private_base`)."""
-    run_id = os.environ.get(protocol.RUN_ID_ENV)
-    if not run_id or not private_base():
-        return None
-    return os.path.join(base_folder(), run_id)
+    return STORE.run_folder(os.environ.get(protocol.RUN_ID_ENV))
 
 
 def _own_folder() -> Optional[str]:
@@ -261,9 +243,9 @@ def spool(file: str) -> Optional[str]:
         return None
     try:
         _claimed(where)
-        if os.path.dirname(run) not in _swept:  # once per process, not once per save
-            _swept.add(os.path.dirname(run))
-            _remove_stale(os.path.dirname(run), keep_name=os.path.basename(run))
+        STORE.remove_stale(keep=os.path.basename(run))  # once per process, not once per save
+        if where not in _swept:
+            _swept.add(where)
             owned_temp.remove_orphans(where)  # a killed rank's spool and upload hold
     except OSError as exc:
         _said_failed(exc)
@@ -359,10 +341,7 @@ def in_memory(path: str) -> bool:
 
 def free_bytes(path: str) -> int:
     """What the file system of ``path``'s folder has free (0 when it cannot say)."""
-    try:
-        return shutil.disk_usage(os.path.dirname(path)).free
-    except OSError:
-        return 0
+    return STORE.free(os.path.dirname(path))
 
 
 def adopt_all(spools: Mapping[str, tuple[str, str]], record: Optional[dict] = None,
@@ -524,8 +503,9 @@ def clean() -> None:
     own folder and every rank folder whose owner process is gone; then the run's folder, once
     empty. A folder a live process owns is left to it (see the module's rules)."""
     run_id = os.environ.get(protocol.RUN_ID_ENV)
-    if run_id and os.path.isdir(os.path.join(base_folder(), run_id)) and folder() is not None:
-        _remove_ranks(run_id, mine=_own_folder())
+    mine = _own_folder()
+    if run_id and mine is not None:
+        STORE.sweep(run_id, _owner_of, mine=[mine])
 
 
 def sweep(run_id: str) -> int:
@@ -533,54 +513,7 @@ def sweep(run_id: str) -> int:
     attempt that ended here while the run went on elsewhere); the run's folder too, once empty.
     How many rank folders went. Called by the driver's sweep of the hosts a succeeded run used
     (:mod:`sparkhvd.executor.host_sweep`); the folder is checked as for a copy (private)."""
-    if not os.path.isdir(os.path.join(base_folder(), run_id)) or not private_base():
-        return 0
-    return _remove_ranks(run_id, mine=None)
-
-
-def _remove_ranks(run_id: str, mine: Optional[str]) -> int:
-    """Remove run ``run_id``'s rank folder ``mine`` and those whose owner process is gone; how
-    many this call removed. Each folder is first renamed out of the ``rank-`` names, so of two
-    sweeps on one host (a sweep job runs a task per slot) one removes and counts it."""
-    where = os.path.join(base_folder(), run_id)
-    removed = 0
-    for path in _owners(where):
-        owner = _owner_of(path)
-        if path == mine or owner is None or owner == os.getpid() or \
-                not owned_temp.alive(owner):
-            claimed = os.path.join(where, f"removing-{os.path.basename(path)}-{os.getpid()}-"
-                                          f"{threading.get_ident()}")
-            try:
-                os.rename(path, claimed)
-            except OSError:  # another sweep took it
-                continue
-            shutil.rmtree(claimed, ignore_errors=True)
-            removed += 1
-    with contextlib.suppress(OSError):
-        os.rmdir(where)
-    return removed
-
-
-def _remove_stale(base: str, keep_name: str) -> None:
-    """Delete the folders of runs that ended without cleaning theirs (untouched a day)."""
-    now = time.time()
-    for name in os.listdir(base):
-        path = os.path.join(base, name)
-        try:
-            if name != keep_name and now - _touched(path) > STALE_S:
-                shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            continue
-
-
-def _touched(run: str) -> float:
-    """When a run's folder last changed: itself or a rank's folder in it (a save replaces files
-    there; a run that is still saving is never stale)."""
-    times = [os.path.getmtime(run)]
-    for entry in os.scandir(run):
-        if entry.is_dir(follow_symlinks=False):
-            times.append(entry.stat(follow_symlinks=False).st_mtime)
-    return max(times)
+    return STORE.sweep(run_id, _owner_of)
 
 
 def _replace(path: str, data: bytes) -> None:
@@ -604,6 +537,4 @@ def _unlink(path: str) -> None:
 
 
 def _say_once(key: str, message: str, *args: object) -> None:
-    if key not in _said:
-        _said.add(key)
-        print("checkpoint: " + message % args, flush=True)  # the rank's [rank N] lines
+    STORE.say_once(key, message % args)  # the rank's [rank N] lines
