@@ -54,6 +54,7 @@ from sparkhvd.data.reader import (
     ShardReader,
     WindowRows,
     dealt_batches,
+    numpy_of,
     rank_batches,
 )
 from sparkhvd.data.sharding import (
@@ -262,13 +263,13 @@ class DatasetShard(FrameworkBatches):
         if hasattr(column, "num_chunks"):  # a ChunkedArray: one chunk needs no copy
             column = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
         if isinstance(column.type, (pa.ListType, pa.LargeListType)):
-            flat = column.flatten().to_numpy(zero_copy_only=False)
+            flat = numpy_of(column.flatten())
             if n and flat.size % n:
                 raise ValueError(f"Column {name!r} holds arrays of different lengths; every row "
                                  "must have the same length (pad or truncate them).")
             values = flat.reshape(n, -1) if n else flat.reshape(0, 0)
         else:
-            values = column.to_numpy(zero_copy_only=False)
+            values = numpy_of(column)
         cast = self.source.cast.get(name)
         if cast is not None and values.dtype != cast:
             values = values.astype(cast)

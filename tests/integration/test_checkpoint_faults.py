@@ -586,10 +586,10 @@ def test_a_keras_relaunch_restores_rank_0s_host_copy(tmp_path, backend, moved, a
 def keras_copy_sent_between_ranks():
     """Rank 1 sends rank 0 what a host copy's restore sends, over the backend's collectives,
     in pieces of 12 bytes (many, and a last one that is not whole)."""
-    from sparkhvd.keras import KerasDistributed, nearest_copy
+    from sparkhvd.keras import KerasDistributed, restore_collectives
 
     kd = KerasDistributed(epochs=1, checkpoint=False)
-    nearest_copy.CHUNK = 12
+    restore_collectives.CHUNK = 12
     world, rank = kd.flavour.copies(), kd.rank
     data = bytes(range(256)) * 3 + b"xyz"
     return {

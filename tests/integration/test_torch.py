@@ -240,6 +240,63 @@ def test_a_killed_run_resumes_mid_epoch_with_another_number_of_ranks(spark, tmp_
         assert len(_trained(logs[f"np{size}"], 0)) == 0, "epoch 0 is not trained again"
 
 
+def fit_chain(data, kind, log_dir, stop=None):
+    """Trains on the ids' rows as a user's loop does -- ``save(epoch, step=k)`` mid-epoch,
+    ``save(epoch)`` at each epoch's end -- logging each step's ids; ``stop=(epoch, step)``
+    returns right after that step's checkpoint (``step`` 0: after the epoch's own), as a run
+    killed before its next checkpoint."""
+    import os
+
+    import torch
+
+    import sparkhvd.torch as st
+
+    ctx = st.setup()
+    torch.manual_seed(0)
+    model = ctx.wrap(torch.nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ckpt = getattr(st, kind)(model, opt, data=data)
+    log = open(os.path.join(log_dir, f"rank-{ctx.rank}-of-{ctx.world_size}.txt"), "a")
+    for epoch in range(ckpt.restore(), 2):
+        for features, y in data.torch_batches(16, epoch, shuffle=True, seed=0):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(features["x"]).squeeze(1), y).backward()
+            opt.step()
+            log.write(f"{epoch} {' '.join(str(int(i)) for i in features['id'])}\n")
+            log.flush()
+            if stop == (epoch, data.position.step):
+                ckpt.save(epoch, step=data.position.step)
+                return "stopped"
+        ckpt.save(epoch)
+        if stop == (epoch, 0):
+            return "stopped"
+    return "done"
+
+
+@pytest.mark.parametrize("kind", ["Checkpoints", "ShardedCheckpoints"])
+def test_a_run_resumed_after_a_resize_and_an_epoch_end_trains_the_next_epoch_whole(
+        spark, tmp_path, kind):
+    """The chain found from outside (issue 93), as a user runs it: 2 ranks save after step 3 of
+    epoch 0; 5 resume it (a dealt epoch), end the epoch and save it, and stop; 2 resume that
+    and train epoch 1 -- every one of its 1,000 - 1,000 % 32 ids once (it trained 768 of 960
+    when the epoch-end checkpoint kept the ended epoch's deal), epoch 0's ids once across the
+    first two runs."""
+    df = spark.range(1000).selectExpr("id", "array(CAST(id % 7 AS FLOAT), 1.0F, 0.5F) AS x",
+                                      "CAST(id % 7 AS FLOAT) AS y")
+    logs = {k: tmp_path / k for k in ("a", "b", "c")}
+    with DataFrameDataset(df, ["x", "id"], "y") as ds:
+        for name, size, stop in (("a", 2, (0, 3)), ("b", 5, (0, 0)), ("c", 2, None)):
+            logs[name].mkdir()  # each run resumes the newest one before it
+            runner = HorovodRunner(np=-size, backend="torch", output_dir=str(tmp_path / "runs"),
+                                   resume_from=name != "a")
+            assert runner.run(fit_chain, data=ds, kind=kind, log_dir=str(logs[name]),
+                              stop=stop) == ("stopped" if stop else "done")
+    epoch0 = _trained(logs["a"], 0) + _trained(logs["b"], 0)
+    assert len(epoch0) == len(set(epoch0)) and 1000 - len(epoch0) < 5 * 16
+    epoch1 = _trained(logs["c"], 1)
+    assert sorted(epoch1) == sorted(set(epoch1)) and len(epoch1) == 1000 // 32 * 32
+
+
 def fit_sharded(data, stop_after=None):
     """DDP with sharded checkpoints (DCP) every 3 steps, carrying the data's position."""
     import torch
