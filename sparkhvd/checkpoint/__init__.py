@@ -6,6 +6,7 @@ their serialisation and their collectives; everything else is here, each decisio
 
 - :mod:`~sparkhvd.checkpoint.lineage` (common) -- names, progress, records, ``latest.json``,
   and which folder holds a complete checkpoint (the driver asks it too);
+  :mod:`~sparkhvd.checkpoint.sources` (driver) -- ``resume_from=`` resolved into a folder;
 - :mod:`~sparkhvd.checkpoint.stores` -- where checkpoints live: the run folder (on this host,
   or through the driver's run-folder service), the run resumed (read-only), a URL;
 - :mod:`~sparkhvd.checkpoint.write` and :mod:`~sparkhvd.checkpoint.read` -- a checkpoint

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 __side__ = "common"
 
@@ -29,16 +29,40 @@ def resumable(folder: str) -> Optional[str]:
 
 
 def holds_checkpoint(folder: str) -> bool:
-    """Whether the checkpoints folder ``folder`` (on this host) holds a complete checkpoint:
+    """Whether the checkpoints folder ``folder`` (on this host) holds a complete checkpoint
+    (:func:`complete_in`)."""
+    try:
+        return complete_in(os.listdir(folder))
+    except OSError:
+        return False
+
+
+def complete_in(names: Iterable[str]) -> bool:
+    """Whether a checkpoints folder of these file names holds a complete checkpoint:
     ``latest.json``, or any checkpoint's record -- a kill between a record and
     ``latest.json`` leaves a complete checkpoint (its files are in, checked by its record),
-    and a resume reads the newest record, so the driver hands such a folder to a relaunch
-    too."""
+    and a resume reads the newest record, so every path that looks for one counts it."""
+    return any(name == LATEST or RECORD_PATTERN.match(name) for name in names)
+
+
+def newest_checkpoint(folder: str) -> Optional[str]:
+    """The file name of the newest complete checkpoint in the checkpoints folder ``folder`` (on
+    this host): what ``latest.json`` names, else the newest record's (None: none)."""
+    import json
+
     try:
         names = os.listdir(folder)
     except OSError:
-        return False
-    return any(name == LATEST or RECORD_PATTERN.match(name) for name in names)
+        return None
+    records = sorted(((progress_of(n), n) for n in names if progress_of(n) is not None),
+                     reverse=True)
+    for name in ([LATEST] if LATEST in names else []) + [n for _, n in records]:
+        try:
+            with open(os.path.join(folder, name)) as f:
+                return str(json.load(f).get("file") or "") or None
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
 
 
 def check_cadence(every_steps: Any, every_seconds: Any, keep: Any) -> None:

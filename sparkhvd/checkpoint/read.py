@@ -23,7 +23,13 @@ from typing import (
 
 from sparkhvd.checkpoint.file_pieces import FilePieces, Needs, Span, index_files, load_plan, merged
 from sparkhvd.checkpoint.lineage import LATEST, RECORD_PATTERN, expected_files, progress
-from sparkhvd.checkpoint.stores import CheckpointStore, RunFolderStore, UrlStore, url_store
+from sparkhvd.checkpoint.stores import (
+    CheckpointStore,
+    RunFolderStore,
+    UrlStore,
+    holds_checkpoint,
+    url_store,
+)
 
 __side__ = "rank"
 
@@ -278,7 +284,7 @@ def resume_store(resume: object, own: Optional[CheckpointStore],
     requested = os.environ.get(protocol.RESUME_URL_ENV)
     relaunched = int(os.environ.get(protocol.ATTEMPT_ENV) or 1) > 1
     if resume is None and relaunched and (
-            not requested or isinstance(own, UrlStore) and own.exists(LATEST)):
+            not requested or isinstance(own, UrlStore) and holds_checkpoint(own)):
         return own
     if resume is None:
         resume = bool(requested)

@@ -20,7 +20,7 @@ from typing import (
     Sequence,
 )
 
-from sparkhvd.checkpoint.lineage import LATEST
+from sparkhvd.checkpoint.lineage import LATEST, complete_in
 from sparkhvd.common import owned_temp
 
 __side__ = "rank"
@@ -294,7 +294,13 @@ def url_store(url: str, storage_options: Optional[dict] = None) -> UrlStore:
     """A store for ``url``: its ``checkpoints/`` when ``url`` is a run folder."""
     store = UrlStore(url, storage_options)
     nested = UrlStore(f"{store.url}/checkpoints", storage_options)
-    return nested if nested.exists(LATEST) else store
+    return nested if holds_checkpoint(nested) else store
+
+
+def holds_checkpoint(store: CheckpointStore) -> bool:
+    """Whether ``store`` holds a complete checkpoint (``latest.json`` or a record:
+    :func:`~sparkhvd.checkpoint.lineage.complete_in`)."""
+    return complete_in(store.list())
 
 
 def latest(store: CheckpointStore) -> Optional[dict]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import zlib
 from typing import (
@@ -29,6 +30,8 @@ from sparkhvd.checkpoint.lineage import (
 from sparkhvd.checkpoint.stores import CheckpointStore, latest
 
 __side__ = "rank"
+
+log = logging.getLogger(__name__)
 
 
 # -- writing a checkpoint so that it can be checked, and resuming from the newest good one ----
@@ -227,9 +230,14 @@ def prune(store: CheckpointStore, keep: int) -> list[str]:
                 files = list(expected_files(json.loads(store.read(name))))
             except Exception:  # noqa: BLE001 - an unreadable record is left for a person to see
                 continue
-        for file in files:
-            store.delete(file)
-        store.delete(name)
+        try:
+            for file in files:
+                store.delete(file)
+            store.delete(name)
+        except OSError as exc:  # the checkpoint is written: a failed prune never stops training
+            log.warning("keep=%d: %s not deleted (%s); the next save tries again", keep,
+                        store.describe(name), exc)
+            break
         store.files_of.pop(name, None)
         deleted.append(name)
     return deleted

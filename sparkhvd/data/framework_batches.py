@@ -22,9 +22,20 @@ class FrameworkBatches:
     """The torch and TensorFlow readings of a shard (mixed into ``DatasetShard``, whose
     ``batches``, ``_batches``, position and source they use)."""
 
+    #: the ``tf.distribute`` strategy :meth:`tf_dataset` distributes by (None: none):
+    #: ``KerasDistributed(data=...)`` sets it (:meth:`distribute_with`)
+    _strategy: Any = None
+
+    def distribute_with(self, strategy: Any) -> None:
+        """Hand :meth:`tf_dataset`'s batches to ``strategy``'s replicas as they are: each
+        worker's batch is its replica's (``KerasDistributed(data=...)`` calls it)."""
+        self._strategy = strategy
+
     if TYPE_CHECKING:  # what the shard provides
         source: Any
         position: Any
+        _resume: Any
+        _restored: Any
         _restored_epoch: int
         _blocks: Any
         batches: Callable[..., Iterator[Any]]
@@ -137,7 +148,9 @@ class FrameworkBatches:
     def tf_dataset(self, batch_size: int, epochs: Optional[int] = None, *, shuffle: bool = False,
                    seed: int = 0, prefetch: int = 2,
                    shuffle_buffer: Optional[int] = None) -> Iterator[Any]:
-        """This rank's shard as a ``tf.data.Dataset`` of full batches, for the ``with`` block.
+        """This rank's shard as a ``tf.data.Dataset`` of full batches, for the ``with`` block
+        -- a ``tf.distribute`` dataset of them, each the worker's replica's, when the shard is
+        given to ``KerasDistributed(data=...)`` on ``backend="tf"`` with several workers.
 
         The block owns the open Parquet files (remote ones hold connections); they are closed
         when it ends.
@@ -159,7 +172,10 @@ class FrameworkBatches:
             signature = self._signature(reader, tf)
 
             def generate() -> Iterator[Any]:
-                begin = self._restored_epoch  # every iterator (Keras may make several)
+                # every iterator (Keras and tf.distribute may make several) begins where the
+                # shard was restored: a second one re-read a restored epoch from its start
+                self._resume = self._restored
+                begin = self._restored_epoch
                 for epoch in (range(begin, epochs) if epochs is not None
                               else itertools.count(begin)):
                     yield from self.batches(batch_size, epoch, shuffle=shuffle, seed=seed,
@@ -169,7 +185,15 @@ class FrameworkBatches:
             options = tf.data.Options()
             options.experimental_distribute.auto_shard_policy = \
                 tf.data.experimental.AutoShardPolicy.OFF
-            yield dataset.with_options(options).prefetch(prefetch)
+            dataset = dataset.with_options(options).prefetch(prefetch)
+            strategy = self._strategy
+            if strategy is not None and strategy.num_replicas_in_sync > 1:
+                # each worker's batches are its replica's, as they are: a plain dataset's
+                # batch would be taken for the global one and cut into a piece per replica --
+                # every worker then trained a 1/np of its batch a step, np steps a batch
+                yield strategy.distribute_datasets_from_function(lambda _: dataset)
+            else:
+                yield dataset
         finally:
             reader.close()
 

@@ -14,9 +14,11 @@ only what that deal held: 768 of 960 rows.)
 A position also says what it was made from, and a resume checks it (:func:`check_resumable`,
 :func:`resume_order`):
 
-* the table -- :func:`source_key`, its files' names and row groups, and its row count: a
-  position in the middle of an epoch of another table would train other rows at the saved
-  places, so the resume stops and says what changed (an epoch's start resumes any table);
+* the table -- its row count, and for a shuffled order, drawn over the row groups,
+  :func:`source_key` (its files' names and row groups): a position in the middle of an epoch
+  of another table would train other rows at the saved places, so the resume stops and says
+  what changed (an epoch's start resumes any table; an unshuffled order is the rows' own, the
+  same however they were cut into files and row groups);
 * the order -- shuffled or not, the seed, the shuffle window, the partitions and the orders'
   version: an epoch resumed mid-way goes on in the order it was saved in (said once), the
   call's settings from the next epoch on; a position of the orders before the spread ones
@@ -176,15 +178,17 @@ def check_resumable(saved: Position, *, source: str, num_rows: int, partitions: 
     changed = []
     if saved.num_rows and saved.num_rows != num_rows:
         changed.append(f"{saved.num_rows} rows, now {num_rows}")
-    if saved.source and source and saved.source != source:
+    if saved.shuffle and saved.source and source and saved.source != source:
+        # a shuffled order is drawn over the row groups; an unshuffled one is the rows' own
         changed.append(f"its files or row groups (layout {saved.source}, now {source})")
     if changed:
         raise DataChanged(
             f"The saved data position is in the middle of epoch {saved.epoch} of another table "
             f"({'; '.join(changed)}): it is not the data the checkpoint trained on, and the "
             "rows at its places are other rows, so going on would train some twice and others "
-            "not at all. Resume with the same DataFrame (the same files, written the same "
-            f"way), or {start_over}.")
+            "not at all. Resume with the same DataFrame, materialised the same way (a cache "
+            "it reuses, or the same number of Spark task slots: a shuffled order is drawn over "
+            f"its files' row groups), or {start_over}.")
     if saved.partitions and saved.partitions != partitions:
         raise DataChanged(
             f"The saved data position is in an order of {saved.partitions} partitions, but "

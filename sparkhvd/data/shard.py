@@ -94,6 +94,9 @@ class DatasetShard(FrameworkBatches):
         self._resume: Optional[Position] = None
         #: the position restored (:meth:`load_state_dict`), kept: where this shard began
         self._restored: Optional[Position] = None
+        #: (the first epoch whose plan is still kept, the steps of the epochs before it since
+        #: this shard began): where :meth:`position_after` counts on from (None: from the start)
+        self._passed: Optional[tuple[int, int]] = None
         self._restored_epoch = 0
         #: the table's layout, saved with every position (:func:`source_key`)
         self._source_key = source_key(source.files, source.row_groups)
@@ -180,21 +183,23 @@ class DatasetShard(FrameworkBatches):
 
     def position_at(self, epoch: int, step: int = 0) -> Optional[Position]:
         """The position after step ``step`` of ``epoch`` (0: at the epoch's start, dealt anew
-        when it begins) -- what a checkpoint taken there saves, as this rank handed the epoch
-        out. A step this rank did not hand out is taken to be where it is now. None before any
-        batch was handed out."""
+        when it begins) -- what a checkpoint taken there saves. In the epoch this rank is
+        reading, where it is (a step that is not its step is said: the checkpoint keeps where
+        the data is); in another epoch it handed out, as it handed that one out. None before
+        any batch was handed out."""
         last = self.position
         if last is None:
             return None
-        plan = self._plans.get(epoch)
-        if plan is not None and step and plan.step0 <= step <= plan.last_step:
-            return plan.position(step)
         if step == 0:
             return last.at_epoch_start(epoch)
+        plan = self._plans.get(epoch)
+        if last.epoch != epoch and plan is not None and plan.step0 <= step <= plan.last_step:
+            return plan.position(step)
         if (last.epoch, last.step) != (epoch, step):
             log.warning("A checkpoint of step %d of epoch %d saves the data's position as it "
-                        "is (step %d of epoch %d): this rank did not hand that step out.",
-                        step, epoch, last.step, last.epoch)
+                        "is: step %d of epoch %d (pass the data's own step, data.position.step, "
+                        "or call step() and let the data count).", step, epoch, last.step,
+                        last.epoch)
         return last
 
     def position_after(self, steps: int) -> Optional[Position]:
@@ -206,6 +211,11 @@ class DatasetShard(FrameworkBatches):
             return None
         epoch = self._restored.epoch if self._restored is not None else 0
         left = steps
+        if self._passed is not None and self._passed[0] > epoch:  # epochs whose plans went
+            epoch, left = self._passed[0], steps - self._passed[1]
+        if left < 0:
+            raise ValueError(f"the position after {steps} steps trained is in an epoch this "
+                             "rank no longer keeps (the pipeline is more than 3 epochs ahead)")
         while True:
             plan = self._plans.get(epoch)
             if plan is None:
@@ -229,6 +239,7 @@ class DatasetShard(FrameworkBatches):
         ``tf_dataset``) of that epoch starts where it stopped -- with any number of ranks.
         Raises :class:`~sparkhvd.common.errors.DataChanged` when that epoch cannot be
         continued with this dataset (:func:`~sparkhvd.data.position.check_resumable`)."""
+        self._passed = None
         if not state:
             self._resume = self._restored = None
             self._restored_epoch = 0
@@ -250,11 +261,16 @@ class DatasetShard(FrameworkBatches):
         return resume
 
     def _plan(self, plan: EpochPlan) -> EpochPlan:
-        """Keep how ``plan.epoch`` is handed out (the newest few epochs: a pipeline that runs
-        ahead of training is at most one epoch on)."""
+        """Keep how ``plan.epoch`` is handed out: the newest few epochs (a pipeline that runs
+        ahead of training is at most one epoch on), and of the older ones, the steps they
+        held (:attr:`_passed`: :meth:`position_after` counts on from there)."""
         self._plans[plan.epoch] = plan
-        for old in [e for e in self._plans if e < plan.epoch - 3]:
-            del self._plans[old]
+        for old in sorted(e for e in self._plans if e < plan.epoch - 3):
+            gone = self._plans.pop(old)
+            start = self._restored.epoch if self._restored is not None else 0
+            at, steps = self._passed if self._passed is not None else (start, 0)
+            if old == at:  # the oldest epoch of the walk: its steps counted, once
+                self._passed = (old + 1, steps + gone.steps)
         return plan
 
     def _to_numpy(self, name: str, column: Any, n: int) -> np.ndarray:

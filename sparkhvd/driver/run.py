@@ -50,7 +50,8 @@ import os
 import time
 from typing import Any, Callable, Mapping, Optional
 
-from sparkhvd.checkpoint.lineage import resumable
+from sparkhvd.checkpoint.lineage import newest_checkpoint, resumable
+from sparkhvd.checkpoint.sources import resolve_resume_source
 from sparkhvd.common.environment import rank_env
 from sparkhvd.common.errors import NotEnoughSlotsError, StorageError
 from sparkhvd.common.redaction import remember_environment
@@ -232,8 +233,9 @@ class Run:
             return self._resized_to_the_slots(state, fewer)
         if not self.attempts:
             config = self.spec.config
-            resume = self.run_dir.resume_source(config.resume_from, config.output_dir,
-                                                dict(config.storage_options))
+            resume = None if config.resume_from is None or config.resume_from is False else \
+                resolve_resume_source(config.resume_from, config.output_dir,
+                                      dict(config.storage_options), exclude=self.run_dir.run_id)
         self.run_dir.remove_torn()  # a retry never trips over a killed writer's leftovers
         attempt = Attempt(self, len(self.attempts) + 1, placement, resume, state.library, size,
                           state.previous_size, launcher=self.launchers(placement.launcher),
@@ -262,7 +264,7 @@ class Run:
         return kind(f"{last.relaunch_reason(last.stop_request, last.verdict)}; only {size} of the "
                     f"{state.size} task slots counted free were there to place it on",
                     attempt=last, verdict=last.verdict,
-                    checkpoint=self.run_dir.newest_checkpoint() if state.resume else None,
+                    checkpoint=self._newest_checkpoint() if state.resume else None,
                     size_from=last.size, size_to=size, resume=state.resume,
                     library=state.library, planned=state.planned)
 
@@ -319,9 +321,13 @@ class Run:
                                  self.spec.launch.slot_wait_s, attempt.spark_job, grow=planned)
         kind = Resizing if new_size != size else Restarting
         return kind(attempt.relaunch_reason(request, verdict), attempt=attempt, verdict=verdict,
-                    checkpoint=self.run_dir.newest_checkpoint() if resume else None,
+                    checkpoint=self._newest_checkpoint() if resume else None,
                     size_from=size, size_to=new_size, resume=resume, library=library,
                     planned=planned)
+
+    def _newest_checkpoint(self) -> Optional[str]:
+        """The file of this run's newest complete checkpoint (for the relaunch's line)."""
+        return newest_checkpoint(self.run_dir.file("checkpoints"))
 
     def _relaunching(self, state: Relaunching) -> Placing:
         """Say why the run relaunches, from what and at which size; then place again."""

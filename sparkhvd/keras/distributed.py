@@ -200,7 +200,10 @@ class KerasDistributed:
             every checkpoint, so a resumed run's data continues the global order where the
             checkpoint was taken -- in the middle of an epoch too, with any number of ranks
             (without it, epoch N of a resumed run reads epoch 0's order, and a mid-epoch
-            checkpoint resumes at the start of its epoch).
+            checkpoint resumes at the start of its epoch). On ``backend="tf"`` with several
+            workers its ``tf_dataset`` is then a distributed dataset of each worker's own
+            batches (``distribute_datasets_from_function``): without it, the strategy takes a
+            worker's batch for the global one and trains a ``1/np`` of it per step.
         every_steps: also a checkpoint every this many steps of an epoch.
         every_seconds: ... and/or when this many seconds passed since the last one.
         keep: keep only the newest this many checkpoints.
@@ -258,6 +261,8 @@ class KerasDistributed:
         self.tensorboard = tensorboard
         self.storage_options = storage_options
         self.data = data
+        if self.strategy is not None and self.size > 1 and hasattr(data, "distribute_with"):
+            data.distribute_with(self.strategy)  # its tf_dataset: a batch per replica, as is
         check_cadence(every_steps, every_seconds, keep)
         self.every_steps, self.every_seconds, self.keep = every_steps, every_seconds, keep
         self.async_save, self.host_copy = async_save, host_copy

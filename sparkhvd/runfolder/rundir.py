@@ -79,58 +79,21 @@ def versions() -> dict[str, Optional[str]]:
     return found
 
 
-def latest_checkpointed_run(root: str, storage_options: Optional[dict] = None,
-                            exclude: Optional[str] = None) -> Optional[str]:
-    """URL of the newest run folder under ``root`` that has ``checkpoints/latest.json``."""
-    from sparkhvd import storage
-
-    root = root.rstrip("/")
-    loc = storage.resolve(root, storage_options)
-    if not storage.exists(loc):
-        return None
-    base = loc.path if loc.is_local else root
-    for run_id in sorted(storage.listdir(loc), reverse=True):
-        if run_id == exclude or run_id.startswith("."):
-            continue
-        if storage.exists(f"{base}/{run_id}/checkpoints/latest.json", storage_options):
-            return f"{base}/{run_id}"
-    return None
-
-
-def resolve_resume_source(resume_from: Any, output_dir: str,
-                          storage_options: Optional[dict] = None,
-                          exclude: Optional[str] = None) -> str:
-    """The checkpoints folder (holding ``latest.json``) that ``resume_from`` points to.
-
-    ``True``: the newest run under ``output_dir`` with checkpoints. A URL: a run folder or a
-    checkpoints folder. Raises FileNotFoundError naming what was looked for and the fix.
-    """
-    from sparkhvd import storage
-
-    if resume_from is True:
-        source = latest_checkpointed_run(output_dir, storage_options, exclude=exclude)
-        if source is None:
-            raise FileNotFoundError(
-                f"resume_from=True, but no earlier run under {storage.public_url(output_dir)} has "
-                "checkpoints (checkpoints/latest.json). Train with "
-                "sparkhvd.keras.KerasDistributed first (it checkpoints every epoch), or pass "
-                "resume_from=<run folder URL>.")
-        return f"{source}/checkpoints"
-    url = str(resume_from).rstrip("/")
-    for candidate in (f"{url}/checkpoints", url):
-        if storage.exists(f"{candidate}/latest.json", storage_options):
-            return candidate
-    raise FileNotFoundError(
-        f"resume_from={storage.public_url(url)!r} has no checkpoints: looked for "
-        f"{storage.public_url(url)}/checkpoints/latest.json and {storage.public_url(url)}/"
-        "latest.json. Pass a run folder trained with sparkhvd.keras.KerasDistributed, its "
-        "checkpoints/ folder, or resume_from=True for the newest run under output_dir.")
-
-
 def staging_root() -> str:
     """Where runs bound for remote storage are staged locally (``SPARKHVD_STAGING_DIR``)."""
     return os.environ.get("SPARKHVD_STAGING_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "sparkhvd", "runs")
+
+
+def _exists(url: str, storage_options: Optional[dict]) -> bool:
+    """Whether ``url`` exists; False where the store cannot say (bad credentials: the run's
+    pre-flight says so, with the fix, once its folder is made)."""
+    from sparkhvd import storage
+
+    try:
+        return bool(storage.exists(url, storage_options))
+    except Exception:  # noqa: BLE001 - reported by the pre-flight, not here
+        return False
 
 
 def _claimed_run_id(local_root: str, run_id: Optional[str],
@@ -173,8 +136,8 @@ class RunDir:
         root_loc = storage.resolve(root, storage_options)
         local_root = root_loc.path if root_loc.is_local else staging_root()
         self.run_id = _claimed_run_id(local_root, run_id, None if root_loc.is_local else
-                                      lambda name: storage.exists(root_loc.child(name).url,
-                                                                  storage_options))
+                                      lambda name: _exists(root_loc.child(name).url,
+                                                           storage_options))
         self.remote = None if root_loc.is_local else root_loc.child(self.run_id)
         self.path = os.path.abspath(os.path.join(local_root, self.run_id))
         self.url = self.remote.url if self.remote else self.path
@@ -183,15 +146,6 @@ class RunDir:
         #: ``run.json`` (:class:`~sparkhvd.runfolder.record.RunRecord`: its only writer)
         self.record = RunRecord(self.file("run.json"), run_id=self.run_id,
                                 output=storage.public_url(self.url), versions=versions())
-
-    def resume_source(self, resume_from: Any, output_dir: str,
-                      storage_options: Optional[dict] = None) -> Optional[str]:
-        """The checkpoints folder this run resumes from (never its own); None when
-        ``resume_from`` asks for none."""
-        if resume_from is None or resume_from is False:
-            return None
-        return resolve_resume_source(resume_from, output_dir, storage_options,
-                                     exclude=self.run_id)
 
     def __str__(self) -> str:
         """The run folder's path, or its URL once published (never a secret)."""
@@ -241,16 +195,6 @@ class RunDir:
         found = [self.file(name) for name in sorted(names)
                  if any(files for _, _, files in os.walk(self.file(name)))]
         return ", ".join(found) or None
-
-    def newest_checkpoint(self) -> Optional[str]:
-        """The name of this run's newest complete checkpoint (``latest.json``'s file), if any."""
-        import json
-
-        try:
-            with open(os.path.join(self.file("checkpoints"), "latest.json")) as f:
-                return str(json.load(f).get("file") or "") or None
-        except (OSError, ValueError):
-            return None
 
     def save_result(self, result: Any) -> Optional[str]:
         """Keep what rank 0 returned: model bytes as ``model.h5``/``model.keras``/``model.pt``

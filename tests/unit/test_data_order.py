@@ -861,7 +861,46 @@ def test_a_position_of_another_table_or_an_earlier_order_stops_only_mid_epoch(tm
     with pytest.raises(DataChanged, match="another table.*start that epoch over"):
         DatasetShard(other).load_state_dict(positions[-1])
     DatasetShard(other).load_state_dict({**positions[-1], "samples": 0, "step": 0})
+    # unshuffled, the order is the rows' own: it goes on, however they were cut
+    ids, plain = _attempt(source, 2, 8, 1, None, steps=3)
+    rest, _ = _attempt(other, 2, 8, 1, plain[-1])
+    whole, _ = _attempt(source, 2, 8, 1, None)
+    assert ids + rest == whole
     with pytest.raises(DataChanged, match="orders version 1.*cannot be drawn again"):
         DatasetShard(source).load_state_dict({"epoch": 1, "samples": 64, "seed": 2,
                                               "shuffle": True, "num_rows": 1000})
     DatasetShard(source).load_state_dict({"epoch": 1, "samples": 64, "num_rows": 1000})
+
+
+def test_the_position_after_the_steps_trained_counts_on_over_many_epochs(tmp_path):
+    """A Keras fit of 8 epochs asks the position after each step; the data keeps the plans of
+    its newest few epochs only, and counts on past the ones it let go (a fit longer than 4
+    epochs stopped with 'no batch of epoch 0')."""
+    source = _ids(tmp_path, n=120)
+    shard = DatasetShard(source)
+    trained = 0
+    for epoch in range(8):
+        for _ in shard.batches(8, epoch, rank=0, size=3, shuffle=True, seed=1):
+            trained += 1
+            made = shard.position_after(trained)
+            if made.step:  # within the epoch: the one handed out
+                assert made == shard.position
+        made = shard.position_after(trained)
+        assert (made.epoch, made.samples, made.step) == (epoch + 1, 0, 0)
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("tensorflow"), reason="needs TensorFlow")
+def test_every_tf_iterator_begins_where_the_shard_was_restored(tmp_path):
+    """Keras and tf.distribute may make several iterators of a dataset: each begins at the
+    restored position (a second one read the restored epoch again from its start), and the
+    position after the steps trained counts from there."""
+    source = _ids(tmp_path, n=400)
+    kw = {"shuffle": True, "seed": 3}
+    whole, positions = _attempt(source, 1, 16, 1, None, **kw)
+    shard = DatasetShard(source)
+    shard.load_state_dict(positions[4])  # after step 5 of epoch 1
+    with shard.tf_dataset(16, epochs=2, **kw) as ds:
+        first = [[int(i) for i in x.numpy()] for x, _ in ds]
+        second = [[int(i) for i in x.numpy()] for x, _ in ds]
+    assert first == second == whole[5:]
+    assert shard.position_after(3).step == 8
