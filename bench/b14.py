@@ -452,12 +452,11 @@ def _sorted_table(rows_n: int, width: int, group_rows: int, files: int
     together) in ``files`` Parquet files of ``group_rows``-row groups: its ShardSource (the
     footers go with it, as the materialiser's writers return them), files, bytes and the
     distinct labels per 32 rows of a full permutation."""
-    import pickle
-
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from sparkhvd.data.footers import footer_bytes
     from sparkhvd.data.sharding import ShardSource, footer_size
 
     folder = tempfile.mkdtemp(prefix="bench-b14-plans-")
@@ -478,7 +477,7 @@ def _sorted_table(rows_n: int, width: int, group_rows: int, files: int
     source = ShardSource(files=tuple(paths), row_counts=tuple(counts), row_groups=tuple(groups),
                          stored={"x": "x", "y": "y"}, row_bytes=width * 4 + 8,
                          features=("x",), label="y", memory_cache=0, widths={"x": width},
-                         footers=tuple(pickle.dumps(m) for m in metas),
+                         footers=tuple(footer_bytes(m) for m in metas),
                          footer_bytes=sum(footer_size(m) for m in metas))
     full = np.random.default_rng(0).permutation(labels)
     uniform = float(np.mean([len(set(full[i:i + 32])) for i in range(0, rows_n - 32, 32)]))

@@ -30,8 +30,9 @@ Rules:
 - **bounded**: a checkpoint is kept when it fits in half the folder's free space (the older
   copy is deleted once the new one is in); otherwise no copy is kept and the older one is
   deleted too, said once on the rank's console.
-- **private**: PyTorch's copies are pickles (``torch.load``), so whoever can write the folder
-  could plant code that runs as the rank. The folder is the user's own
+- **private**: whoever can write the folder could replace a copy and its record (nothing in
+  one runs -- torch's ``weights_only`` loader, :mod:`sparkhvd.torch.serialise` -- but a
+  planted state would train on). The folder is the user's own
   (``sparkhvd-host-copies-<uid>``, made ``0700``), and it is checked before anything is kept
   or read there: owned by this user, not a link, no one else may write in it -- else no host
   copy is kept or read (said once) and relaunches read the run folder. A copy is read only

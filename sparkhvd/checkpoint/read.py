@@ -224,6 +224,10 @@ def restore_newest(store: CheckpointStore, load: Callable[[dict, dict[str, Any]]
 
 
 def _why(exc: BaseException) -> str:
+    from sparkhvd.common.errors import SparkhvdError
+
+    if isinstance(exc, SparkhvdError):  # ours: names the file and the fix, said whole
+        return f"{type(exc).__name__}: {exc}"
     text = str(exc).split("\n", 1)[0]
     return f"{type(exc).__name__}: {text[:200]}"
 

@@ -108,6 +108,13 @@ class CheckpointError(SparkhvdError, RuntimeError):
     message names the folder, each file and why, and the fix. Raised before training."""
 
 
+class UnsafeCheckpoint(CheckpointError):
+    """A checkpoint file holds objects whose loading could run code (a pickled global no one
+    allowed): it was not loaded. Whoever can write a checkpoint folder can plant such a file,
+    and its record beside it, so nothing in the file is trusted beyond tensors and plain
+    containers -- and the types its user named."""
+
+
 class DataChanged(SparkhvdError, ValueError):
     """A saved data position cannot be continued with this dataset (another table, another
     partition count, an order that cannot be drawn again): the message says what changed and

@@ -23,6 +23,24 @@ def is_loopback(host: Optional[str]) -> bool:
     return host in LOOPBACK
 
 
+def bind_address(host: str) -> str:
+    """The address a driver's server listens on for ``host`` (the address the ranks are told):
+    that address only, where it resolves and can be bound here -- not every interface, where
+    anyone on another network could reach it; every interface (``""``) only where it cannot,
+    or where a host name resolves to loopback here (Debian's ``127.0.1.1`` for the machine's
+    name): executors elsewhere reach it by another address."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return ""
+    if address.startswith("127.") and not is_loopback(host):
+        return ""
+    with contextlib.suppress(OSError), socket.socket() as probe:
+        probe.bind((address, 0))
+        return address
+    return ""
+
+
 def route_address(address: str) -> str:
     """This host's address on the route to ``address`` (no packet is sent; the hostname when
     there is no route)."""

@@ -17,6 +17,9 @@ adlfs / Azure SDK (:func:`set_storage_retries`): a retry budget that gives up on
   connection in seconds instead of ~85 s.
 Keras 3, rank side (:func:`patch_keras_multiworker`): ``model.fit`` under
   ``MultiWorkerMirroredStrategy`` (``backend="tf"``) -- two reductions that fail there.
+pyarrow < 14.0.1, every side (:func:`forbid_pickled_arrow_types`): a table whose schema names
+  ``arrow.py_extension_type`` unpickles its type when read (CVE-2023-47248); the type is
+  registered as one that refuses to load, as pyarrow 14.0.1 and ``pyarrow_hotfix`` do.
 """
 from __future__ import annotations
 
@@ -259,3 +262,42 @@ def patch_keras_multiworker() -> None:
     ktr.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
     ktr.reduce_per_replica = reduce_per_replica
     _keras_state["patched"] = True
+
+
+_arrow_guarded: list[bool] = []
+
+
+def forbid_pickled_arrow_types() -> None:
+    """On pyarrow < 14.0.1, make reading a Parquet or Arrow IPC schema that names
+    ``arrow.py_extension_type`` an error instead of an unpickle (CVE-2023-47248: a row copy,
+    a table read in place, whoever wrote it); nothing on later pyarrow, which refuses it
+    itself. Once per process; called before sparkhvd reads Arrow or Parquet."""
+    if _arrow_guarded:
+        return
+    _arrow_guarded.append(True)
+    import pyarrow as pa
+
+    version = tuple(int(p) for p in pa.__version__.split(".")[:3] if p.isdigit())
+    if version >= (14, 0, 1):
+        return
+
+    class ForbiddenExtensionType(pa.ExtensionType):  # type: ignore[misc]
+        def __arrow_ext_serialize__(self) -> bytes:
+            return b""
+
+        @classmethod
+        def __arrow_ext_deserialize__(cls, storage_type: Any, serialized: bytes) -> Any:
+            raise pa.ArrowInvalid(
+                "refused to read a column of type arrow.py_extension_type: reading it would "
+                "unpickle data (CVE-2023-47248). Fix: write the table without pickled "
+                "extension types, or upgrade pyarrow to 14.0.1 or later.")
+
+    try:
+        pa.unregister_extension_type("arrow.py_extension_type")
+    except Exception:  # noqa: BLE001 - not registered in this build: register ours
+        pass
+    try:
+        pa.register_extension_type(ForbiddenExtensionType(pa.null(),
+                                                          "arrow.py_extension_type"))
+    except Exception:  # noqa: BLE001 - one registered already (pyarrow_hotfix's)
+        pass

@@ -61,14 +61,14 @@ def _common_parent(urls: Sequence[str]) -> str:
 def shipped_footers(manifest: Any) -> dict[str, Any]:
     """The ``ShardSource`` fields that ship the files' footers the driver holds to the ranks
     (none when they exceed :data:`~sparkhvd.data.sharding.SHIPPED_FOOTERS_BYTES` in all)."""
-    import pickle
+    from sparkhvd.data.footers import footer_of
 
     footers = list(manifest.extra.get("footers") or [])
     if len(footers) != len(manifest.files) or \
             sum(len(f) for f in footers) > SHIPPED_FOOTERS_BYTES:
         return {}
     return {"footers": tuple(footers),
-            "footer_bytes": sum(footer_size(pickle.loads(f)) for f in footers)}
+            "footer_bytes": sum(footer_size(footer_of(f)) for f in footers)}
 
 
 def default_cache_parent() -> str:

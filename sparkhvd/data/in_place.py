@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import pickle
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
+from sparkhvd.common.patches import forbid_pickled_arrow_types
+from sparkhvd.data.footers import footer_bytes
 from sparkhvd.data.sharding import READ_MEMORY_BYTES
 
 __side__ = "driver"
@@ -55,7 +56,7 @@ class Found:
     #: column -> numpy dtype to convert to when read
     cast: dict[str, str]
     rank_options: dict
-    #: each file's footer, pickled (read here to check the files; shipped to the ranks)
+    #: each file's footer, as :func:`~sparkhvd.data.footers.footer_bytes` (read here to check the files; shipped to the ranks)
     footers: list[bytes]
 
 
@@ -126,6 +127,7 @@ def _footer(url: str, options: Mapping[str, Any], columns: Sequence[str]) -> Foo
 
     from sparkhvd import storage
 
+    forbid_pickled_arrow_types()
     loc = storage.resolve(url, options)
     if loc.is_local:
         meta = pq.read_metadata(loc.path)
@@ -141,7 +143,7 @@ def _footer(url: str, options: Mapping[str, Any], columns: Sequence[str]) -> Foo
                          if group.column(i).path_in_schema.split(".")[0] in used))
     return Footer([meta.row_group(g).num_rows for g in range(meta.num_row_groups)],
                   meta.schema.to_arrow_schema().names, max(sizes, default=0), sum(sizes),
-                  pickle.dumps(meta))
+                  footer_bytes(meta))
 
 
 def plan(df: Any, columns: Sequence[str], schema: Mapping[str, Any], dtype: str,

@@ -300,13 +300,13 @@ def _partition_writer(url: str, options: Mapping[str, Any], group_bytes: int,
     def write(batches: Any) -> Any:
         import itertools
         import json
-        import pickle
 
         import pyarrow as pa
         import pyarrow.parquet as pq
         from pyspark import TaskContext
 
         from sparkhvd import storage
+        from sparkhvd.data.footers import footer_bytes
 
         batches = (b for b in batches if b.num_rows)
         first = next(batches, None)
@@ -346,7 +346,7 @@ def _partition_writer(url: str, options: Mapping[str, Any], group_bytes: int,
         yield pa.RecordBatch.from_pydict({"partition": [partition], "file": [name],
                                           "rows": [sum(groups)], "groups": [groups],
                                           "stats": [json.dumps(stats)],
-                                          "footer": [pickle.dumps(writer.writer.metadata)]})
+                                          "footer": [footer_bytes(writer.writer.metadata)]})
 
     return write
 
@@ -355,7 +355,7 @@ def write(df: Any, url: str, executor_options: Mapping[str, Any], floats: Sequen
           files: Optional[int] = None, group_bytes: Optional[int] = None
           ) -> tuple[list[tuple[str, int, list[int], bytes]], list[dict]]:
     """Write ``df`` under ``url`` from the executors: ``(file, rows, row groups, footer)`` in
-    row order (the footer: its pickled ``FileMetaData``), and every batch's
+    row order (the footer: its ``FileMetaData``'s :func:`~sparkhvd.data.footers.footer_bytes`), and every batch's
     :func:`batch_stats`.
 
     ``files``: at most this many files (partitions are merged in order, see :func:`file_count`).

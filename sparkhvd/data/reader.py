@@ -27,6 +27,7 @@ from typing import Any, Callable, Generator, Iterator, Mapping, Optional, Sequen
 
 import numpy as np
 
+from sparkhvd.common.patches import forbid_pickled_arrow_types
 from sparkhvd.data.order import Piece, Window, rank_positions, window_permutation
 from sparkhvd.data.row_group_cache import RowGroupCache
 from sparkhvd.data.sharding import footer_size
@@ -126,6 +127,7 @@ class ShardReader:
                 self._handles.append(source)
             self._sources[index] = source
         meta = self.footers.get(index)
+        forbid_pickled_arrow_types()  # a schema's pickled extension type is refused, not run
         opened = pq.ParquetFile(source, metadata=meta, pre_buffer=True)
         if meta is None:
             self.footers[index] = meta = opened.metadata

@@ -60,6 +60,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 from sparkhvd.common import protocol
 from sparkhvd.common.function_end import at_function_return
 from sparkhvd.common.identity import current_rank
+from sparkhvd.common.patches import forbid_pickled_arrow_types
 from sparkhvd.data.sharding import MEMORY_CACHE_BYTES
 from sparkhvd.storage.host_store import HostStore
 
@@ -205,6 +206,7 @@ class RowGroupCache:
                 for name in set(os.listdir(folder)) & names.keys():
                     where.setdefault(name, os.path.join(folder, name))
         found: dict[int, Any] = {}
+        forbid_pickled_arrow_types()  # a planted copy's schema unpickles nothing
         for name, file in where.items():
             try:
                 with pa.OSFile(file) as f:
@@ -221,6 +223,7 @@ class RowGroupCache:
         copies = self._driver()
         if copies is None:
             return None
+        forbid_pickled_arrow_types()
         try:
             data = copies.get(self.name(path, columns, group))
             table = pyarrow.ipc.open_file(pa.py_buffer(data)).read_all()

@@ -14,7 +14,6 @@ the checkpoint helpers save and restore it with the model.
 from __future__ import annotations
 
 import logging
-import pickle
 from typing import Any, Generator, Iterator, Optional
 
 import numpy as np
@@ -31,6 +30,7 @@ from sparkhvd.data.deal import (
     left_by_rank,
     units_at,
 )
+from sparkhvd.data.footers import footer_of
 from sparkhvd.data.framework_batches import FrameworkBatches
 from sparkhvd.data.order import (
     ORDER_VERSION,
@@ -115,7 +115,7 @@ class DatasetShard(FrameworkBatches):
         self.driver_bytes_read = 0
         #: file -> its Parquet metadata, read once for the run (every epoch's reader uses it),
         #: or shipped by the driver with the source (not read here at all)
-        self._footers: dict[int, Any] = {i: pickle.loads(meta)
+        self._footers: dict[int, Any] = {i: footer_of(meta)
                                          for i, meta in enumerate(source.footers)}
 
     @property

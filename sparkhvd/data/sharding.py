@@ -214,7 +214,7 @@ class ShardSource:
     #: column -> elements per row of an array column (what a batch's shape needs before any
     #: row is read; scalars are absent)
     widths: Mapping[str, int] = field(default_factory=dict)
-    #: Each file's Parquet footer (pickled ``FileMetaData``), read once for the run by the
+    #: Each file's Parquet footer (:func:`sparkhvd.data.footers.footer_bytes`), read once for the run by the
     #: driver -- the materialiser's writers return them, a table read in place has them read
     #: to be checked -- so no rank reads one (at np=64 every rank read every file's footer:
     #: 0.3x its share on B14's plans). Empty when they are larger than

@@ -308,7 +308,11 @@ class Attempt:
     def _start_files(self) -> tuple[Any, dict[str, str]]:
         """Start the run-folder service; the variables that tell the ranks where their run
         folder is."""
-        from sparkhvd.runfolder.service import RunFileService, row_copies_folder
+        from sparkhvd.runfolder.service import (
+            RunFileService,
+            connections_for,
+            row_copies_folder,
+        )
         from sparkhvd.storage import public_url
 
         run_dir, config = self.run.run_dir, self.run.spec.config
@@ -316,7 +320,8 @@ class Attempt:
         files = RunFileService(self.placement.driver_host, run_dir.path,
                                (self.resume, options) if self.resume else None,
                                row_copies=row_copies_folder(run_dir.run_id),
-                               copies_budget=self._copies_budget()).start()
+                               copies_budget=self._copies_budget(),
+                               max_connections=connections_for(self.size)).start()
         env = {**files.env(), protocol.RUN_ID_ENV: run_dir.run_id}
         if self.placement.executors_here:
             env[protocol.RUN_URL_ENV] = run_dir.path

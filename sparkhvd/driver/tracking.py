@@ -211,9 +211,11 @@ class MlflowTracker:
         try:
             import tensorflow as tf
 
+            from sparkhvd.keras.modelio import load_keras_model
+
             for q in quiet:  # their advice is about choices sparkhvd made for the user
                 q.setLevel(logging.ERROR)
-            model = tf.keras.models.load_model(path, compile=False)
+            model = load_keras_model(path, compile=False)
             # Requirements are what the driver runs (MLflow would otherwise infer them by
             # loading the model again in a subprocess).
             kwargs = {"pip_requirements": [f"tensorflow=={tf.__version__}"]}

@@ -137,7 +137,8 @@ def restore(store: CheckpointStore, info: dict, model: Any,
             if optimizer is not None else []
     build_optimizer(optimizer, model)
     variables = optimizer_variables(optimizer)
-    saved = np.load(io.BytesIO(files.get(info["optimizer"]) or store.read(info["optimizer"])))
+    saved = np.load(io.BytesIO(files.get(info["optimizer"]) or store.read(info["optimizer"])),
+                    allow_pickle=False)  # arrays only: an object array would unpickle
     values = [saved[f"v{i}"] for i in range(len(saved.files))]
     if len(values) != len(variables) or any(tuple(v.shape) != a.shape
                                             for v, a in zip(variables, values)):

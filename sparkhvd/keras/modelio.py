@@ -42,6 +42,24 @@ def keras_major() -> int:
     return int(str(getattr(tf.keras, "__version__", "2")).split(".")[0])
 
 
+def load_keras_model(path: str, **kwargs: Any) -> Any:
+    """``tf.keras.models.load_model(path, **kwargs)`` in Keras's safe mode, for every format:
+    a model file is whatever its folder's writers put there, and a ``Lambda`` layer's marshalled
+    code would run as it loads. Keras's ``safe_mode=True`` covers only the ``.keras`` format
+    (Keras 2's HDF5 path ignores it), so its scope is entered around the HDF5 load too.
+    ``safe_mode=False`` -- Keras's own opt-in, for a file you wrote -- turns it off."""
+    import tensorflow as tf
+
+    safe_mode = kwargs.pop("safe_mode", True)
+    try:
+        from keras.src.saving.serialization_lib import SafeModeScope
+        scope: Any = SafeModeScope(safe_mode)
+    except ImportError:  # a Keras without the scope: its load_model's safe_mode is all there is
+        scope = contextlib.nullcontext()
+    with scope:
+        return tf.keras.models.load_model(path, safe_mode=safe_mode, **kwargs)
+
+
 def checkpoint_bytes(model: Any) -> tuple[bytes, str]:
     """The model saved for a checkpoint (weights, architecture; the optimizer is saved apart),
     and its suffix: HDF5 on Keras 2, the ``.keras`` format on Keras 3."""

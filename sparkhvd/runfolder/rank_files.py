@@ -18,6 +18,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from typing import IO, Mapping, Optional
 
 from sparkhvd.common import protocol
@@ -25,12 +26,16 @@ from sparkhvd.runfolder.wire import (
     CHECKPOINTS,
     clean_path,
     copy_exact,
+    proof,
     read_json,
     remove_file,
     send_json,
 )
 
 __side__ = "rank"
+
+#: Seconds a rank keeps trying to reach the driver's run-folder service before it gives up.
+CONNECT_PATIENCE_S = 60.0
 
 class RunFiles:
     """The run folder as a rank sees it (see the module docstring)."""
@@ -60,15 +65,44 @@ class RunFiles:
 
     # -- service connection -------------------------------------------------------------
     def _connect(self) -> None:
+        """Connect and prove the run's key (:func:`~sparkhvd.runfolder.wire.proof`); a service
+        that refuses (busy: someone holds its connections) or cannot be reached is tried again
+        for up to :data:`CONNECT_PATIENCE_S`."""
         if self.addr is None:
             raise FileNotFoundError("This rank has no run folder: it was not started by "
                                     "sparkhvd.HorovodRunner (pass a checkpoint URL instead).")
+        deadline = time.monotonic() + CONNECT_PATIENCE_S
+        pause = 0.05
+        while True:
+            try:
+                self._sock, self._rfile = self._proved_connection()
+                return
+            except OSError as exc:
+                if time.monotonic() + pause > deadline:
+                    raise ConnectionError(f"the driver's run-folder service at "
+                                          f"{self.addr[0]}:{self.addr[1]} refused or dropped "
+                                          f"this rank's connection for {CONNECT_PATIENCE_S:g} "
+                                          f"s ({exc})") from exc
+                time.sleep(pause)  # a retry's pause, growing: the service is busy or away
+                pause = min(2.0, pause * 2)
+
+    def _proved_connection(self) -> tuple[socket.socket, IO[bytes]]:
+        assert self.addr is not None
         sock = socket.create_connection(self.addr, timeout=60)
+        try:
+            # a request is a header then a body: without this each waits for a delayed ack
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            rfile = sock.makefile("rb")
+            challenge = read_json(rfile)
+            send_json(sock, {"proof": proof(self.token, str(challenge.get("nonce", "")))})
+            answer = read_json(rfile)
+            if not answer.get("ok"):
+                raise ConnectionRefusedError(answer.get("error", "refused"))
+        except BaseException:
+            sock.close()
+            raise
         sock.settimeout(600)
-        # a request is a header then a body: without this each waits for a delayed ack (40 ms)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        send_json(sock, {"token": self.token})
-        self._sock, self._rfile = sock, sock.makefile("rb")
+        return sock, rfile
 
     def _request(self, header: dict, body: Optional[IO[bytes]] = None,
                  sink: Optional[IO[bytes]] = None) -> dict:
@@ -91,6 +125,9 @@ class RunFiles:
                         raise
                     if body is not None:
                         body.seek(0)
+                    if sink is not None:  # what the broken answer wrote is not the file
+                        sink.seek(0)
+                        sink.truncate()
         if not reply.get("ok"):
             error = reply.get("error", "refused")
             if reply.get("kind") == "missing":

@@ -1,14 +1,19 @@
 """The run-folder service's wire format, shared by the driver's service and a rank's client.
 
-Wire format (one TCP connection per client): a JSON hello ``{"token": ...}``, then requests
-``{"op": "put"|"get"|"exists"|"list"|"delete", "root": "run"|"resume"|"row-groups", "path":
-..., "size": n}`` (``put`` followed by ``n`` raw bytes; ``get`` with ``"span": [offset,
-length]`` asks for those bytes of the file only; ``delete`` only a file of the run folder's
-``checkpoints/``: what ``keep=`` prunes), each answered by ``{"ok": true, "size": n}`` (``get``
-followed by the bytes), or ``{"ok": false, "error": ...}``.
+Wire format (one TCP connection per client): the service sends ``{"nonce": ...}``; the client
+answers ``{"proof": ...}`` -- :func:`proof`, an HMAC of the nonce under the run's key, which
+never crosses the wire -- and the service ``{"ok": true}`` (or ``{"ok": false, "kind":
+"busy"}`` and closes). Then requests ``{"op": "put"|"get"|"exists"|"list"|"delete", "root":
+"run"|"resume"|"row-groups", "path": ..., "size": n}`` (``put`` followed by ``n`` raw bytes;
+``get`` with ``"span": [offset, length]`` asks for those bytes of the file only; ``delete``
+only a file of the run folder's ``checkpoints/``: what ``keep=`` prunes), each answered by
+``{"ok": true, "size": n}`` (``get`` followed by the bytes), or ``{"ok": false, "error":
+...}``.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
 import json
 import os
@@ -27,6 +32,13 @@ ROOTS = ("run", "resume", "row-groups")
 #: The run folder's checkpoints: the only files a rank may delete there (``keep=``)
 CHECKPOINTS = "checkpoints"
 CHUNK = 1 << 20
+
+
+def proof(key: str, nonce: str) -> str:
+    """What shows a connection holds the run's ``key``: HMAC-SHA256 of the service's ``nonce``
+    (fresh for each connection: a proof seen on one is worth nothing on another)."""
+    return hmac.new(key.encode(), b"sparkhvd-run-files-1:" + nonce.encode(),
+                    hashlib.sha256).hexdigest()
 
 
 def clean_path(path: str) -> str:

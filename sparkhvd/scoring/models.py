@@ -6,7 +6,7 @@ import json
 from typing import Any, Mapping, Optional
 
 from sparkhvd import storage
-from sparkhvd.keras.modelio import local_file, suffix_of
+from sparkhvd.keras.modelio import load_keras_model, local_file, suffix_of
 from sparkhvd.runfolder.rundir import is_torchscript
 
 __side__ = "driver"
@@ -83,9 +83,7 @@ def load_model(url: str, storage_options: Optional[Mapping[str, Any]] = None, **
     loc = model_url(url, storage_options)
     if is_torch_model(loc.path):
         return load_torch(storage.read_bytes(loc), **load_kwargs)
-    import tensorflow as tf
-
     if loc.is_local:
-        return tf.keras.models.load_model(loc.path, **load_kwargs)
+        return load_keras_model(loc.path, **load_kwargs)
     with local_file(storage.read_bytes(loc), suffix_of(loc.path)) as path:
-        return tf.keras.models.load_model(path, **load_kwargs)
+        return load_keras_model(path, **load_kwargs)

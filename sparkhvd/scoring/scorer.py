@@ -102,7 +102,8 @@ def _output(model: Any, argmax: bool) -> tuple[Any, bool]:
 def predict(df: Any, model: Any, features: Union[str, Sequence[str]], *,
             output_col: str = "prediction", batch_size: int = 1024,
             shapes: Optional[Mapping[str, Sequence[int]]] = None, argmax: bool = False,
-            check: bool = True, storage_options: Optional[Mapping[str, Any]] = None) -> Any:
+            check: bool = True, storage_options: Optional[Mapping[str, Any]] = None,
+            safe_mode: bool = True) -> Any:
     """``df`` with ``output_col`` holding the model's output for each row (see the module doc).
 
     Args:
@@ -118,6 +119,9 @@ def predict(df: Any, model: Any, features: Union[str, Sequence[str]], *,
         check: count nulls, NaNs and ragged arrays first (one Spark job over the features;
             ``False`` skips it for data you trust).
         storage_options: credentials to read the model (driver only).
+        safe_mode: a Keras model loads in Keras's safe mode (a ``Lambda`` layer's code is
+            refused: whoever can write the model's folder wrote the file); ``False`` for a
+            model you wrote that needs it.
 
     Example::
 
@@ -128,7 +132,7 @@ def predict(df: Any, model: Any, features: Union[str, Sequence[str]], *,
     from pyspark.ml.functions import predict_batch_udf
 
     from sparkhvd.data.materialize import check_column_type, check_profile, profile
-    from sparkhvd.keras.modelio import local_file
+    from sparkhvd.keras.modelio import load_keras_model, local_file
     from sparkhvd.spark.session import SCORING_MODULES, check_worker_python
     from sparkhvd.spark.sparkview import SparkView
 
@@ -155,10 +159,9 @@ def predict(df: Any, model: Any, features: Union[str, Sequence[str]], *,
         return _predict_torch(df, data, names, kinds, dict(shapes or {}), columns,
                               output_col=output_col, batch_size=batch_size, argmax=argmax,
                               lengths=lengths)
-    import tensorflow as tf
 
     with local_file(data, suffix) as path:
-        keras_model = tf.keras.models.load_model(path, compile=False)
+        keras_model = load_keras_model(path, compile=False, safe_mode=safe_mode)
     return_type, flatten = _output(keras_model, argmax)
     input_shapes = keras_model.input_shape if isinstance(keras_model.input_shape, list) \
         else [keras_model.input_shape]
@@ -181,12 +184,11 @@ def predict(df: Any, model: Any, features: Union[str, Sequence[str]], *,
         # would land in the driver's console of a local session; what the user set wins
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         import numpy as np
-        import tensorflow as tf
 
-        from sparkhvd.keras.modelio import local_file
+        from sparkhvd.keras.modelio import load_keras_model, local_file
 
         with local_file(shipped(), suffix) as path:
-            loaded = tf.keras.models.load_model(path, compile=False)
+            loaded = load_keras_model(path, compile=False, safe_mode=safe_mode)
 
         def predict_batch(*arrays):
             arrays = [a.reshape(-1, 1) if column else a for a, column in zip(arrays, as_column)]

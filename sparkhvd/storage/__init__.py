@@ -20,6 +20,7 @@ from sparkhvd.storage.files import (
     read_bytes,
     read_range,
     remove_torn,
+    size,
     write_bytes,
     write_file,
     write_or_spill,
@@ -30,4 +31,5 @@ __side__ = "shared"
 
 __all__ = ["StorageError", "redact", "remember_secret", "resolve", "read_bytes", "read_range",
            "write_bytes", "open_atomic", "exists", "listdir", "delete", "preflight", "write_or_spill",
-           "public_url", "Location", "RETRIES", "write_file", "delegate", "diagnose", "remove_torn"]
+           "public_url", "Location", "RETRIES", "write_file", "delegate", "diagnose", "remove_torn",
+           "size"]

@@ -46,6 +46,13 @@ def read_range(target: "Location | str", offset: int, length: int,
                                max_concurrency=TRANSFER_CONCURRENCY)
 
 
+def size(target: "Location | str", storage_options: Optional[Mapping[str, Any]] = None) -> int:
+    """A file's or blob's size in bytes."""
+    loc = as_location(target, storage_options)
+    with explained(loc, "read"):
+        return int(loc.fs.size(loc.path))
+
+
 def exists(target: "Location | str", storage_options: Optional[Mapping[str, Any]] = None) -> bool:
     """Whether a file, blob or folder exists."""
     loc = as_location(target, storage_options)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import atexit
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from sparkhvd.checkpoint import host_copy
 from sparkhvd.checkpoint.background import SavesInBackground, UploadQueue
@@ -26,9 +26,9 @@ from sparkhvd.common.identity import current_rank
 from sparkhvd.elastic.notices import listen, noticed, stop
 from sparkhvd.torch.async_save import BackgroundSave, HostSnapshot
 from sparkhvd.torch.restore_collectives import DcpNeeds, load_nearest_copy
-from sparkhvd.torch.serialise import load_state, save_state
+from sparkhvd.torch.serialise import load_state, save_state, unusual_types
 from sparkhvd.torch.side_group import side_group
-from sparkhvd.torch.snapshot_ring import SLOTS, SnapshotRing
+from sparkhvd.torch.snapshot_ring import SnapshotRing
 from sparkhvd.torch.training import unwrap
 
 __side__ = "rank"
@@ -60,8 +60,12 @@ class CheckpointsBase(SavesInBackground):
     def __init__(self, model: Any, optimizer: Any = None, *, url: Optional[str] = None,
                  storage_options: Optional[dict] = None, resume: Any = None,
                  data: Any = None, every_steps: Optional[int] = None,
-                 every_seconds: Optional[float] = None, keep: Optional[int] = None) -> None:
+                 every_seconds: Optional[float] = None, keep: Optional[int] = None,
+                 safe_types: Sequence[type] = ()) -> None:
         check_cadence(every_steps, every_seconds, keep)
+        #: the user's own types a checkpoint's extra state may hold (loaded; nothing else is)
+        self.safe_types = tuple(safe_types)
+        self._said_unusual: set[str] = set()
         self.model, self.optimizer = model, optimizer
         self.data = data
         self.every_steps, self.every_seconds, self.keep = every_steps, every_seconds, keep
@@ -111,6 +115,8 @@ class CheckpointsBase(SavesInBackground):
 
     def _checkpoint(self, epoch: int, step: Optional[int], extra: dict,
                     notice: bool) -> Optional[str]:
+        if self.rank == 0 and extra:
+            self._say_unusual(extra)
         name = self._write(epoch, step, extra)
         if notice:
             import torch.distributed as dist
@@ -120,6 +126,17 @@ class CheckpointsBase(SavesInBackground):
                 dist.barrier()  # every rank's part is in before any rank leaves
             raise stop(name or self._name(epoch + 1 if not step else epoch, step or 0))
         return name
+
+    def _say_unusual(self, extra: dict) -> None:
+        """Say now -- not at the resume -- which types of the extra state a restore will
+        refuse unless ``safe_types`` names them (once per type)."""
+        found = unusual_types(extra, self.safe_types) - self._said_unusual
+        if found:
+            self._said_unusual |= found
+            print(f"checkpoint: WARNING the extra state holds {', '.join(sorted(found))}, "
+                  f"which a restore loads only when named: Checkpoints(..., safe_types=[...]) "
+                  f"(nothing in a checkpoint is unpickled beyond tensors, numbers, strings, "
+                  f"numpy values and plain containers)", flush=True)  # the rank's line
 
     def _write(self, epoch: int, step: Optional[int], extra: dict) -> Optional[str]:
         raise NotImplementedError  # each kind writes its own
@@ -272,6 +289,13 @@ class Checkpoints(CheckpointsBase):
             optimizer's next ``step()`` waits for that copy. The price is a copy of the state
             each due step, on a core training may want (B15 measures it). Off by default. See
             :mod:`sparkhvd.torch.snapshot_ring`.
+        safe_types: classes of your own that your extra state (``save(epoch, **extra)``)
+            holds, for :meth:`restore` to load. A checkpoint is loaded with torch's
+            ``weights_only`` loader, never a full unpickle: whoever can write the checkpoint
+            folder could plant a file whose loading runs code, so only tensors, numbers,
+            strings, plain containers and these types load (``torch.serialization.
+            add_safe_globals`` allows types too); a file holding anything else is skipped with
+            an ``UnsafeCheckpoint`` problem naming what it held (an older good one is used).
 
     ``save(epoch)`` after an epoch, ``save(epoch, step=k)`` after step ``k`` of it (a mid-epoch
     checkpoint: ``epoch-000N-step-000000K.pt``), or ``step(epoch)`` after every step and the
@@ -283,7 +307,7 @@ class Checkpoints(CheckpointsBase):
                  data: Any = None, every_steps: Optional[int] = None,
                  every_seconds: Optional[float] = None, keep: Optional[int] = None,
                  async_save: bool = False, host_copy: bool = True,
-                 memory_snapshots: bool = False) -> None:
+                 memory_snapshots: bool = False, safe_types: Sequence[type] = ()) -> None:
         if memory_snapshots and not (async_save and host_copy):
             raise ValueError("memory_snapshots=True needs async_save=True and host_copy=True "
                              "(a snapshot is the step's copy of a background save, kept on "
@@ -291,7 +315,7 @@ class Checkpoints(CheckpointsBase):
                              f"host_copy={host_copy!r}")
         super().__init__(model, optimizer, url=url, storage_options=storage_options,
                          resume=resume, data=data, every_steps=every_steps,
-                         every_seconds=every_seconds, keep=keep)
+                         every_seconds=every_seconds, keep=keep, safe_types=safe_types)
         self.host_copy = host_copy
         if host_copy and self.store is not None:
             # the run is done: this host's copies can go, an earlier attempt's too (every
@@ -392,11 +416,8 @@ class Checkpoints(CheckpointsBase):
         kept = self._ring.keep(state, file, record_of(done, {}, {}, step), self.store.key,
                                self._changed_by_step(), hold)
         if kept is None:
+            print(f"checkpoint: no memory snapshot kept: {self._ring.why}", flush=True)
             self._ring = None
-            print(f"checkpoint: no memory snapshot kept: {SLOTS} more copies of the state do "
-                  f"not fit in half the free space of the host-copy folder; a save due while "
-                  f"one is written is skipped. Set {host_copy.DIR_ENV} to a larger folder.",
-                  flush=True)
         return kept
 
     def _changed_by_step(self) -> set[int]:
@@ -493,7 +514,8 @@ class Checkpoints(CheckpointsBase):
 
         def load(record: dict, files: dict) -> dict:
             device = next(iter(unwrap(self.model).parameters()), torch.zeros(0)).device
-            state = load_state(files[record["file"]], device)
+            state = load_state(files[record["file"]], device, self.safe_types,
+                               name=record["file"])
             unwrap(self.model).load_state_dict(state["model"])
             if self.optimizer is not None and state.get("optimizer"):
                 self.optimizer.load_state_dict(state["optimizer"])

@@ -7,7 +7,7 @@ import atexit
 import os
 import shutil
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from sparkhvd.checkpoint import host_copy
 from sparkhvd.checkpoint.lineage import checkpoint_name, record_of
@@ -17,7 +17,7 @@ from sparkhvd.common.function_end import at_function_end, at_function_return, he
 from sparkhvd.torch.async_save import BackgroundSave, ShardedStaging
 from sparkhvd.torch.checkpoints import CheckpointsBase, drop_host_copy
 from sparkhvd.torch.restore_collectives import DcpNeeds
-from sparkhvd.torch.serialise import reader_of
+from sparkhvd.torch.serialise import dcp_failure, reader_of, safe_planner
 
 __side__ = "rank"
 
@@ -75,10 +75,11 @@ class ShardedCheckpoints(CheckpointsBase):
                  storage_options: Optional[dict] = None, resume: Any = None,
                  data: Any = None, every_steps: Optional[int] = None,
                  every_seconds: Optional[float] = None, keep: Optional[int] = None,
-                 async_save: bool = False, host_copy: bool = True) -> None:
+                 async_save: bool = False, host_copy: bool = True,
+                 safe_types: Sequence[type] = ()) -> None:
         super().__init__(model, optimizer, url=url, storage_options=storage_options,
                          resume=resume, data=data, every_steps=every_steps,
-                         every_seconds=every_seconds, keep=keep)
+                         every_seconds=every_seconds, keep=keep, safe_types=safe_types)
         self.host_copy = host_copy
         self._staging: Optional[ShardedStaging] = None
         if self._keeps_copies():
@@ -246,6 +247,7 @@ class ShardedCheckpoints(CheckpointsBase):
         checked by the CRC-32 the record keeps of it (every file whole from a checkpoint
         written before records kept them)."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         if self.resume_from is None:
@@ -254,7 +256,11 @@ class ShardedCheckpoints(CheckpointsBase):
         needs = DcpNeeds(self._state)
 
         def load(record: dict, files: dict) -> dict:
-            dcp.load(needs.state, storage_reader=reader_of(files, record["file"]))
+            try:
+                dcp.load(needs.state, storage_reader=reader_of(files, record["file"]),
+                         planner=safe_planner(self.safe_types, record["file"]))
+            except CheckpointException as exc:  # a BaseException: the restore's skip misses it
+                raise dcp_failure(exc, record["file"]) from None
             return needs.state
 
         record, state, skipped, copy = self._read_newest(load, needs)

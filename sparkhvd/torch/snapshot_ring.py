@@ -31,9 +31,12 @@ next save that is written goes there. The restore reads the slot in place, mappe
 a process fills only slot files it laid out itself (its first fill of a slot makes a new
 file), so an earlier process's snapshot is never rewritten under a rank reading it.
 
-A slot file is the tensors' bytes, then the state's structure (a pickle whose tensors name
-their offsets), its length and :data:`MAGIC` -- so one read gives everything, and a slot that
-does not end with the marker is not a snapshot. Where the slots are on a disk (a crash of the
+A slot file is the tensors' bytes, then the state's structure (JSON whose tensors name their
+offsets, dtypes and shapes: :func:`structure_of`), its length and :data:`MAGIC` -- so one read
+gives everything, and a slot that does not end with the marker is not a snapshot. No pickle:
+whoever can write the host-copy folder could plant a slot, and reading one back runs nothing;
+a state holding anything but tensors, numbers, strings, bytes and containers of them is not
+kept as a snapshot (said once; the saves go on as without ``memory_snapshots``). Where the slots are on a disk (a crash of the
 host may leave one torn, for a relaunch there to read), the record carries the file's CRC-32,
 taken on the copying thread once the copy is done (the optimizer step waits for the copy, not
 for the sum) and checked when the snapshot is read back; in memory (``/dev/shm``) a snapshot
@@ -45,12 +48,13 @@ and the saves go on as without ``memory_snapshots``.
 """
 from __future__ import annotations
 
+import base64
+import collections
 import contextlib
-import io
+import json
 import math
 import mmap
 import os
-import pickle
 import threading
 import uuid
 import warnings
@@ -63,11 +67,18 @@ from sparkhvd.torch.async_save import HostSnapshot, StagingCopies, tensors_of
 
 __side__ = "rank"
 
-#: How a snapshot file ends.
-MAGIC = b"SPARKHVD-SNAPSHOT-1"
+#: How a snapshot file ends (1 was a pickled structure: no longer read as a snapshot).
+MAGIC = b"SPARKHVD-SNAPSHOT-2"
+_OLD_MAGIC = b"SPARKHVD-SNAPSHOT-1"
 #: Slots taking turns: one named newest, one a save is written from, one being filled.
 SLOTS = 3
 _ALIGN = mmap.ALLOCATIONGRANULARITY  # every tensor's offset: where a mapping may begin
+
+
+def is_old_snapshot(data: Union[bytes, memoryview]) -> bool:
+    """Whether ``data`` is a snapshot of an earlier sparkhvd's format (its structure pickled:
+    never read)."""
+    return bytes(data[-len(_OLD_MAGIC):]) == _OLD_MAGIC
 
 
 def is_snapshot(data: Union[bytes, memoryview]) -> bool:
@@ -80,39 +91,97 @@ def load_snapshot(data: Union[bytes, memoryview]) -> Any:
     and nothing holds it once this returns: a view of a mapped slot file is let go with it).
 
     Raises:
-        ValueError: ``data`` is not a whole snapshot.
+        ValueError: ``data`` is not a whole snapshot, or its structure is not one we write.
     """
     if not is_snapshot(data):
         raise ValueError("not a whole snapshot (its end marker is missing)")
     end = len(data) - len(MAGIC)
     length = int.from_bytes(data[end - 8:end], "little")
-    return _SnapshotReader(data, data[end - 8 - length:end - 8]).load()
+    if not 0 < length <= end - 8:
+        raise ValueError(f"not a snapshot: its structure's length ({length}) is out of the file")
+    structure = json.loads(bytes(data[end - 8 - length:end - 8]))
+    return _decode(structure, data, end - 8 - length)
 
 
-class _SnapshotReader(pickle.Unpickler):
-    """Reads a snapshot's structure, each tensor copied from its offset in the file's bytes.
+class NotPlain(ValueError):
+    """A state holds a value a snapshot's structure does not keep (its type named)."""
 
-    A class of its own, not one made in :func:`load_snapshot` over its locals: a class is in
-    a reference cycle, which would hold a mapped slot file's view (and its mapping) until a
-    garbage collection."""
 
-    def __init__(self, data: Union[bytes, memoryview], structure: Union[bytes, memoryview]
-                 ) -> None:
-        super().__init__(io.BytesIO(structure))
-        self._data = data
+def structure_of(value: Any, offsets: dict[int, tuple[int, str, tuple]]) -> Any:
+    """``value`` as JSON: tensors (the slot's buffers, by ``id``) as ``{"t": [offset, dtype,
+    shape]}``, every container as a one-key object (``d`` a dict's pairs, with ``o`` for an
+    ``OrderedDict`` and ``m`` its ``_metadata``; ``l`` a list, ``u`` a tuple, ``b`` bytes);
+    None, booleans, numbers and strings as they are.
 
-    def persistent_load(self, pid: Any) -> Any:
-        import torch
+    Raises:
+        NotPlain: anything else (a tensor not in the slot, an object of another type).
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    place = offsets.get(id(value))
+    if place is not None:
+        offset, dtype, shape = place
+        return {"t": [offset, dtype, list(shape)]}
+    if isinstance(value, dict) and type(value) in (dict, collections.OrderedDict):
+        out: dict = {"d": [[structure_of(k, offsets), structure_of(v, offsets)]
+                           for k, v in value.items()]}
+        if type(value) is collections.OrderedDict:
+            out["o"] = 1
+        if getattr(value, "_metadata", None) is not None:
+            out["m"] = structure_of(value._metadata, offsets)  # type: ignore[attr-defined]
+        return out
+    if type(value) in (list, tuple):
+        return {"l" if type(value) is list else "u": [structure_of(v, offsets) for v in value]}
+    if isinstance(value, bytes):
+        return {"b": base64.b64encode(value).decode()}
+    raise NotPlain(f"{type(value).__module__}.{type(value).__qualname__}")
 
-        offset, dtype, shape = pid
-        kind = getattr(torch, dtype.split(".")[-1])
-        count = math.prod(shape)
-        if not count:
-            return torch.empty(shape, dtype=kind)
-        with warnings.catch_warnings():  # read-only bytes: only copied from
-            warnings.simplefilter("ignore", UserWarning)
-            view = torch.frombuffer(self._data, dtype=kind, count=count, offset=offset)
-        return view.reshape(shape).clone()
+
+def _decode(value: Any, data: Union[bytes, memoryview], tensors_end: int) -> Any:
+    """What :func:`structure_of` wrote, its tensors copied out of ``data`` (which they must lie
+    inside: before ``tensors_end``)."""
+    if not isinstance(value, (dict, list)):
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise ValueError(f"not a snapshot's structure: {type(value).__name__}")
+    if isinstance(value, list) or len(value) not in (1, 2, 3):
+        raise ValueError("not a snapshot's structure: a bare container")
+    if "t" in value:
+        return _tensor(value["t"], data, tensors_end)
+    if "d" in value:
+        pairs = [(_decode(k, data, tensors_end), _decode(v, data, tensors_end))
+                 for k, v in value["d"]]
+        out: Any = collections.OrderedDict(pairs) if value.get("o") else dict(pairs)
+        if "m" in value:
+            out._metadata = _decode(value["m"], data, tensors_end)
+        return out
+    if "l" in value or "u" in value:
+        items = [_decode(v, data, tensors_end) for v in value["l" if "l" in value else "u"]]
+        return items if "l" in value else tuple(items)
+    if "b" in value:
+        return base64.b64decode(value["b"])
+    raise ValueError(f"not a snapshot's structure: {sorted(value)}")
+
+
+def _tensor(place: Any, data: Union[bytes, memoryview], tensors_end: int) -> Any:
+    """The tensor at ``place`` (offset, dtype, shape) in ``data``, copied: a dtype is a torch
+    dtype's name, the bytes must lie before the structure."""
+    import torch
+
+    offset, dtype, shape = place
+    kind = getattr(torch, str(dtype).split(".")[-1], None)
+    if not isinstance(kind, torch.dtype) or not isinstance(offset, int) or \
+            not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ValueError(f"not a snapshot's tensor: {place!r}")
+    count = math.prod(shape)
+    if not count:
+        return torch.empty(shape, dtype=kind)
+    if offset < 0 or offset + count * kind.itemsize > tensors_end:
+        raise ValueError(f"not a snapshot's tensor: {place!r} lies outside its bytes")
+    with warnings.catch_warnings():  # read-only bytes: only copied from
+        warnings.simplefilter("ignore", UserWarning)
+        view = torch.frombuffer(data, dtype=kind, count=count, offset=offset)
+    return view.reshape(shape).clone()
 
 
 class _Slot(HostSnapshot):
@@ -206,17 +275,12 @@ class _Slot(HostSnapshot):
             self.copies.copy_from_gpu(on_gpu)
 
     def structure(self, taken: Any) -> bytes:
-        """What follows the tensors in the file: ``taken``'s structure (its tensors named by
-        their offsets), its length and :data:`MAGIC`."""
-        offsets = self._offsets
+        """What follows the tensors in the file: ``taken``'s structure
+        (:func:`structure_of`), its length and :data:`MAGIC`.
 
-        class Writer(pickle.Pickler):
-            def persistent_id(self, obj: Any) -> Any:
-                return offsets.get(id(obj))
-
-        out = io.BytesIO()
-        Writer(out, protocol=pickle.HIGHEST_PROTOCOL).dump(taken)
-        tail = out.getvalue()
+        Raises:
+            NotPlain: ``taken`` holds a value a snapshot does not keep."""
+        tail = json.dumps(structure_of(taken, self._offsets), separators=(",", ":")).encode()
         return tail + len(tail).to_bytes(8, "little") + MAGIC
 
     def checksum(self, size: int) -> int:
@@ -265,6 +329,8 @@ class SnapshotRing:
         self._copied.set()
         self._error: Optional[BaseException] = None
         self._lock = threading.Lock()
+        #: why :meth:`keep` kept nothing (said once by the caller)
+        self.why = ""
 
     @classmethod
     def here(cls) -> Optional[SnapshotRing]:
@@ -276,7 +342,8 @@ class SnapshotRing:
              later: Collection[int] = (), hold: bool = False) -> Optional[Any]:
         """Copy ``state`` into a free slot and name it this rank's newest snapshot, the copy of
         ``file`` (``record``'s, without its files: added here); the state's copy there (its
-        tensors the slot's), or None when the slots do not fit (nothing written).
+        tensors the slot's), or None when the slots do not fit or the state holds a value a
+        snapshot does not keep (nothing written; :attr:`why` says which).
 
         The tensors whose data pointers are in ``later`` (the parameters and the optimizer's
         state) are copied on a thread while training goes on, and every torch optimizer's next
@@ -290,9 +357,18 @@ class SnapshotRing:
                 host_copy.free_bytes(slot.path) + sum(s.end for s in self._slots))
 
         if not slot.plan(state, room):
+            self.why = (f"{SLOTS} more copies of the state do not fit in half the free space "
+                        f"of the host-copy folder; a save due while one is written is "
+                        f"skipped. Set {host_copy.DIR_ENV} to a larger folder.")
             return None
         taken, pairs = slot.take_now(state, later)
-        tail = slot.structure(taken)  # the step's plain values, pickled now
+        try:
+            tail = slot.structure(taken)  # the step's plain values, written down now
+        except NotPlain as exc:  # nothing named: the slot is filled again next time
+            self.why = (f"the state holds a {exc}, which a snapshot does not keep (tensors, "
+                        f"numbers, strings, bytes and containers of them; nothing that "
+                        f"unpickles); a save due while one is written is skipped.")
+            return None
         if hold:
             self._held = index
 

@@ -323,7 +323,8 @@ def test_a_torch_restore_reads_this_hosts_copy_in_place(run_env, capsys, monkeyp
     given = []
     load_state = torch_checkpoints.load_state
     monkeypatch.setattr(torch_checkpoints, "load_state",
-                        lambda data, device: given.append(type(data)) or load_state(data, device))
+                        lambda data, device, *args, **kwargs: given.append(type(data))
+                        or load_state(data, device, *args, **kwargs))
     model, _, epoch, lines = _restored(torch, run_env, capsys)
     assert given == [memoryview] and "its copy on this host" in lines[-1], (given, lines)
     assert epoch == 1 and all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
@@ -930,7 +931,8 @@ def test_saves_due_while_one_is_written_are_memory_snapshots_and_a_relaunch_rest
     given = []
     load_state = torch_checkpoints.load_state
     monkeypatch.setattr(torch_checkpoints, "load_state",
-                        lambda data, device: given.append(type(data)) or load_state(data, device))
+                        lambda data, device, *args, **kwargs: given.append(type(data))
+                        or load_state(data, device, *args, **kwargs))
     out = capsys.readouterr().out
     assert out.count("kept in memory on this host only") == 1, out
     assert "epoch-0000-step-0000002.snapshot kept in memory" in out, out

@@ -56,8 +56,7 @@ def test_a_partition_larger_than_the_sizing_buffer_keeps_the_usual_groups(tmp_pa
 def test_the_writers_footers_go_to_the_ranks_who_read_none(tmp_path):
     """The footer each write task returns is its file's; a shard given the footers reads only
     row groups, and one without reads each footer once for the run (the same bytes)."""
-    import pickle
-
+    from sparkhvd.data.footers import footer_of
     from sparkhvd.data.shard import DatasetShard
     from sparkhvd.data.sharding import ShardSource, footer_size
 
@@ -66,7 +65,7 @@ def test_the_writers_footers_go_to_the_ranks_who_read_none(tmp_path):
     write = materialize._partition_writer(str(tmp_path), {}, ROW_GROUP_BYTES, ["c0"], 8)
     (row,) = [r for out in write(iter(table.to_batches(1000))) for r in out.to_pylist()]
     path = str(tmp_path / row["file"])
-    meta = pickle.loads(row["footer"])
+    meta = footer_of(row["footer"])  # Parquet's own footer bytes: no pickle
     assert meta.equals(pq.read_metadata(path)) and meta.num_row_groups == len(row["groups"]) > 1
     plain = ShardSource(files=(path,), row_counts=(rows,), row_groups=(tuple(row["groups"]),),
                         stored={"x": "c0", "y": "c1"}, row_bytes=12, features=("x",),

@@ -32,7 +32,7 @@ def _table(tmp_path, n, group_rows=10, files=3):
     """Ids ``0..n-1`` (``x``: the id and twice it; ``y``: the id) in ``files`` Parquet files of
     ``group_rows``-row groups, streamed (never kept), the footers shipped with the source (as
     the materialiser does): a rank reads only row groups."""
-    import pickle
+    from sparkhvd.data.footers import footer_bytes
 
     ids = np.arange(n, dtype=np.int64)
     paths, counts, groups = [], [], []
@@ -49,7 +49,7 @@ def _table(tmp_path, n, group_rows=10, files=3):
     return ShardSource(files=tuple(paths), row_counts=tuple(counts), row_groups=tuple(groups),
                        stored={"x": "x", "y": "y"}, row_bytes=16, features=("x",), label="y",
                        memory_cache=0, widths={"x": 2},
-                       footers=tuple(pickle.dumps(pq.read_metadata(p)) for p in paths))
+                       footers=tuple(footer_bytes(pq.read_metadata(p)) for p in paths))
 
 
 @pytest.fixture()

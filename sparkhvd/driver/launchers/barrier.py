@@ -38,7 +38,7 @@ from typing import Any, Optional
 from sparkhvd.common import protocol
 from sparkhvd.common.backends import TaskInfo, get_backend
 from sparkhvd.common.errors import LaunchFailure
-from sparkhvd.common.netif import collective_iface_env
+from sparkhvd.common.netif import bind_address, collective_iface_env
 from sparkhvd.common.protocol import TaskSpec
 from sparkhvd.driver.launchers.base import ThreadedGroup, kill_local_ranks
 from sparkhvd.driver.launchers.control import ControlServer, TaskState
@@ -82,7 +82,7 @@ class BarrierGroup(ThreadedGroup):
         run_env = {**self._backend.start(spec.driver_host, spec.nics, spec.verbose, spec.run),
                    **collective_iface_env(spec.nics, None)}
         token = secrets.token_hex(16)
-        bind = "127.0.0.1" if spec.placement.executors_here else ""
+        bind = "127.0.0.1" if spec.placement.executors_here else bind_address(spec.driver_host)
         server = self._server = ControlServer(bind, spec.tasks, token, self.sink, run_env,
                                               self._backend, spec.ranks_per_task,
                                               spec.node_per_task)
@@ -266,6 +266,7 @@ def replay_rows(server: ControlServer, sink: Sink, tasks: dict[int, dict[str, An
 
 def _stop_servers(server: Optional[ControlServer], backend: Any) -> None:
     if server is not None:
+        server.end_all()  # no task connection outlives the launch
         server.shutdown()
         server.server_close()
     if backend is not None:

@@ -20,6 +20,7 @@ from typing import Any, Optional
 from sparkhvd.common import protocol
 from sparkhvd.common.backends import TaskInfo, assign_with_hosts
 from sparkhvd.common.errors import LaunchFailure
+from sparkhvd.common.guarded_server import GuardedServer, hello_line
 from sparkhvd.common.identity import RankIdentity
 from sparkhvd.common.protocol import rank_slots, task_slots
 from sparkhvd.driver.launchers.base import preempted_now
@@ -66,11 +67,18 @@ class TaskState:
         return sorted(out, key=lambda e: (e[0], e[2] is None))
 
 
-class ControlServer(socketserver.ThreadingTCPServer):
-    """Driver side: registers the tasks, hands out ranks, receives their messages."""
+#: Seconds a barrier task's connection has to send its hello (it sends it at once).
+HELLO_TIMEOUT_S = 10.0
 
-    daemon_threads = True
-    allow_reuse_address = True
+
+class ControlServer(GuardedServer):
+    """Driver side: registers the tasks, hands out ranks, receives their messages. A
+    :class:`~sparkhvd.common.guarded_server.GuardedServer`: a connection sends its hello --
+    with the run's token -- within :data:`HELLO_TIMEOUT_S`, whole; a flood of silent ones
+    pushes the oldest out."""
+
+    what = "control"
+    hello_timeout_s = HELLO_TIMEOUT_S
 
     def __init__(self, bind_host: str, task_count: int, token: str, sink: Sink,
                  run_env: dict, backend: Any, ranks_per_task: int = 1,
@@ -274,14 +282,22 @@ class _ControlHandler(socketserver.StreamRequestHandler):
     def handle(self) -> None:  # noqa: D102 - one connection per barrier task
         server: ControlServer = self.server  # type: ignore[assignment]
         try:
-            hello = protocol.decode(self.rfile.readline(1 << 16) or b"{}")
-        except ValueError:
+            self._handle(server)
+        finally:
+            server.leave(self.connection)
+
+    def _handle(self, server: ControlServer) -> None:
+        try:  # the whole hello within the deadline: a silent or slow socket is closed
+            hello = protocol.decode(hello_line(self.connection, server.hello_timeout_s))
+        except (ValueError, OSError):
             hello = None
         if not isinstance(hello, protocol.Hello) or \
                 not secrets.compare_digest(str(hello.token), server.token):
-            log.warning("Ignored a control connection without the run's token from %s",
-                        self.client_address[0])
+            server.refuse(self.client_address[0], "came without the run's token")
             return
+        if not server.admit(self.connection):
+            return
+        self.connection.settimeout(None)
         task = TaskState(TaskInfo(int(hello.partition), str(hello.host),
                               hello.address or self.client_address[0]),
                      conn=self.connection)
