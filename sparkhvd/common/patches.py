@@ -23,6 +23,7 @@ pyarrow < 14.0.1, every side (:func:`forbid_pickled_arrow_types`): a table whose
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Optional
 
 from sparkhvd.common.errors import EnvironmentMismatchError
@@ -265,6 +266,7 @@ def patch_keras_multiworker() -> None:
 
 
 _arrow_guarded: list[bool] = []
+_arrow_lock = threading.Lock()
 
 
 def forbid_pickled_arrow_types() -> None:
@@ -274,7 +276,13 @@ def forbid_pickled_arrow_types() -> None:
     itself. Once per process; called before sparkhvd reads Arrow or Parquet."""
     if _arrow_guarded:
         return
-    _arrow_guarded.append(True)
+    with _arrow_lock:  # a concurrent first caller waits until the guard is in place
+        if not _arrow_guarded:
+            _forbid_pickled_arrow_types()
+            _arrow_guarded.append(True)
+
+
+def _forbid_pickled_arrow_types() -> None:
     import pyarrow as pa
 
     version = tuple(int(p) for p in pa.__version__.split(".")[:3] if p.isdigit())

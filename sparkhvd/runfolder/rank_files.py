@@ -24,6 +24,7 @@ from typing import IO, Mapping, Optional
 from sparkhvd.common import protocol
 from sparkhvd.runfolder.wire import (
     CHECKPOINTS,
+    IDLE_RECONNECT_S,
     clean_path,
     copy_exact,
     proof,
@@ -51,6 +52,7 @@ class RunFiles:
         self.token = environ.get(protocol.FILES_TOKEN_ENV, "")
         self._sock: Optional[socket.socket] = None
         self._rfile: Optional[IO[bytes]] = None
+        self._used = 0.0  # when the connection last answered
         self._lock = threading.Lock()
 
     @property
@@ -107,6 +109,8 @@ class RunFiles:
     def _request(self, header: dict, body: Optional[IO[bytes]] = None,
                  sink: Optional[IO[bytes]] = None) -> dict:
         with self._lock:
+            if self._sock is not None and time.monotonic() - self._used > IDLE_RECONNECT_S:
+                self.close()  # the service ends idle connections: a fresh one, no retry spent
             for attempt in (0, 1):
                 try:
                     if self._sock is None:
@@ -118,6 +122,7 @@ class RunFiles:
                     reply = read_json(self._rfile)
                     if reply.get("ok") and sink is not None:
                         copy_exact(self._rfile, sink, int(reply["size"]))
+                    self._used = time.monotonic()
                     break
                 except OSError:  # a broken connection: reconnect once and start over
                     self.close()

@@ -9,20 +9,23 @@ model) and only reads the run folder and the resume source. Client and wire form
 :mod:`sparkhvd.runfolder.rank_files`, :mod:`sparkhvd.runfolder.wire`.
 
 It holds under abuse from anyone who can reach its port (bound to the driver's cluster
-address only):
+address: :func:`~sparkhvd.common.netif.bind_address`), on
+:class:`~sparkhvd.common.guarded_server.GuardedServer`:
 
 - a connection proves it holds the run's one-off key by an HMAC over a nonce the service sends
   (:func:`~sparkhvd.runfolder.wire.proof`): the key never crosses the wire, and a proof seen
   once is worth nothing on another connection;
 - a connection that has not proved it within :data:`HELLO_TIMEOUT_S` is closed, at most
   :data:`MAX_WAITING` wait at once (a new one pushes the oldest out: a flood of idle sockets
-  holds neither threads nor descriptors), and at most :data:`MAX_CONNECTIONS` proved ones are
-  served at once; refusals are logged once a minute, counted;
+  holds neither threads nor descriptors), and at most :func:`connections_for` proved ones are
+  served at once, each ended after :data:`~sparkhvd.runfolder.wire.IDLE_TIMEOUT_S` idle (the
+  rank reconnects); refusals are logged once a minute, counted;
 - every size and name is checked before a byte is written; a file is written to a temporary
   name and renamed only while the service runs: :meth:`RunFileService.stop` ends every live
   connection, and nothing is written after it returns;
-- a ``get`` is streamed in pieces of at most :data:`~sparkhvd.runfolder.wire.CHUNK` (np ranks
-  restoring a large checkpoint through it cost no driver memory per byte).
+- a ``get`` is streamed in pieces (:data:`~sparkhvd.runfolder.wire.CHUNK` from a local file,
+  eight of it from a remote resume source: np ranks restoring a large checkpoint through it
+  cost no driver memory per byte), and a read that breaks off ends its connection.
 
 It also keeps the run's *row-group copies* (root ``row-groups``): ranks on other hosts send it
 each row group of a small table they read from the files, and a later attempt's rank reads
@@ -56,6 +59,7 @@ from sparkhvd.common.redaction import remember_secret
 from sparkhvd.runfolder.wire import (
     CHECKPOINTS,
     CHUNK,
+    IDLE_TIMEOUT_S,
     ROOTS,
     clean_path,
     copy_exact,
@@ -76,9 +80,6 @@ MAX_WAITING = 32
 #: Proved connections served at once, at least (a rank holds one or two -- its files, its row
 #: copies -- and each DataLoader worker its own: :func:`connections_for` scales it by np).
 MAX_CONNECTIONS = 256
-#: Seconds a proved connection may wait between requests before the service ends it (the
-#: rank's next request reconnects): an idle one holds no thread for long.
-IDLE_TIMEOUT_S = 120.0
 #: The largest file a rank may send (a checkpoint file; far above any real one).
 MAX_PUT_BYTES = 1 << 40
 #: What a refusal of a connection without the key adds to the log line.
@@ -506,6 +507,14 @@ class _Handler(socketserver.StreamRequestHandler):
                     if not received:  # refused before its bytes were read: they follow
                         _drain(self.rfile, size)
                     raise
+                except ConnectionError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - part of the body may be unread:
+                    from sparkhvd.common.redaction import redact  # answer, then end
+
+                    send_json(sock, {"ok": False, "kind": "error",
+                                     "error": redact(f"{type(exc).__name__}: {exc}")})
+                    return False
                 if root == "run":
                     server.received.append(clean_path(path))
                 send_json(sock, {"ok": True, "size": size})

@@ -32,6 +32,10 @@ ROOTS = ("run", "resume", "row-groups")
 #: The run folder's checkpoints: the only files a rank may delete there (``keep=``)
 CHECKPOINTS = "checkpoints"
 CHUNK = 1 << 20
+#: Seconds the service lets a proved connection wait between requests before it ends it; a
+#: rank reconnects before it reuses one idle for :data:`IDLE_RECONNECT_S` (no retry spent).
+IDLE_TIMEOUT_S = 120.0
+IDLE_RECONNECT_S = 0.75 * IDLE_TIMEOUT_S
 
 
 def proof(key: str, nonce: str) -> str:

@@ -96,21 +96,48 @@ def load_state(data: Union[bytes, memoryview], device: Any, safe_types: Sequence
 def allowing(safe_types: Sequence[type]) -> Iterator[None]:
     """torch's ``weights_only`` loader allows ``safe_types`` and numpy's scalars, arrays and
     dtypes (what a user's extra state often holds: ``best=np.float64(...)``, a numpy array;
-    their reconstruction runs nothing) while the block runs. torch < 2.5 has no scope for
-    it: the types are allowed for the process (``add_safe_globals``, torch 2.4), or not at
-    all (torch < 2.4: only torch's own)."""
+    their reconstruction runs nothing) while the block runs.
+
+    torch's allowlist is the process's: only the types it lacks are added, and taken out again
+    when the last block that added them ends (a lock and a count per type), so a user's own
+    ``add_safe_globals`` survives a restore and two threads' restores do not undo each
+    other's. torch < 2.4 has no allowlist: only its own types load there."""
     import torch.serialization as serialization
 
-    types = [*safe_types, *_numpy_globals()]
-    scope = getattr(serialization, "safe_globals", None)
-    if scope is not None:
-        with scope(types):
-            yield
-        return
     add = getattr(serialization, "add_safe_globals", None)
-    if add is not None:
-        add(types)
-    yield
+    get = getattr(serialization, "get_safe_globals", None)
+    if add is None or get is None:
+        yield
+        return
+    wanted = [t for t in (*safe_types, *_numpy_globals()) if isinstance(t, type) or callable(t)]
+    with _allow_lock:
+        present = set(map(id, get()))
+        for kind in wanted:
+            if _allowed_by_us.get(id(kind)):
+                _allowed_by_us[id(kind)] += 1
+            elif id(kind) not in present:
+                add([kind])
+                _allowed_by_us[id(kind)] = 1
+    try:
+        yield
+    finally:
+        with _allow_lock:
+            ours = [k for k in wanted if _allowed_by_us.get(id(k))]
+            for kind in ours:
+                _allowed_by_us[id(kind)] -= 1
+            gone = {id(k) for k in ours if not _allowed_by_us[id(k)]}
+            if gone:
+                clear = getattr(serialization, "clear_safe_globals", None)
+                if clear is not None:
+                    keep = [g for g in get() if id(g) not in gone]
+                    clear()
+                    add(keep)
+                for key in gone:
+                    del _allowed_by_us[key]
+
+
+_allow_lock = threading.Lock()
+_allowed_by_us: dict[int, int] = {}  # id of a type allowed by allowing() -> blocks using it
 
 
 @functools.cache
@@ -127,23 +154,35 @@ def _numpy_globals() -> tuple:
             *[k for k in kinds if isinstance(k, type)])
 
 
-def unusual_types(value: Any, safe_types: Sequence[type] = (), depth: int = 0) -> set[str]:
+def unusual_types(value: Any, safe_types: Sequence[Any] = (), limit: int = 100_000
+                  ) -> set[str]:
     """The types in ``value`` (an extra state) that :func:`load_state` will refuse unless
-    named in ``safe_types``: said when the checkpoint is saved, not found at the resume."""
+    named in ``safe_types``: said when the checkpoint is saved, not found at the resume.
+    Exact types (an ``IntEnum`` is not an int to the loader); at most ``limit`` values looked
+    at (a huge list is not walked on every save)."""
     import numpy as np
     import torch
 
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes,
-                                           torch.Tensor, torch.dtype, torch.device,
-                                           torch.Size, np.generic, np.ndarray)):
-        return set()
-    if isinstance(value, tuple(safe_types)) or depth > 20:
-        return set()
-    if type(value) in (dict, list, tuple, set, frozenset, collections.OrderedDict):
-        items = (list(value.keys()) + list(value.values())) if isinstance(value, dict) \
-            else list(value)
-        return set().union(*(unusual_types(v, safe_types, depth + 1) for v in items))
-    return {f"{type(value).__module__}.{type(value).__qualname__}"}
+    plain = (type(None), bool, int, float, complex, str, bytes, torch.Size, torch.dtype,
+             torch.device)
+    named = tuple(t for t in safe_types if isinstance(t, type))
+    found: set[str] = set()
+    stack, seen = [value], 0
+    while stack and seen < limit:
+        item = stack.pop()
+        seen += 1
+        kind = type(item)
+        if kind in plain or isinstance(item, (torch.Tensor, np.generic, np.ndarray)) or \
+                kind in named:
+            continue
+        if kind in (dict, collections.OrderedDict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif kind in (list, tuple, set):
+            stack.extend(item)
+        else:
+            found.add(f"{kind.__module__}.{kind.__qualname__}")
+    return found
 
 
 def dcp_failure(exc: BaseException, name: str) -> Exception:
@@ -230,8 +269,9 @@ _METADATA_GLOBALS = {
         "MetadataIndex", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+    *((module, name) for module in ("pathlib", "pathlib._local")  # Python 3.13's module
+      for name in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+    ("collections", "OrderedDict")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -250,8 +290,10 @@ class _MetadataUnpickler(pickle.Unpickler):
 @functools.cache
 def _safe_reader() -> Any:
     """DCP's ``FileSystemReader``, its ``.metadata`` read by :class:`_MetadataUnpickler`."""
+    import torch.distributed.checkpoint.metadata as dcp_metadata
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    storage_meta: Any = getattr(dcp_metadata, "StorageMeta", None)  # torch >= 2.4
 
     class SafeReader(FileSystemReader):
         checkpoint_name = "the checkpoint"
@@ -265,8 +307,10 @@ def _safe_reader() -> Any:
                     metadata = _MetadataUnpickler(metadata_file).load()
                 except pickle.UnpicklingError as exc:
                     raise unsafe(f"{self.checkpoint_name}/.metadata", exc) from None
+            if storage_meta is None:
+                return metadata
             if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
+                metadata.storage_meta = storage_meta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 

@@ -110,7 +110,8 @@ class NotPlain(ValueError):
 def structure_of(value: Any, offsets: dict[int, tuple[int, str, tuple]]) -> Any:
     """``value`` as JSON: tensors (the slot's buffers, by ``id``) as ``{"t": [offset, dtype,
     shape]}``, every container as a one-key object (``d`` a dict's pairs, with ``o`` for an
-    ``OrderedDict`` and ``m`` its ``_metadata``; ``l`` a list, ``u`` a tuple, ``b`` bytes);
+    ``OrderedDict`` and ``m`` its ``_metadata``; ``l`` a list, ``u`` a tuple, ``b`` bytes,
+    ``n`` a numpy number: its dtype and value);
     None, booleans, numbers and strings as they are.
 
     Raises:
@@ -134,6 +135,10 @@ def structure_of(value: Any, offsets: dict[int, tuple[int, str, tuple]]) -> Any:
         return {"l" if type(value) is list else "u": [structure_of(v, offsets) for v in value]}
     if isinstance(value, bytes):
         return {"b": base64.b64encode(value).decode()}
+    kind: Any = getattr(value, "dtype", None)
+    if type(value).__module__ == "numpy" and getattr(kind, "kind", "") in ("b", "i", "u", "f") \
+            and getattr(value, "ndim", None) == 0:  # a numpy scalar: its dtype and value
+        return {"n": [kind.str, value.item()]}
     raise NotPlain(f"{type(value).__module__}.{type(value).__qualname__}")
 
 
@@ -160,6 +165,13 @@ def _decode(value: Any, data: Union[bytes, memoryview], tensors_end: int) -> Any
         return items if "l" in value else tuple(items)
     if "b" in value:
         return base64.b64decode(value["b"])
+    if "n" in value:
+        import numpy as np
+
+        dtype = np.dtype(str(value["n"][0]))
+        if dtype.kind not in ("b", "i", "u", "f"):
+            raise ValueError(f"not a snapshot's number: {value['n']!r}")
+        return dtype.type(value["n"][1])
     raise ValueError(f"not a snapshot's structure: {sorted(value)}")
 
 

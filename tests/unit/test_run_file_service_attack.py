@@ -310,6 +310,9 @@ def test_the_control_channel_closes_slow_hellos_and_pushes_a_flood_out(monkeypat
             pass
 
     monkeypatch.setattr(ControlServer, "hello_timeout_s", 0.5)
+    large = ControlServer("127.0.0.1", 100, "t", Sink(), {}, backend=None)
+    large.server_close()
+    assert large.max_waiting >= 100, "every task of a launch connects at once: none pushed out"
     server = ControlServer("127.0.0.1", 1, "right-token", Sink(), {}, backend=None)
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     try:

@@ -128,6 +128,26 @@ def test_numpy_values_in_the_extra_state_restore_and_other_types_are_said_at_sav
     assert restored.restore() == 2 and restored.restored["best"] == 0.5
 
 
+def test_a_restore_leaves_the_users_own_allowlist_as_it_was(torch, tmp_path):
+    """torch's allowlist is the process's: a restore adds what it lacks and takes only that
+    out again -- a type the user allowed themselves stays allowed."""
+    import sparkhvd.torch as st
+
+    before = list(torch.serialization.get_safe_globals())
+    torch.serialization.add_safe_globals([_Note])
+    try:
+        model, opt = _model_and_opt(torch)
+        st.Checkpoints(model, opt, url=str(tmp_path), resume=False).save(0, note=_Note("a"),
+                                                                         best=np.float64(1))
+        again = st.Checkpoints(model, opt, url=str(tmp_path), resume=True)
+        assert again.restore() == 1 and again.restored["note"].text == "a"
+        allowed = torch.serialization.get_safe_globals()
+        assert _Note in allowed and not any(g is np.dtype for g in allowed)
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+
+
 class _Note:
     """A user's own type in the extra state."""
 
@@ -202,7 +222,7 @@ def test_a_snapshot_keeps_a_states_structure_without_a_pickle(torch):
     state = {"model": weights, "optimizer": opt.state_dict(), "epoch": 3, "step": 7,
              "data": {"epoch": 3, "deal": [[0, 4], [4, 8]], "nan": float("nan")},
              "extra": {"name": "run", "raw": b"\x00\x01", "pair": (1, "a"), "none": None,
-                       "empty": torch.zeros(0)}}
+                       "empty": torch.zeros(0), "best": np.float32(0.5), "n": np.int64(7)}}
     data = _snapshot_of(torch, state)
     assert b"\x80" not in data[-200:] or b"pickle" not in data  # the structure is JSON
     loaded = load_state(data, "cpu")
@@ -213,6 +233,7 @@ def test_a_snapshot_keeps_a_states_structure_without_a_pickle(torch):
     assert loaded["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
     assert loaded["extra"]["raw"] == b"\x00\x01" and loaded["extra"]["pair"] == (1, "a")
     assert loaded["data"]["deal"] == [[0, 4], [4, 8]] and loaded["epoch"] == 3
+    assert type(loaded["extra"]["best"]) is np.float32 and loaded["extra"]["n"] == 7
     with pytest.raises(snapshot_ring.NotPlain, match="_Note"):
         snapshot_ring.structure_of({"x": _Note("n")}, {})
 

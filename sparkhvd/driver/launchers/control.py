@@ -84,6 +84,8 @@ class ControlServer(GuardedServer):
                  run_env: dict, backend: Any, ranks_per_task: int = 1,
                  node_per_task: bool = False) -> None:
         super().__init__((bind_host, 0), _ControlHandler)
+        # every task of a large launch connects at once: none of them may be pushed out
+        self.max_waiting = max(self.max_waiting, task_count + 8)
         #: how many Spark tasks register (each runs ``ranks_per_task`` ranks)
         self.task_count, self.token, self.sink = task_count, token, sink
         self.ranks_per_task, self.node_per_task = ranks_per_task, node_per_task
@@ -296,6 +298,8 @@ class _ControlHandler(socketserver.StreamRequestHandler):
             server.refuse(self.client_address[0], "came without the run's token")
             return
         if not server.admit(self.connection):
+            server.refuse(self.client_address[0], f"sent its hello (partition "
+                          f"{hello.partition}) after it was pushed out or the launch ended")
             return
         self.connection.settimeout(None)
         task = TaskState(TaskInfo(int(hello.partition), str(hello.host),
