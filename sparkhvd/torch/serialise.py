@@ -238,7 +238,7 @@ def reader_of(files: Mapping[str, Any], folder: str, name: str = "") -> Any:
 def safe_planner(safe_types: Sequence[type] = (), name: str = "the checkpoint") -> Any:
     """DCP's default load planner, its non-tensor items (the optimizer's settings, step counts,
     the extra state) loaded with torch's ``weights_only`` loader and ``safe_types`` -- DCP's
-    own loads them with ``weights_only=False``."""
+    own loads them with torch's unrestricted loader."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class SafeLoadPlanner(DefaultLoadPlanner):
