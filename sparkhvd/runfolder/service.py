@@ -251,16 +251,6 @@ class RunFileService(GuardedServer):
                                   f"disk has {free} bytes free")
         return path, os.path.join(self.run_path, path)
 
-    def local_path(self, root: str, path: str, size: int = 0) -> str:
-        """Where a file a rank sends would be written (checked as :meth:`receiving` does)."""
-        return self._target(root, path, size)[1]
-
-    def read(self, root: str, path: str, span: Optional[Sequence[int]] = None) -> bytes:
-        """The file at ``path`` -- or, with ``span`` (offset, length), those bytes of it (fewer
-        where it ends first) -- whole (:meth:`open_read` streams it)."""
-        size, pieces = self.open_read(root, path, span)
-        return b"".join(pieces)
-
     def open_read(self, root: str, path: str, span: Optional[Sequence[int]] = None
                   ) -> tuple[int, Iterator[bytes]]:
         """``(size, its pieces)`` of the file at ``path`` (or of ``span``'s bytes of it): read
