@@ -36,8 +36,10 @@ PY := .venv/bin/python
 endif
 # The tests mostly wait -- on JVMs, rank processes, notices, timeouts -- so two processes
 # (pytest-xdist) fill this 2-core machine's idle time: each with its own SparkSession, servers,
-# ports and temp folder (tests/conftest.py), the multi-host tests in one of them, first.
-# TEST_WORKERS=0 runs them in this one process.
+# ports and temp folder (tests/conftest.py), the multi-host tests in one of them, first, on one
+# cluster of network-namespace hosts (alone they take about 8 minutes). A third process beside
+# that cluster made its tests miss their waits (a host's executor back within slot_wait_s, 6 of
+# 33 failed). TEST_WORKERS=0 runs them in this one process.
 TEST_WORKERS ?= 2
 export SPARKHVD_TEST_PROFILE := $(PROFILE)
 

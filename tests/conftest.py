@@ -80,6 +80,7 @@ def pytest_configure(config):
     config.pluginmanager.register(suite_clock, "suite_clock")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Mark each test by what its fixtures start (so `make unit` really starts nothing), and
     tests/unit's as ``unit`` (a profile picks the stack-independent ones once: the Makefile).
@@ -87,7 +88,9 @@ def pytest_collection_modifyitems(config, items):
     The multi-host tests go first, as one xdist group: they replace this process' SparkContext
     with the cluster's (their fixtures are module-scoped, so the cluster is gone before any
     test of the local session starts), and they are the longest work of a run, which a worker
-    should start while the others take everything else."""
+    should start while the others take everything else. First of the hooks (``tryfirst``):
+    pytest-xdist's own turns the group marker into the test's group as it collects -- after
+    this one, or every worker would start its own cluster of hosts beside the others'."""
     for item in items:
         for fixture, marker in _STARTS.items():
             if fixture in getattr(item, "fixturenames", ()):

@@ -11,6 +11,8 @@ SPARKHVD = os.path.join(os.path.dirname(sys.executable), "sparkhvd")
 JOB = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "train_digits.py")
 
 
+@pytest.mark.long("spark-submit starts a driver JVM of its own, which trains 15 epochs on two "
+                  "one-core workers: about 100 s alone, 146 s beside another test process")
 def test_submit_digits_job_to_standalone_cluster(standalone, tmp_path):
     model = tmp_path / "out" / "model.h5"
     out = subprocess.run(
