@@ -6,8 +6,8 @@ Public API::
     from sparkhvd import SparkRunner, TrainingError
     result = SparkRunner(np=2, backend="torch").run(train_fn, lr=0.1, epochs=3)
 
-(``HorovodRunner`` is the same runner under its Databricks-compatible name, ``backend="horovod"``
-by default; ``@sparkhvd.distributed(np=..., backend=...)`` the decorator form.)
+(``HorovodRunner`` is its Databricks-compatible subclass, ``backend="horovod"`` by default;
+``@sparkhvd.distributed(np=..., backend=...)`` the decorator form.)
 
 The launch machinery is arranged by where it runs: ``driver/``, ``executor/`` (inside a Spark
 task), ``rank/`` (the rank process), ``spark/`` (the driver's view of Spark), ``common/``
@@ -68,17 +68,6 @@ def __getattr__(name: str) -> Any:
     value = module if attr is None else getattr(module, attr)
     globals()[name] = value
     return value
-
-
-#: Public module names kept where the module moved, each a plain shim module (``sparkhvd/
-#: presets.py``): ``import sparkhvd.presets`` is :mod:`sparkhvd.spark.presets` itself.
-ALIASES = {
-    "sparkhvd.presets": "sparkhvd.spark.presets",
-    "sparkhvd.notebook": "sparkhvd.ops.notebook",
-    "sparkhvd.cli": "sparkhvd.ops.cli",
-    "sparkhvd.runfiles": "sparkhvd.runfolder.rank_files",
-    "sparkhvd.kerasio": "sparkhvd.keras.modelio",
-}
 
 
 def __dir__() -> list[str]:

@@ -46,14 +46,15 @@ Rules:
   state is copied into one of three slot files in this rank's folder
   (:mod:`sparkhvd.torch.snapshot_ring`, mapped into memory) and named by ``snapshot.json`` with
   its record once whole -- a commit by renaming that list, so a process killed mid-copy leaves
-  the slot before it named. Its "checksum" is an identity (:data:`SNAPSHOT`), not a SHA-256
-  (that of every step's state would cost several times the copy); it is read back whole (its
-  size and the snapshot's end marker are checked). A snapshot is not flushed to disk (no
-  ``msync``): it serves a process lost on a host that lives on. In memory (``/dev/shm``, as
-  advised) a crash of the host takes the snapshot with it; on a disk it may leave the slot
-  torn and a relaunch there read it, so there the record also carries the file's CRC-32,
-  taken on the copying thread after the copy (the optimizer step does not wait for it) and
-  checked when it is read back: a torn slot falls back to the checkpoint file before it.
+  the slot before it named. Its record names it by an identity of its own (``snapshot``), not
+  a SHA-256 (that of every step's state would cost several times the copy); it is read back
+  whole (its size and the snapshot's end marker are checked). A snapshot is not flushed to
+  disk (no ``msync``): it serves a process lost on a host that lives on. In memory
+  (``/dev/shm``, as advised) a crash of the host takes the snapshot with it; on a disk it may
+  leave the slot torn and a relaunch there read it, so there the record also carries the
+  file's CRC-32 (``crc32``), taken on the copying thread after the copy (the optimizer step
+  does not wait for it) and checked when it is read back: a torn slot falls back to the
+  checkpoint file before it.
   (B15: the CRC of 1 GB each step cost a third of a core, training on 2 busy cores 0.67 of
   0.84 steps/s.)
 - **cleaned**: when the training function returns (the run is done), each rank deletes its own
@@ -75,7 +76,7 @@ import os
 import shutil
 import zlib
 from dataclasses import dataclass
-from typing import Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 from sparkhvd.common import owned_temp, protocol
 from sparkhvd.common.identity import current_rank
@@ -96,21 +97,28 @@ _OWNER = "owner.pid"
 #: The list naming this rank's newest memory snapshot (beside :data:`_META`'s files).
 _SNAPSHOT_META = "snapshot.json"
 _METAS = (_META, _SNAPSHOT_META)
-#: How a memory snapshot's "sha256" begins: an identity of that snapshot, then its CRC-32
-#: (:func:`snapshot_sum`), not a SHA-256.
-SNAPSHOT = "snapshot:"
-_CRC = ":crc32="
 _swept: set = set()  # this process' rank folders it looked for orphans in (once each)
 
 
 @dataclass(frozen=True)
 class HostCopy:
-    """A checkpoint file kept on this host: what the run folder calls it and its checksum."""
+    """A checkpoint file kept on this host: what the run folder calls it and its checksum --
+    or, a memory snapshot, its identity and (on a disk) its CRC-32."""
 
     file: str
-    sha256: str
+    #: the file's SHA-256; None for a memory snapshot
+    sha256: Optional[str]
     size: int
     path: str
+    #: a memory snapshot's identity (its record's ``snapshot``); None for a checkpoint file
+    snapshot: Optional[str] = None
+    #: a memory snapshot's CRC-32, taken where its slot is on a disk (None: in memory)
+    crc32: Optional[int] = None
+
+    @property
+    def content(self) -> str:
+        """What names this copy's content, to match it to a record's file (:func:`content_of`)."""
+        return content_of({"sha256": self.sha256, "snapshot": self.snapshot})
 
     def read(self, mapped: bool = False) -> Union[bytes, memoryview]:
         """The file's bytes, checked against the size and checksum kept with it.
@@ -127,7 +135,6 @@ class HostCopy:
         Raises:
             ValueError: the copy is missing, truncated or corrupt (why, in words).
         """
-        snapshot = self.sha256.startswith(SNAPSHOT)
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -142,14 +149,22 @@ class HostCopy:
         if len(data) != self.size:
             raise ValueError(f"host copy {self.path} truncated ({len(data):,} of "
                              f"{self.size:,} bytes)")
-        if snapshot:  # whole by its commit; its CRC-32 says nothing changed it since
-            _, summed, crc = self.sha256.rpartition(_CRC)
-            if summed and f"{zlib.crc32(data):08x}" != crc:
+        if self.snapshot:  # whole by its commit; its CRC-32 says nothing changed it since
+            if self.crc32 is not None and zlib.crc32(data) != self.crc32:
                 raise ValueError(f"host copy {self.path} corrupt (checksum mismatch)")
             return data
         if hashlib.sha256(data).hexdigest() != self.sha256:
             raise ValueError(f"host copy {self.path} corrupt (checksum mismatch)")
         return data
+
+
+def content_of(entry: Mapping) -> str:
+    """What names a checkpoint file's content in a record's entry for it (``record["files"]
+    [name]``, or a host copy's): its SHA-256, or a memory snapshot's identity, tagged
+    (``snapshot <id>``) so that the two never match each other; empty when it names neither.
+    A host copy is the file's copy when their contents are the same."""
+    snapshot = entry.get("snapshot")
+    return f"snapshot {snapshot}" if snapshot else str(entry.get("sha256") or "")
 
 
 #: This user's host copies on this host (``sparkhvd-host-copies-<uid>``, in
@@ -300,19 +315,22 @@ def committed_snapshot() -> Optional[str]:
         return None
 
 
-def snapshot_sum(identity: str, crc: Optional[int]) -> str:
-    """A memory snapshot's "sha256" in its record: ``identity`` (this snapshot's own) and the
-    CRC-32 of its file, which :meth:`HostCopy.read` checks (None: a file in memory, none)."""
-    return f"{SNAPSHOT}{identity}" + (f"{_CRC}{crc:08x}" if crc is not None else "")
+def snapshot_entry(size: int, identity: str, crc: Optional[int]) -> dict:
+    """A memory snapshot's entry in its record's files: its ``size``, ``identity`` (this
+    snapshot's own, in place of a SHA-256) and the CRC-32 of its file, which
+    :meth:`HostCopy.read` checks (None: a file in memory, none taken)."""
+    return {"size": size, "snapshot": identity, "crc32": crc}
 
 
 def commit_snapshot(file: str, path: str, size: int, record: dict, store: str) -> bool:
     """Name the whole snapshot at ``path`` (``size`` bytes) this rank's newest, as the copy of
-    the checkpoint file ``file`` of ``record`` (kept before any upload to ``store``): one
-    rename of ``snapshot.json``. False when it could not be written (said once)."""
-    meta = {"files": [{"file": file, "sha256": record["files"][file]["sha256"], "size": size,
-                       "name": os.path.basename(path)}], "record": _kept_record(record),
-            "store": store}
+    the checkpoint file ``file`` of ``record`` (its entry from :func:`snapshot_entry`; kept
+    before any upload to ``store``): one rename of ``snapshot.json``. False when it could not
+    be written (said once)."""
+    entry = record["files"][file]
+    meta = {"files": [{"file": file, "snapshot": entry["snapshot"], "crc32": entry["crc32"],
+                       "size": size, "name": os.path.basename(path)}],
+            "record": _kept_record(record), "store": store}
     try:
         _replace(os.path.join(os.path.dirname(path), _SNAPSHOT_META), json.dumps(meta).encode())
     except OSError as exc:
@@ -466,12 +484,19 @@ def _load_meta(where: str, name: str = _META) -> dict:
 
 def _read_meta(where: str, name: str = _META) -> dict[str, HostCopy]:
     """The copies one rank's list ``name`` names in ``where`` (empty: none, or the list is
-    unreadable)."""
+    unreadable). A memory snapshot's entry has its ``snapshot`` and ``crc32`` where a
+    checkpoint file's has its ``sha256`` (one whose ``sha256`` is ``snapshot:...``, from
+    before, fails its check when read and is passed over)."""
+    def optional(value: object, kind: type) -> Any:
+        return None if value is None else kind(value)
+
     try:
-        return {str(m["file"]): HostCopy(str(m["file"]), str(m["sha256"]), int(m["size"]),
-                                         os.path.join(where, str(m["name"])))
+        return {str(m["file"]): HostCopy(str(m["file"]), optional(m.get("sha256"), str),
+                                         int(m["size"]), os.path.join(where, str(m["name"])),
+                                         optional(m.get("snapshot"), str),
+                                         optional(m.get("crc32"), int))
                 for m in _load_meta(where, name).get("files", [])}
-    except (KeyError, TypeError, ValueError):
+    except (AttributeError, KeyError, TypeError, ValueError):
         return {}
 
 

@@ -114,7 +114,7 @@ def load_nearest(store: CheckpointStore, load: Callable[[dict, dict[str, Any]], 
     readers = set(range(world.size)) if loaders is None else set(loaders)
     loading = rank in readers
     mine = host_copy.find_all()
-    gathered = world.gather({"files": {file: copy.sha256 for file, copy in mine.items()},
+    gathered = world.gather({"files": {file: copy.content for file, copy in mine.items()},
                              "records": host_copy.records(store.key)})
     everyone: list[dict[str, str]] = [held["files"] for held in gathered]
     kept_first = [record for held in gathered for record in held["records"]
@@ -166,11 +166,11 @@ def _decide(store: CheckpointStore, rank: int, any_copy: bool, kept_first: list[
 
 
 def _held_whole(record: dict, everyone: list[dict[str, str]]) -> bool:
-    """Whether some rank's host holds each file of ``record`` with its checksum."""
-    files = files_of(record)
-    return bool(files) and all(
-        any(held.get(name) == expected.get("sha256") for held in everyone)
-        for name, expected in files.items())
+    """Whether some rank's host holds each file of ``record`` with its checksum (or, a memory
+    snapshot, its identity: :func:`~sparkhvd.checkpoint.host_copy.content_of`)."""
+    contents = {name: host_copy.content_of(expected) for name, expected in files_of(record).items()}
+    return bool(contents) and all(content and any(held.get(name) == content for held in everyone)
+                                  for name, content in contents.items())
 
 
 def _fetch_needed(store: CheckpointStore, record: dict, mine: dict[str, host_copy.HostCopy],
@@ -220,7 +220,8 @@ def _fetch(store: CheckpointStore, record: dict, names: list[str],
         expected = expected_of[name]
         readers = set(wants[name])
         reading = rank in readers
-        holders = [r for r, held in enumerate(everyone) if held.get(name) == expected["sha256"]]
+        content = host_copy.content_of(expected)
+        holders = [r for r, held in enumerate(everyone) if content and held.get(name) == content]
         lacking = sorted(readers.difference(holders))  # the same on every rank
         sends = bool(holders) and bool(lacking)
         held = read_copy(store, name, expected, mine.get(name), problems, mapped) \

@@ -22,6 +22,7 @@ from typing import (
 )
 
 from sparkhvd.checkpoint.file_pieces import FilePieces, Needs, Span, index_files, load_plan, merged
+from sparkhvd.checkpoint.host_copy import content_of
 from sparkhvd.checkpoint.lineage import LATEST, RECORD_PATTERN, expected_files, progress
 from sparkhvd.checkpoint.stores import (
     CheckpointStore,
@@ -115,10 +116,11 @@ def read_copy(store: CheckpointStore, name: str, expected: Optional[dict], copy:
     names and reads back whole (``mapped``: as a view of the file mapped into memory, see
     :meth:`~sparkhvd.checkpoint.host_copy.HostCopy.read`); None otherwise (a copy that does
     not read back is a problem)."""
-    if copy is None or expected is None or copy.sha256 != expected.get("sha256"):
+    if copy is None or expected is None or not copy.content \
+            or copy.content != content_of(expected):
         return None
     try:
-        return copy.read(mapped)  # checked against the same size and SHA-256
+        return copy.read(mapped)  # checked against the same size and SHA-256 (or CRC-32)
     except ValueError as exc:
         problems.append(f"{exc}; read {store.describe(name)} instead")
         return None

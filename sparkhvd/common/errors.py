@@ -6,7 +6,7 @@ quote a rank's output or a storage failure go through :func:`sparkhvd.common.red
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from sparkhvd.common.redaction import redact
@@ -133,25 +133,3 @@ class StorageError(SparkhvdError, OSError):
         super().__init__(redact(message))
         self.spilled_to = spilled_to
         self.result: Any = None
-
-
-@dataclass(eq=False)
-class LaunchFailure(SparkhvdError):
-    """A launcher saw a rank fail (non-zero exit, vanished, lost host); the runner turns it into
-    a :class:`TrainingError` with whatever the rank reported (see :mod:`sparkhvd.driver.rank_end`)."""
-
-    rank: Optional[int]
-    exit_code: Optional[int]
-    detail: str
-    _: KW_ONLY
-    host: Optional[str] = None
-    #: The rank's process disappeared without an exit status.
-    vanished: bool = False
-    #: Its Spark task (host) stopped answering.
-    lost: bool = False
-    #: Every rank that ended stopped on a notice after its checkpoint
-    #: (:data:`~sparkhvd.common.protocol.PREEMPTED_EXIT`).
-    preempted: bool = False
-
-    def __post_init__(self) -> None:
-        super().__init__(self.detail)

@@ -508,3 +508,18 @@ def finalizer(owner: Any, manifest: Manifest) -> Any:
     """Queue the release of ``manifest`` when ``owner`` is garbage-collected (done at the next
     safe point: :meth:`CacheRegistry.settle`)."""
     return weakref.finalize(owner, REGISTRY.collected, manifest)
+
+
+class DatasetCaches:
+    """The datasets' caches as a run service (:class:`sparkhvd.driver.services.RunService`):
+    no rank runs once the run ended -- a safe point to delete the caches of datasets
+    garbage-collected meanwhile (never done by the collector itself)."""
+
+    def attempt_starts(self, start: Any) -> Mapping[str, str]:
+        return {}
+
+    def attempt_ended(self, hosts: frozenset) -> None:
+        return None
+
+    def run_ended(self, succeeded: bool, hosts: Sequence[frozenset]) -> None:
+        REGISTRY.settle()

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from sparkhvd.executor.host_sweep import ROW_SCHEMA, dirs_of, sweep_task
+
+if TYPE_CHECKING:
+    from sparkhvd.driver.placing import Placer
+    from sparkhvd.driver.services import AttemptStart
 
 __side__ = "driver"
 
@@ -24,6 +28,26 @@ log = logging.getLogger(__name__)
 
 #: How long the run's end waits for the sweep's job before cancelling it.
 SWEEP_WAIT_S = 30.0
+
+
+class HostSweep:
+    """The sweep as a run service (:class:`sparkhvd.driver.services.RunService`): when the run
+    succeeded, the hosts of earlier attempts its last did not use, through the placer (which
+    knows how to reach them; ``env``: the run's ``env=`` for its ranks)."""
+
+    def __init__(self, placer: "Placer", run_id: str, env: Mapping[str, str]) -> None:
+        self.placer, self.run_id, self.env = placer, run_id, dict(env)
+
+    def attempt_starts(self, start: "AttemptStart") -> Mapping[str, str]:
+        return {}
+
+    def attempt_ended(self, hosts: frozenset[str]) -> None:
+        return None
+
+    def run_ended(self, succeeded: bool, hosts: Sequence[frozenset[str]]) -> None:
+        swept = hosts_to_sweep([set(h) for h in hosts]) if succeeded else set()
+        if swept:
+            self.placer.sweep_host_copies(self.run_id, swept, self.env)
 
 
 def hosts_to_sweep(attempt_hosts: list[set[str]]) -> set[str]:

@@ -6,31 +6,29 @@ and rank logs); every other message is kept here: which process each rank is and
 ran, the exceptions ranks raised, rank 0's per-epoch metrics, what a resume restored, exit
 statuses.
 
-When a launcher reports a failure (:class:`~sparkhvd.common.errors.LaunchFailure`),
-:func:`sparkhvd.driver.rank_end.verdict_of` turns it and these reports into the verdict.
+What the ranks raised is one half of what :func:`sparkhvd.driver.rank_end.judge` decides from
+(:meth:`AttemptInbox.raised`, :meth:`AttemptInbox.reported`); the launcher's facts are the other.
 """
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from sparkhvd.common import protocol
-from sparkhvd.common.errors import LaunchFailure, RankFailure
+from sparkhvd.common.errors import RankFailure
 from sparkhvd.driver.logs import RankLogRouter
 
 __side__ = "driver"
-
-#: A rank that reported an exception but has not exited after this long is stopped anyway
-#: (e.g. multiprocessing's exit handler waiting on a child, or a hung collective).
-ERROR_EXIT_GRACE_S = 5.0
 
 
 class AttemptInbox:
     """Collects every non-line message of one attempt (see the module docstring)."""
 
-    def __init__(self, router: RankLogRouter) -> None:
-        self.router = router
+    def __init__(self, router: RankLogRouter, hub: Optional[Any] = None) -> None:
+        """``hub``: the run's :class:`~sparkhvd.driver.view.RunHub`, which rank 0's epoch
+        records and the time splits go on to."""
+        self.router, self.hub = router, hub
         self.failures: dict[int, RankFailure] = {}
         self.metrics: list[dict] = []
         self.pids: dict[int, int] = {}  # rank -> pid, as each rank last announced
@@ -45,8 +43,6 @@ class AttemptInbox:
         self.listening: set[int] = set()
         #: rank -> how it stopped on a notice (its checkpoint)
         self.preempted: dict[int, protocol.Preempted] = {}
-        #: called with each of rank 0's epoch records as it arrives (e.g. MLflow)
-        self.listeners: list = []
         #: how the ranks' reports came (barrier launcher, :meth:`reported_by`): "live" over the
         #: control channel, or "rows" in the Spark job's result rows when the executors could
         #: not reach the driver
@@ -55,8 +51,6 @@ class AttemptInbox:
         self.last_progress = time.monotonic()
         #: rank -> (when it arrived, its latest Stacks)
         self.stacks: dict[int, tuple[float, protocol.Stacks]] = {}
-        #: takes each rank's :class:`~sparkhvd.common.protocol.TimeSplit` (None: not sampled)
-        self.time_splits: Optional[Callable[[protocol.TimeSplit], None]] = None
         self._error_seen: dict[int, float] = {}
         self._lock = threading.Lock()
 
@@ -67,14 +61,14 @@ class AttemptInbox:
                 self.stacks[msg.rank] = (time.monotonic(), msg)
             return
         if isinstance(msg, protocol.TimeSplit):  # sampled on a timer: never progress
-            if self.time_splits is not None:
-                self.time_splits(msg)
+            if self.hub is not None:
+                self.hub.time_split(msg)
             return
         self.last_progress = time.monotonic()
         if isinstance(msg, protocol.Line):
             self.router.line(msg)
             return
-        listeners: list = []
+        record: Optional[dict] = None
         with self._lock:
             if isinstance(msg, protocol.Started):
                 self.pids[msg.rank] = msg.pid
@@ -90,8 +84,8 @@ class AttemptInbox:
                     host=self.hosts.get(msg.rank)))
             elif isinstance(msg, protocol.Metrics):
                 if msg.rank == 0:
-                    self.metrics.append(dict(msg.record))
-                    listeners = list(self.listeners)
+                    record = dict(msg.record)
+                    self.metrics.append(record)
             elif isinstance(msg, protocol.Resumed):
                 self.resumed = msg
             elif isinstance(msg, protocol.OutputDir):
@@ -102,19 +96,13 @@ class AttemptInbox:
                 self.preempted[msg.rank] = msg
             elif isinstance(msg, protocol.Exit):
                 self.exits[msg.rank] = msg.code
-        for listener in listeners:  # outside the lock: a listener may be slow (a server)
-            listener(msg.record)
+        if record is not None and self.hub is not None:  # outside the lock: may be slow
+            self.hub.metrics(dict(record))
 
-    def stale_error(self, grace_s: float = ERROR_EXIT_GRACE_S) -> Optional[LaunchFailure]:
-        """A rank that raised but has not exited ``grace_s`` later (it must not hold the run)."""
-        now = time.monotonic()
+    def raised(self) -> dict[int, float]:
+        """rank -> when it reported an exception (``time.monotonic()``), for the verdict."""
         with self._lock:
-            for rank, seen in sorted(self._error_seen.items(), key=lambda kv: kv[1]):
-                if rank not in self.exits and now - seen > grace_s:
-                    return LaunchFailure(rank, None, f"rank {rank} raised an exception and did "
-                                         f"not exit within {grace_s:g} s",
-                                         host=self.hosts.get(rank))
-        return None
+            return dict(self._error_seen)
 
     def stacks_after(self, since: float) -> dict[int, protocol.Stacks]:
         """The stacks that arrived after ``since`` (monotonic time), per rank."""

@@ -1,26 +1,25 @@
 """Where a run's attempts go: what the run asks of the machines it runs on, in one seam.
 
 The run (:class:`~sparkhvd.driver.run.Run`) never reads Spark itself. It asks a
-:class:`Placer` four things: *place* an attempt of ``size`` ranks (launcher, driver address,
-slots checked, recorded), count the *free slots* an elastic run may place or grow into, and
-*note the losses* of an attempt that lost an executor or host (left out of later counts), and
-say what was lost. :func:`wait_for_size` counts the slots until the scaling policy says how many
-ranks to place. Two
-placers run real ranks -- :class:`SparkPlacer` (a classic or Connect session) and
-:class:`LocalPlacer` (``np < 0`` without Spark: local processes) -- and the unit tests hand the
-run a scripted one, as Ray Train v2's controller tests swap in a dummy worker group.
+:class:`Placer` four things, each answered at once, as data: *place* an attempt of ``size``
+ranks -- the placement (launcher, driver address, slots, what ``run.json`` keeps), or what is
+:class:`Short` and how long waiting may help; count the *free slots* an elastic run may place
+or grow into; *note the losses* of an attempt (the executors of the ranks that went, from
+their facts: left out of later counts); and say what was lost. Waiting is the run's: its
+*placing* state looks again each step, its deadline checked there. Two placers run real
+ranks -- :class:`SparkPlacer` (a classic or Connect session) and :class:`LocalPlacer`
+(``np < 0`` without Spark: local processes) -- and the unit tests hand the run a scripted one,
+as Ray Train v2's controller tests swap in a dummy worker group.
 """
 from __future__ import annotations
 
-import math
-import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
-from sparkhvd.common.errors import LaunchFailure
-from sparkhvd.driver.launchers import Placement, choose_launcher
+from sparkhvd.common.errors import NotEnoughSlotsError
+from sparkhvd.driver.launchers import Placement, RankFact, choose_launcher
 from sparkhvd.driver.spec import RunSpec
 from sparkhvd.elastic import cluster
-from sparkhvd.elastic.scaling import ScalingPolicy, not_enough_slots
 from sparkhvd.spark.slots import free_slots
 
 if TYPE_CHECKING:
@@ -28,11 +27,22 @@ if TYPE_CHECKING:
 
 __side__ = "driver"
 
-#: How often a placement below ``min_np`` counts the free slots again while it waits.
+#: How often a placement that waits (slots short, below ``min_np``) looks again.
 SLOT_POLL_S = 0.5
-#: How long a relaunch after a rank vanished waits for Spark to drop one of the attempt's
-#: executors (see :meth:`SparkPlacer.note_losses`).
-VANISHED_SETTLE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Short:
+    """An attempt that cannot be placed now: ``missing`` slots short (``free`` there are),
+    worth waiting for up to ``wait_s`` from the first look (executors still registering, other
+    jobs' tasks ending); then :attr:`error`."""
+
+    missing: int
+    free: int
+    wait_s: float
+    error: NotEnoughSlotsError
+    #: the other jobs that hold the missing slots, in words (none: the session has too few)
+    jobs: tuple = ()
 
 
 class Placer(Protocol):
@@ -41,18 +51,22 @@ class Placer(Protocol):
     #: whether free slots can be counted (an elastic run sizes its attempts from them)
     counts_slots: bool
 
-    def place(self, size: int, first: bool, time_left: Optional[float]) -> Placement:
+    def place(self, size: int, first: bool, time_left: Optional[float],
+              waited_s: float = 0.0, ended: Optional[str] = None) -> Union[Placement, Short]:
         """The launcher and the slots of an attempt of ``size`` ranks (``first``: the run's
-        first attempt, whose workers' Python is checked); what ``run.json`` keeps of them in
-        its ``recorded``."""
+        first attempt, whose workers' Python is checked; ``waited_s``: how long this placement
+        has looked; ``ended``: the job tag of the attempt that just ended), or what is short --
+        one look, no wait."""
 
     def free_slots(self, ended: Optional[str] = None) -> int:
         """Slots free now (``ended``: the job tag of the attempt that just ended, whose tasks
         may still be stopping)."""
 
-    def note_losses(self, failure: Optional[LaunchFailure], executors: Callable[[], set]) -> None:
-        """An attempt ended with ``failure``: what it lost is left out of later counts
-        (``executors()``: the ids of the executors its tasks ran on)."""
+    def note_losses(self, lost: Sequence[RankFact],
+                    executors: Callable[[], Mapping[int, str]]) -> None:
+        """An attempt ended for ``lost`` (the rank its verdict names: vanished, silent,
+        killed): the executor it ran on is left out of later counts (``executors()``: the
+        executor id of each of the attempt's Spark partitions, as last seen running)."""
 
     def describe_lost(self) -> str:
         """What this run lost, in words (``executor 1 on 10.0.0.3 lost``), for an error."""
@@ -68,13 +82,15 @@ class LocalPlacer:
 
     counts_slots = False
 
-    def place(self, size: int, first: bool, time_left: Optional[float]) -> Placement:
+    def place(self, size: int, first: bool, time_left: Optional[float],
+              waited_s: float = 0.0, ended: Optional[str] = None) -> Union[Placement, Short]:
         return Placement("local", nics=frozenset({"lo"}))
 
     def free_slots(self, ended: Optional[str] = None) -> int:
         return 0
 
-    def note_losses(self, failure: Optional[LaunchFailure], executors: Callable[[], set]) -> None:
+    def note_losses(self, lost: Sequence[RankFact],
+                    executors: Callable[[], Mapping[int, str]]) -> None:
         return None
 
     def describe_lost(self) -> str:
@@ -86,7 +102,7 @@ class LocalPlacer:
 
 class SparkPlacer:
     """A Spark session (classic or Connect): the barrier or horovod launcher, the task slots
-    checked, the executors this run lost counted out of later placements."""
+    looked at, the executors this run lost counted out of later placements."""
 
     counts_slots = True
 
@@ -98,6 +114,11 @@ class SparkPlacer:
         self.lost_executors: dict[str, str] = {}
         #: tasks this run saw vanish with their executor (Spark Connect's slot count)
         self.lost_tasks = 0
+        #: executor id -> host of an executor whose rank vanished: left out of the next count
+        self._suspects: dict[str, str] = {}
+        #: a task that vanished (Spark Connect: no executors to name), the next count only
+        self._suspect_tasks = 0
+        self._checked = False
 
     def _ensure_view(self) -> "SparkView":
         if self.view is None:
@@ -106,66 +127,77 @@ class SparkPlacer:
             self.view = SparkView(self.spark)
         return self.view
 
-    def place(self, size: int, first: bool, time_left: Optional[float]) -> Placement:
+    def place(self, size: int, first: bool, time_left: Optional[float],
+              waited_s: float = 0.0, ended: Optional[str] = None) -> Union[Placement, Short]:
         """Which launcher, where the driver is reached, and whether the ranks share its disk;
-        the task slots for ``size`` ranks checked."""
+        or what is short of ``size`` ranks' task slots, and how long waiting may help: while
+        a cluster's executors register (``slot_wait_s``; not on a local master), while other
+        jobs hold them (``slot_wait_s``, ``start_timeout`` and the run's limit)."""
         from sparkhvd.spark.session import check_worker_python
-        from sparkhvd.spark.slots import check_slots
+        from sparkhvd.spark.slots import Shortfall, look_for_slots
 
         spec = self.spec
-        placing = time.monotonic()
         view = self._ensure_view()
         name = choose_launcher(spec.facts.with_session(view))
-        if first:
+        if first and not self._checked:
             check_worker_python(view, spec.backend)
+            self._checked = True
         launch = spec.launch
-        # Waiting for other jobs' slots is part of starting: start_timeout (from here) and the
-        # run's own limit bound it too.
-        busy_wait = min(launch.slot_wait_s,
-                        launch.start_timeout - (time.monotonic() - placing),
-                        math.inf if time_left is None else time_left)
-        slots = check_slots(view, size // spec.scaling.ranks_per_task,
-                            wait_s=0 if view.master.startswith("local") else launch.slot_wait_s,
-                            ranks_per_task=spec.scaling.ranks_per_task,
-                            busy_wait_s=max(0.0, busy_wait))
+        found = look_for_slots(view, size // spec.scaling.ranks_per_task,
+                               spec.scaling.ranks_per_task, waited_s, ended)
+        if isinstance(found, Shortfall):
+            wait_s = (0.0 if view.master.startswith("local") else launch.slot_wait_s) \
+                if found.kind == "slots" else \
+                min(launch.slot_wait_s, launch.start_timeout,
+                    float("inf") if time_left is None else waited_s + time_left)
+            return Short(found.missing * spec.scaling.ranks_per_task,
+                         found.free * spec.scaling.ranks_per_task, wait_s, found.error,
+                         found.jobs)
         here = view.executors_here()
+        self._suspects.clear()  # placed: the next count is Spark's own again
+        self._suspect_tasks = 0
         return Placement(name, driver_host=view.driver_host(), executors_here=here,
                          nics=launch.nics or (frozenset({"lo"}) if here else None),
                          session=view,
                          recorded={"spark_master": view.master, "spark_app_id": view.app_id,
-                                   "session": view.kind, "slots": slots.slots})
+                                   "session": view.kind, "slots": found.slots})
 
     def free_slots(self, ended: Optional[str] = None) -> int:
-        return free_slots(self._ensure_view(), self.lost_executors, self.lost_tasks, ended)
+        return free_slots(self._ensure_view(), {**self.lost_executors, **self._suspects},
+                          self.lost_tasks + self._suspect_tasks, ended)
 
-    def note_losses(self, failure: Optional[LaunchFailure], executors: Callable[[], set]) -> None:
-        """The executors (or, on Connect, the tasks) an attempt lost: left out of the next
-        slot count until Spark drops them itself. A rank whose task vanished without an exit
-        status (its host killed: the driver's channel to it closes a moment before Spark
-        notices the executor is gone) first gets up to :data:`VANISHED_SETTLE_S` for Spark to
-        drop one of the attempt's executors, so the relaunch does not count a dead one's slots
-        and wait for them until ``start_timeout``."""
-        if failure is None or not (failure.vanished or failure.lost):
+    def note_losses(self, lost: Sequence[RankFact],
+                    executors: Callable[[], Mapping[int, str]]) -> None:
+        """The executors (or, on Connect, the tasks) of the ranks an attempt lost, from their
+        facts: the executor that ran each one's partition (else the only one at its address or
+        host). A host gone silent: left out of every later count until Spark drops it. A rank that vanished (its
+        task's connection closed without an exit status -- its executor or only its Python
+        worker gone): left out of the next count only, so the relaunch neither waits for a
+        dead executor's slots nor loses a live one for the rest of the run."""
+        gone = [fact for fact in lost if fact.kind in ("vanished", "silent")]
+        if not gone:  # a rank killed by a signal: its executor is still there
             return
-        self.lost_tasks += 1
+        if any(fact.kind == "silent" for fact in gone):
+            self.lost_tasks += 1
+        else:
+            self._suspect_tasks = 1
         if self.view is None or self.view.connect:
             return
         sc = self.view.sc
-        if failure.lost and failure.host:
-            hosts = dict(cluster.safely("executors", lambda: {
-                e.id: e.host for e in cluster.executors(sc)}, {}))
-            for exec_id in executors():
-                if hosts.get(exec_id) == failure.host:
-                    self.lost_executors[exec_id] = failure.host
-        elif failure.vanished:
-            ours = set(executors())
-            deadline = time.monotonic() + VANISHED_SETTLE_S
-            while ours and time.monotonic() < deadline:
-                live = cluster.safely("executors", lambda: {e.id for e in cluster.executors(sc)},
-                                      None)
-                if live is not None and ours - live:
-                    return  # Spark dropped one: the count leaves it out
-                time.sleep(SLOT_POLL_S)
+        listed = dict(cluster.safely("executors", lambda: {
+            e.id: e.host for e in cluster.executors(sc)}, {}))
+        ran_on = executors()
+        for fact in gone:
+            exec_id = ran_on.get(fact.partition) if fact.partition is not None else None
+            if exec_id is None:
+                there = [e for e, host in listed.items() if host in (fact.executor, fact.host)]
+                exec_id = there[0] if len(there) == 1 else None
+            if exec_id is None or exec_id not in listed:
+                continue  # not known, or Spark dropped it already
+            if fact.kind == "silent":
+                self.lost_executors[exec_id] = listed[exec_id]
+            else:
+                self._suspects[exec_id] = listed[exec_id]
 
     def describe_lost(self) -> str:
         return cluster.describe_lost(self.lost_executors)
@@ -176,23 +208,3 @@ class SparkPlacer:
 
         if self.view is not None:
             sweep_hosts(self.view, run_id, hosts, task_slots(self.view), env)
-
-
-def wait_for_size(placer: Placer, policy: ScalingPolicy, size: int, wait_s: float,
-                  ended: Optional[str] = None, grow: bool = False) -> int:
-    """An elastic run's size for this placement: ``size`` if that many slots are free, else
-    what is free within ``min_np``..``max_np`` (waiting up to ``wait_s`` for ``min_np``; a
-    planned ``grow`` to ``size`` waits a moment for its slots). Other runs keep ``size`` (the
-    slot check names a shortfall). The policy decides each count; this counts and waits."""
-    if not policy.elastic or not placer.counts_slots:
-        return size
-    began = time.monotonic()
-    while True:
-        free = placer.free_slots(ended)
-        decision = policy.size_now(free, time.monotonic() - began, wait_s,
-                                   want=size if grow else None)
-        if decision.action == "place":
-            return min(size, decision.size)
-        if decision.action == "short":
-            raise not_enough_slots(policy.min_np, free, wait_s, placer.describe_lost())
-        time.sleep(SLOT_POLL_S)

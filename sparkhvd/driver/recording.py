@@ -3,8 +3,10 @@ recorders write down what it did.
 
 :class:`~sparkhvd.driver.run.Run` calls every callback at the same moments, in the order they
 were registered (:func:`recorders` gives sparkhvd's, in the order that matters: ``run.json``
-before ``report.html`` reads it, both before MLflow uploads the folder), with a read-only
-view of the run (:class:`~sparkhvd.driver.view.RunView`) and of its attempts:
+before ``report.html`` reads it, both before MLflow uploads the folder), with frozen
+snapshots of the run and of the attempt (:class:`~sparkhvd.driver.view.RunSnapshot`,
+:class:`~sparkhvd.driver.view.AttemptSnapshot`) -- what the ranks send while they run is
+subscribed to through the run's hub (``run.hub``):
 
 - ``on_run_start(run)``: the run folder is checked; nothing is placed yet;
 - ``on_state(run, transition)``: every transition (:class:`~sparkhvd.driver.view.Transition`:
@@ -27,7 +29,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from sparkhvd.driver.inbox import merge_epochs
-from sparkhvd.driver.view import AttemptView, RunView, Transition
+from sparkhvd.driver.view import AttemptSnapshot, RunSnapshot, Transition
 from sparkhvd.timing.splits import TimeSplits
 
 if TYPE_CHECKING:
@@ -41,25 +43,25 @@ log = logging.getLogger(__name__)
 class RunCallback:
     """A recorder: every hook does nothing unless overridden (module docstring)."""
 
-    def on_run_start(self, run: RunView) -> None:
+    def on_run_start(self, run: RunSnapshot) -> None:
         pass
 
-    def on_state(self, run: RunView, transition: Transition) -> None:
+    def on_state(self, run: RunSnapshot, transition: Transition) -> None:
         pass
 
-    def on_attempt_start(self, run: RunView, attempt: AttemptView) -> None:
+    def on_attempt_start(self, run: RunSnapshot, attempt: AttemptSnapshot) -> None:
         pass
 
-    def on_attempt_launch(self, run: RunView, attempt: AttemptView) -> None:
+    def on_attempt_launch(self, run: RunSnapshot, attempt: AttemptSnapshot) -> None:
         pass
 
-    def on_attempt_end(self, run: RunView, attempt: AttemptView) -> None:
+    def on_attempt_end(self, run: RunSnapshot, attempt: AttemptSnapshot) -> None:
         pass
 
-    def on_ranks_done(self, run: RunView) -> None:
+    def on_ranks_done(self, run: RunSnapshot) -> None:
         pass
 
-    def on_run_end(self, run: RunView, status: str, error: Optional[BaseException],
+    def on_run_end(self, run: RunSnapshot, status: str, error: Optional[BaseException],
                    model: Optional[str]) -> None:
         pass
 
@@ -73,57 +75,55 @@ class RunJson(RunCallback):
         #: the attempts whose stack dumps are in ``run.json`` (an aborted one's: at the end)
         self.stacks_of: set[int] = set()
 
-    def on_run_start(self, run: RunView) -> None:
+    def on_run_start(self, run: RunSnapshot) -> None:
         spec, scaling = run.spec, run.scaling
         elastic = {"min_np": scaling.min_np, "max_np": scaling.max_np} if scaling.elastic else {}
         run.record.started(np=spec.scaling.np, mode=spec.scaling.mode,
                            ranks_per_task=spec.scaling.ranks_per_task,
                            node_per_task=spec.scaling.node_per_task, backend=spec.backend,
-                           function=getattr(run.fn, "__qualname__", repr(run.fn)), **elastic)
+                           function=run.function, **elastic)
 
-    def on_state(self, run: RunView, transition: Transition) -> None:
+    def on_state(self, run: RunSnapshot, transition: Transition) -> None:
         run.record.transition(transition.entry)
 
-    def on_attempt_start(self, run: RunView, attempt: AttemptView) -> None:
+    def on_attempt_start(self, run: RunSnapshot, attempt: AttemptSnapshot) -> None:
         placement = attempt.placement
         run.record.placed(placement.launcher, **placement.recorded)
         if attempt.number == 1 and attempt.resume:
             run.record.resume_requested(attempt.resume)
 
-    def on_attempt_launch(self, run: RunView, attempt: AttemptView) -> None:
+    def on_attempt_launch(self, run: RunSnapshot, attempt: AttemptSnapshot) -> None:
         """Before the job is submitted: its tag, so it can always be found and cancelled."""
         record = run.record
         if attempt.placement.launcher == "barrier":
-            record.submitting(attempt.spark_job, attempt.placement.session.job_kind,
-                              attempt.number)
+            record.submitting(attempt.spark_job, attempt.job_kind or "tag", attempt.number)
         record.mark("launch")
         if run.spec.config.timeline:
             record.launched(timeline="timeline.json")
 
-    def on_attempt_end(self, run: RunView, attempt: AttemptView) -> None:
+    def on_attempt_end(self, run: RunSnapshot, attempt: AttemptSnapshot) -> None:
         if attempt.status == "succeeded":
-            run.record.launched(control=attempt.outcome.channel)
+            run.record.launched(control=attempt.channel)
         self._stacks(run, attempt)
-        run.record.attempt_ended(attempt.entry(), attempt.outcome.resumed)
+        run.record.attempt_ended(dict(attempt.entry), attempt.resumed)
 
-    def on_ranks_done(self, run: RunView) -> None:
+    def on_ranks_done(self, run: RunSnapshot) -> None:
         for attempt in run.attempts:  # an attempt the run aborted had no end of its own
             self._stacks(run, attempt)
-        if run.state_label == "finished":
+        if run.state == "finished":
             run.record.mark("finished")
 
-    def _stacks(self, run: RunView, attempt: AttemptView) -> None:
+    def _stacks(self, run: RunSnapshot, attempt: AttemptSnapshot) -> None:
         if attempt.number not in self.stacks_of:
             self.stacks_of.add(attempt.number)
-            run.record.stacks_saved(attempt.stack_files())
+            run.record.stacks_saved(list(attempt.stack_files))
 
-    def on_run_end(self, run: RunView, status: str, error: Optional[BaseException],
+    def on_run_end(self, run: RunSnapshot, status: str, error: Optional[BaseException],
                    model: Optional[str]) -> None:
         last = run.attempt
-        outcome = last.outcome if last is not None else None
         run.record.finished(status, error=error,
-                            pids=outcome.pid_record() if outcome is not None else {},
-                            resumed=outcome.resumed if outcome is not None else None,
+                            pids=dict(last.pids) if last is not None else {},
+                            resumed=last.resumed if last is not None else None,
                             model=model)
 
 
@@ -135,10 +135,10 @@ class Curves(RunCallback):
     def __init__(self) -> None:
         self.metrics: list[dict] = []
 
-    def on_attempt_end(self, run: RunView, attempt: AttemptView) -> None:
-        self.metrics = merge_epochs(self.metrics, attempt.outcome.metrics)
+    def on_attempt_end(self, run: RunSnapshot, attempt: AttemptSnapshot) -> None:
+        self.metrics = merge_epochs(self.metrics, [dict(m) for m in attempt.metrics])
 
-    def on_ranks_done(self, run: RunView) -> None:
+    def on_ranks_done(self, run: RunSnapshot) -> None:
         if not self.metrics:
             return
         from sparkhvd.runfolder.curves import can_plot, plot_curves, write_metrics_csv
@@ -160,22 +160,22 @@ class TimeSplitRecorder(RunCallback):
     def __init__(self) -> None:
         self.splits: Optional[TimeSplits] = None
 
-    def on_run_start(self, run: RunView) -> None:
+    def on_run_start(self, run: RunSnapshot) -> None:
         record = run.record
-        self.splits = TimeSplits(run.run_dir.path, say=run.router.note,
+        self.splits = TimeSplits(run.run_dir.path, say=run.say,
                                  findings=lambda found: record.timed(findings=found))
+        run.hub.on_time_split(self.splits.add)
 
-    def on_attempt_start(self, run: RunView, attempt: AttemptView) -> None:
+    def on_attempt_start(self, run: RunSnapshot, attempt: AttemptSnapshot) -> None:
         if self.splits is not None:
             self.splits.begin(attempt.number, attempt.size)
-            attempt.outcome.time_splits = self.splits.add
 
     def also_to(self, tracker: Any) -> None:
         """Send what the splits find, and the ranks' system metrics, to ``tracker`` too."""
         if self.splits is not None:
             self.splits.tracker = tracker
 
-    def on_ranks_done(self, run: RunView) -> None:
+    def on_ranks_done(self, run: RunSnapshot) -> None:
         if self.splits is not None:
             self.splits.close()
             run.record.timed(**self.splits.summary())
@@ -190,7 +190,7 @@ class Mlflow(RunCallback):
         self.target, self.splits = target, splits
         self.tracker: Any = None
 
-    def on_attempt_start(self, run: RunView, attempt: AttemptView) -> None:
+    def on_attempt_start(self, run: RunSnapshot, attempt: AttemptSnapshot) -> None:
         if self.tracker is None:
             from sparkhvd.driver.tracking import MlflowTracker
 
@@ -200,13 +200,13 @@ class Mlflow(RunCallback):
                                run.kwargs)
             if self.splits is not None:
                 self.splits.also_to(self.tracker)
-        attempt.outcome.listeners.append(self.tracker.metrics)
+            run.hub.on_metrics(self.tracker.metrics)
 
-    def on_state(self, run: RunView, transition: Transition) -> None:
+    def on_state(self, run: RunSnapshot, transition: Transition) -> None:
         if self.tracker is not None:
             self.tracker.transition(transition.entry)
 
-    def on_run_end(self, run: RunView, status: str, error: Optional[BaseException],
+    def on_run_end(self, run: RunSnapshot, status: str, error: Optional[BaseException],
                    model: Optional[str]) -> None:
         if self.tracker is not None:
             self.tracker.finish(run.run_dir, status)
@@ -216,7 +216,7 @@ class Report(RunCallback):
     """``report.html``: the run at a glance, one offline file (:mod:`sparkhvd.timing.report`),
     written from ``run.json`` once the outcome is in it."""
 
-    def on_run_end(self, run: RunView, status: str, error: Optional[BaseException],
+    def on_run_end(self, run: RunSnapshot, status: str, error: Optional[BaseException],
                    model: Optional[str]) -> None:
         from sparkhvd.timing.report import write_report
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from sparkhvd.driver.rank_end import Verdict
+from sparkhvd.driver.rank_end import Graces, Verdict
 
 __side__ = "driver"
 
@@ -55,6 +55,9 @@ class RetryPolicy:
 
     max_retries: int = 0
     max_preemptions: int = MAX_PREEMPTIONS
+    #: how long the verdict waits for the others' notices, a raised rank's exit and a
+    #: consequence's cause before it decides (:func:`sparkhvd.driver.rank_end.judge`)
+    graces: Graces = Graces()
 
     @classmethod
     def of(cls, max_retries: Optional[int], max_preemptions: Optional[int],

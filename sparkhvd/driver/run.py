@@ -22,22 +22,27 @@ The story of a run, start to end (:meth:`Run.execute`):
 3. MLflow tracking starts when asked; the resume source is resolved;
 4. *running*: an :class:`~sparkhvd.driver.attempt.Attempt` launches the ranks, and each step
    polls them once: what the poll finds comes back as data
-   (:class:`~sparkhvd.driver.attempt.AttemptStatus`) -- still running; a stop due (the
-   :class:`~sparkhvd.elastic.watch.AttemptWatch` saw executors being decommissioned or slots
-   to grow into: the step asks the ranks to stop at their next step); a stall with
-   ``on_stall="stop"`` or the run's ``timeout`` (the step stops the ranks); the ranks ended;
+   (:class:`~sparkhvd.driver.attempt.AttemptStatus`) -- still running; what the
+   :class:`~sparkhvd.elastic.watch.AttemptWatch` saw (executors being decommissioned, slots
+   free: the scaling policy decides whether the ranks stop at their next step to move or
+   grow); a stall with ``on_stall="stop"`` or the run's ``timeout`` (the step stops the
+   ranks); the ranks ended (their facts judged once, :func:`~sparkhvd.driver.rank_end.judge`);
 5. once the ranks ended, the :class:`~sparkhvd.driver.retry.RetryPolicy` says *finished*,
    *failed*, or relaunch: *restarting* at the same size or *resizing* to another, from the
    run's newest checkpoint;
 6. the run is recorded (status, error, PIDs, curves, where the ranks' time went, the model,
-   ``report.html``); a run that succeeded deletes the host copies earlier attempts kept on
-   hosts its last attempt did not use (:mod:`sparkhvd.driver.host_sweep`) and is published;
-   rank 0's result -- or the error, naming the run folder -- goes back to the caller.
+   ``report.html``) and published; then its services are told it ended
+   (:mod:`sparkhvd.driver.services`: row copies removed, dataset caches settled, and -- a run
+   that succeeded -- the host copies earlier attempts kept on hosts its last attempt did not
+   use swept); rank 0's result -- or the error, naming the run folder -- goes back to the
+   caller.
 
 What the run leaves behind -- ``run.json``, MLflow, time splits, ``report.html``, curves -- is
-written by callbacks on these moments (:mod:`sparkhvd.driver.recording`), which see the run
-read-only (:class:`~sparkhvd.driver.view.RunView`) and each transition as data: this module
-decides and acts, and writes nothing of its record itself.
+written by callbacks on these moments (:mod:`sparkhvd.driver.recording`), which are handed
+frozen snapshots of the run and the attempt (:class:`~sparkhvd.driver.view.RunSnapshot`) and
+each transition as data, and subscribe to what the ranks send through the run's hub: this
+module decides and acts, and writes nothing of its record itself. An attempt is given an
+explicit context (:class:`~sparkhvd.driver.attempt.AttemptContext`), never the run.
 
 A rank's end is decoded once, by :func:`sparkhvd.driver.rank_end.verdict_of`, into the
 :class:`~sparkhvd.driver.rank_end.Verdict` the policy and the error are made from. The run is
@@ -53,14 +58,15 @@ from typing import Any, Callable, Mapping, Optional
 from sparkhvd.checkpoint.lineage import newest_checkpoint, resumable
 from sparkhvd.checkpoint.sources import resolve_resume_source
 from sparkhvd.common.environment import rank_env
-from sparkhvd.common.errors import NotEnoughSlotsError, StorageError
+from sparkhvd.common.errors import StorageError
 from sparkhvd.common.redaction import remember_environment
-from sparkhvd.driver.attempt import Attempt, status_of
+from sparkhvd.driver.attempt import Attempt, AttemptContext, status_of
 from sparkhvd.driver.launchers import get_launcher
 from sparkhvd.driver.logs import RankLogRouter
-from sparkhvd.driver.placing import LocalPlacer, Placer, SparkPlacer, wait_for_size
+from sparkhvd.driver.placing import SLOT_POLL_S, LocalPlacer, Placer, Short, SparkPlacer
 from sparkhvd.driver.recording import RunCallback, recorders
 from sparkhvd.driver.retry import RetryPolicy, Spent
+from sparkhvd.driver.services import RunService, ended_quietly, run_services
 from sparkhvd.driver.spec import RunSpec
 from sparkhvd.driver.states import (
     NEXT,
@@ -73,11 +79,11 @@ from sparkhvd.driver.states import (
     Running,
     RunState,
 )
-from sparkhvd.driver.view import Transition
-from sparkhvd.elastic.scaling import ScalingPolicy
+from sparkhvd.driver.view import RunHub, RunSnapshot, Transition
+from sparkhvd.elastic.scaling import ScalingPolicy, not_enough_slots
+from sparkhvd.elastic.watch import Sighting
 from sparkhvd.runfolder.record import now
 from sparkhvd.runfolder.rundir import RunDir
-from sparkhvd.runfolder.service import remove_row_copies
 from sparkhvd.spark.installed import check_keras
 
 __side__ = "driver"
@@ -112,8 +118,16 @@ class Run:
         self.run_dir = RunDir(config.output_dir, storage_options=dict(config.storage_options))
         self.record = self.run_dir.record
         self.attempts: list[Attempt] = []
+        #: attempts told of a decommission their ranks could not hear (said once each)
+        self._unheard: set[int] = set()
+        #: the placing that said it waits for other jobs' slots
+        self._said_busy: Optional[Placing] = None
         self.state: Optional[RunState] = None
         self.callbacks = callbacks if callbacks is not None else recorders(config)
+        #: what the ranks send while they run, to the recorders that subscribed
+        self.hub = RunHub()
+        #: the features' parts in its lifecycle (:mod:`sparkhvd.driver.services`)
+        self.services: list[RunService] = run_services(spec, self.run_dir, self.placer)
         launch = spec.launch
         #: the ranks' lines: console and logs/rank-N.log (files open as ranks start)
         self.router = RankLogRouter(config.driver_log_verbosity, log_dir=self.run_dir.logs,
@@ -146,11 +160,11 @@ class Run:
         except StorageError as exc:
             self._record_end("failed", exc)
             raise
-        for callback in self.callbacks:
-            callback.on_run_start(self)
+        self._tell("on_run_start")
         self.router.note(f"run {self.run_dir.run_id}: run folder {self.record['output']} "
                          "(run.json, logs/; runner.last_run_dir)")
         last: Optional[Attempt] = None
+        status, error = "failed", None
         try:
             last = self._drive(env)
             # out of preemption budget: the run failed (its last attempt says it was preempted)
@@ -160,14 +174,32 @@ class Run:
             status, error = status_of(exc), exc
         finally:
             self.router.close()
-            for callback in self.callbacks:
-                callback.on_ranks_done(self)
-            self._settle_dataset_caches()
-            remove_row_copies(self.run_dir.run_id)
-        if last is None:  # a timeout, an interrupt, a bad setting: recorded, then raised
-            self._record_end(status, error)
-            raise error  # type: ignore[misc]
-        return self._end(status, error, last)
+            self._tell("on_ranks_done")
+        try:
+            if last is None:  # a timeout, an interrupt, a bad setting: recorded, then raised
+                self._record_end(status, error)
+                raise error  # type: ignore[misc]
+            return self._end(status, error, last)
+        finally:  # once the outcome is recorded: the services clean up after the run
+            ended_quietly(self.services, status == "succeeded" and error is None,
+                          [frozenset(a.inbox.hosts.values()) for a in self.attempts])
+
+    def snapshot(self) -> RunSnapshot:
+        """The run as it is now, frozen (what recorders are handed)."""
+        return RunSnapshot(self.spec, getattr(self.fn, "__qualname__", repr(self.fn)),
+                           dict(self.kwargs), self.scaling, self.run_dir, self.record,
+                           self.hub, self.state_label,
+                           tuple(attempt.snapshot() for attempt in self.attempts),
+                           self.router.note)
+
+    def _tell(self, moment: str, *args: Any) -> None:
+        """Tell every recorder of a moment (:mod:`sparkhvd.driver.recording`), each with the
+        same frozen snapshot of the run -- never the run itself."""
+        if not self.callbacks:
+            return
+        snapshot = self.snapshot()
+        for callback in self.callbacks:
+            getattr(callback, moment)(snapshot, *args)
 
     # -- the state machine -----------------------------------------------------------------
     def _enter(self, state: RunState) -> None:
@@ -181,8 +213,7 @@ class Run:
                                f"{state.label}, which NEXT does not allow")
         entry = {"state": state.label, "at": now(), "why": state.why, **state.entry()}
         transition = Transition(previous.label if previous else None, state.label, entry)
-        for callback in self.callbacks:
-            callback.on_state(self, transition)
+        self._tell("on_state", transition)
         log.debug("run %s: %s -> %s (%s)", self.run_dir.run_id,
                   previous.label if previous else "-", state.label, state.why)
 
@@ -193,12 +224,15 @@ class Run:
         in *failed*, its running ranks stopped, and the error goes on."""
         state: RunState = Placing("the run starts", size=self.scaling.size)
         while True:
-            if state is not self.state:
+            waiting = state is self.state
+            if not waiting:
                 self._enter(state)
             if isinstance(state, (Finished, Failed)):
                 assert state.attempt is not None  # a failed step raised above, not here
                 return state.attempt
             try:
+                if waiting and isinstance(state, Placing):  # for slots: look again in a moment
+                    time.sleep(SLOT_POLL_S)
                 state = self._step(state, env)
             except BaseException as exc:
                 if isinstance(self.state, Running):
@@ -217,44 +251,72 @@ class Run:
         return self._relaunching(state)
 
     def _placing(self, state: Placing) -> RunState:
-        """The next attempt: its size (an elastic run's first, from the free slots), launcher
-        and slots; the first also starts tracking and resolves what to resume from. An elastic
-        relaunch whose slots went between their count and its placement is resized to the
-        slots there are."""
-        size, resume = state.size, state.resume
-        if not self.attempts:  # an elastic run's first size: what the free slots allow
-            size = wait_for_size(self.placer, self.scaling, size, self.spec.launch.slot_wait_s)
-        try:
-            placement = self.placer.place(size, not self.attempts, self.time_left())
-        except NotEnoughSlotsError:
-            fewer = self._fewer_slots(size)
-            if fewer is None:
-                raise
-            return self._resized_to_the_slots(state, fewer)
+        """The next attempt: its size (an elastic run's from the free slots), launcher and
+        slots, looked at once; the first also starts tracking and resolves what to resume
+        from. While slots are short and waiting may help, the state stays (the next step looks
+        again; the run's deadline bounds it); an elastic relaunch whose slots went between
+        their count and its placement is resized to the slots there are."""
+        waited, time_left = time.monotonic() - state.began, self.time_left()
+        size = self._size_now(state, waited, time_left)
+        if size is None:
+            return state
+        if self.attempts and size < state.size:
+            return self._resized_to_the_slots(state, size)
+        placed = self.placer.place(size, not self.attempts, time_left, waited, state.ended_job)
+        if isinstance(placed, Short):
+            if waited < placed.wait_s and (time_left is None or time_left > 0):
+                if placed.jobs and self._said_busy is not state:
+                    self._said_busy = state  # said once a placing, however long it waits
+                    log.warning("sparkhvd: %d task slot(s) short, held by other jobs (%s); "
+                                "waiting up to %.0f s for them", placed.missing,
+                                ", ".join(placed.jobs), placed.wait_s)
+                return state
+            fewer = size - placed.missing
+            if self.attempts and self.scaling.elastic and self.scaling.min_np <= fewer < size:
+                return self._resized_to_the_slots(state, fewer)
+            raise placed.error
+        resume = state.resume
         if not self.attempts:
             config = self.spec.config
             resume = None if config.resume_from is None or config.resume_from is False else \
                 resolve_resume_source(config.resume_from, config.output_dir,
                                       dict(config.storage_options), exclude=self.run_dir.run_id)
         self.run_dir.remove_torn()  # a retry never trips over a killed writer's leftovers
-        attempt = Attempt(self, len(self.attempts) + 1, placement, resume, state.library, size,
-                          state.previous_size, launcher=self.launchers(placement.launcher),
+        attempt = Attempt(self._attempt_context(), len(self.attempts) + 1, placed, resume,
+                          state.library, size,
+                          state.previous_size, launcher=self.launchers(placed.launcher),
                           free_slots=self.placer.free_slots)
         self.attempts.append(attempt)
-        for callback in self.callbacks:
-            callback.on_attempt_start(self, attempt)
+        self._tell("on_attempt_start", attempt.snapshot())
         return Running(f"attempt {attempt.number} launches {size} rank(s)", attempt=attempt)
 
-    def _fewer_slots(self, size: int) -> Optional[int]:
-        """What an elastic relaunch can place when its ``size`` slots, counted free, were not
-        there to place it on (a lost host's executor counted until Spark dropped it, or a
-        returning one gone again): the size the free slots allow now (waiting for ``min_np``
-        as a relaunch does); None where the run does not resize (its first placement, a run
-        that is not elastic, or a count that still says ``size``)."""
-        if not self.attempts or not self.scaling.elastic:
+    def _attempt_context(self) -> AttemptContext:
+        """What an attempt is given of the run (never the run itself)."""
+        return AttemptContext(self.spec, self.blob, self.return_all, self.timeout, self.run_dir,
+                              self.router, self.restarts, self.policy.graces,
+                              tuple(self.services), self.hub)
+
+    def _size_now(self, state: Placing, waited: float, time_left: Optional[float]
+                  ) -> Optional[int]:
+        """An elastic run's size for this placement from the free slots counted now
+        (:meth:`~sparkhvd.elastic.scaling.ScalingPolicy.size_now`): ``state.size`` if that
+        many are free, else what is free within ``min_np``..``max_np``; None while it waits
+        (for ``min_np`` up to ``slot_wait_s``, for a planned grow's slots a moment). Other
+        runs place ``state.size`` (the slot look names a shortfall)."""
+        if not self.scaling.elastic or not self.placer.counts_slots:
+            return state.size
+        free = self.placer.free_slots(state.ended_job)
+        wait_s = self.spec.launch.slot_wait_s
+        if time_left is not None:
+            wait_s = min(wait_s, waited + time_left)
+        decision = self.scaling.size_now(free, waited, wait_s,
+                                         want=state.size if state.planned else None)
+        if decision.action == "wait":
             return None
-        fewer = wait_for_size(self.placer, self.scaling, size, self.spec.launch.slot_wait_s)
-        return fewer if fewer < size else None
+        if decision.action == "short":
+            raise not_enough_slots(self.scaling.min_np, free, waited,
+                                   self.placer.describe_lost())
+        return min(state.size, decision.size)
 
     def _resized_to_the_slots(self, state: Placing, size: int) -> Relaunching:
         """The relaunch again, at ``size``: from the last attempt's size, for its reason."""
@@ -270,36 +332,52 @@ class Run:
 
     def _running(self, state: Running, env: dict[str, str]) -> RunState:
         """One poll of the attempt (launched at the first): while its ranks run, the state
-        stays; a stop the watch found due is asked of the ranks; a stall (``on_stall="stop"``)
-        or the run's timeout stops them. Once they ended, :meth:`_ended` decides."""
+        stays; what the watch saw is decided on (:meth:`_decide_on`); a stall
+        (``on_stall="stop"``) or the run's timeout stops them. Once they ended,
+        :meth:`_ended` decides."""
         attempt = state.attempt
         if attempt.status == "placed":
             attempt.prepare(dict(env))
-            for callback in self.callbacks:
-                callback.on_attempt_launch(self, attempt)
+            self._tell("on_attempt_launch", attempt.snapshot())
             attempt.start()
         if attempt.status == "running":
             found = attempt.poll(self.time_left())
             if found.kind == "running":
                 return state
-            if found.kind == "stop due":
-                assert found.stop is not None
-                attempt.ask_to_stop(found.stop)
+            if found.kind == "seen":
+                assert found.seen is not None
+                self._decide_on(attempt, found.seen)
                 return state
             if found.kind in ("stalled", "timed out"):
                 attempt.stop(found)
         return self._ended(attempt)
 
+    def _decide_on(self, attempt: Attempt, seen: Sighting) -> None:
+        """What the watch saw: the scaling policy says whether the ranks stop at their next
+        step (a decommission, a grow), and they are asked -- where they listen for notices."""
+        request = self.scaling.stop_for(attempt.size, seen)
+        if request is None:
+            return
+        if attempt.listening:
+            attempt.ask_to_stop(request)
+        elif request.kind == "decommission" and attempt.number not in self._unheard:
+            self._unheard.add(attempt.number)
+            log.warning("sparkhvd: %s, but the ranks have no checkpoint helper that listens "
+                        "for notices (sparkhvd.torch.Checkpoints/ShardedCheckpoints, "
+                        "sparkhvd.keras.KerasDistributed): the run loses the work since its "
+                        "last checkpoint when it goes", request.reason)
+
     def _ended(self, attempt: Attempt) -> RunState:
         """The attempt's ranks ended: the policy decides what follows (a relaunch is sized
         here, from the free slots)."""
-        for callback in self.callbacks:
-            callback.on_attempt_end(self, attempt)
+        self._tell("on_attempt_end", attempt.snapshot())
         request = attempt.stop_request
         planned = request is not None and request.kind == "grow" and \
             attempt.verdict is not None and attempt.verdict.preempted
         decision = self.policy.decide(attempt.status != "succeeded", attempt.verdict,
                                       planned=planned, spent=self.spent)
+        if decision == "retry" and self.time_left() == 0:
+            decision = "raise"  # run(timeout=...) has passed: nothing is launched after it
         if decision == "done":
             return Finished(f"attempt {attempt.number} succeeded", attempt=attempt)
         if decision == "raise":
@@ -309,21 +387,30 @@ class Run:
         if not planned:
             self.spent = self.spent.charged(verdict)
         watch = attempt.watch
-        self.placer.note_losses(attempt.failure, lambda: set(watch.executors.values())
-                                if watch is not None else set())
+        self.placer.note_losses(attempt.lost,
+                                lambda: dict(watch.executors) if watch is not None else {})
         resume = resumable(self.run_dir.file("checkpoints")) or attempt.resume
         library = None if resume else self.run_dir.library_checkpoints(
-            {name for earlier in self.attempts for name in earlier.outcome.output_dirs})
+            {name for earlier in self.attempts for name in earlier.inbox.output_dirs})
         size = attempt.size
         grow_to = request.grow_to if request is not None else None
-        new_size = wait_for_size(self.placer, self.scaling,
-                                 self.scaling.relaunch_size(size, grow_to),
-                                 self.spec.launch.slot_wait_s, attempt.spark_job, grow=planned)
+        new_size = self._relaunch_size(self.scaling.relaunch_size(size, grow_to),
+                                       attempt.spark_job, planned)
         kind = Resizing if new_size != size else Restarting
         return kind(attempt.relaunch_reason(request, verdict), attempt=attempt, verdict=verdict,
                     checkpoint=self._newest_checkpoint() if resume else None,
                     size_from=size, size_to=new_size, resume=resume, library=library,
                     planned=planned)
+
+    def _relaunch_size(self, size: int, ended_job: str, planned: bool) -> int:
+        """The size a relaunch asks for: ``size`` trimmed to the free slots counted now (one
+        look: *placing* waits, and resizes again if they went)."""
+        if not self.scaling.elastic or not self.placer.counts_slots:
+            return size
+        decision = self.scaling.size_now(self.placer.free_slots(ended_job), 0.0,
+                                         self.spec.launch.slot_wait_s,
+                                         want=size if planned else None)
+        return min(size, decision.size) if decision.action == "place" else size
 
     def _newest_checkpoint(self) -> Optional[str]:
         """The file of this run's newest complete checkpoint (for the relaunch's line)."""
@@ -345,7 +432,7 @@ class Run:
                              " ----")
         return Placing(f"relaunch after attempt {attempt.number}", size=new_size,
                        resume=state.resume, library=state.library, previous_size=size,
-                       planned=state.planned)
+                       planned=state.planned, ended_job=attempt.spark_job)
 
     # -- the steps ---------------------------------------------------------------------------
     def _rank_env(self) -> dict[str, str]:
@@ -369,7 +456,6 @@ class Run:
             raise last.verdict.error(self.run_dir.location) from None
         if error is not None:
             raise error
-        self._sweep_host_copies()
         try:
             self.run_dir.publish()
         except StorageError as exc:
@@ -377,28 +463,9 @@ class Run:
             raise
         return last.results
 
-    @staticmethod
-    def _settle_dataset_caches() -> None:
-        """No rank runs: a safe point to delete the caches of datasets garbage-collected
-        meanwhile (never done by the collector itself: :mod:`sparkhvd.data.materialize`)."""
-        from sparkhvd.data.materialize import REGISTRY
-
-        REGISTRY.settle()
-
-    def _sweep_host_copies(self) -> None:
-        """The run succeeded: the host copies earlier attempts kept on hosts the last attempt
-        did not use are deleted (the last attempt's ranks deleted theirs)."""
-        from sparkhvd.driver.host_sweep import hosts_to_sweep
-
-        hosts = hosts_to_sweep([set(attempt.outcome.hosts.values())
-                                for attempt in self.attempts])
-        if hosts:
-            self.placer.sweep_host_copies(self.run_dir.run_id, hosts, self.spec.launch.env or {})
-
     def _record_end(self, status: str, error: Optional[BaseException],
                     model: Optional[str] = None) -> None:
-        for callback in self.callbacks:
-            callback.on_run_end(self, status, error, model)
+        self._tell("on_run_end", status, error, model)
         if status != "succeeded":
             self.run_dir.publish_quietly()
         log.debug("run %s %s in %.1fs", self.run_dir.run_id, status,

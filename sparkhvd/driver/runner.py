@@ -1,4 +1,5 @@
-"""``HorovodRunner``: run a training function data-parallel on Spark task slots.
+"""``SparkRunner`` (and ``HorovodRunner``, its Databricks-compatible subclass): run a training
+function data-parallel on Spark task slots.
 
 The runner validates what it is given -- settings when it is made, the function and its
 arguments when it runs -- and hands one run to :class:`~sparkhvd.driver.run.Run`, which tells
@@ -113,8 +114,9 @@ def _the_function(method: str, args: tuple, kwargs: dict[str, Any]) -> Callable[
     return kwargs.pop("fn")
 
 
-class HorovodRunner:
-    """Runs a training function on ``np`` ranks and returns rank 0's result.
+class SparkRunner:
+    """Runs a training function on ``np`` ranks and returns rank 0's result:
+    ``SparkRunner(np=2, backend="torch")``.
 
     Settings come in four groups (:mod:`sparkhvd.driver.settings`), given as objects or -- as
     always -- as keywords, each filed into its group:
@@ -142,21 +144,23 @@ class HorovodRunner:
       default the active one, else ``local[np]``) and a ``conf/`` preset to check ``np``
       against and start a session from.
 
-    ``backend``: ``"horovod"`` (default: Horovod with Gloo; plain Horovod code runs unchanged),
-    ``"tf"``: ``tf.distribute.MultiWorkerMirroredStrategy`` from a ``TF_CONFIG`` each rank
-    gets -- no horovod at all, so current TensorFlow, Keras 3 and numpy 2 work -- or
-    ``"torch"``: torchrun's variables for ``torch.distributed`` (``init_process_group()``
-    unchanged; helpers in :mod:`sparkhvd.torch`). ``launcher="horovod"`` and ``timeline`` are
-    Horovod-only.
+    ``backend``, always said (nothing about the name picks one; :class:`HorovodRunner` is the
+    Databricks-compatible name, ``"horovod"`` by default): ``"horovod"`` (Horovod with Gloo;
+    plain Horovod code runs unchanged), ``"tf"``: ``tf.distribute.MultiWorkerMirroredStrategy``
+    from a ``TF_CONFIG`` each rank gets -- no horovod at all, so current TensorFlow, Keras 3 and
+    numpy 2 work -- or ``"torch"``: torchrun's variables for ``torch.distributed``
+    (``init_process_group()`` unchanged; helpers in :mod:`sparkhvd.torch`).
+    ``launcher="horovod"`` and ``timeline`` are Horovod-only.
 
     Example::
 
-        hr = HorovodRunner(np=2, output_dir="abfss://...")        # keywords, or
-        hr = HorovodRunner(scaling=ScalingConfig(np=2), run_config=RunConfig(output_dir=...))
-        model_bytes = hr.run(train_fn, lr=0.1, epochs=3)
+        runner = SparkRunner(np=2, backend="torch", output_dir="abfss://...")   # keywords, or
+        runner = SparkRunner(scaling=ScalingConfig(np=2), backend="torch",
+                             run_config=RunConfig(output_dir=...))
+        result = runner.run(train_fn, lr=0.1, epochs=3)
     """
 
-    def __init__(self, np: int = UNSET, *, backend: str = "horovod",
+    def __init__(self, np: int = UNSET, *, backend: str,
                  scaling: Optional[ScalingConfig] = None, launch: Optional[LaunchConfig] = None,
                  run_config: Optional[RunConfig] = None, session: Optional[SessionConfig] = None,
                  spark: Any = UNSET, driver_log_verbosity: str = UNSET,
@@ -174,7 +178,7 @@ class HorovodRunner:
                  resize_check_s: float = UNSET, time_split: bool = UNSET) -> None:
         given = {k: v for k, v in locals().items()
                  if v is not UNSET and k in KEYWORD_GROUPS and k != "np"}
-        self.scaling = scaling_config(scaling, np, given)
+        self.scaling = scaling_config(scaling, np, given, type(self).__name__)
         groups = group_keywords({LaunchConfig: launch, RunConfig: run_config,
                                  SessionConfig: session}, given)
         self.launch_config: LaunchConfig = groups[LaunchConfig]
@@ -286,22 +290,26 @@ class HorovodRunner:
         run = self._run
         monitor = run.attempt.monitor if run is not None and run.attempt is not None else None
         if monitor is None:
-            raise RuntimeError("No run of this HorovodRunner is running: dump_stacks() asks a "
-                               "running run's ranks (call it from another thread, or use "
-                               "`sparkhvd stacks <run folder>` from a terminal).")
+            raise RuntimeError(f"No run of this {type(self).__name__} is running: dump_stacks() "
+                               "asks a running run's ranks (call it from another thread, or "
+                               "use `sparkhvd stacks <run folder>` from a terminal).")
         return monitor.collect("requested from Python").text()
 
 
-class SparkRunner(HorovodRunner):
-    """The backend-neutral name of the runner: ``SparkRunner(np=2, backend="torch")``.
+class HorovodRunner(SparkRunner):
+    """:class:`SparkRunner` under the Databricks-compatible name: its only difference is
+    ``backend="horovod"`` by default, so ``HorovodRunner(np=2).run(train)`` runs plain Horovod
+    code as Databricks' ``HorovodRunner`` does. Every setting (``backend="tf"`` or ``"torch"``
+    too), ``run``, ``run_all``, ``last_run_dir`` and ``dump_stacks`` are :class:`SparkRunner`'s.
 
-    The same runner as :class:`HorovodRunner` (every setting, ``run``, ``run_all``,
-    ``last_run_dir``, ``dump_stacks``) -- but the backend is always said, since nothing about
-    the name picks one. ``HorovodRunner`` stays the Databricks-compatible name, with
-    ``backend="horovod"`` by default.
+    Example::
+
+        hr = HorovodRunner(np=2, output_dir="abfss://...")        # keywords, or
+        hr = HorovodRunner(scaling=ScalingConfig(np=2), run_config=RunConfig(output_dir=...))
+        model_bytes = hr.run(train_fn, lr=0.1, epochs=3)
     """
 
-    def __init__(self, np: int = UNSET, *, backend: str, **settings: Any) -> None:
+    def __init__(self, np: int = UNSET, *, backend: str = "horovod", **settings: Any) -> None:
         super().__init__(np, backend=backend, **settings)
 
 
@@ -318,8 +326,8 @@ def distributed(np: int = UNSET, *, backend: str, **settings: Any
         train.runner.last_run_dir                     # the run's folder, run.json, logs
         train(0.1, epochs=1)                          # still a plain function, here
 
-    The settings are checked when the function is decorated (``SparkRunner``'s, every
-    keyword of :class:`HorovodRunner`); ``.distributed(...)`` takes the function's own
+    The settings are checked when the function is decorated (every keyword of
+    :class:`SparkRunner`); ``.distributed(...)`` takes the function's own
     arguments, positional or by name, and ``.distributed_all(...)`` returns every rank's value.
     """
     runner = SparkRunner(np, backend=backend, **settings)

@@ -8,7 +8,7 @@ work: :func:`scaling_config` takes ``np`` by name and :func:`group_keywords` fil
 keyword into its group (:data:`KEYWORD_GROUPS`, the one table); a keyword given both ways is
 refused rather than guessed.
 
-Defaults live here only; ``HorovodRunner``'s signature leaves them unset.
+Defaults live here only; the runner's signature (``SparkRunner``'s) leaves them unset.
 """
 from __future__ import annotations
 
@@ -283,14 +283,14 @@ class SessionConfig:
             object.__setattr__(self, "preset", load_preset(self.preset))
 
 
-#: Which group each of ``HorovodRunner``'s keyword settings belongs to (the one table).
+#: Which group each of the runner's keyword settings belongs to (the one table).
 KEYWORD_GROUPS: Mapping[str, type] = MappingProxyType({
     **{f.name: ScalingConfig for f in dataclasses.fields(ScalingConfig)},
     **{f.name: LaunchConfig for f in dataclasses.fields(LaunchConfig)},
     **{f.name: RunConfig for f in dataclasses.fields(RunConfig)},
     **{f.name: SessionConfig for f in dataclasses.fields(SessionConfig)},
 })
-#: The ``HorovodRunner`` argument that takes each group.
+#: The runner's argument that takes each group.
 GROUP_ARGUMENT = {ScalingConfig: "scaling", LaunchConfig: "launch", RunConfig: "run_config",
                   SessionConfig: "session"}
 
@@ -307,13 +307,15 @@ def group_keywords(groups: Mapping[type, Any], keywords: Mapping[str, Any]) -> d
             for cls, given in groups.items()}
 
 
-def scaling_config(given: Optional[ScalingConfig], np: Any, keywords: Mapping) -> ScalingConfig:
+def scaling_config(given: Optional[ScalingConfig], np: Any, keywords: Mapping,
+                   runner: str = "SparkRunner") -> ScalingConfig:
     """The scaling group, with ``np`` -- the runner's one required setting -- handed on by name.
 
     ``np`` is the number every later step reads (the spec's scaling policy, the placing, the
     launchers, each rank's ``WORLD_SIZE``), so it comes here as itself, not in a bag of
     keywords: ``HorovodRunner(np=2)`` is ``ScalingConfig(np=2)``. ``np`` is ``UNSET`` when the
-    caller did not give it (``scaling=`` then says how many ranks).
+    caller did not give it (``scaling=`` then says how many ranks); ``runner``, the class that
+    asks (named in the error).
 
     Raises:
         TypeError: neither ``np`` nor ``scaling=`` was given.
@@ -323,7 +325,7 @@ def scaling_config(given: Optional[ScalingConfig], np: Any, keywords: Mapping) -
     if np is not UNSET:
         mine = {"np": np, **mine}
     elif given is None:
-        raise TypeError("HorovodRunner needs np (HorovodRunner(np=2)) or "
+        raise TypeError(f"{runner} needs np ({runner}(np=2, ...)) or "
                         "scaling=ScalingConfig(np=2).")
     return _one_group(ScalingConfig, given, mine)
 

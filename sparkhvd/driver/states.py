@@ -17,7 +17,8 @@ test holds both to it)::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Optional
 
 if TYPE_CHECKING:
@@ -42,7 +43,8 @@ class RunState:
 
 @dataclass(frozen=True)
 class Placing(RunState):
-    """Choosing the size, the launcher and the slots of the next attempt."""
+    """Choosing the size, the launcher and the slots of the next attempt -- looked at once a
+    step, the state kept while it waits for slots (:attr:`began` says since when)."""
 
     label: ClassVar[str] = "placing"
     #: the ranks asked for (an elastic run's first placing trims it to the free slots)
@@ -55,6 +57,10 @@ class Placing(RunState):
     previous_size: Optional[int] = None
     #: a relaunch the driver asked for (a grow): no budget spent
     planned: bool = False
+    #: the Spark job tag of the attempt that just ended (its tasks may still be stopping)
+    ended_job: Optional[str] = None
+    #: when the placing began (``time.monotonic()``): what it waits for is counted from it
+    began: float = field(default_factory=time.monotonic, compare=False)
 
     def entry(self) -> dict:
         return {"size": self.size}

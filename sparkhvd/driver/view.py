@@ -1,27 +1,32 @@
-"""What the run's recorders see of it: a read-only view of the run and its attempts, and each
-transition as data.
+"""What the run's recorders see of it: frozen snapshots of the run and its attempts, each
+transition as data, and the hub they subscribe to the ranks' reports through.
 
-:mod:`sparkhvd.driver.recording` types its callbacks with these, not with
-:class:`~sparkhvd.driver.run.Run` and :class:`~sparkhvd.driver.attempt.Attempt` themselves,
-as Ray Train v2's controller callbacks see the controller's state: a recorder reads what the
-run did and writes it down, and cannot reach the policies, the placer or the launchers to
-change what it does next. It also keeps the imports one way: the run imports its recorders,
+:mod:`sparkhvd.driver.recording` is handed these, never :class:`~sparkhvd.driver.run.Run` or
+:class:`~sparkhvd.driver.attempt.Attempt` themselves -- as Ray Train v2's controller callbacks
+see the controller's state: a recorder reads what the run did at that moment and writes it
+down (its ``record`` and ``run_dir`` are where it writes), and cannot reach the policies, the
+placer, the launchers or a live attempt to change what the run does next. What the ranks send
+while they run -- rank 0's epoch metrics, the time splits -- a recorder subscribes to through
+the run's :class:`RunHub`. It also keeps the imports one way: the run imports its recorders,
 never the reverse.
 """
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional
 
-from sparkhvd.driver.inbox import AttemptInbox
+from sparkhvd.common import protocol
 from sparkhvd.driver.launchers import Placement
-from sparkhvd.driver.logs import RankLogRouter
 from sparkhvd.driver.spec import RunSpec
 from sparkhvd.elastic.scaling import ScalingPolicy
 from sparkhvd.runfolder.record import RunRecord
 from sparkhvd.runfolder.rundir import RunDir
 
 __side__ = "driver"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,83 +40,89 @@ class Transition:
     entry: Mapping[str, Any]
 
 
-class AttemptView(Protocol):
-    """What a recorder reads of an attempt."""
+@dataclass(frozen=True)
+class AttemptSnapshot:
+    """An attempt as it was when a recorder was called."""
+
+    number: int
+    size: int
+    #: ``placed``, ``running``, then how it ended (``succeeded``, ``failed``, ...)
+    status: str
+    placement: Placement
+    resume: Optional[str]
+    spark_job: str
+    #: how its Spark job is named: ``tag`` or ``group`` (None: no Spark job)
+    job_kind: Optional[str]
+    #: its entry in ``run.json``'s ``attempts``
+    entry: Mapping[str, Any]
+    #: the stack dumps the driver saved while it ran (paths in the run folder)
+    stack_files: tuple[str, ...]
+    #: how the ranks' reports came (``live``, ``rows``; None: not known)
+    channel: Optional[str]
+    #: rank 0's epoch records
+    metrics: tuple[Mapping[str, Any], ...]
+    #: what its ranks restored (None: nothing)
+    resumed: Optional[protocol.Resumed]
+    #: ``rank_pids``, ``pids``, ``hosts``
+    pids: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class RunSnapshot:
+    """The run as it was when a recorder was called (``record``, ``run_dir``: where
+    recorders write; ``hub``: what they subscribe through)."""
+
+    spec: RunSpec
+    #: the training function's name
+    function: str
+    kwargs: Mapping[str, Any]
+    scaling: ScalingPolicy
+    run_dir: RunDir
+    record: RunRecord
+    hub: "RunHub"
+    #: the state the run is in (None before its first)
+    state: Optional[str]
+    attempts: tuple[AttemptSnapshot, ...]
+    #: a line on the driver's console (and its log)
+    say: Callable[[str], None]
 
     @property
-    def number(self) -> int: ...
+    def attempt(self) -> Optional[AttemptSnapshot]:
+        """The latest attempt."""
+        return self.attempts[-1] if self.attempts else None
+
+
+class RunHub:
+    """What the ranks send while the run runs, to whoever subscribed: rank 0's epoch records
+    (MLflow) and the ranks' time splits. Owned by the run; every attempt's inbox delivers here
+    (from its launcher's threads)."""
+
+    def __init__(self) -> None:
+        self._metrics: list[Callable[[dict], None]] = []
+        self._splits: list[Callable[[protocol.TimeSplit], None]] = []
+        self._lock = threading.Lock()
+
+    def on_metrics(self, subscriber: Callable[[dict], None]) -> None:
+        with self._lock:
+            self._metrics.append(subscriber)
+
+    def on_time_split(self, subscriber: Callable[[protocol.TimeSplit], None]) -> None:
+        with self._lock:
+            self._splits.append(subscriber)
 
     @property
-    def size(self) -> int: ...
+    def wants_time_splits(self) -> bool:
+        return bool(self._splits)
 
-    @property
-    def status(self) -> str:
-        """``placed``, ``running``, then how it ended (``succeeded``, ``failed``, ...)."""
+    def metrics(self, record: dict) -> None:
+        """One of rank 0's epoch records (a subscriber may be slow: a server)."""
+        with self._lock:
+            subscribers = list(self._metrics)
+        for subscriber in subscribers:
+            subscriber(record)
 
-    @property
-    def placement(self) -> Placement: ...
-
-    @property
-    def resume(self) -> Optional[str]: ...
-
-    @property
-    def spark_job(self) -> str: ...
-
-    @property
-    def outcome(self) -> AttemptInbox:
-        """The ranks' reports (a recorder may listen: ``listeners``, ``time_splits``)."""
-
-    def entry(self) -> dict:
-        """Its entry in ``run.json``'s ``attempts``."""
-
-    def stack_files(self) -> list[str]:
-        """The stack dumps the driver saved while it ran (paths in the run folder)."""
-
-
-class RunView(Protocol):
-    """What a recorder -- and an attempt -- reads of the run."""
-
-    @property
-    def spec(self) -> RunSpec: ...
-
-    @property
-    def fn(self) -> Callable: ...
-
-    @property
-    def blob(self) -> bytes: ...
-
-    @property
-    def kwargs(self) -> Mapping[str, Any]: ...
-
-    @property
-    def return_all(self) -> bool: ...
-
-    @property
-    def timeout(self) -> Optional[float]: ...
-
-    @property
-    def scaling(self) -> ScalingPolicy: ...
-
-    @property
-    def restarts(self) -> int:
-        """How many relaunches the retry policy allows (the ranks' rendezvous tag)."""
-
-    @property
-    def run_dir(self) -> RunDir: ...
-
-    @property
-    def record(self) -> RunRecord: ...
-
-    @property
-    def router(self) -> RankLogRouter: ...
-
-    @property
-    def state_label(self) -> Optional[str]:
-        """The state the run is in (None before its first)."""
-
-    @property
-    def attempts(self) -> Sequence[AttemptView]: ...
-
-    @property
-    def attempt(self) -> Optional[AttemptView]:
-        """The latest attempt (the running one while the run runs)."""
+    def time_split(self, split: protocol.TimeSplit) -> None:
+        with self._lock:
+            subscribers = list(self._splits)
+        for subscriber in subscribers:
+            subscriber(split)

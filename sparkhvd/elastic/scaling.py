@@ -18,9 +18,12 @@ executors this run saw lost.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 from sparkhvd.common.errors import NotEnoughSlotsError
+
+if TYPE_CHECKING:
+    from sparkhvd.elastic.watch import Sighting
 
 __side__ = "driver"
 
@@ -29,6 +32,19 @@ RESIZE_CHECK_S = 30.0
 #: A grow's relaunch waits up to this long for the slots it was planned for (the stopped
 #: ranks' tasks ending, a returning executor registering) before it takes what is free.
 GROW_SETTLE_S = 15.0
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """Why the driver asks an attempt's ranks to stop at their next step."""
+
+    #: ``decommission`` or ``grow``
+    kind: str
+    reason: str
+    #: the size to relaunch with (``grow``)
+    grow_to: Optional[int] = None
+    #: executor id -> host being decommissioned (``decommission``)
+    executors: Optional[dict] = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +100,21 @@ class ScalingPolicy:
         if not self.elastic:
             return size
         return int(grow_to) if grow_to else self.max_np
+
+    def stop_for(self, size: int, seen: "Sighting") -> Optional[StopRequest]:
+        """What an attempt of ``size`` ranks does about what the watch saw: stop at the next
+        step for executors being decommissioned under it, or to grow into free slots; None:
+        go on."""
+        if seen.decommissioning:
+            where = ", ".join(f"executor {e} on {h}"
+                              for e, h in sorted(seen.decommissioning.items()))
+            return StopRequest("decommission", f"{where} is being decommissioned",
+                               executors=dict(seen.decommissioning))
+        grow_to = self.grow_to(size, seen.free or 0) if self.elastic else None
+        if grow_to is None:
+            return None
+        return StopRequest("grow", f"{grow_to - size} Spark task slot(s) free: growing from "
+                           f"{size} to {grow_to} ranks", grow_to=grow_to)
 
     def grow_to(self, size: int, free: int) -> Optional[int]:
         """The size to grow to when ``free`` slots are free beside the run's ``size``, or

@@ -196,29 +196,77 @@ def slots_without_context(view) -> SlotCount:
         "(or in the cluster's Spark config), then run again.")
 
 
+@dataclass(frozen=True)
+class Shortfall:
+    """What one look found missing for ``tasks`` tasks at once: :attr:`missing` slots, and
+    the error that says so (raised once waiting no longer helps)."""
+
+    #: ``slots``: the session has fewer slots than the tasks (executors may still be
+    #: registering); ``busy``: other jobs hold (or, under FIFO, wait for) the ones missing
+    kind: str
+    missing: int
+    free: int
+    error: NotEnoughSlotsError
+    #: the jobs that hold them (``busy``), in words
+    jobs: tuple = ()
+
+
+def look_for_slots(target: Any, tasks: int, ranks_per_task: int = 1,
+                   waited_s: float = 0.0, ended: Optional[str] = None) -> "SlotCount | Shortfall":
+    """One look, no wait: the slots for ``tasks`` tasks at once (each starting
+    ``ranks_per_task`` ranks), or what is short (``waited_s``: how long the caller has waited,
+    for the error's words; ``ended``: the tag of this run's attempt that just ended, whose
+    tasks may still be stopping: not counted as other jobs'). ``target``: a :class:`~sparkhvd.spark.sparkview.SparkView`
+    (classic or Connect) or a SparkContext. A Connect client sees no jobs but its own: only its
+    slot count is looked at."""
+    if isinstance(target, SparkView):
+        if target.connect:
+            found = slots_without_context(target)
+            return found if found.slots >= tasks else \
+                Shortfall("slots", tasks - found.slots, found.slots,
+                          _too_few(found, tasks, ranks_per_task))
+        target = target.sc
+    found = slots_of(target)
+    if found.slots < tasks:
+        return Shortfall("slots", tasks - found.slots, found.slots,
+                         _too_few(found, tasks, ranks_per_task))
+    ignore = cluster.safely("the ended attempt's jobs", lambda: cluster.job_ids(target, ended),
+                            frozenset()) if ended else frozenset()
+    busy, jobs = busy_slots(target, ignore)
+    busy = min(busy, found.slots)  # a job's waiting tasks may outnumber the slots
+    if found.slots - busy >= tasks:
+        return found
+    return Shortfall("busy", tasks - (found.slots - busy), found.slots - busy, NotEnoughSlotsError(
+        f"{_wants(tasks, ranks_per_task)} needs {tasks} free Spark task slots, but {busy} of the "
+        f"session's {found.slots} ({found.master}) are busy with other jobs: "
+        f"{', '.join(jobs) or '?'}; still after waiting {waited_s:.0f} s. Fix: let those jobs "
+        "finish or cancel them (the Spark UI names them), run with a larger slot_wait_s or "
+        "start_timeout to wait longer, or lower np."), tuple(jobs))
+
+
 def check_slots(target, np: int, *, wait_s: float = 0.0, ranks_per_task: int = 1,
                 busy_wait_s: float = 0.0) -> SlotCount:
     """Raise :class:`NotEnoughSlotsError` unless the session can run ``np`` tasks at once
-    (each starting ``ranks_per_task`` ranks: the message counts both).
-
-    ``target``: a :class:`~sparkhvd.spark.sparkview.SparkView` (classic or Connect) or a
-    SparkContext. On a cluster, executors may still be registering: poll up to ``wait_s``.
-    Then, on classic sessions, the slots other jobs hold (Spark's status tracker) must leave
-    ``np`` free: poll up to ``busy_wait_s`` for them, saying which jobs hold them -- a barrier
-    stage queued behind other jobs would otherwise wait for them, however long they run.
-    """
-    if isinstance(target, SparkView):
-        if target.connect:  # a Connect client sees no jobs but its own: nothing to wait for
-            return _enough(slots_without_context(target), np, ranks_per_task)
-        target = target.sc
-    deadline = time.monotonic() + wait_s
+    (each starting ``ranks_per_task`` ranks: the message counts both), looking
+    (:func:`look_for_slots`) for up to ``wait_s`` while the session has too few slots (a
+    cluster's executors may still be registering), and up to ``busy_wait_s`` while other jobs
+    hold them -- a barrier stage queued behind other jobs would otherwise wait for them,
+    however long they run. For ``sparkhvd doctor`` and the tests; a run looks once a step
+    (:class:`~sparkhvd.driver.placing.SparkPlacer`)."""
+    began = time.monotonic()
+    said = False
     while True:
-        found = slots_of(target)
-        if found.slots >= np or time.monotonic() >= deadline:
-            break
+        waited = time.monotonic() - began
+        found = look_for_slots(target, np, ranks_per_task, waited)
+        if isinstance(found, SlotCount):
+            return found
+        if waited >= (wait_s if found.kind == "slots" else busy_wait_s):
+            raise found.error
+        if found.kind == "busy" and not said:
+            said = True
+            log.warning("sparkhvd: %d task slot(s) short, busy with other jobs (%s); waiting up "
+                        "to %g s", found.missing, ", ".join(found.jobs) or "?", busy_wait_s)
         time.sleep(0.5)
-    _enough(found, np, ranks_per_task)
-    return _free_enough(target, found, np, ranks_per_task, busy_wait_s)
 
 
 def busy_slots(sc, ignore: frozenset = frozenset()) -> tuple[int, list[str]]:
@@ -272,44 +320,17 @@ def _job_name(sc, job_id: int) -> str:
         return ""
 
 
-def _free_enough(sc, found: SlotCount, tasks: int, ranks_per_task: int,
-                 wait_s: float) -> SlotCount:
-    deadline = time.monotonic() + wait_s
-    said = False
-    while True:
-        busy, jobs = busy_slots(sc)
-        busy = min(busy, found.slots)  # a job's waiting tasks may outnumber the slots
-        if found.slots - busy >= tasks:
-            return found
-        if time.monotonic() >= deadline:
-            break
-        if not said:
-            said = True
-            log.warning("sparkhvd: %d of the session's %d task slots are busy with other jobs "
-                        "(%s); waiting up to %g s for %d free", busy, found.slots,
-                        ", ".join(jobs) or "?", wait_s, tasks)
-        time.sleep(0.5)
-    raise NotEnoughSlotsError(
-        f"{_wants(tasks, ranks_per_task)} needs {tasks} free Spark task slots, but {busy} of the session's "
-        f"{found.slots} ({found.master}) are busy with other jobs: {', '.join(jobs) or '?'}; "
-        f"still after waiting {wait_s:.0f} s. Fix: let those jobs finish or cancel them (the "
-        "Spark UI names them), run with a larger slot_wait_s or start_timeout to wait longer, "
-        "or lower np.")
-
-
 def _wants(tasks: int, ranks_per_task: int) -> str:
     """What the user asked for, as they wrote it."""
     return (f"np={tasks}" if ranks_per_task == 1 else
             f"np={tasks * ranks_per_task} with ranks_per_task={ranks_per_task}")
 
 
-def _enough(found: SlotCount, tasks: int, ranks_per_task: int = 1) -> SlotCount:
-    if found.slots < tasks:
-        raise NotEnoughSlotsError(
-            f"{_wants(tasks, ranks_per_task)} needs {tasks} Spark task slots running at the same time, but the session "
-            f"({found.master}) has {found.slots}: {found.detail}. "
-            f"Fix: {found.fix.format(tasks=tasks)}.")
-    return found
+def _too_few(found: SlotCount, tasks: int, ranks_per_task: int = 1) -> NotEnoughSlotsError:
+    return NotEnoughSlotsError(
+        f"{_wants(tasks, ranks_per_task)} needs {tasks} Spark task slots running at the same "
+        f"time, but the session ({found.master}) has {found.slots}: {found.detail}. "
+        f"Fix: {found.fix.format(tasks=tasks)}.")
 
 
 def task_slots(view: SparkView, fallback: int = 8) -> int:

@@ -11,7 +11,7 @@ the task's GPUs); ``local_mode=True`` runs the processes on the driver, as ``tor
 
 What sparkhvd adds comes with it: the slot check before launch, typed errors naming the rank and
 host, the run folder (``.last_run_dir``), live ``[rank N]`` logs, stacks on a hang, retries. Any
-:class:`~sparkhvd.driver.runner.HorovodRunner` keyword (``output_dir=``, ``max_retries=``,
+:class:`~sparkhvd.driver.runner.SparkRunner` keyword (``output_dir=``, ``max_retries=``,
 ``spark=``, ...) may be added to the constructor.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Union
 
 from sparkhvd.common.errors import PayloadError
 from sparkhvd.common.script import read_script, run_script
-from sparkhvd.driver.runner import HorovodRunner
+from sparkhvd.driver.runner import SparkRunner
 
 __side__ = "driver"
 
@@ -46,7 +46,7 @@ class TorchDistributor:
         local_mode: run the ranks as processes on the driver (``True``, Spark's default) or in
             Spark tasks on the executors.
         use_gpu: give each rank a GPU; ``False`` hides every GPU (``CUDA_VISIBLE_DEVICES=""``).
-        **settings: any ``HorovodRunner`` keyword (``output_dir``, ``max_retries``, ``spark``,
+        **settings: any ``SparkRunner`` keyword (``output_dir``, ``max_retries``, ``spark``,
             ``mlflow``, ...).
     """
 
@@ -64,7 +64,7 @@ class TorchDistributor:
         env = dict(settings.pop("env", None) or {})
         if not use_gpu:
             env.setdefault("CUDA_VISIBLE_DEVICES", "")  # as Spark's class: no GPU at all
-        self.runner = HorovodRunner(
+        self.runner = SparkRunner(
             np=-self.num_processes if local_mode else self.num_processes, backend="torch",
             local_ranks=None if local_mode else "task", ranks_per_task=ranks_per_task, env=env,
             **settings)

@@ -40,7 +40,7 @@ kept as a snapshot (said once; the saves go on as without ``memory_snapshots``).
 host may leave one torn, for a relaunch there to read), the record carries the file's CRC-32,
 taken on the copying thread once the copy is done (the optimizer step waits for the copy, not
 for the sum) and checked when the snapshot is read back; in memory (``/dev/shm``) a snapshot
-dies with its host, and none is taken (:data:`sparkhvd.checkpoint.host_copy.SNAPSHOT`).
+dies with its host, and none is taken (:func:`sparkhvd.checkpoint.host_copy.snapshot_entry`).
 
 Bounded: the three slots must fit in half of what their folder has free
 (:data:`sparkhvd.checkpoint.host_copy.FREE_SHARE`); otherwise no snapshot is kept (said once)
@@ -393,8 +393,8 @@ class SnapshotRing:
                 copied.set()  # the next optimizer step may change the parameters now
             size = slot.write_tail(tail)
             crc = None if self._in_memory else slot.checksum(size)
-            named = {**record, "file": file, "snapshot": True, "files": {file: {
-                "size": size, "sha256": host_copy.snapshot_sum(uuid.uuid4().hex, crc)}}}
+            named = {**record, "file": file, "snapshot": True, "files": {
+                file: host_copy.snapshot_entry(size, uuid.uuid4().hex, crc)}}
             if host_copy.commit_snapshot(file, slot.path, size, named, store):
                 self._named = index
 

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zlib
 from typing import Optional
 
 import pytest
@@ -888,6 +889,42 @@ def test_a_sharded_checkpoint_restores_at_one_rank_from_both_hosts_copies(sharde
 
 
 # -- memory snapshots of the saves due while one is written (sparkhvd.torch.snapshot_ring) ------
+def test_a_snapshots_copy_names_it_by_its_identity_and_crc_not_a_sha256(run_env):
+    """A memory snapshot's record and its copy's list say what it is: its identity and (on a
+    disk) its file's CRC-32, each in a field of its own, and no ``sha256``. A copy listed in
+    the form from before (``"sha256": "snapshot:<id>:crc32=..."``) is no valid copy: its
+    check fails when read, and a restore passes it over as it does a damaged one."""
+    data = b"slot" * 100
+    path = host_copy.snapshot_slot(0)
+    with open(path, "wb") as f:
+        f.write(data)
+    entry = host_copy.snapshot_entry(len(data), "ab12", zlib.crc32(data))
+    record = {"epoch": 0, "step": 4, "file": "e.snapshot", "snapshot": True,
+              "files": {"e.snapshot": entry}}
+    assert host_copy.commit_snapshot("e.snapshot", path, len(data), record, "the folder")
+    copy = host_copy.find_all()["e.snapshot"]
+    assert (copy.sha256, copy.snapshot, copy.crc32) == (None, "ab12", zlib.crc32(data))
+    assert copy.content == host_copy.content_of(entry) != host_copy.content_of({"sha256": "ab12"})
+    assert copy.read() == data
+    meta_path = os.path.join(os.path.dirname(path), "snapshot.json")
+    meta = json.loads(open(meta_path).read())
+    assert "sha256" not in meta["files"][0]
+    assert "sha256" not in meta["record"]["files"]["e.snapshot"]
+    with open(path, "r+b") as f:
+        f.write(b"X")
+    with pytest.raises(ValueError, match="corrupt"):
+        copy.read()
+
+    meta["files"][0] = {"file": "e.snapshot", "size": len(data), "name": "snapshot-0",
+                        "sha256": f"snapshot:ab12:crc32={zlib.crc32(data):08x}"}
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.raises(ValueError, match="corrupt"):
+        host_copy.find_all()["e.snapshot"].read()
+
+
 def _bn_model_and_opt(torch, seed: int):
     """A model with an int64 buffer (BatchNorm's count) and Adam's state, trained one step."""
     torch.manual_seed(seed)
@@ -942,6 +979,8 @@ def test_saves_due_while_one_is_written_are_memory_snapshots_and_a_relaunch_rest
     assert slots == ["snapshot-0", "snapshot-1", "snapshot-2"]
     snapshot = host_copy.find_all()["epoch-0000-step-0000004.snapshot"]
     assert snapshot.path.endswith("snapshot-1")
+    # named by its identity and CRC-32, not a SHA-256 (that of every step would cost more)
+    assert snapshot.sha256 is None and snapshot.snapshot and snapshot.crc32 is not None
 
     restored, relaunched, epoch, lines = _relaunched(torch, run_env, capsys)
     assert (epoch, relaunched.restored) == (0, {"seen": 4, "epoch": 0, "step": 4})
@@ -1018,7 +1057,7 @@ def test_a_rank_on_a_new_host_gets_the_newest_snapshot_from_the_rank_that_has_it
     monkeypatch.setattr(host_copy, "in_memory", lambda path: True)
     ckpt, gate, saved = _snapshots_while_a_save_is_held(torch, run_env, monkeypatch, model, opt)
     kept = host_copy.find_all()["epoch-0000-step-0000004.snapshot"]
-    assert kept.sha256.startswith(host_copy.SNAPSHOT) and "crc32" not in kept.sha256, kept
+    assert kept.sha256 is None and kept.snapshot and kept.crc32 is None, kept
     ranks = _two_ranks(run_env, [str(run_env / "host-b"), str(run_env / "host-a")])
     assert [r["epoch"] for r in ranks] == [0, 0]
     assert ranks[0]["state"] == ranks[1]["state"] == saved[4]["model"]

@@ -17,8 +17,9 @@ from typing import Any, Callable, Optional
 import pytest
 
 from sparkhvd.common import protocol
-from sparkhvd.common.errors import LaunchFailure, NotEnoughSlotsError, TrainingError
-from sparkhvd.driver.launchers import GroupStatus, LaunchFacts, LaunchSpec, Placement
+from sparkhvd.common.errors import NotEnoughSlotsError, TrainingError
+from sparkhvd.driver.launchers import GroupStatus, LaunchFacts, LaunchSpec, Placement, RankFact
+from sparkhvd.driver.placing import Short
 from sparkhvd.driver.run import Run
 from sparkhvd.driver.settings import LaunchConfig, RunConfig, ScalingConfig
 from sparkhvd.driver.spec import run_spec
@@ -26,30 +27,34 @@ from sparkhvd.driver.spec import run_spec
 pytestmark = pytest.mark.timeout(60)
 
 
-def lost(rank: int = 1) -> Callable[[LaunchSpec, Any], Any]:
+def lost(rank: int = 1) -> Callable[[LaunchSpec, Any], GroupStatus]:
     """An attempt whose rank's process vanished (its executor or host went)."""
-    def end(spec: LaunchSpec, sink: Any) -> Any:
-        raise LaunchFailure(rank, None, f"rank {rank} vanished", host="h1", vanished=True)
+    def end(spec: LaunchSpec, sink: Any) -> GroupStatus:
+        return GroupStatus((RankFact(rank, "vanished", time.monotonic(), host="h1",
+                                     executor="10.0.0.1", detail=f"rank {rank} vanished"),),
+                           running=False)
     return end
 
 
-def noticed(rank: int = 0) -> Callable[[LaunchSpec, Any], Any]:
+def noticed(rank: int = 0) -> Callable[[LaunchSpec, Any], GroupStatus]:
     """An attempt whose ranks stopped on a notice, after their checkpoint."""
-    def end(spec: LaunchSpec, sink: Any) -> Any:
-        raise LaunchFailure(rank, 75, "stopped on a notice after its checkpoint", host="h1",
-                            preempted=True)
+    def end(spec: LaunchSpec, sink: Any) -> GroupStatus:
+        return GroupStatus(tuple(RankFact(r, "exited", time.monotonic(), exit_code=75,
+                                          host="h1") for r in range(spec.size)),
+                           running=False)
     return end
 
 
-def until_notified(spec: LaunchSpec, sink: Any) -> Any:
+def until_notified(spec: LaunchSpec, sink: Any) -> GroupStatus:
     """An attempt that runs until the driver gives its ranks a notice, then stops on it."""
-    raise LaunchFailure(0, 75, "stopped on a notice after its checkpoint", host="h1",
-                        preempted=True)
+    return noticed()(spec, sink)
 
 
-def succeeds(result: Any = b"weights") -> Callable[[LaunchSpec, Any], Any]:
-    def end(spec: LaunchSpec, sink: Any) -> Any:
-        return [result] * spec.size
+def succeeds(result: Any = b"weights") -> Callable[[LaunchSpec, Any], GroupStatus]:
+    def end(spec: LaunchSpec, sink: Any) -> GroupStatus:
+        return GroupStatus(tuple(RankFact(r, "exited", time.monotonic(), exit_code=0)
+                                 for r in range(spec.size)),
+                           running=False, done=True, results=(result,) * spec.size)
     return end
 
 
@@ -58,9 +63,10 @@ class ScriptedGroup:
     its ranks itself (notices are kept)."""
 
     timeout_message = "scripted ranks ran out of time"
+    recovers = False
 
-    def __init__(self, end: Callable[[LaunchSpec, Any], Any], spec: LaunchSpec, sink: Any,
-                 polls: int) -> None:
+    def __init__(self, end: Callable[[LaunchSpec, Any], GroupStatus], spec: LaunchSpec,
+                 sink: Any, polls: int) -> None:
         self.end, self.spec, self.sink, self.polls = end, spec, sink, polls
         self.reach = self
         self.notices: list[str] = []
@@ -81,20 +87,16 @@ class ScriptedGroup:
         if self.end is until_notified:
             time.sleep(0.001)
             if not self.notices:
-                return GroupStatus("running")
+                return GroupStatus()
         else:
             self.polls -= 1
             if self.polls >= 0:
-                return GroupStatus("running")
-        try:
-            return GroupStatus("ended", results=tuple(self.end(self.spec, self.sink)))
-        except LaunchFailure as failure:
-            return GroupStatus("failed", error=failure)
+                return GroupStatus()
+        return self.end(self.spec, self.sink)
 
-    def shutdown(self, cause: Optional[BaseException] = None) -> Optional[BaseException]:
-        self.stopped = self.stopped or cause is not None
+    def shutdown(self, stop: bool = False) -> None:
+        self.stopped = self.stopped or stop
         self.closed = True
-        return cause
 
 
 class ScriptedLauncher:
@@ -129,7 +131,8 @@ class ScriptedPlacer:
         self.losses: list[Any] = []
         self.swept: list[tuple[str, set[str], dict]] = []
 
-    def place(self, size: int, first: bool, time_left: Optional[float]) -> Placement:
+    def place(self, size: int, first: bool, time_left: Optional[float],
+              waited_s: float = 0.0, ended: Optional[str] = None) -> Any:
         if self.fail_placing is not None:
             raise self.fail_placing
         self.placed.append(size)
@@ -140,8 +143,8 @@ class ScriptedPlacer:
     def free_slots(self, ended: Optional[str] = None) -> int:
         return self.free.pop(0) if len(self.free) > 1 else self.free[0]
 
-    def note_losses(self, failure: Any, executors: Callable[[], set]) -> None:
-        self.losses.append(failure)
+    def note_losses(self, lost: Any, executors: Callable[[], set]) -> None:
+        self.losses.append(list(lost))
 
     def describe_lost(self) -> str:
         return "executor 7 on h1 lost"
@@ -267,7 +270,8 @@ def test_an_elastic_run_shrinks_to_the_free_slots_after_a_loss(tmp_path):
     resizing = _record(run)["states"][2]
     assert (resizing["from"], resizing["to"]) == (3, 2)
     assert placer.placed == [3, 2] and [spec.size for spec in launcher.specs] == [3, 2]
-    assert len(placer.losses) == 1 and placer.losses[0].vanished
+    assert len(placer.losses) == 1 and [f.kind for f in placer.losses[0]] == ["vanished"]
+    assert placer.losses[0][0].executor == "10.0.0.1"  # the lost rank's executor, from its fact
 
 
 def test_an_elastic_run_starts_smaller_when_fewer_slots_are_free(tmp_path):
@@ -278,13 +282,48 @@ def test_an_elastic_run_starts_smaller_when_fewer_slots_are_free(tmp_path):
 
 
 def test_below_min_np_after_the_wait_the_run_fails_naming_what_was_lost(tmp_path):
+    """The policy said relaunch; its placing finds 1 slot free, below min_np, after the
+    wait: the run fails there, naming what it lost."""
     placer = ScriptedPlacer(free=(3, 1))
     run = _run(tmp_path, ScriptedLauncher(lost()), placer, np=3, min_np=2, slot_wait_s=0)
     with pytest.raises(NotEnoughSlotsError, match=r"min_np=2 .* but 1 are free .*executor 7"):
         run.execute()
     states = _record(run)["states"]
-    assert [s["state"] for s in states] == ["placing", "running", "failed"]
+    assert [s["state"] for s in states] == ["placing", "running", "restarting", "placing",
+                                            "failed"]
     assert states[-1]["why"].startswith("NotEnoughSlotsError")
+
+
+def test_waiting_for_slots_is_the_placing_state_looked_at_each_step(tmp_path):
+    """Below min_np at first, the placing state is kept (no transition, no sleep inside the
+    step) and looks again each step until a slot comes back."""
+    placer = ScriptedPlacer(free=(1, 1, 1, 2))
+    run = _run(tmp_path, ScriptedLauncher(succeeds()), placer, np=3, min_np=2, slot_wait_s=60)
+    steps, step = [], run._step
+
+    def counted(state: Any, env: dict) -> Any:
+        after = step(state, env)
+        steps.append((state.label, after.label, after is state))
+        return after
+
+    run._step = counted  # type: ignore[method-assign]
+    assert run.execute()[0] == b"weights"
+    assert steps[:4] == [("placing", "placing", True)] * 3 + [("placing", "running", False)]
+    assert placer.placed == [2] and _states(run) == ["placing", "running", "finished"]
+
+
+def test_the_runs_timeout_ends_a_wait_for_slots(tmp_path):
+    """Waiting below min_np is bounded by run(timeout=...), checked at each look."""
+    config = RunConfig(output_dir=str(tmp_path / "runs"), time_split=False)
+    spec = run_spec("torch", ScalingConfig(np=3, min_np=2), LaunchConfig(slot_wait_s=600),
+                    config, LaunchFacts("torch"))
+    run = Run(spec, _train, b"", None, kwargs={}, return_all=False, timeout=0.5,
+              placer=ScriptedPlacer(free=(1,)), launchers=ScriptedLauncher(succeeds()))
+    began = time.monotonic()
+    with pytest.raises(NotEnoughSlotsError, match="min_np=2"):
+        run.execute()
+    assert time.monotonic() - began < 30  # not slot_wait_s
+    assert _states(run) == ["placing", "failed"]
 
 
 class SlotsGoneOnce(ScriptedPlacer):
@@ -292,14 +331,15 @@ class SlotsGoneOnce(ScriptedPlacer):
     lost host's executor Spark had not dropped yet): that placement finds 2."""
 
     def __init__(self) -> None:
-        super().__init__(free=(3, 3, 2))
+        super().__init__(free=(3, 3, 3, 2))  # the start, the relaunch's size, its placing
         self.tries: list[int] = []
 
-    def place(self, size: int, first: bool, time_left: Optional[float]) -> Placement:
+    def place(self, size: int, first: bool, time_left: Optional[float],
+              waited_s: float = 0.0, ended: Optional[str] = None) -> Any:
         self.tries.append(size)
         if len(self.tries) == 2:
-            raise NotEnoughSlotsError(f"np={size} needs {size} Spark task slots, but the "
-                                      "session has 2")
+            return Short(1, 2, 0.0, NotEnoughSlotsError(
+                f"np={size} needs {size} Spark task slots, but the session has 2"))
         return super().place(size, first, time_left)
 
 
@@ -347,7 +387,7 @@ class Moments:
         self.seen: list[str] = []
         self.transitions: list[tuple[Optional[str], str]] = []
 
-    def on_run_start(self, run: Run) -> None:
+    def on_run_start(self, run: Any) -> None:
         self.seen.append("run_start")
 
     def on_state(self, run: Any, transition: Any) -> None:
@@ -360,13 +400,13 @@ class Moments:
     def on_attempt_launch(self, run: Any, attempt: Any) -> None:
         self.seen.append(f"attempt_launch {attempt.number}")
 
-    def on_attempt_end(self, run: Run, attempt: Any) -> None:
+    def on_attempt_end(self, run: Any, attempt: Any) -> None:
         self.seen.append(f"attempt_end {attempt.number} {attempt.status}")
 
-    def on_ranks_done(self, run: Run) -> None:
+    def on_ranks_done(self, run: Any) -> None:
         self.seen.append("ranks_done")
 
-    def on_run_end(self, run: Run, status: str, error: Any, model: Any) -> None:
+    def on_run_end(self, run: Any, status: str, error: Any, model: Any) -> None:
         self.seen.append(f"run_end {status} {model}")
 
 
@@ -518,3 +558,135 @@ def test_a_transition_next_does_not_allow_is_refused_as_a_bug(tmp_path):
     run._enter(Placing("the run starts", size=2))
     with pytest.raises(RuntimeError, match="from placing to finished, which NEXT does not"):
         run._enter(Finished("skipped the running"))
+
+
+def test_recorders_are_handed_frozen_snapshots_never_the_run_or_an_attempt(tmp_path):
+    """A recorder sees the run and the attempt as they were at the moment, and cannot reach
+    the placer, the policies or a live worker group; what the ranks send comes through the
+    run's hub."""
+    import dataclasses
+
+    from sparkhvd.driver.view import AttemptSnapshot, RunSnapshot
+
+    seen: list[tuple[Any, Any]] = []
+    metrics: list[dict] = []
+
+    class Peek(Moments):
+        def on_run_start(self, run: Any) -> None:
+            run.hub.on_metrics(metrics.append)
+
+        def on_attempt_end(self, run: Any, attempt: Any) -> None:
+            seen.append((run, attempt))
+
+    def reports(spec: LaunchSpec, sink: Any) -> GroupStatus:
+        sink.receive(protocol.Metrics(rank=0, record={"epoch": 0, "loss": 0.5}))
+        sink.receive(protocol.Metrics(rank=1, record={"epoch": 0, "loss": 0.7}))
+        return lost()(spec, sink)
+
+    run = _run(tmp_path, ScriptedLauncher(reports, succeeds()), np=2, max_retries=1)
+    run.callbacks = [Peek()]  # type: ignore[list-item]
+    run.execute()
+    (first_run, first), (_, second) = seen
+    assert isinstance(first_run, RunSnapshot) and isinstance(first, AttemptSnapshot)
+    assert not hasattr(first_run, "placer") and not hasattr(first, "group")
+    assert (first.status, second.status) == ("failed", "succeeded")
+    assert first_run.state == "running" and len(first_run.attempts) == 1
+    assert first.metrics == ({"epoch": 0, "loss": 0.5},) and metrics == [first.metrics[0]]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first_run.state = "finished"  # type: ignore[misc]
+
+
+def test_the_time_up_is_never_relaunched_even_with_a_notice_in_its_grace(tmp_path):
+    """A rank stopped on a notice, the others finishing their step -- and the run's timeout
+    passes: the attempt ended timed out, and nothing is launched after the deadline."""
+    def one_noticed(spec: LaunchSpec, sink: Any) -> GroupStatus:
+        return GroupStatus((RankFact(0, "exited", time.monotonic(), exit_code=75),))
+
+    launcher = ScriptedLauncher(one_noticed, succeeds(), polls=0)
+    config = RunConfig(output_dir=str(tmp_path / "runs"), time_split=False)
+    spec = run_spec("torch", ScalingConfig(np=2), LaunchConfig(), config, LaunchFacts("torch"))
+    run = Run(spec, _train, b"", None, kwargs={}, return_all=False, timeout=0.3,
+              placer=ScriptedPlacer(), launchers=launcher)
+    with pytest.raises(TimeoutError):
+        run.execute()
+    assert len(launcher.specs) == 1
+    assert [a["status"] for a in _record(run)["attempts"]] == ["timed out"]
+
+
+class BusyOnce(ScriptedPlacer):
+    """Other jobs hold a slot at the first look, worth waiting for; the next look finds it."""
+
+    def __init__(self) -> None:
+        super().__init__(free=(3,))
+        self.looks = 0
+
+    def place(self, size: int, first: bool, time_left: Optional[float],
+              waited_s: float = 0.0, ended: Optional[str] = None) -> Any:
+        self.looks += 1
+        if self.looks == 1:
+            return Short(1, 2, 30.0, NotEnoughSlotsError("busy"), ("job 7 (1 task(s))",))
+        return super().place(size, first, time_left)
+
+
+def test_slots_other_jobs_hold_are_waited_for_not_resized_away(tmp_path, caplog):
+    placer = BusyOnce()
+    run = _run(tmp_path, ScriptedLauncher(succeeds()), placer, np=3, min_np=2, slot_wait_s=30)
+    assert run.execute()[0] == b"weights"
+    assert placer.placed == [3] and placer.looks == 2
+    assert "held by other jobs (job 7 (1 task(s)))" in caplog.text
+
+
+def test_an_interrupt_while_waiting_for_slots_ends_the_run_in_failed(tmp_path, monkeypatch):
+    placer = ScriptedPlacer(free=(1,))
+    run = _run(tmp_path, ScriptedLauncher(succeeds()), placer, np=3, min_np=2,
+               slot_wait_s=600)
+
+    def interrupted(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("sparkhvd.driver.run.time.sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run.execute()
+    assert _states(run) == ["placing", "failed"]
+    assert _record(run)["status"] == "interrupted"
+
+
+def test_a_lost_ranks_executor_is_the_one_that_ran_its_partition(monkeypatch):
+    """Two executors on one host (one address): the one that ran the silent rank's partition
+    is lost for the run; a vanished rank's executor is left out of the next count only; a
+    rank killed by a signal loses nothing."""
+    from types import SimpleNamespace
+
+    from sparkhvd.driver.placing import SparkPlacer
+    from sparkhvd.elastic.cluster import Executor
+
+    monkeypatch.setattr("sparkhvd.elastic.cluster.executors", lambda sc: [
+        Executor("1", "10.0.0.2", 2), Executor("2", "10.0.0.2", 2), Executor("3", "10.0.0.3", 2)])
+    placer = SparkPlacer(None, None)
+    placer.view = SimpleNamespace(connect=False, sc=object())  # type: ignore[assignment]
+    ran_on = {0: "1", 1: "2", 2: "3"}
+    placer.note_losses([RankFact(1, "silent", 1.0, executor="10.0.0.2", partition=1)],
+                       lambda: ran_on)
+    assert placer.lost_executors == {"2": "10.0.0.2"}
+    placer.note_losses([RankFact(2, "vanished", 1.0, executor="10.0.0.3", partition=2)],
+                       lambda: {})  # where it ran unknown: the only executor at its address
+    assert placer._suspects == {"3": "10.0.0.3"} and "3" not in placer.lost_executors
+    placer.note_losses([RankFact(0, "exited", 1.0, exit_code=-9, partition=0)], lambda: ran_on)
+    assert set(placer.lost_executors) == {"2"}
+
+
+def test_a_rank_lost_as_the_runs_time_runs_out_is_not_relaunched(tmp_path):
+    """The policy would retry the loss, but run(timeout=...) has passed: nothing is launched
+    after the deadline; the loss is the run's error."""
+    def late_loss(spec: LaunchSpec, sink: Any) -> GroupStatus:
+        time.sleep(0.4)
+        return lost()(spec, sink)
+
+    launcher = ScriptedLauncher(late_loss, succeeds())
+    config = RunConfig(output_dir=str(tmp_path / "runs"), time_split=False, max_retries=3)
+    spec = run_spec("torch", ScalingConfig(np=2), LaunchConfig(), config, LaunchFacts("torch"))
+    run = Run(spec, _train, b"", None, kwargs={}, return_all=False, timeout=0.2,
+              placer=ScriptedPlacer(), launchers=launcher)
+    with pytest.raises(TrainingError, match="rank 1"):
+        run.execute()
+    assert len(launcher.specs) == 1 and _states(run) == ["placing", "running", "failed"]

@@ -1,7 +1,23 @@
-"""Argument checks of HorovodRunner: immediate, specific errors."""
+"""Argument checks of the runner (SparkRunner, and HorovodRunner): immediate, specific errors."""
 import pytest
 
-from sparkhvd import HorovodRunner, PayloadError
+from sparkhvd import HorovodRunner, PayloadError, SparkRunner
+
+
+def test_horovod_runner_is_the_spark_runner_with_horovod_by_default():
+    """SparkRunner is the runner, its backend always said; HorovodRunner, the Databricks-
+    compatible name, differs only in ``backend="horovod"`` by default. Errors name the class
+    the caller made."""
+    assert issubclass(HorovodRunner, SparkRunner)
+    assert HorovodRunner(np=2).backend == "horovod"
+    assert HorovodRunner(np=2, backend="torch").backend == "torch"
+    assert SparkRunner(np=2, backend="tf").backend == "tf"
+    with pytest.raises(TypeError, match="backend"):
+        SparkRunner(np=2)  # nothing about the name picks one
+    with pytest.raises(TypeError, match="SparkRunner needs np"):
+        SparkRunner(backend="torch")
+    with pytest.raises(RuntimeError, match="No run of this SparkRunner is running"):
+        SparkRunner(np=2, backend="torch").dump_stacks()
 
 
 @pytest.mark.parametrize("bad", [0, 1.5, "2", None, True, [2]])

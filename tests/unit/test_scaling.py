@@ -54,7 +54,7 @@ def test_a_grow_waits_a_moment_for_its_slots_then_takes_what_is_free():
 
 def test_a_grow_is_asked_for_only_when_a_second_look_agrees(monkeypatch):
     """While executors come and go Spark may list a lost one beside its replacement: one look
-    that finds room is checked by another before the ranks are stopped."""
+    that finds room is checked by another; the watch says what it saw, the policy decides."""
     from types import SimpleNamespace
 
     from sparkhvd.elastic import watch
@@ -62,14 +62,19 @@ def test_a_grow_is_asked_for_only_when_a_second_look_agrees(monkeypatch):
     looks = iter([1, 0, 1, 2])
     now = [0.0]
     view = SimpleNamespace(connect=False, master="spark://x:7077")
-    w = watch.AttemptWatch(view, "job", _policy(ScalingConfig(np=4, min_np=2)), 2,
-                           listening=lambda: True, free=lambda: next(looks),
-                           clock=lambda: now[0])
-    monkeypatch.setattr(watch.AttemptWatch, "_look_for_decommission", lambda self: None)
-    proposed = []
-    for t in (30.0, 31.0, 61.0, 62.0, 92.0):  # room, gone; room, room again -> grow; no more
+    w = watch.AttemptWatch(view, "job", slots=True, resize_check_s=30.0,
+                           free=lambda: next(looks), clock=lambda: now[0])
+    monkeypatch.setattr(watch.AttemptWatch, "_decommissioning", lambda self: {})
+    seen = []
+    for t in (30.0, 31.0, 61.0, 62.0):  # room, gone; room, room again -> seen
         now[0] = t
-        proposed.append(w.tick())
-    assert proposed[:3] == [None] * 3 and proposed[4] is None
-    assert proposed[3] is not None and proposed[3].grow_to == 3
-    assert "1 Spark task slot(s) free: growing from 2 to 3" in proposed[3].reason
+        seen.append(w.look())
+    assert seen[:3] == [None] * 3 and seen[3] == watch.Sighting(free=1)
+    policy = _policy(ScalingConfig(np=4, min_np=2))
+    request = policy.stop_for(2, seen[3])
+    assert request is not None and request.grow_to == 3
+    assert "1 Spark task slot(s) free: growing from 2 to 3" in request.reason
+    assert policy.stop_for(4, seen[3]) is None, "at max_np: nothing to grow into"
+    going = policy.stop_for(2, watch.Sighting(decommissioning={"7": "h2"}))
+    assert going is not None and going.kind == "decommission"
+    assert going.reason == "executor 7 on h2 is being decommissioned"

@@ -28,7 +28,7 @@ def test_groups_can_be_given_whole_and_a_setting_given_twice_is_refused():
         HorovodRunner(np=2, output_dir="a", run_config=RunConfig(output_dir="b"))
     with pytest.raises(TypeError, match="launch= takes a LaunchConfig"):
         HorovodRunner(np=2, launch=RunConfig())
-    with pytest.raises(TypeError, match="needs np"):
+    with pytest.raises(TypeError, match="HorovodRunner needs np"):
         HorovodRunner()
     with pytest.raises(ValueError, match="np given both as keyword.*ScalingConfig"):
         HorovodRunner(np=2, scaling=ScalingConfig(np=4))

@@ -1,8 +1,9 @@
 """How ranks are started: one :class:`LaunchSpec`, one small interface (:class:`WorkerGroup`:
-start, poll, shutdown), three launchers -- each its group's class (``barrier``, ``horovod``,
-``local``; the table is in :mod:`~sparkhvd.driver.launchers.seam`) -- and the one table of rules
-that decides which launcher a run may use (:mod:`~sparkhvd.driver.launchers.rules`). This face
-only hands names on.
+start, poll -- what was seen of each rank, as :class:`RankFact` data -- and shutdown), three
+launchers -- each its group's class (``barrier``, ``horovod``, ``local``; the table is in
+:mod:`~sparkhvd.driver.launchers.seam`) -- and the one table of rules that decides which
+launcher a run may use (:mod:`~sparkhvd.driver.launchers.rules`). This face only hands names
+on.
 """
 from sparkhvd.driver.launchers.rules import (
     MODULES,
@@ -17,6 +18,7 @@ from sparkhvd.driver.launchers.seam import (
     Launcher,
     LaunchSpec,
     Placement,
+    RankFact,
     RankReach,
     Sink,
     WorkerGroup,
@@ -25,5 +27,5 @@ from sparkhvd.driver.launchers.seam import (
 __side__ = "driver"
 
 __all__ = ["MODULES", "RULES", "LaunchFacts", "check_launch", "choose_launcher", "get_launcher",
-           "GroupStatus", "Launcher", "LaunchSpec", "Placement", "RankReach", "Sink",
+           "GroupStatus", "Launcher", "LaunchSpec", "Placement", "RankFact", "RankReach", "Sink",
            "WorkerGroup"]

@@ -18,10 +18,11 @@ When some task cannot reach the control server (a Spark Connect client the execu
 reach), the tasks run without it and return the ranks' output and events in their rows;
 :func:`replay_rows` delivers them to the sink after the job, so errors are decided as when live.
 
-A failed rank, a vanished one (its connection drops without an exit status: executor lost) or a
-silent one (no heartbeat for ``heartbeat_timeout``: host off the network) makes the driver abort
-the others over their connections and cancel the job group. A failing rank does not fail its
-Spark task, so Spark never retries a training run by itself. Barrier stages cannot run with
+Each poll says what the control server saw of each rank -- an exit status, a vanished one (its
+connection dropped without an exit status: executor lost), a silent one (no heartbeat for
+``heartbeat_timeout``: host off the network) -- as facts; once the run decided the attempt
+ended, stopping aborts the others over their connections and cancels the job group. A failing
+rank does not fail its Spark task, so Spark never retries a training run by itself. Barrier stages cannot run with
 dynamic allocation: there a horovod run goes through ``horovod.spark.run``, and the other
 backends are refused with the fix (the rules in :mod:`sparkhvd.driver.launchers`).
 """
@@ -37,12 +38,12 @@ from typing import Any, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.backends import TaskInfo, get_backend
-from sparkhvd.common.errors import LaunchFailure
+from sparkhvd.common.errors import SparkhvdError
 from sparkhvd.common.netif import bind_address, collective_iface_env
 from sparkhvd.common.protocol import TaskSpec
-from sparkhvd.driver.launchers.base import ThreadedGroup, kill_local_ranks
+from sparkhvd.driver.launchers.base import SPARK_TIMEOUT, BlockingCall, kill_local_ranks
 from sparkhvd.driver.launchers.control import ControlServer, TaskState
-from sparkhvd.driver.launchers.seam import LaunchSpec, Sink
+from sparkhvd.driver.launchers.seam import GroupStatus, LaunchSpec, Sink
 from sparkhvd.driver.payload import load_result
 from sparkhvd.spark.sparkview import stopped_session_error
 
@@ -57,23 +58,43 @@ LIVENESS_S = 3.0
 DETACH_AFTER_S = 15.0
 
 
-class BarrierGroup(ThreadedGroup):
+class BarrierGroup:
     """``np`` ranks in one DataFrame barrier stage of the run's session, classic or Spark
     Connect (module docstring); reached through the control server."""
 
-    THREAD = "sparkhvd-barrier"
+    recovers = False
 
     def __init__(self, spec: LaunchSpec, sink: Sink) -> None:
-        super().__init__(spec, sink)
+        self.spec, self.sink = spec, sink
+        self.timeout_message = SPARK_TIMEOUT.format(timeout=spec.timeout or 0)
+        self.reach: Optional[ControlServer] = None
         self._view = spec.session
         self._backend: Any = None
         self._server: Optional[ControlServer] = None
         self._job: Any = None
-        self._mapper: Any = None
+        self._call: Optional[BlockingCall] = None
+        #: what the stage returned, read once: the ranks' results, or why there are none
+        self._ended: Optional[tuple[tuple, Optional[Exception]]] = None
         #: the session's liveness: when last probed, and whether the no-channel warning was said
         self._probed, self._warned = 0.0, False
+        self._session_lost = False
+        self._failed = 0  # ranks seen failed when the session was last probed
+        self._released = False
 
-    def _launch(self) -> None:
+    def start(self) -> None:
+        try:
+            mapper = self._launch()
+        except BaseException:
+            self.shutdown()
+            raise
+        from sparkhvd.executor.barrier import ROW_SCHEMA
+
+        tasks = self.spec.tasks
+        self._call = BlockingCall(lambda: self._job.run(
+            lambda: self._view.barrier_collect(tasks, mapper, ROW_SCHEMA)), "sparkhvd-barrier")
+
+    def _launch(self) -> Any:
+        """The backend's rendezvous, the control server and the Spark job; the task mapper."""
         from sparkhvd.executor.barrier import arrow_barrier_task
 
         spec = self.spec
@@ -91,40 +112,59 @@ class BarrierGroup(ThreadedGroup):
                          name="sparkhvd-control").start()
         self._job = self._view.job(spec.job,
                                    f"sparkhvd: {spec.size} rank(s) of run {spec.run.run_id}")
-        self._mapper = functools.partial(arrow_barrier_task, TaskSpec(
+        return functools.partial(arrow_barrier_task, TaskSpec(
             payload=spec.payload, options=spec.options.as_dict(), env=dict(spec.env),
             driver=control_address(spec, server), token=token,
             start_timeout=float(spec.start_timeout), backend=spec.backend,
             run_env=dict(run_env), ranks_per_task=spec.ranks_per_task,
             node_per_task=spec.node_per_task, start_by=time.time() + spec.start_timeout))
 
-    def _call(self) -> list:
-        from sparkhvd.executor.barrier import ROW_SCHEMA
+    def poll(self, wait_s: float, elapsed_s: float) -> GroupStatus:
+        """Wait up to ``wait_s`` for the stage; what the control server saw of the ranks. A
+        stopped or lost session is the error (the ranks' ends are its consequences); the
+        stage's own error is given a heartbeat timeout for the rank behind it to show."""
+        call, server = self._started(), self._control()
+        call.wait(wait_s)
+        session = self._session_error(elapsed_s, server)
+        if session is not None:
+            return GroupStatus(running=False, error=session)
+        if call.done and self._ended is None:
+            self._ended = self._read_end(call)
+        facts = tuple(server.facts(self.spec.heartbeat_timeout))
+        # a lost host shows as a silent rank a heartbeat timeout after it went
+        silent_after = 0.0 if server.plan is None else self.spec.heartbeat_timeout + 2.0
+        if self._ended is None:
+            return GroupStatus(facts, running=server.running(), silent_after_s=silent_after)
+        results, error = self._ended
+        if error is None:
+            return GroupStatus(facts, running=False, done=True, results=results)
+        lost = server.lost_in(str(error))
+        explained = 0.0 if isinstance(error, (SparkhvdError, TimeoutError)) else silent_after
+        return GroupStatus(facts + ((lost,) if lost is not None else ()),
+                           running=server.running(), error=error,
+                           explained_within_s=explained, silent_after_s=silent_after)
 
-        return self._job.run(lambda: self._view.barrier_collect(self.spec.tasks, self._mapper,
-                                                                ROW_SCHEMA))
-
-    def _check(self, elapsed_s: float) -> None:
-        """A stopped or lost session, a lost or failed rank, tasks that never reached the
-        control channel (then the run goes on in rows mode)."""
-        spec, view, server = self.spec, self._view, self._control()
+    def _session_error(self, elapsed_s: float, server: ControlServer) -> Optional[Exception]:
+        """A stopped or lost session (looked at every :data:`LIVENESS_S`, and whenever a rank
+        ended otherwise than with status 0: a lost Connect server takes its executors' ranks
+        with it, and says nothing); tasks that never reached the control channel."""
+        spec, view = self.spec, self._view
         if view.stopped():
-            raise stopped_session_error(during=True)
-        failure = server.failure(spec.heartbeat_timeout) or self.sink.stale_error()
-        if failure is not None or elapsed_s - self._probed >= LIVENESS_S:
-            # a rank lost, or time to look: is it the session that is gone? (a lost
-            # Connect server takes its executors' ranks with it, and says nothing)
+            self._session_lost = True
+            return stopped_session_error(during=True)
+        failed = sum(fact.failed for fact in server.facts(spec.heartbeat_timeout))
+        if failed > self._failed or elapsed_s - self._probed >= LIVENESS_S:
+            self._failed = failed
             self._probed = elapsed_s
             lost = view.lost()
             if lost is not None:
+                self._session_lost = True
                 view.abandon()
-                raise lost
-        if failure is not None:
-            raise failure
+                return lost
         server.detach_if_incomplete(DETACH_AFTER_S)
         if server.plan is None and not server.detached and elapsed_s > spec.start_timeout:
             if not view.connect:
-                raise TimeoutError(_not_started(spec, server))
+                return TimeoutError(_not_started(spec, server))
             if not self._warned:
                 self._warned = True
                 log.warning(
@@ -132,59 +172,58 @@ class BarrierGroup(ThreadedGroup):
                     "if the executors cannot reach this machine, the ranks run without live "
                     "logs and their output, errors and results arrive when the job ends "
                     "(timeout= bounds the wait).", spec.driver_host, spec.start_timeout)
+        return None
 
-    def _results(self, value: Any) -> list[Any]:
+    def _read_end(self, call: BlockingCall) -> tuple[tuple, Optional[Exception]]:
+        """The stage returned: the ranks' results from its rows (rows mode: their output and
+        exits replayed first), or the stage's error."""
+        if call.error is not None:
+            if not isinstance(call.error, Exception):
+                raise call.error
+            return (), call.error
         spec, server, sink = self.spec, self._control(), self.sink
-        tasks = gather_rows(value)
+        tasks = gather_rows(call.value)
         if any(t.get("status", {}).get("mode") == "late" for t in tasks.values()):
-            raise TimeoutError(_not_started(spec))
+            return (), TimeoutError(_not_started(spec))
         server.wait_ended(10.0)
         replay_rows(server, sink, tasks)
-        self._check(0.0)  # a rank that failed as the stage ended
         modes = {t["status"].get("mode") for t in tasks.values()}
         sink.reported_by("rows" if "rows" in modes else "live")
-        return _results(server, tasks, spec.size)
+        return tuple(_results(server, tasks, spec.size)), None
+
+    def shutdown(self, stop: bool = False) -> None:
+        """``stop``: tell the ranks (abort over their connections), cancel the Spark job, wait
+        for the stage to end (briefly after a lost session: Spark's call is in its client's
+        retries), kill what is left of the ranks on this machine. Then the servers stop, off
+        the return path (both poll for shutdown)."""
+        try:
+            if stop and self._server is not None:
+                self._stop()
+                call = self._call
+                if call is not None and not call.done:
+                    call.wait(2.0 if self._session_lost else 60.0)
+                    self._stop()  # (again: whatever started meanwhile)
+        finally:
+            if not self._released:
+                self._released = True
+                threading.Thread(target=_stop_servers, args=(self._server, self._backend),
+                                 daemon=True, name="sparkhvd-stop-servers").start()
 
     def _stop(self) -> None:
-        """Tell the ranks (abort over their connections), cancel the Spark job, kill what is
-        left of them on this machine."""
-        self._control().abort()
-        self._job.cancel()
-        kill_local_ranks(self.sink)
+        with contextlib.suppress(Exception):
+            self._control().abort()
+            if self._job is not None:
+                self._job.cancel()
+        with contextlib.suppress(Exception):
+            kill_local_ranks(self.sink)
 
-    def _behind(self, exc: Exception) -> Optional[BaseException]:
-        return _behind_spark_error(exc, self._control(), self.spec)
-
-    def _release(self) -> None:
-        # Both servers poll for shutdown: stop them off the return path.
-        threading.Thread(target=_stop_servers, args=(self._server, self._backend), daemon=True,
-                         name="sparkhvd-stop-servers").start()
+    def _started(self) -> BlockingCall:
+        assert self._call is not None, "the group was not started"
+        return self._call
 
     def _control(self) -> ControlServer:
         assert self._server is not None, "the group was not started"
         return self._server
-
-
-def _behind_spark_error(exc: Exception, server: ControlServer, spec: LaunchSpec
-                        ) -> Optional[LaunchFailure]:
-    """The rank failure behind the Spark job's own error, when there is one: Spark may abort
-    the barrier stage (a lost worker, a task that failed) before the poll loop has seen why.
-    The lost executor's rank when Spark names it, else what the control server sees within a
-    heartbeat timeout. None for sparkhvd's own errors and before the ranks started."""
-    from sparkhvd.common.errors import SparkhvdError
-
-    if isinstance(exc, (SparkhvdError, TimeoutError)) or server.plan is None:
-        return None
-    lost = server.lost_in(str(exc))
-    if lost is not None:
-        return lost
-    deadline = time.monotonic() + spec.heartbeat_timeout + 2.0
-    while time.monotonic() < deadline:
-        failure = server.failure(spec.heartbeat_timeout)
-        if failure is not None:
-            return failure
-        time.sleep(0.2)
-    return None
 
 
 def _not_started(spec: LaunchSpec, server: Optional[ControlServer] = None) -> str:

@@ -1,9 +1,9 @@
 """The barrier launcher's control channel, driver side: the server every barrier task of an
 attempt registers with (a per-run token), which hands out the ranks once all of them are in,
 receives their output, events, heartbeats and exits, and reaches them back (stacks, a notice,
-abort). What it knows of each task is a :class:`TaskState`; :meth:`ControlServer.failure` turns
-that into the first failed, vanished or silent rank. The task side is
-:mod:`sparkhvd.executor.barrier`.
+abort). What it knows of each task is a :class:`TaskState`; :meth:`ControlServer.facts` says it
+as facts (an exit status, a vanished or a silent rank) -- what they mean is decided in
+:mod:`sparkhvd.driver.rank_end`. The task side is :mod:`sparkhvd.executor.barrier`.
 """
 from __future__ import annotations
 
@@ -19,12 +19,10 @@ from typing import Any, Optional
 
 from sparkhvd.common import protocol
 from sparkhvd.common.backends import TaskInfo, assign_with_hosts
-from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.common.guarded_server import GuardedServer, hello_line
 from sparkhvd.common.identity import RankIdentity
 from sparkhvd.common.protocol import rank_slots, task_slots
-from sparkhvd.driver.launchers.base import preempted_now
-from sparkhvd.driver.launchers.seam import Sink
+from sparkhvd.driver.launchers.seam import RankFact, Sink
 
 __side__ = "driver"
 
@@ -59,12 +57,24 @@ class TaskState:
         """The task's first rank (its only one, unless it runs several)."""
         return self.ranks[0] if self.ranks else None
 
-    def failed(self) -> list[tuple[float, int, Optional[int]]]:
-        """``(when, rank, exit status)`` of each rank that failed (status None: vanished)."""
-        out = [(self.rank_ended[r], r, c) for r, c in self.codes.items() if c]
+    @property
+    def where(self) -> str:
+        return f"Spark partition {self.info.partition} on host {self.info.host}"
+
+    def facts(self) -> list[RankFact]:
+        """How each of its ranks that ended ended: an exit status, or vanished (the task's
+        connection closed without one)."""
+        info = self.info
+        out = [RankFact(r, "exited", self.rank_ended[r], exit_code=c, host=info.host,
+                        executor=info.address, partition=info.partition,
+                        detail=f"rank {r} ({self.where}) exited with status {c}")
+               for r, c in self.codes.items()]
         if self.vanished:
-            out += [(self.ended_at or 0.0, r, None) for r in self.ranks if r not in self.codes]
-        return sorted(out, key=lambda e: (e[0], e[2] is None))
+            out += [RankFact(r, "vanished", self.ended_at or 0.0, host=info.host,
+                             executor=info.address, partition=info.partition,
+                             detail=f"rank {r} ({self.where}) vanished without an exit status")
+                    for r in self.ranks if r not in self.codes]
+        return out
 
 
 #: Seconds a barrier task's connection has to send its hello (it sends it at once).
@@ -190,49 +200,37 @@ class ControlServer(GuardedServer):
                     return
                 self.cond.wait(left)
 
-    def failure(self, heartbeat_timeout: float) -> Optional[LaunchFailure]:
-        """The first failed, vanished or silent task, as a LaunchFailure (or None)."""
+    def facts(self, heartbeat_timeout: float) -> list[RankFact]:
+        """What is known of the ranks: each exit status, each vanished rank, and -- once the
+        ranks were assigned -- each task silent for ``heartbeat_timeout`` (its host lost or
+        off the network)."""
         with self.cond:
             tasks = list(self.tasks.values())
-        failed = [(*f, t) for t in tasks for f in t.failed()]
-        preempted = preempted_now([f[:3] for f in failed],
-                                  any(t.ended_at is None and len(t.codes) < len(t.ranks)
-                                      for t in tasks))
-        if preempted is None:
-            return None  # the others are finishing the same step
-        if preempted:
-            _, rank, code, task = min(failed, key=lambda f: f[0])
-            return LaunchFailure(rank, code, f"rank {rank} (Spark partition "
-                                 f"{task.info.partition} on host {task.info.host}) stopped on a "
-                                 "notice after its checkpoint", host=task.info.host,
-                                 preempted=True)
-        failed = [f for f in failed if f[2] != protocol.PREEMPTED_EXIT] or failed
-        if failed:
-            _, rank, code, task = min(failed, key=lambda f: (f[0], f[2] is None))
-            where = f"rank {rank} (Spark partition {task.info.partition} on host " \
-                    f"{task.info.host})"
-            if code is None:
-                return LaunchFailure(rank, None, f"{where} vanished without an exit status",
-                                     host=task.info.host, vanished=True)
-            return LaunchFailure(rank, code, f"{where} exited with status {code}",
-                                 host=task.info.host)
+        facts = [fact for task in tasks for fact in task.facts()]
         if self.plan is None:
-            return None
+            return facts
         now = time.monotonic()
-        silent = [t for t in tasks if t.ended_at is None and now - t.last_seen > heartbeat_timeout]
-        if silent:
-            task = min(silent, key=lambda t: t.last_seen)
-            return LaunchFailure(
-                task.rank, None,
-                f"the Spark task of rank {task.rank} on host {task.info.host} stopped answering "
-                f"(no heartbeat for {now - task.last_seen:.0f} s): the host was lost or its "
-                "network is down", host=task.info.host, vanished=True, lost=True)
-        return None
+        for task in tasks:
+            if task.ended_at is None and now - task.last_seen > heartbeat_timeout:
+                facts.append(RankFact(
+                    task.rank, "silent", task.last_seen + heartbeat_timeout,
+                    host=task.info.host, executor=task.info.address,
+                    partition=task.info.partition,
+                    detail=f"the Spark task of rank {task.rank} on host {task.info.host} "
+                    f"stopped answering (no heartbeat for {now - task.last_seen:.0f} s): the "
+                    "host was lost or its network is down"))
+        return facts
 
-    def lost_in(self, spark_error: str) -> Optional[LaunchFailure]:
+    def running(self) -> bool:
+        """Whether some rank may still run (its task has not ended nor reported every exit)."""
+        with self.cond:
+            return self.plan is None or any(
+                t.ended_at is None and len(t.codes) < len(t.ranks) for t in self.tasks.values())
+
+    def lost_in(self, spark_error: str) -> Optional[RankFact]:
         """The rank whose executor Spark says it lost (``ExecutorLostFailure ... worker lost:
-        10.0.0.3:37911``), as the LaunchFailure a silent heartbeat would have made -- Spark
-        can abort the stage before the heartbeat timeout, and the loss is the cause."""
+        10.0.0.3:37911``), as the fact a silent heartbeat would have made -- Spark can abort
+        the stage before the heartbeat timeout."""
         said = _EXECUTOR_LOST.search(spark_error)
         if said is None:
             return None
@@ -241,10 +239,10 @@ class ControlServer(GuardedServer):
         for task in sorted(tasks, key=lambda t: t.info.partition):
             names = {n for n in (task.info.address, task.info.host) if n}
             if any(re.search(rf"(?<![\w.]){re.escape(n)}(?![\w.])", spark_error) for n in names):
-                return LaunchFailure(
-                    task.rank, None, f"the executor of rank {task.rank} on host "
-                    f"{task.info.host} was lost (Spark: {said.group(0)[:200]})",
-                    host=task.info.host, vanished=True, lost=True)
+                return RankFact(
+                    task.rank, "silent", time.monotonic(), host=task.info.host,
+                    executor=task.info.address, partition=task.info.partition, detail=f"the executor of rank {task.rank} on "
+                    f"host {task.info.host} was lost (Spark: {said.group(0)[:200]})")
         return None
 
     def ask_stacks(self) -> None:

@@ -16,12 +16,12 @@ import math
 import re
 import sys
 import threading
+import time
 from typing import Any, Optional
 
 from sparkhvd.common import protocol
-from sparkhvd.common.errors import LaunchFailure
-from sparkhvd.driver.launchers.base import ThreadedGroup, kill_local_ranks
-from sparkhvd.driver.launchers.seam import LaunchSpec, Sink
+from sparkhvd.driver.launchers.base import SPARK_TIMEOUT, BlockingCall, kill_local_ranks
+from sparkhvd.driver.launchers.seam import GroupStatus, LaunchSpec, RankFact, Sink
 from sparkhvd.spark.sparkview import cancel_job_group, session_stopped, stopped_session_error
 
 __side__ = "driver"
@@ -99,16 +99,17 @@ class HorovodOutput:
         self.stderr.drain()
 
 
-def parse_failure(exc: BaseException) -> Optional[LaunchFailure]:
-    """horovod's "Process name: N Exit code: C" error as a LaunchFailure (rank unknown when the
-    process name is an elastic host slot such as ``h2-93fc[0]``)."""
+def parse_failure(exc: BaseException) -> Optional[RankFact]:
+    """horovod's "Process name: N Exit code: C" error as the fact it states (rank unknown when
+    the process name is an elastic host slot such as ``h2-93fc[0]``)."""
     m = _PROCESS_FAILED.search(str(exc))
     if not m:
         return None
     code = None if m.group("code") == "None" else int(m.group("code"))
     name = m.group("name")
     rank = int(name) if name.isdigit() else None
-    return LaunchFailure(rank, code, f"horovod process {name} exited with status {code}")
+    return RankFact(rank, "exited", time.monotonic(), exit_code=code,
+                    detail=f"horovod process {name} exited with status {code}")
 
 
 _quiet = {"installed": False}
@@ -142,22 +143,37 @@ def whole_seconds(seconds: float) -> int:
     return max(1, math.ceil(seconds))
 
 
-class HorovodSparkGroup(ThreadedGroup):
+class HorovodSparkGroup:
     """``spec.size`` ranks through ``horovod.spark.run`` (or ``run_elastic``): the launcher users
     pick with ``launcher="horovod"`` -- not the horovod *backend*
     (:mod:`sparkhvd.common.backends.horovod`, Gloo through horovod's rendezvous), which the
-    barrier launcher runs too. It has no way of its own to reach the ranks (no ``reach``)."""
+    barrier launcher runs too. It has no way of its own to reach the ranks (no ``reach``);
+    what it sees of them is horovod's error when its run fails (:func:`parse_failure`)."""
 
-    THREAD = "sparkhvd-horovod"
+    reach = None
 
     def __init__(self, spec: LaunchSpec, sink: Sink) -> None:
-        super().__init__(spec, sink)
+        self.spec, self.sink = spec, sink
+        self.timeout_message = SPARK_TIMEOUT.format(timeout=spec.timeout or 0)
+        #: horovod's elastic ranks reset and recover after a peer raised
+        self.recovers = bool(spec.elastic)
         self._sc: Any = None
         self._stop_event = threading.Event()
         self._output = HorovodOutput(sink)
         self._held = contextlib.ExitStack()  # horovod's hooks, for as long as its run lasts
         self._hooks: dict = {}
         self._common: dict[str, Any] = {}
+        self._call: Optional[BlockingCall] = None
+        self._session_lost = False
+        self._released = False
+
+    def start(self) -> None:
+        try:
+            self._launch()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._call = BlockingCall(self._run, "sparkhvd-horovod")
 
     def _launch(self) -> None:
         from pyspark import SparkContext
@@ -186,7 +202,7 @@ class HorovodSparkGroup(ThreadedGroup):
             mapper=functools.partial(spark_task_mapper, sys.executable),
             driver_host=spec.driver_host if remote else None))
 
-    def _call(self) -> list:
+    def _run(self) -> list:
         import horovod.spark
 
         from sparkhvd.executor.horovod_spark import rank_in_task
@@ -198,33 +214,52 @@ class HorovodSparkGroup(ThreadedGroup):
                 elastic_timeout=whole_seconds(spec.start_timeout), **self._common)
         return horovod.spark.run(rank_in_task, use_gloo=True, **self._common)
 
-    def _check(self, elapsed_s: float) -> None:
+    def poll(self, wait_s: float, elapsed_s: float) -> GroupStatus:
+        """Wait up to ``wait_s`` for horovod's run; once it failed, the process it names."""
+        assert self._call is not None, "the group was not started"
+        call = self._call
+        call.wait(wait_s)
         if session_stopped(self._sc):
-            raise stopped_session_error(during=True)
-        stale = self.sink.stale_error() if not self.spec.elastic else None
-        if stale is not None:
-            raise stale
+            self._session_lost = True
+            return GroupStatus(running=False, error=stopped_session_error(during=True))
+        if not call.done:
+            return GroupStatus()
+        error = call.error
+        if error is None:
+            results = elastic_result(call.value) if self.spec.elastic else list(call.value or [])
+            return GroupStatus(running=False, done=True, results=tuple(results))
+        if not isinstance(error, Exception):
+            raise error
+        fact = parse_failure(error) if isinstance(error, RuntimeError) else None
+        return GroupStatus((fact,) if fact is not None else (), running=False, error=error)
 
-    def _results(self, value: Any) -> list:
-        return elastic_result(value) if self.spec.elastic else list(value or [])
+    def shutdown(self, stop: bool = False) -> None:
+        """``stop``: stop horovod's run, cancel its Spark job group, kill what is left here;
+        then wait for its output and release its hooks."""
+        try:
+            if stop:
+                self._stop()
+                if self._call is not None and not self._call.done:
+                    # a stopped session leaves horovod's Spark call in its retries
+                    self._call.wait(2.0 if self._session_lost else 60.0)
+                    self._stop()
+        finally:
+            if not self._released:
+                self._released = True
+                try:
+                    if "streams" in self._hooks:
+                        self._hooks["streams"].wait_until_done()  # horovod returns first
+                    self._output.drain()
+                finally:
+                    self._held.close()
 
     def _stop(self) -> None:
-        """Stop horovod's run, cancel its Spark job group, kill what is left here."""
         self._stop_event.set()
-        if self._hooks.get("job_group"):
-            cancel_job_group(self._sc, self._hooks["job_group"])
-        kill_local_ranks(self.sink)
-
-    def _behind(self, exc: Exception) -> Optional[BaseException]:
-        return parse_failure(exc) if isinstance(exc, RuntimeError) else None
-
-    def _release(self) -> None:
-        try:
-            if "streams" in self._hooks:
-                self._hooks["streams"].wait_until_done()  # horovod returns before the output
-            self._output.drain()
-        finally:
-            self._held.close()
+        with contextlib.suppress(Exception):
+            if self._hooks.get("job_group"):
+                cancel_job_group(self._sc, self._hooks["job_group"])
+        with contextlib.suppress(Exception):
+            kill_local_ranks(self.sink)
 
 
 LAUNCHER = HorovodSparkGroup

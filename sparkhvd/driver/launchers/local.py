@@ -15,82 +15,74 @@ from typing import Any
 from sparkhvd.common import protocol
 from sparkhvd.common.backends import TaskInfo, assign_with_hosts, get_backend
 from sparkhvd.common.environment import process_env
-from sparkhvd.common.errors import LaunchFailure
 from sparkhvd.common.identity import RankIdentity
 from sparkhvd.common.netif import PortReservation, collective_iface_env
-from sparkhvd.common.protocol import PREEMPTED_EXIT, rank_slots
+from sparkhvd.common.protocol import rank_slots
 from sparkhvd.common.rankprocess import RankProcess
-from sparkhvd.driver.launchers.base import ThreadedGroup, preempted_now
-from sparkhvd.driver.launchers.seam import LaunchSpec, Sink
+from sparkhvd.driver.launchers.seam import GroupStatus, LaunchSpec, RankFact, Sink
 from sparkhvd.driver.payload import load_result
-from sparkhvd.driver.rank_end import EXTERNAL_SIGNALS, signal_of
 
 __side__ = "driver"
 
+#: How often a poll looks at the rank processes while it waits.
+LOOK_S = 0.02
 
-class LocalGroup(ThreadedGroup):
-    """``spec.size`` ranks as local processes (module docstring); the group reaches them
-    itself (stacks, notices: signals to their supervisors)."""
 
-    TIMEOUT = "The training did not finish within {timeout:g} s; the rank processes were stopped."
-    THREAD = "sparkhvd-local"
+class LocalGroup:
+    """``spec.size`` ranks as local processes (module docstring), polled directly; the group
+    reaches them itself (stacks, notices: signals to their supervisors)."""
+
+    recovers = False
 
     def __init__(self, spec: LaunchSpec, sink: Sink) -> None:
-        super().__init__(spec, sink)
+        self.spec, self.sink = spec, sink
+        self.timeout_message = ("The training did not finish within {timeout:g} s; the rank "
+                                "processes were stopped.").format(timeout=spec.timeout or 0)
         self.reach = self
         self._backend: Any = None
         self._procs: list[RankProcess] = []
         self._ports = contextlib.ExitStack()  # the ranks' reserved ports, held until they end
-        self._exited: dict[int, float] = {}  # rank -> when this group saw it exit
+        self._facts: dict[int, RankFact] = {}  # rank -> how it exited
+        self._host = socket.gethostname()
+        self._released = False
 
-    def _launch(self) -> None:
-        self._backend = get_backend(self.spec.backend)
-        run_env = {**self._backend.start("127.0.0.1", {"lo"}, self.spec.verbose, self.spec.run),
-                   **collective_iface_env({"lo"}, None)}
-        _start_ranks(self.spec, self._backend, run_env, self.sink, self._procs, self._ports)
+    def start(self) -> None:
+        try:
+            self._backend = get_backend(self.spec.backend)
+            run_env = {**self._backend.start("127.0.0.1", {"lo"}, self.spec.verbose,
+                                             self.spec.run),
+                       **collective_iface_env({"lo"}, None)}
+            _start_ranks(self.spec, self._backend, run_env, self.sink, self._procs,
+                         self._ports)
+        except BaseException:
+            self.shutdown()
+            raise
 
-    def _call(self) -> None:
-        procs, exited = self._procs, self._exited
-        while len(exited) < len(procs):
-            for proc in procs:
-                if proc.rank not in exited and proc.poll() is not None:
-                    proc.finish()
-                    exited[proc.rank] = time.monotonic()
-                    self.sink.receive(protocol.Exit(rank=proc.rank, code=proc.poll()))
-            time.sleep(0.05)
+    def poll(self, wait_s: float, elapsed_s: float) -> GroupStatus:
+        """Wait up to ``wait_s`` for the rank processes to end; each one's exit, as a fact."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for proc in self._procs:
+                code = proc.poll()
+                if code is not None and proc.rank not in self._facts:
+                    proc.finish()  # its output drained before its exit is told
+                    self._facts[proc.rank] = RankFact(
+                        proc.rank, "exited", time.monotonic(), exit_code=code, host=self._host,
+                        detail=f"local rank {proc.rank} exited with status {code}")
+                    self.sink.receive(protocol.Exit(rank=proc.rank, code=code))
+            running = len(self._facts) < len(self._procs)
+            if not running or time.monotonic() >= deadline:
+                break
+            time.sleep(LOOK_S)
+        facts = tuple(self._facts.values())
+        done = not running and all(fact.exit_code == 0 for fact in facts)
+        return GroupStatus(facts, running=running, done=done,
+                           results=tuple(_results(self._procs, self.spec.size)) if done else ())
 
-    def _check(self, elapsed_s: float) -> None:
-        procs, exited = self._procs, self._exited
-        # a rank killed from outside is the cause of its peers' broken collectives,
-        # whichever of them this loop saw exit first
-        failed = sorted((p for p in procs if p.rank in exited and p.poll() != 0),
-                        key=lambda p: (signal_of(p.poll()) not in EXTERNAL_SIGNALS,
-                                       exited[p.rank]))
-        preempted = preempted_now([(exited[p.rank], p.rank, p.poll()) for p in failed],
-                                  len(exited) < len(procs))
-        if preempted is None:
-            return  # the others are finishing the same step
-        if not preempted:
-            failed = [p for p in failed if p.poll() != PREEMPTED_EXIT] or failed
-        if failed:
-            proc = failed[0]  # the first to exit; the others are stopped after it
-            how = "stopped on a notice after its checkpoint" if preempted else \
-                f"exited with status {proc.poll()}"
-            raise LaunchFailure(proc.rank, proc.poll(), f"local rank {proc.rank} {how}",
-                                host=socket.gethostname(), preempted=preempted)
-        stale = self.sink.stale_error()
-        if stale is not None:
-            raise stale
-
-    def _results(self, value: Any) -> list[Any]:
-        self._check(0.0)
-        return _results(self._procs, self.spec.size)
-
-    def _stop(self) -> None:
-        for proc in self._procs:
-            proc.terminate()
-
-    def _release(self) -> None:
+    def shutdown(self, stop: bool = False) -> None:
+        if self._released:
+            return
+        self._released = True
         for proc in self._procs:
             with contextlib.suppress(Exception):
                 proc.terminate()

@@ -16,8 +16,10 @@ The launchers, each its group's class (``LAUNCHER`` in its module):
               (:mod:`~sparkhvd.driver.launchers.local`)
 ============  ==================================================================================
 
-The shared lifecycle -- the launch's blocking call in a helper thread the run polls, stopping,
-releasing -- lives in :mod:`sparkhvd.driver.launchers.base`.
+A launcher is start, poll and shutdown over its ranks. Its poll says what it *saw* of each rank
+-- :class:`RankFact`\ s: an exit status, a process or connection gone, a task gone silent -- and
+never decides: which rank failed first, whether it was preempted, whether the others' errors
+are consequences, is decided from the facts in one place (:func:`sparkhvd.driver.rank_end.judge`).
 """
 from __future__ import annotations
 
@@ -27,9 +29,13 @@ from typing import Any, Mapping, Optional, Protocol
 
 from sparkhvd.common.backends import RunTag
 from sparkhvd.common.protocol import RankOptions
+from sparkhvd.driver.facts import RUNNING, GroupStatus, RankFact
 from sparkhvd.driver.settings import LaunchConfig, ScalingConfig
 
 __side__ = "driver"
+
+__all__ = ["RUNNING", "GroupStatus", "LaunchSpec", "Launcher", "Placement", "RankFact",
+           "RankReach", "Sink", "WorkerGroup"]
 
 
 @dataclass(frozen=True)
@@ -142,9 +148,6 @@ class Sink(Protocol):
     def reported_by(self, channel: str) -> None:
         """How the reports came (barrier launcher): ``"live"`` or ``"rows"``."""
 
-    def stale_error(self) -> Optional[Any]:
-        """A LaunchFailure for a rank that reported an exception but has not exited in time."""
-
 
 class RankReach(Protocol):
     """A launcher's own way to reach its running ranks (the barrier launcher's control channel,
@@ -158,46 +161,28 @@ class RankReach(Protocol):
         """Give every rank a notice: they checkpoint after their step, then stop."""
 
 
-@dataclass(frozen=True)
-class GroupStatus:
-    """What one :meth:`WorkerGroup.poll` found, as data."""
-
-    #: ``running``; ``ended`` (every rank returned: :attr:`results`, rank 0's first);
-    #: ``failed`` (:attr:`error`: a rank's :class:`~sparkhvd.common.errors.LaunchFailure`, or
-    #: an error that is no rank's, as a lost session -- the other ranks may still run until
-    #: :meth:`WorkerGroup.shutdown`)
-    kind: str
-    results: tuple = ()
-    error: Optional[Exception] = None
-
-
-#: A group whose ranks still run.
-RUNNING = GroupStatus("running")
-
-
 class WorkerGroup(Protocol):
     """One attempt's ranks, as the run sees them: started once, polled once a step
     (:meth:`sparkhvd.driver.attempt.Attempt.poll`), shut down once however they ended. One
-    class per launcher (:class:`~sparkhvd.driver.launchers.base.ThreadedGroup`'s subclasses),
-    made for one attempt from its :class:`LaunchSpec` and :class:`Sink`."""
+    class per launcher, made for one attempt from its :class:`LaunchSpec` and :class:`Sink`."""
 
     #: The ``TimeoutError``'s text when the run's ``timeout`` passes.
     timeout_message: str
     #: The launcher's own way to reach the running ranks (None: it has none).
     reach: Optional[RankReach]
+    #: Whether a rank that raised may go on (horovod's elastic ranks reset and recover): then
+    #: a raised exception alone does not end the attempt.
+    recovers: bool
 
     def start(self) -> None:
-        """Start the ranks; raises :class:`~sparkhvd.common.errors.LaunchFailure` when one
-        fails at once (what the group held is released first)."""
+        """Start the ranks (what the group held is released if this raises)."""
 
     def poll(self, wait_s: float, elapsed_s: float) -> GroupStatus:
-        """Wait up to ``wait_s`` for the ranks to end; what they are doing, as data."""
+        """Wait up to ``wait_s`` for the ranks to end; what was seen of them, as data."""
 
-    def shutdown(self, cause: Optional[BaseException] = None) -> Optional[BaseException]:
-        """Release what the launch holds (servers, ports, processes), once. After ``cause``
-        (a failed rank, a stall, the time up, an interrupt) the ranks are stopped first, and
-        the exception to raise for it is returned: the rank behind it when the launcher can
-        tell, else ``cause``."""
+    def shutdown(self, stop: bool = False) -> None:
+        """Release what the launch holds (servers, ports, processes), once; ``stop``: end the
+        ranks first (a failed rank, a stall, the time up, an interrupt)."""
 
 
 class Launcher(Protocol):
