@@ -44,6 +44,9 @@ class RankOptions:
     #: Sample where the rank's time goes (:mod:`sparkhvd.timing`); ``time_split=False`` on the
     #: runner turns it off.
     time_split: bool = True
+    #: Start the rank from a warm server that already imported its framework, where there is
+    #: one (:mod:`sparkhvd.common.warmstart`); ``warm_start=False`` on the runner turns it off.
+    warm_start: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         """The wire form (JSON on a command line, pickled by horovod)."""

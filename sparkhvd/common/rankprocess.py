@@ -3,7 +3,9 @@
 How the barrier launcher's Spark task (on an executor) and the local launcher (on the driver,
 ``np < 0``, playing the executor's part) start a rank; horovod's launcher starts its ranks
 itself. It writes the payload to a private folder, starts
-``python -m sparkhvd.rank.supervisor`` (a supervisor and the rank, see that module), reads the
+``python -m sparkhvd.rank.supervisor`` (a supervisor and the rank, see that module) -- forked
+by a warm server that already imported the framework where there is one
+(:mod:`sparkhvd.common.warmstart`), and leaves one for the next rank after it -- reads the
 rank's stdout/stderr as bounded line pieces and its event pipe as typed messages, and at the end
 makes sure nothing of the rank's process tree is left.
 """
@@ -21,7 +23,7 @@ import tempfile
 import threading
 from typing import Any, Callable, Mapping, Optional
 
-from sparkhvd.common import owned_temp, protocol
+from sparkhvd.common import owned_temp, protocol, warmstart
 from sparkhvd.common.proctree import kill_group
 
 __side__ = "common"
@@ -57,7 +59,11 @@ class RankProcess:
         self.rank = rank
         self.on_line = on_line
         self.on_event = on_event
-        self.proc: Optional[subprocess.Popen[bytes]] = None
+        self.proc: Optional[subprocess.Popen[bytes] | warmstart.WarmChild] = None
+        #: the warm server's socket this rank may start from and leaves warm (None: off)
+        self.warm: Optional[str] = None
+        #: whether the rank was forked by a warm server (its framework already imported)
+        self.started_warm = False
         self.work: Optional[str] = None
         self._pumps: list[threading.Thread] = []
         #: the rank process itself (the supervisor's child), once it announced itself
@@ -75,17 +81,9 @@ class RankProcess:
         with open(payload_path, "wb") as f:
             f.write(self.payload)
         read_fd, write_fd = os.pipe()
-        # The supervisor asks for SIGTERM when this process dies (PR_SET_PDEATHSIG) itself, at
-        # once: no preexec_fn, whose Python code between fork and exec aborts a child of a
-        # process that has gRPC loaded (a Spark Connect client, TorchDistributor's imports).
-        env = {**self.env, protocol.EVENTS_FD_ENV: str(write_fd),
-               protocol.PARENT_PID_ENV: str(os.getpid())}
+        argv = [payload_path, self.work, json.dumps(self.options)]
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sparkhvd.rank.supervisor", payload_path, self.work,
-                 json.dumps(self.options)],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(write_fd,))
+            self.proc = self._start_warm(argv, write_fd) or self._start_fresh(argv, write_fd)
         finally:
             os.close(write_fd)
         events = os.fdopen(read_fd, "rb")
@@ -97,6 +95,35 @@ class RankProcess:
             thread.start()
             self._pumps.append(thread)
         return self
+
+    def _start_warm(self, argv: list[str], write_fd: int) -> Optional[warmstart.WarmChild]:
+        """The supervisor forked by this executor's warm server for the backend, if there is
+        one (see :mod:`sparkhvd.common.warmstart`); a server that refused is said once."""
+        backend = self.env.get(protocol.BACKEND_ENV, "")
+        if not warmstart.enabled(bool(self.options.get("warm_start", True)), self.env):
+            return None
+        self.warm = warmstart.socket_path(backend, self.env)
+        if self.warm is None:
+            return None
+        why = warmstart.refused(self.warm)
+        said = warmstart.say_once(why) if why else None
+        if said:
+            with contextlib.suppress(Exception):
+                self.on_line(protocol.Line(self.rank, "stderr", said))
+        child = warmstart.spawn(self.warm, argv, self.env, write_fd, protocol.EVENTS_FD_ENV)
+        self.started_warm = child is not None
+        return child
+
+    def _start_fresh(self, argv: list[str], write_fd: int) -> subprocess.Popen[bytes]:
+        # The supervisor asks for SIGTERM when this process dies (PR_SET_PDEATHSIG) itself, at
+        # once: no preexec_fn, whose Python code between fork and exec aborts a child of a
+        # process that has gRPC loaded (a Spark Connect client, TorchDistributor's imports).
+        env = {**self.env, protocol.EVENTS_FD_ENV: str(write_fd),
+               protocol.PARENT_PID_ENV: str(os.getpid())}
+        return subprocess.Popen(
+            [sys.executable, "-m", "sparkhvd.rank.supervisor", *argv],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(write_fd,))
 
     # -- pumps --------------------------------------------------------------------------------
     def _pump_lines(self, pipe: Any, tag: str) -> None:
@@ -214,7 +241,11 @@ class RankProcess:
         return None
 
     def close(self) -> None:
-        """Remove the private folder (payload, result)."""
+        """Remove the private folder (payload, result); leave a warm server for the next rank
+        of this backend on this executor, if none is there."""
         if self.work:
             shutil.rmtree(self.work, ignore_errors=True)
             self.work = None
+        if self.warm is not None:
+            warm, self.warm = self.warm, None
+            warmstart.keep_warm(warm, self.env.get(protocol.BACKEND_ENV, ""), self.env)

@@ -393,6 +393,7 @@ class Attempt:
             options=RankOptions(verbose=launch.verbose, return_all=run.return_all,
                                 elastic=spec.facts.horovod_elastic,
                                 time_split=spec.config.time_split,
+                                warm_start=launch.warm_start,
                                 env_keep=tuple(sorted(set(launch.env) | set(env)))),
             env=env, placement=self.placement, timeout=run.timeout,
             job=self.spark_job,

@@ -130,7 +130,8 @@ class SparkRunner:
       what ``LOCAL_RANK`` counts (``local_ranks``: ``"host"``, torchrun's, or ``"task"``,
       TorchDistributor's).
     - ``launch=LaunchConfig(launcher, start_timeout, heartbeat_timeout, slot_wait_s, nics, env,
-      verbose)``: how ranks start. ``launcher="auto"`` is one Spark barrier stage unless the
+      verbose, warm_start)``: how ranks start (``warm_start``: from a process per executor that
+      already imported the framework, after the first run; see docs/guides/warm.md). ``launcher="auto"`` is one Spark barrier stage unless the
       run is elastic or the session uses dynamic allocation (then ``horovod.spark.run``);
       ``env`` adds variables for the ranks (the driver's environment is never copied
       wholesale, see :mod:`sparkhvd.common.environment`).
@@ -175,7 +176,8 @@ class SparkRunner:
                  mlflow: Union[None, bool, str] = UNSET,
                  stall_timeout: Optional[float] = UNSET, on_stall: str = UNSET,
                  max_retries: Optional[int] = UNSET, max_preemptions: Optional[int] = UNSET,
-                 resize_check_s: float = UNSET, time_split: bool = UNSET) -> None:
+                 resize_check_s: float = UNSET, time_split: bool = UNSET,
+                 warm_start: bool = UNSET) -> None:
         given = {k: v for k, v in locals().items()
                  if v is not UNSET and k in KEYWORD_GROUPS and k != "np"}
         self.scaling = scaling_config(scaling, np, given, type(self).__name__)

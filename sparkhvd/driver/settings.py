@@ -174,6 +174,11 @@ class LaunchConfig:
             which rank is where; ``None`` turns it off.
         on_stall: ``"warn"`` (the run goes on) or ``"stop"`` (the stall ends the run with a
             ``StallError``).
+        warm_start: start ranks from a process per executor that already imported the
+            backend's framework (torch, TensorFlow), left by the executor's previous ranks: the
+            second run, a retry and an elastic relaunch skip the import (default ``True``; see
+            docs/guides/warm.md). The barrier and local launchers; ``False`` starts every rank
+            as a fresh process, as does ``SPARKHVD_WARM_START=0`` on an executor.
     """
 
     launcher: str = "auto"
@@ -185,6 +190,7 @@ class LaunchConfig:
     verbose: bool = False
     stall_timeout: Optional[float] = 600.0
     on_stall: str = "warn"
+    warm_start: bool = True
 
     def __post_init__(self) -> None:
         from sparkhvd.common.environment import rank_env
@@ -200,6 +206,8 @@ class LaunchConfig:
                              f"got {self.slot_wait_s!r}")
         if self.stall_timeout is not None:
             set_(self, "stall_timeout", seconds("stall_timeout", self.stall_timeout))
+        if not isinstance(self.warm_start, bool):
+            raise ValueError(f"warm_start must be True or False; got {self.warm_start!r}")
         if self.on_stall not in ON_STALL:
             raise ValueError(f"on_stall must be one of {ON_STALL}; got {self.on_stall!r}")
         set_(self, "nics", frozenset(self.nics) if self.nics else None)

@@ -341,7 +341,7 @@ def test_a_run_that_did_not_start_is_cancelled_and_never_runs(spark, tmp_path, b
 
     import sparkhvd.spark.slots as slots
 
-    monkeypatch.setattr(slots, "busy_slots", lambda sc: (0, []))
+    monkeypatch.setattr(slots, "busy_slots", lambda sc, ignore=frozenset(): (0, []))
     marker = tmp_path / "ran"
     holder = _SlotHolder(spark, tmp_path)
     runner = HorovodRunner(np=2, spark=spark, backend=backend, start_timeout=10,
