@@ -317,8 +317,20 @@ class TimeSplit:
     #: timed comm hook, :mod:`sparkhvd.timing.collectives`), and over how many steps
     waits: list[str] = field(default_factory=list)
     steps: int = 0
+    #: samples per step on this rank (the first step's batch; 0: not known)
+    batch: int = 0
     #: waits this rank knows it cannot measure (a model with its own comm hook, ...)
     unmeasured: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StartTimes:
+    """How one rank's start went (:mod:`sparkhvd.timing.start_times`): mark -> wall-clock
+    seconds on its host; whether a warm server forked it."""
+
+    rank: int
+    marks: dict[str, float] = field(default_factory=dict)
+    warm: bool = False
 
 
 @dataclass
@@ -411,7 +423,7 @@ Message = Union[Line, Started, Error, Metrics, Resumed, OutputDir, Listening, Pr
                 Detached]
 KINDS: dict[str, type] = {cls.__name__.lower(): cls for cls in
                           (Line, Started, Error, Metrics, Resumed, OutputDir, Listening,
-                           Preempted, Exit, Stacks, TimeSplit, Heartbeat, Hello, Assign, Abort, DumpStacks,
+                           Preempted, Exit, Stacks, TimeSplit, StartTimes, Heartbeat, Hello, Assign, Abort, DumpStacks,
                            Notice, Detached)}
 
 

@@ -45,6 +45,8 @@ IMPORT_NAMES = ("PATH", "HOME", "LANG", "TMPDIR", "USER", "VIRTUAL_ENV")
 PER_RANK = ("TF_CONFIG", "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RUN_ID",
             "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 _said: set[str] = set()
+#: True in a rank forked by a warm server (set by the server's child before the supervisor).
+FORKED_WARM = False
 
 
 def enabled(requested: bool, env: Mapping[str, str]) -> bool:

@@ -369,7 +369,7 @@ class Attempt:
             getattr(session, "job_kind", None) if session is not None else None,
             self.entry(), tuple(self.stack_files()), self.inbox.channel,
             tuple(dict(m) for m in self.inbox.metrics), self.inbox.resumed,
-            self.inbox.pid_record())
+            self.inbox.pid_record(), dict(self.inbox.start_times))
 
     def stack_files(self) -> list[str]:
         """The stack dumps the driver saved while the ranks ran, relative to the run folder."""

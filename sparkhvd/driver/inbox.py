@@ -51,6 +51,8 @@ class AttemptInbox:
         self.last_progress = time.monotonic()
         #: rank -> (when it arrived, its latest Stacks)
         self.stacks: dict[int, tuple[float, protocol.Stacks]] = {}
+        #: rank -> how its start went (:mod:`sparkhvd.timing.start_times`)
+        self.start_times: dict[int, protocol.StartTimes] = {}
         self._error_seen: dict[int, float] = {}
         self._lock = threading.Lock()
 
@@ -96,6 +98,8 @@ class AttemptInbox:
                 self.preempted[msg.rank] = msg
             elif isinstance(msg, protocol.Exit):
                 self.exits[msg.rank] = msg.code
+            elif isinstance(msg, protocol.StartTimes):
+                self.start_times[msg.rank] = msg
         if record is not None and self.hub is not None:  # outside the lock: may be slow
             self.hub.metrics(dict(record))
 

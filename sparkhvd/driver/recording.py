@@ -26,11 +26,13 @@ error goes on as the run's own, except where one would hide the outcome: the cur
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from sparkhvd.driver.inbox import merge_epochs
 from sparkhvd.driver.view import AttemptSnapshot, RunSnapshot, Transition
 from sparkhvd.timing.splits import TimeSplits
+from sparkhvd.timing.start_times import breakdown
 
 if TYPE_CHECKING:
     from sparkhvd.driver.settings import RunConfig
@@ -74,6 +76,10 @@ class RunJson(RunCallback):
     def __init__(self) -> None:
         #: the attempts whose stack dumps are in ``run.json`` (an aborted one's: at the end)
         self.stacks_of: set[int] = set()
+        #: wall-clock moments of the attempt being started, for its ``timings.starts`` entry
+        self._placing_since: Optional[float] = None
+        self._placing_s: Optional[float] = None
+        self._launched_at: Optional[float] = None
 
     def on_run_start(self, run: RunSnapshot) -> None:
         spec, scaling = run.spec, run.scaling
@@ -84,9 +90,13 @@ class RunJson(RunCallback):
                            function=run.function, **elastic)
 
     def on_state(self, run: RunSnapshot, transition: Transition) -> None:
+        if transition.after == "placing" and transition.before != "placing":
+            self._placing_since = time.time()
         run.record.transition(transition.entry)
 
     def on_attempt_start(self, run: RunSnapshot, attempt: AttemptSnapshot) -> None:
+        if self._placing_since is not None:
+            self._placing_s, self._placing_since = time.time() - self._placing_since, None
         placement = attempt.placement
         run.record.placed(placement.launcher, **placement.recorded)
         if attempt.number == 1 and attempt.resume:
@@ -98,12 +108,16 @@ class RunJson(RunCallback):
         if attempt.placement.launcher == "barrier":
             record.submitting(attempt.spark_job, attempt.job_kind or "tag", attempt.number)
         record.mark("launch")
+        self._launched_at = time.time()
         if run.spec.config.timeline:
             record.launched(timeline="timeline.json")
 
     def on_attempt_end(self, run: RunSnapshot, attempt: AttemptSnapshot) -> None:
         if attempt.status == "succeeded":
             run.record.launched(control=attempt.channel)
+        run.record.start_timed(attempt.number, breakdown(
+            attempt.start_times, self._launched_at, self._placing_s, time.time()))
+        self._placing_s = self._launched_at = None
         self._stacks(run, attempt)
         run.record.attempt_ended(dict(attempt.entry), attempt.resumed)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 from sparkhvd.common import protocol
@@ -65,6 +65,8 @@ class AttemptSnapshot:
     resumed: Optional[protocol.Resumed]
     #: ``rank_pids``, ``pids``, ``hosts``
     pids: Mapping[str, Any]
+    #: rank -> how its start went (:mod:`sparkhvd.timing.start_times`)
+    start_times: Mapping[int, protocol.StartTimes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

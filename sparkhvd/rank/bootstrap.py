@@ -85,14 +85,21 @@ def rank_main(payload: bytes, wire_options: dict, *, pickle_result: bool = False
         elastic ranks tag it with their final rank (:data:`~sparkhvd.common.protocol.
         ELASTIC_RESULT`). Whether a value is kept, and its pickling, are decided here only.
     """
+    from sparkhvd.timing import start_times
+
     options = protocol.RankOptions.from_dict(wire_options)
+    start_times.begin(os.environ.get(protocol.BACKEND_ENV), supervised=pickle_result)
     _prepare_process(options, supervised=pickle_result)
     try:
         _place_rank()
         import cloudpickle
 
         fn, kwargs = cloudpickle.loads(payload)  # made by sparkhvd.driver.payload.dumps
-        result = fn(**{name: open_argument(value) for name, value in kwargs.items()})
+        arguments = {name: open_argument(value) for name, value in kwargs.items()}
+        start_times.mark("function")
+        result = fn(**arguments)
+        start_times.mark("returned")
+        emit(start_times.report(events.rank))
         function_ended()  # a checkpoint still being written is part of the function
         rank = events.rank
         keep = rank == 0 or options.return_all

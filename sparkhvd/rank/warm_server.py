@@ -148,8 +148,10 @@ def _become_rank(request: dict, fds: list[int], closing: list[int]) -> None:
         numpy = sys.modules.get("numpy")
         if numpy is not None:  # a fresh process seeds numpy's global generator from the OS
             numpy.random.seed()
+        from sparkhvd.common import warmstart
         from sparkhvd.rank import supervisor
 
+        warmstart.FORKED_WARM = True
         sys.argv = [supervisor.__file__, *request["argv"]]
         supervisor.supervise(list(request["argv"]))
     except BaseException:  # noqa: BLE001 - the requester sees the exit status

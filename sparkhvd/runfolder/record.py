@@ -35,7 +35,10 @@ rank_pids, pids,      the last attempt's rank -> pid, every pid, rank -> host   
 hosts
 error                 the error's type and first line                                finished
 model                 the file rank 0's return value was saved as                    finished
-timings               seconds since the start: launch, finished, total               mark
+timings               seconds since the start: launch, finished, total;               mark,
+                      ``starts``: each attempt's launch, step by step (placing,      start_timed
+                      Spark job, process start, import, rendezvous, first step,
+                      function, result back; warm ranks), see timing/start_times
 finished_at, ...      ISO times                                                      events
 (anything)            the caller's own notes (``demo``: the demo's test accuracy)    annotate
 ====================  =============================================================  ===========
@@ -169,6 +172,14 @@ class RunRecord(Mapping[str, Any]):
     def annotate(self, **fields: Any) -> None:
         """The caller's own notes in ``run.json`` (e.g. the demo's test accuracy)."""
         self._write(**fields)
+
+    def start_timed(self, attempt: int, steps: Mapping[str, Any]) -> None:
+        """Where an attempt's launch went (:func:`sparkhvd.timing.start_times.breakdown`), one
+        entry of ``timings["starts"]``."""
+        with self._lock:
+            starts = [*self._fields["timings"].get("starts", []), {"attempt": attempt, **steps}]
+            self._fields["timings"]["starts"] = starts
+            self._write()
 
     def mark(self, timing: str) -> None:
         """Seconds since the run started, as ``timings[timing]`` (written with the next event)."""

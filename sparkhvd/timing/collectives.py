@@ -50,6 +50,9 @@ class WaitClock:
         self._steps = 0
         self._how: set[str] = set()
         self.unmeasured: set[str] = set()
+        #: samples in the first step's batch (its first input's first dimension; 0: unknown),
+        #: for report.html's samples per second
+        self.batch = 0
 
     def add(self, seconds: float, how: str) -> None:
         """One step's wait, measured by ``how``."""
@@ -192,8 +195,14 @@ def _patch_ddp(module: ModuleType) -> None:
     ddp._sparkhvd_timed = True
 
 
-def _attach_at_first_forward(model: Any, _inputs: Any) -> None:
+def _attach_at_first_forward(model: Any, inputs: Any) -> None:
     """Register the timing hook before the first backward -- unless the model has a hook."""
+    from sparkhvd.timing.start_times import mark
+
+    mark("first_step")
+    shape = next((getattr(x, "shape", None) for x in inputs if getattr(x, "shape", None)), None)
+    if shape and not CLOCK.batch:
+        CLOCK.batch = int(shape[0])
     handle = getattr(model, "_sparkhvd_pre", None)
     if handle is not None:
         handle.remove()

@@ -290,11 +290,42 @@ def _split_over_time(reports: list[dict], t0: float) -> str:
     return ('<div class="charts">' + "".join(charts) + "</div>" if charts else "") + note
 
 
-def _curves(metrics: list[dict[str, float]]) -> tuple[str, str]:
-    """(throughput chart, loss and metric charts) from ``metrics.csv``."""
+def _steps_per_second(reports: list[dict], t0: float) -> str:
+    """Throughput from the steps DDP's timing hook counted (a run with no epoch metrics):
+    steps per second per rank, and samples per second where the batch is known."""
+    steps: dict[str, list[tuple[float, float]]] = {}
+    samples: dict[str, list[tuple[float, float]]] = {}
+    batches = set()
+    for r in reports:
+        span = r.get("end", 0.0) - r.get("start", 0.0)
+        if r.get("steps") and span > 0:
+            rate = r["steps"] / span
+            steps.setdefault(f"rank {r['rank']}", []).append((r["end"] - t0, rate))
+            if r.get("batch"):
+                batches.add(r["batch"])
+                samples.setdefault(f"rank {r['rank']}", []).append(
+                    (r["end"] - t0, rate * r["batch"]))
+    if not steps:
+        return ""
+    charts = [line_chart("steps per second (counted by DDP's hook)", steps,
+                         "seconds since the first report")]
+    if samples:
+        charts.append(line_chart("samples per second (the first step's batch: "
+                                 f"{', '.join(map(str, sorted(batches)))})", samples,
+                                 "seconds since the first report"))
+    return '<div class="charts">' + "".join(charts) + "</div>"
+
+
+def _curves(metrics: list[dict[str, float]], reports: list[dict],
+            t0: float) -> tuple[str, str]:
+    """(throughput chart, loss and metric charts) from ``metrics.csv`` -- or, without epoch
+    metrics, throughput from the DDP steps in ``timing.jsonl``; a section left empty says why."""
     if not metrics:
-        return ('<p class="muted">No epoch metrics (KerasDistributed and st.report send '
-                'them).</p>', "")
+        nothing = ('<p class="muted">No loss or metrics: the function reported none '
+                   "(KerasDistributed and st.report send them each epoch).</p>")
+        return (_steps_per_second(reports, t0) or
+                '<p class="muted">No throughput: no epoch metrics (KerasDistributed and '
+                "st.report send them) and no DDP steps were counted.</p>", nothing)
     through = ""
     for key, title in (("samples_per_s", "throughput (samples/s)"),
                        ("seconds", "seconds per epoch")):
@@ -345,7 +376,7 @@ def render(folder: str) -> str:
     if reports and not split.get("ranks"):  # a driver killed before its summary
         split["ranks"] = _ranks_from(reports)
     t0 = min((r["start"] for r in reports), default=0.0)
-    through, curves = _curves(metrics)
+    through, curves = _curves(metrics, reports, t0)
     findings = split.get("findings") or []
     found = "".join(f'<div class="finding">{_esc(f.get("text", ""))}</div>' for f in findings) \
         or ('<div class="finding ok">No straggler: the ranks spent their time alike.</div>'

@@ -98,7 +98,8 @@ class Sampler:
             rank=events.rank, host=self.host, start=round(start, 3), end=round(now, 3),
             seconds={k: round(v, 3) for k, v in seconds.items()},
             where={b: dominant(where, b) for b in where if where[b]},
-            system=system, waits=sorted(how), steps=steps, unmeasured=sorted(CLOCK.unmeasured))
+            system=system, waits=sorted(how), steps=steps, batch=CLOCK.batch,
+            unmeasured=sorted(CLOCK.unmeasured))
 
     def _loop(self) -> None:
         last = last_report = time.monotonic()

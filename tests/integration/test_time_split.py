@@ -10,6 +10,7 @@ profile."""
 from __future__ import annotations
 
 import glob
+import html
 import html.parser
 import json
 import os
@@ -151,7 +152,7 @@ def test_a_rank_slow_to_load_its_data_is_named_within_a_minute(spark, tmp_path, 
     _check_report_in_a_browser(run_dir.path, record, tmp_path)
 
 
-def test_a_rank_slow_to_compute_is_named_for_computing(spark, tmp_path, caplog):
+def test_a_rank_slow_to_compute_is_named_for_computing(spark, tmp_path, rank_lines):
     """Rank 1 computes more each step (a slower device): both ranks look 100 % computing to a
     stack sampler; with the wait measured inside backward(), rank 1 is named for computing --
     here in a run of 150 steps, too short for the window: it is judged as a whole when it
@@ -161,9 +162,19 @@ def test_a_rank_slow_to_compute_is_named_for_computing(spark, tmp_path, caplog):
     assert straggler is not None, _findings(run_dir.record)
     assert (straggler["rank"], straggler["bucket"]) == (1, "compute"), straggler
     assert run_dir.record["time_split"]["ranks"]["0"]["share"]["collective"] > 0.3
-    assert straggler["text"] in caplog.text
+    assert any(straggler["text"] in line for line in rank_lines)  # said on the console
     page = open(run_dir.file("report.html"), encoding="utf-8").read()
     assert "No straggler" not in page and "is the straggler" in page
+    # no epoch metrics: the throughput is the steps DDP's hook counted (batch 32 per rank),
+    # and the empty metrics section says why
+    text = html.unescape(page)
+    assert "steps per second (counted by DDP's hook)" in text
+    assert "samples per second (the first step's batch: 32)" in text
+    assert "No epoch metrics" not in page and "No loss or metrics: the function reported" in page
+    starts = run_dir.record["timings"]["starts"][0]
+    assert {"spark_job", "process_start", "function", "to_first_step"} <= set(starts), starts
+    if _chromium():
+        _check_report_in_a_browser(run_dir.path, run_dir.record, tmp_path)
 
 
 def test_a_balanced_run_names_nobody_and_says_it_is_input_bound(spark, tmp_path, caplog):
