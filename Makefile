@@ -43,7 +43,7 @@ endif
 TEST_WORKERS ?= 2
 export SPARKHVD_TEST_PROFILE := $(PROFILE)
 
-.PHONY: setup demo test test-ids unit lint docs test-keras bench clean cluster-up cluster-down
+.PHONY: setup demo test test-ids unit lint docs test-keras bench bench-table clean cluster-up cluster-down
 
 setup:
 	@PROFILE=$(PROFILE) bash scripts/setup.sh
@@ -95,6 +95,10 @@ ifneq ($(filter $(PROFILE),modern torch),)
 		"ray[default,train]==2.60.0" torch==2.13.0 pyspark==4.3.0 psutil; }
 endif
 	$(PY) bench/bench.py $(foreach c,$(CASE),--case $(c))
+
+# README's benchmark table, made from bench/RESULTS.md's goals (`make bench` does it too).
+bench-table: setup
+	$(PY) bench/bench.py --report
 
 # The multi-host test cluster (network namespaces, root only), by hand for debugging.
 cluster-up: setup

@@ -10,7 +10,9 @@ from bench_common import interleaved, local_spark, stats, torch_unavailable, tur
 
 def case_b1t(repeat: int, tiny: bool) -> list[dict]:
     """B1 for PyTorch: a no-op at np=2 that joins the process group (what every torch run does
-    first), through sparkhvd (backend='torch') and through TorchDistributor, interleaved."""
+    first), through sparkhvd (backend='torch': its ranks forked from the executor's warm
+    process after the first run -- and with ``warm_start=False``, every rank a fresh process)
+    and through TorchDistributor, interleaved."""
     why = torch_unavailable()
     if why:
         return [{"case": "B1T", "variant": "no-op, sparkhvd vs TorchDistributor", "unit": "s",
@@ -25,6 +27,9 @@ def case_b1t(repeat: int, tiny: bool) -> list[dict]:
         ("sparkhvd HorovodRunner(backend='torch'), init_process_group no-op",
          lambda: HorovodRunner(np=2, spark=spark, backend="torch", output_dir=out)
          .run(_torch_noop)),
+        ("sparkhvd HorovodRunner(backend='torch', warm_start=False), init_process_group no-op",
+         lambda: HorovodRunner(np=2, spark=spark, backend="torch", output_dir=out,
+                               warm_start=False).run(_torch_noop)),
         ("TorchDistributor(local_mode=False), init_process_group no-op",
          lambda: TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
          .run(_torch_noop))], repeat)

@@ -87,6 +87,7 @@ import b14
 import bench_common
 import click
 import cloudpickle
+import readme_table
 from b2 import b2_frame
 from b11 import session_of
 from bench_common import ROOT, stats
@@ -150,6 +151,7 @@ def main(cases: tuple[str, ...], repeat: int, tiny: bool, out_dir: str, report: 
         latest = json.loads(sorted((out / "results").glob("*.json"))[-1].read_text())
         write_markdown(out / "RESULTS.md", latest["env"], latest["results"])
         write_chart(out / "results.png", latest["results"])
+        readme_table.main([])  # README's table, made from RESULTS.md's goals
         return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import logging
@@ -184,7 +186,8 @@ def main(cases: tuple[str, ...], repeat: int, tiny: bool, out_dir: str, report: 
         result_file.write_text(json.dumps({"env": env, "results": merged}, indent=2))
     write_markdown(out / "RESULTS.md", env, merged)
     write_chart(out / "results.png", merged)
-    click.echo(f"wrote {out / 'RESULTS.md'}", err=True)
+    readme_table.main([])  # README's table, made from RESULTS.md's goals
+    click.echo(f"wrote {out / 'RESULTS.md'} and README.md's table", err=True)
     if failed:
         raise SystemExit(f"case(s) failed: {', '.join(failed)}")
 

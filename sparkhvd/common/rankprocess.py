@@ -98,7 +98,9 @@ class RankProcess:
 
     def _start_warm(self, argv: list[str], write_fd: int) -> Optional[warmstart.WarmChild]:
         """The supervisor forked by this executor's warm server for the backend, if there is
-        one (see :mod:`sparkhvd.common.warmstart`); a server that refused is said once."""
+        one (see :mod:`sparkhvd.common.warmstart`); a server that refused is said once. Where
+        there is none, one is started beside this fresh rank: a retry or an elastic relaunch
+        of this run finds it ready."""
         backend = self.env.get(protocol.BACKEND_ENV, "")
         if not warmstart.enabled(bool(self.options.get("warm_start", True)), self.env):
             return None
@@ -106,12 +108,15 @@ class RankProcess:
         if self.warm is None:
             return None
         why = warmstart.refused(self.warm)
-        said = warmstart.say_once(why) if why else None
+        said = warmstart.say_once(why, backend) if why else None
         if said:
             with contextlib.suppress(Exception):
                 self.on_line(protocol.Line(self.rank, "stderr", said))
         child = warmstart.spawn(self.warm, argv, self.env, write_fd, protocol.EVENTS_FD_ENV)
         self.started_warm = child is not None
+        if child is None:  # none yet: one starts beside this rank, for a retry or the next run
+            threading.Thread(target=warmstart.keep_warm, args=(self.warm, backend, self.env),
+                             daemon=True, name="sparkhvd-keep-warm").start()
         return child
 
     def _start_fresh(self, argv: list[str], write_fd: int) -> subprocess.Popen[bytes]:

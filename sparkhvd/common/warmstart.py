@@ -44,6 +44,9 @@ IMPORT_NAMES = ("PATH", "HOME", "LANG", "TMPDIR", "USER", "VIRTUAL_ENV")
 #: Read per rank at run time, not at load: never part of the key.
 PER_RANK = ("TF_CONFIG", "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RUN_ID",
             "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+#: The longest temporary folder a server's socket goes under (a Unix socket's path is at most
+#: 107 bytes; the socket's own name takes about 55 of them): a longer one gives ``/tmp``.
+MAX_BASE = 48
 _said: set[str] = set()
 #: True in a rank forked by a warm server (set by the server's child before the supervisor).
 FORKED_WARM = False
@@ -98,8 +101,7 @@ def _code_identity() -> list[Any]:
 def _framework_identity(backend: str) -> list[Any]:
     import importlib.util
 
-    names = {"torch": ("torch",), "tf": ("tensorflow",), "horovod": ("tensorflow",)}.get(
-        backend, ())
+    names = {"torch": ("torch",)}.get(backend, ())  # what its server preloads
     found = []
     for name in names:
         try:
@@ -121,7 +123,7 @@ def server_key(backend: str, env: Mapping[str, str], watch: int) -> str:
 def folder() -> Optional[str]:
     """This user's folder of servers (created 0700), or None where it is not private."""
     base = tempfile.gettempdir()
-    if len(base) > 60:  # a Unix socket's path is at most 107 bytes
+    if len(base) > MAX_BASE:  # a Unix socket's path is at most 107 bytes
         base = "/tmp"
     path = os.path.join(base, f"sparkhvd-warm-{os.getuid()}")
     with contextlib.suppress(FileExistsError):
@@ -239,12 +241,14 @@ def refused(path: str) -> Optional[str]:
         return None
 
 
-def say_once(reason: str) -> Optional[str]:
+def say_once(reason: str, backend: str = "") -> Optional[str]:
     """The line to show the user for ``reason``, the first time this process meets it."""
     if reason in _said:
         return None
     _said.add(reason)
-    return f"sparkhvd: warm starts are off here ({reason}); ranks start as fresh processes"
+    which = f" for backend={backend!r}" if backend else ""
+    return (f"sparkhvd: no warm start{which} here: {reason}; its ranks start as fresh processes "
+            "(docs/guides/warm.md)")
 
 
 def spawn(path: str, argv: list[str], env: Mapping[str, str], events_fd: int, fd_env: str,

@@ -175,8 +175,9 @@ class LaunchConfig:
         on_stall: ``"warn"`` (the run goes on) or ``"stop"`` (the stall ends the run with a
             ``StallError``).
         warm_start: start ranks from a process per executor that already imported the
-            backend's framework (torch, TensorFlow), left by the executor's previous ranks: the
-            second run, a retry and an elastic relaunch skip the import (default ``True``; see
+            backend's framework (torch; for tf and horovod, Python and sparkhvd: TensorFlow's
+            import starts a thread), left by the executor's first ranks: the second run, a
+            retry and an elastic relaunch skip the import (default ``True``; see
             docs/guides/warm.md). The barrier and local launchers; ``False`` starts every rank
             as a fresh process, as does ``SPARKHVD_WARM_START=0`` on an executor.
     """

@@ -11,9 +11,10 @@ Safe by construction:
 
 - **Nothing forked after a thread, CUDA or a process group.** The process runs no user code and
   only imports; before each fork it checks that it still has one thread, and that neither CUDA
-  nor ``torch.distributed`` was initialised. A framework whose import leaves a thread running
-  (some TensorFlow builds) is refused once, with the reason written beside the socket: the
-  client says it once and starts fresh processes for that backend.
+  nor ``torch.distributed`` was initialised. An import that leaves a thread running makes it
+  refuse, with the reason written beside the socket: the client says it once and starts fresh
+  processes for that backend. TensorFlow is known to (:data:`FRAMEWORKS`): it is left to the
+  rank.
 - **No user data, no earlier run's state.** The child gets the rank's own environment (the
   whole ``os.environ`` replaced), working folder, output pipes and event pipe (passed as file
   descriptors), in a new session; numpy's global generator is reseeded as a fresh process's
@@ -45,8 +46,10 @@ from typing import Optional
 __side__ = "rank"
 
 #: What each backend's ranks import (besides the rank's own modules, always preloaded).
-FRAMEWORKS = {"torch": ("torch", "torch.distributed"), "tf": ("tensorflow",),
-              "horovod": ("tensorflow",)}
+#: TensorFlow is not: its import leaves a thread running (TF 2.15 to 2.21), and a process
+#: with a second thread is never forked -- tf and horovod ranks are forked with Python and
+#: sparkhvd loaded, and import TensorFlow themselves.
+FRAMEWORKS = {"torch": ("torch", "torch.distributed")}
 #: The rank's own modules: what every rank imports before the user's function.
 RANK_MODULES = ("numpy", "cloudpickle", "psutil", "sparkhvd.rank.bootstrap",
                 "sparkhvd.rank.supervisor", "sparkhvd.timing.sampler")
@@ -69,15 +72,16 @@ def unsafe_to_fork() -> Optional[str]:
     """Why forking now would hand a child a broken runtime, or None."""
     threads = _threads()
     if threads > 1:
-        return f"{threads} threads are running after the imports (forking would copy their locks)"
+        return (f"{threads} threads run in it (a fork copies their locks but not the threads "
+                "that would release them)")
     torch = sys.modules.get("torch")
     if torch is not None:
         with contextlib.suppress(Exception):
             if torch.cuda.is_initialized():
-                return "CUDA is initialised"
+                return "CUDA is initialised in it"
         with contextlib.suppress(Exception):
             if torch.distributed.is_available() and torch.distributed.is_initialized():
-                return "a torch.distributed process group exists"
+                return "a torch.distributed process group exists in it"
     return None
 
 
@@ -89,7 +93,11 @@ def preload(backend: str) -> Optional[str]:
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - a rank would meet it too: it starts fresh
-            return f"importing {name} failed here ({type(exc).__name__}: {exc})"
+            return f"importing {name} failed in the warm process ({type(exc).__name__}: {exc})"
+        threads = _threads()
+        if threads > 1:
+            return (f"importing {name} leaves {threads - 1} more thread(s) running, and a fork "
+                    "would copy their locks but not the threads")
     return unsafe_to_fork()
 
 
@@ -334,7 +342,12 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     server = WarmServer(path, watch, idle, lock)
     try:
-        server.listen()
+        try:
+            server.listen()
+        except OSError as exc:  # the client says it once and starts its ranks fresh
+            _write_json(path + ".refused", {**info, "refused": f"it cannot listen on {path} "
+                                            f"({exc})"})
+            return 0
         _write_json(path + ".json", info)
         server.serve()
     finally:

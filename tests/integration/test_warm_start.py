@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -57,12 +58,12 @@ def test_the_next_run_starts_its_ranks_with_torch_imported_and_nothing_of_the_la
                         env={"WARM_TEST_FIRST": "1"}).run_all(_probe, mark=True)
     assert [r["sum"] for r in first] == [2.0, 2.0]
     assert wait_for(_torch_servers, 120), warmstart.servers()  # left for the next run
-    server = _torch_servers()[0]["pid"]
+    servers = {s["pid"] for s in _torch_servers()}
     second = SparkRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path),
                          env={"WARM_TEST_SECOND": "1"}).run_all(_probe, mark=False)
     for rank in second:
         assert rank["torch_at_entry"], rank  # no import on the critical path
-        assert rank["server"] == server
+        assert rank["server"] in servers  # forked from this executor's warm process
         assert rank["seen"] is None  # the first run's module state stayed in its ranks
         assert "WARM_TEST_SECOND" in rank["env"] and "WARM_TEST_FIRST" not in rank["env"]
         assert rank["sum"] == 2.0
@@ -93,13 +94,26 @@ def test_a_warm_ranks_output_and_error_reach_the_driver(spark, tmp_path, rank_li
     assert any("warm rank 1 says why" in line for line in rank_lines)
 
 
+@pytest.fixture
+def short_dir():
+    """A folder whose path leaves room for a Unix socket's name (at most 107 bytes)."""
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="shvd-", dir="/tmp")
+    yield pathlib.Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _server(tmp_path, watch, idle_s=600.0, backend="torch"):
     """A server started as an executor's rank would leave it (the test ends it by PID)."""
     path = str(tmp_path / "s.sock")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     subprocess.run([sys.executable, "-m", "sparkhvd.rank.warm_server", path, str(watch),
                     str(idle_s), backend], env=env, check=True, timeout=60)
-    assert wait_for(lambda: os.path.exists(path + ".json"), 120)
+    assert wait_for(lambda: os.path.exists(path + ".json") or os.path.exists(path + ".refused"),
+                    60)
+    assert not os.path.exists(path + ".refused"), open(path + ".refused").read()
     with open(path + ".json") as f:
         return path, json.load(f)["pid"]
 
@@ -113,7 +127,8 @@ def _gone(pid):
         return f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def test_a_server_ends_with_the_process_it_serves_and_after_its_idle_limit(tmp_path):
+def test_a_server_ends_with_the_process_it_serves_and_after_its_idle_limit(short_dir):
+    tmp_path = short_dir
     watched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     (tmp_path / "a").mkdir()
     try:
@@ -130,9 +145,10 @@ def test_a_server_ends_with_the_process_it_serves_and_after_its_idle_limit(tmp_p
     assert not os.path.exists(path)
 
 
-def test_a_rank_whose_task_was_killed_ends_with_it(tmp_path):
+def test_a_rank_whose_task_was_killed_ends_with_it(short_dir):
     """The task that asked for a rank is SIGKILLed: the server ends the rank, as a fresh rank
     would end through its parent-death signal."""
+    tmp_path = short_dir
     (tmp_path / "s").mkdir()
     path, server = _server(tmp_path / "s", os.getpid())
     script = f"""
@@ -171,6 +187,6 @@ def test_a_framework_that_leaves_a_thread_is_never_forked(tmp_path):
          "from sparkhvd.rank.warm_server import unsafe_to_fork\nprint(unsafe_to_fork())"],
         capture_output=True, text=True, timeout=60,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert "2 threads are running" in out.stdout, out
+    assert "2 threads run in it" in out.stdout, out
     assert warmstart.say_once("x") and warmstart.say_once("x") is None
     assert warmstart.spawn(str(tmp_path / "none.sock"), [], {}, 0, "X") is None  # no server

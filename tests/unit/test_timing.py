@@ -215,3 +215,42 @@ def test_a_short_attempt_is_judged_as_a_whole_when_it_ends(tmp_path):
     (finding,) = splits.summary()["findings"]
     assert (finding["kind"], finding["rank"], finding["bucket"]) == ("straggler", 1, "compute")
     assert recorded[-1] == splits.summary()["findings"]
+
+
+def test_a_ddp_run_without_epoch_metrics_shows_its_steps_per_second(tmp_path):
+    """Throughput from the steps DDP's hook counted (and samples/s from the first batch); the
+    empty metrics section says why instead of standing empty."""
+    splits = TimeSplits(str(tmp_path), say=lambda _: None, findings=lambda _: None)
+    splits.begin(1, 2)
+    for i in range(3):
+        for rank in (0, 1):
+            split = _split(rank, 5.0 * i, compute=4, collective=1)
+            split.steps, split.batch = 50, 32
+            splits.add(split)
+    splits.close()
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": "r", "status": "succeeded"}))
+    page = render(str(tmp_path))
+    assert "steps per second (counted by DDP&#x27;s hook)" in page
+    assert "samples per second (the first step&#x27;s batch: 32)" in page
+    assert "No epoch metrics" not in page and "No loss or metrics: the function reported none" \
+        in page
+    (tmp_path / "timing.jsonl").unlink()
+    assert "No throughput: no epoch metrics" in render(str(tmp_path))
+
+
+def test_a_launch_breaks_down_step_by_step_with_the_slowest_rank_for_each():
+    from sparkhvd.timing.start_times import breakdown
+
+    cold = protocol.StartTimes(rank=0, marks={"process": 10.5, "ready": 10.6, "function": 10.7,
+                                              "framework": 11.7, "rendezvous": 11.9,
+                                              "first_step": 12.0, "returned": 13.0})
+    warm = protocol.StartTimes(rank=1, warm=True, marks={
+        "process": 10.2, "ready": 10.21, "framework": 10.21, "function": 10.3,
+        "rendezvous": 11.9, "first_step": 12.0, "returned": 13.0})
+    steps = breakdown({0: cold, 1: warm}, launched_at=10.0, placing_s=0.25, result_at=13.2)
+    assert steps == {"placing": 0.25, "spark_job": 0.5, "process_start": 0.1, "prepare": 0.1,
+                     "import": 1.0, "rendezvous": 1.6, "to_first_step": 2.0, "function": 2.7,
+                     "result_back": 0.2, "ranks": 2, "warm_ranks": 1}
+    # a warm rank's framework was there before its function: no import, no negative span
+    alone = breakdown({1: warm}, launched_at=None)
+    assert alone["import"] == 0.0 and "spark_job" not in alone and alone["warm_ranks"] == 1
