@@ -27,12 +27,15 @@ def timed(fn: Callable[[], object], repeat: int) -> dict:
 
 def interleaved(variants: list[tuple[str, Callable[[], object]]], repeat: int) -> dict:
     """Seconds per run of each variant: one untimed warm-up each, then the variants take turns
-    (so drifting caches and noisy neighbours hit them all alike)."""
+    (so drifting caches and noisy neighbours hit them all alike), each round starting one
+    variant later (so none always runs right after the same one -- a launcher whose processes
+    are still ending slows whichever follows it)."""
     for _, fn in variants:
         fn()
     values: dict[str, list[float]] = {name: [] for name, _ in variants}
-    for _ in range(repeat):
-        for name, fn in variants:
+    for round_ in range(repeat):
+        shift = round_ % len(variants)
+        for name, fn in variants[shift:] + variants[:shift]:
             t0 = time.perf_counter()
             fn()
             values[name].append(time.perf_counter() - t0)

@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 __side__ = "common"
 
 _WAITING: dict[str, list[Callable[[ModuleType], None]]] = {}
+#: module name -> callbacks (no argument) run just before the module's own code runs
+_STARTING: dict[str, list[Callable[[], None]]] = {}
 
 
 class _Loader(importlib.abc.Loader):
@@ -28,6 +30,8 @@ class _Loader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
+        for started in _STARTING.pop(self._name, []):
+            started()
         self._loader.exec_module(module)
         for callback in _WAITING.pop(self._name, []):
             callback(module)
@@ -49,12 +53,16 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
-    """``callback(module)`` once module ``name`` is imported (at once if it already is)."""
+def when_imported(name: str, callback: Callable[[ModuleType], None],
+                  starting: Optional[Callable[[], None]] = None) -> None:
+    """``callback(module)`` once module ``name`` is imported (at once if it already is);
+    ``starting()`` just before its import begins to run (never, if it already ran)."""
     module = sys.modules.get(name)
     if module is not None:
         callback(module)
         return
     _WAITING.setdefault(name, []).append(callback)
+    if starting is not None:
+        _STARTING.setdefault(name, []).append(starting)
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())

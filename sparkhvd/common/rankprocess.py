@@ -80,12 +80,19 @@ class RankProcess:
         payload_path = os.path.join(self.work, protocol.PAYLOAD_FILE)
         with open(payload_path, "wb") as f:
             f.write(self.payload)
-        read_fd, write_fd = os.pipe()
         argv = [payload_path, self.work, json.dumps(self.options)]
+        read_fd, write_fd = os.pipe()
         try:
-            self.proc = self._start_warm(argv, write_fd) or self._start_fresh(argv, write_fd)
+            self.proc = self._start_warm(argv, write_fd)
         finally:
             os.close(write_fd)
+        if self.proc is None:  # a new event pipe: a warm child whose answer was lost ends
+            os.close(read_fd)   # with its connection, but may still hold the first one
+            read_fd, write_fd = os.pipe()
+            try:
+                self.proc = self._start_fresh(argv, write_fd)
+            finally:
+                os.close(write_fd)
         events = os.fdopen(read_fd, "rb")
         for target, args in ((self._pump_lines, (self.proc.stdout, "stdout")),
                              (self._pump_lines, (self.proc.stderr, "stderr")),

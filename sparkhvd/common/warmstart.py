@@ -15,7 +15,6 @@ name is a hash of them (:func:`server_key`), in a folder only this user may ente
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -25,6 +24,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import IO, Any, Mapping, Optional
 
@@ -34,12 +34,10 @@ __side__ = "common"
 OFF_ENV = "SPARKHVD_WARM_START"
 #: A server with no rank running ends after this many seconds.
 IDLE_S = 600.0
-#: How long a rank waits for a server that is still importing (no slower than importing itself).
-START_WAIT_S = 20.0
 #: Variables a framework or the C libraries under it read when they load: a server is started
 #: with these alone, and only a rank whose values are the same uses it.
-IMPORT_PREFIXES = ("PYTHON", "LD_", "TF_", "TORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS_",
-                   "XLA_", "KERAS", "CUDA_", "NVIDIA_", "GOMP_", "LC_")
+IMPORT_PREFIXES = ("PYTHON", "LD_", "TF_", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_",
+                   "OPENBLAS_", "XLA_", "KERAS", "CUDA_", "NVIDIA_", "GOMP_", "LC_")
 IMPORT_NAMES = ("PATH", "HOME", "LANG", "TMPDIR", "USER", "VIRTUAL_ENV")
 #: Read per rank at run time, not at load: never part of the key.
 PER_RANK = ("TF_CONFIG", "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RUN_ID",
@@ -59,10 +57,14 @@ def enabled(requested: bool, env: Mapping[str, str]) -> bool:
 
 
 def import_env(env: Mapping[str, str]) -> dict[str, str]:
-    """What of ``env`` a framework may read when it loads (the server's whole environment)."""
+    """What of ``env`` a framework may read when it loads (the server's whole environment):
+    never a variable named like a credential (it would outlive the run in the server)."""
+    from sparkhvd.common.redaction import SECRET_NAME
+
     return {name: value for name, value in env.items()
             if (name.startswith(IMPORT_PREFIXES) or name in IMPORT_NAMES)
-            and name not in PER_RANK and not name.startswith("TORCHELASTIC_")}
+            and name not in PER_RANK and not name.startswith("TORCHELASTIC_")
+            and not SECRET_NAME.search(name)}
 
 
 def watched_pid() -> int:
@@ -99,9 +101,10 @@ def _code_identity() -> list[Any]:
 
 
 def _framework_identity(backend: str) -> list[Any]:
+    """The installed files of what a server preloads: an upgrade gets a new server."""
     import importlib.util
 
-    names = {"torch": ("torch",)}.get(backend, ())  # what its server preloads
+    names = ("numpy", "cloudpickle", "psutil", *{"torch": ("torch",)}.get(backend, ()))
     found = []
     for name in names:
         try:
@@ -113,10 +116,23 @@ def _framework_identity(backend: str) -> list[Any]:
     return found
 
 
+def _machine_identity() -> list[Any]:
+    """This boot and these namespaces: containers sharing ``/tmp`` (whose JVMs may have the
+    same PID) never share a server."""
+    found: list[Any] = []
+    with contextlib.suppress(OSError):
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            found.append(f.read().strip())
+    for ns in ("pid", "net", "mnt"):
+        with contextlib.suppress(OSError):
+            found.append(os.readlink(f"/proc/self/ns/{ns}"))
+    return found
+
+
 def server_key(backend: str, env: Mapping[str, str], watch: int) -> str:
     """The name of the server a rank with ``env`` may use (see the module docstring)."""
     parts = [sys.executable, backend, watch, _code_identity(), _framework_identity(backend),
-             sorted(import_env(env).items())]
+             _machine_identity(), sorted(import_env(env).items())]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
 
@@ -146,38 +162,52 @@ def socket_path(backend: str, env: Mapping[str, str]) -> Optional[str]:
 class WarmChild:
     """A rank's supervisor forked by a server: what :class:`subprocess.Popen` would give
     (``pid``, ``stdout``, ``stderr``, ``poll``, ``wait``, ``returncode``); its exit status comes
-    from the server, which is its parent."""
+    from the server, which is its parent. Safe to poll and wait from several threads (a task's
+    loop and its driver-watching thread), as ``Popen`` is."""
 
-    def __init__(self, conn: socket.socket, pid: int, stdout: IO[bytes], stderr: IO[bytes]):
+    #: The longest a waiting thread holds the reading lock at a time.
+    SLICE_S = 0.05
+
+    def __init__(self, conn: socket.socket, pid: int, stdout: IO[bytes], stderr: IO[bytes],
+                 buffered: bytes = b"") -> None:
         self.conn, self.pid, self.stdout, self.stderr = conn, pid, stdout, stderr
         self.returncode: Optional[int] = None
-        self._buffer = b""
+        self._buffer = buffered
+        self._lock = threading.Lock()
+        self._take_lines()
 
-    def _read(self, timeout: Optional[float]) -> None:
-        import select
-
-        if self.returncode is not None:
-            return
-        ready, _, _ = select.select([self.conn], [], [], timeout)
-        if not ready:
-            return
-        try:
-            data = self.conn.recv(4096)
-        except OSError:
-            data = b""
-        if not data:  # the server went away without a word: the rank went with it
-            self.returncode = -9
-            self.conn.close()
-            return
-        self._buffer += data
-        while b"\n" in self._buffer:
+    def _take_lines(self) -> None:
+        while b"\n" in self._buffer and self.returncode is None:
             line, self._buffer = self._buffer.split(b"\n", 1)
             with contextlib.suppress(ValueError):
                 message = json.loads(line)
                 if "exit" in message:
-                    self.returncode = int(message["exit"])
-                    self.conn.close()
-                    return
+                    self._ended(int(message["exit"]))
+
+    def _ended(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            with contextlib.suppress(OSError):
+                self.conn.close()
+
+    def _read(self, timeout: float) -> None:
+        import select
+
+        with self._lock:
+            if self.returncode is not None:
+                return
+            try:
+                ready, _, _ = select.select([self.conn], [], [], timeout)
+                data = self.conn.recv(4096) if ready else None
+            except (OSError, ValueError):
+                data = b""
+            if data is None:
+                return
+            if not data:  # the server went away without a word: the rank went with it
+                self._ended(-9)
+                return
+            self._buffer += data
+            self._take_lines()
 
     def poll(self) -> Optional[int]:
         self._read(0)
@@ -186,32 +216,28 @@ class WarmChild:
     def wait(self, timeout: Optional[float] = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+            left = self.SLICE_S if deadline is None else min(self.SLICE_S,
+                                                             deadline - time.monotonic())
+            if left <= 0:
                 raise subprocess.TimeoutExpired("warm rank", timeout or 0)
             self._read(left)
         return self.returncode
 
 
-def _connect(path: str, wait_s: float) -> Optional[socket.socket]:
-    """A connection to the server at ``path``; waiting up to ``wait_s`` for one that is still
-    importing (it holds ``path.lock``), none when there is none."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(path)
-            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            if struct.unpack("3i", creds)[1] != os.getuid():
-                sock.close()
-                return None
+def _connect(path: str) -> Optional[socket.socket]:
+    """A connection to the server listening at ``path`` (run by this user), or None. A server
+    still importing is not waited for: this rank starts fresh, as fast as it would have."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _ = struct.unpack("3i", creds)
+        if uid == os.getuid() and pid > 0:
             return sock
-        except OSError as exc:
-            sock.close()
-            if exc.errno not in (errno.ENOENT, errno.ECONNREFUSED) or \
-                    not _held(path) or time.monotonic() > deadline:
-                return None
-        time.sleep(0.1)
+    except OSError:
+        pass
+    sock.close()
+    return None
 
 
 def _held(path: str) -> bool:
@@ -254,34 +280,44 @@ def say_once(reason: str, backend: str = "") -> Optional[str]:
 def spawn(path: str, argv: list[str], env: Mapping[str, str], events_fd: int, fd_env: str,
           cwd: Optional[str] = None) -> Optional[WarmChild]:
     """A rank's supervisor with ``argv`` forked by the server at ``path`` (``events_fd``: the
-    write end of its event pipe, numbered in ``fd_env``), or None: start it fresh."""
+    write end of its event pipe, numbered in ``fd_env``), or None: start it fresh -- with a
+    new event pipe (a child forked before the answer was lost may still hold this one)."""
     if refused(path) is not None:
         return None
-    sock = _connect(path, START_WAIT_S)
+    sock = _connect(path)
     if sock is None:
         return None
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     request = json.dumps({"argv": argv, "env": dict(env), "fd_env": fd_env,
                           "cwd": cwd or os.getcwd()}).encode()
+    answer: dict[str, Any] = {}
+    received = b""
     try:
         sock.settimeout(30.0)
         socket.send_fds(sock, [struct.pack("!I", len(request))], [out_w, err_w, events_fd])
         sock.sendall(request)
-        reply = sock.makefile("rb").readline()
-        answer = json.loads(reply) if reply else {}
+        while b"\n" not in received:  # recv, not a buffered reader: what follows is the exit
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            received += chunk
+        if b"\n" in received:
+            line, received = received.split(b"\n", 1)
+            answer = json.loads(line)
     except (OSError, ValueError):
         answer = {}
     finally:
         os.close(out_w)
         os.close(err_w)
-    if "pid" not in answer:
+    if "pid" not in answer:  # a child it may have forked ends with this connection
         sock.close()
         os.close(out_r)
         os.close(err_r)
         return None
     sock.settimeout(None)
-    return WarmChild(sock, int(answer["pid"]), os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+    return WarmChild(sock, int(answer["pid"]), os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"),
+                     received)
 
 
 def keep_warm(path: str, backend: str, env: Mapping[str, str], idle_s: float = IDLE_S) -> None:
@@ -299,15 +335,19 @@ def keep_warm(path: str, backend: str, env: Mapping[str, str], idle_s: float = I
 
 
 def _sweep(where: str) -> None:
-    """Remove what servers killed without their clean-up left (socket, record, lock), and the
-    refusals of executors that are gone."""
+    """Remove what servers killed without their clean-up left (a socket no server holds, its
+    record, a socket being set up by a process that is gone), and the refusals of executors
+    that are gone. Lock files stay: a starting server may be about to take one."""
     for name in os.listdir(where):
         path = os.path.join(where, name)
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            stem, _, tail = name.rpartition(".")
             if name.endswith(".sock") and not _held(path):
-                for leftover in (path, path + ".json", path + ".lock"):
+                for leftover in (path, path + ".json"):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(leftover)
+            elif stem.endswith(".sock") and tail.isdigit() and not _alive(int(tail)):
+                os.unlink(path)  # a staging socket whose server died before renaming it
             elif name.endswith(".refused"):
                 with open(path) as f:
                     watch = int(json.load(f)["watch"])
@@ -345,7 +385,7 @@ def end_servers(watch: Optional[int] = None) -> list[int]:
 
     ended = []
     for info in servers():
-        if watch is None or info.get("watch") == watch:
+        if (watch is None or info.get("watch") == watch) and _held(info["socket"]):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(int(info["pid"]), signal.SIGTERM)
                 ended.append(int(info["pid"]))

@@ -106,8 +106,10 @@ def rank_main(payload: bytes, wire_options: dict, *, pickle_result: bool = False
         pickled = pickled_result(rank, result) if keep and (
             pickle_result or options.check_result) else None
     except Preempted:  # reported by the helper that stopped; every rank exits the same way
+        emit(start_times.report(events.rank))
         raise SystemExit(protocol.PREEMPTED_EXIT) from None
     except BaseException as exc:
+        emit(start_times.report(events.rank))  # how far it got: a failed start is timed too
         emit(error_event(events.rank, exc))
         raise
     finally:

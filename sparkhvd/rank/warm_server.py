@@ -57,6 +57,8 @@ RANK_MODULES = ("numpy", "cloudpickle", "psutil", "sparkhvd.rank.bootstrap",
 MAX_REQUEST = 4 << 20
 #: How often the loop wakes without an event (the idle limit and the watched process).
 TICK_S = 1.0
+#: The folder this process started in (``sys.path[0]`` under ``python -m``): a rank gets its own.
+STARTED_IN = os.getcwd()
 
 
 def _threads() -> int:
@@ -153,6 +155,8 @@ def _become_rank(request: dict, fds: list[int], closing: list[int]) -> None:
         os.environ.clear()
         os.environ.update(env)
         os.chdir(request["cwd"])
+        if sys.path and sys.path[0] == STARTED_IN and not getattr(sys.flags, "safe_path", False):
+            sys.path[0] = request["cwd"]  # ``python -m`` puts the starting folder first
         numpy = sys.modules.get("numpy")
         if numpy is not None:  # a fresh process seeds numpy's global generator from the OS
             numpy.random.seed()
@@ -275,10 +279,10 @@ class WarmServer:
             data = conn.recv(4096)
         except OSError:
             data = b""
-        if not data:
+        if not data:  # to the supervisor only: SIGTERM to the rank itself is a notice
             self.selector.unregister(conn)
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGTERM)
 
     def _reap(self) -> None:
         while self.children:
@@ -303,9 +307,9 @@ class WarmServer:
                     os.unlink(self.path + ".json")
                     os.unlink(self.path + ".lock")  # we hold it: no server waits on it
             self.listener.close()
-        for pid in list(self.children):
+        for pid in list(self.children):  # supervisors end their ranks' trees
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGTERM)
 
 
 def _alive(pid: int) -> bool:
@@ -327,6 +331,8 @@ def main(argv: list[str]) -> int:
     lock = os.open(path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.stat(path + ".lock").st_ino != os.fstat(lock).st_ino:
+            return 0  # swept away between our open and our lock: the next rank starts another
     except OSError:
         return 0
     info = {"pid": os.getpid(), "watch": watch, "backend": backend, "started": time.time()}

@@ -8,8 +8,9 @@ after it), wall-clock seconds on the rank's host:
   fresh interpreter);
 - ``ready``: sparkhvd's rank code is loaded and the rank starts preparing;
 - ``function``: the user's function is called;
-- ``framework``: torch or TensorFlow finished importing (at ``ready`` when the process
-  already held it: a warm start);
+- ``framework_start``, ``framework``: torch or TensorFlow began and finished importing --
+  wherever that happens (unpickling the function, the function's first line); a warm rank's
+  process already held it: ``framework`` at ``ready``, no start;
 - ``rendezvous``: ``torch.distributed.init_process_group`` returned;
 - ``first_step``: the first forward of a ``DistributedDataParallel`` model (the DDP timing
   hook, :mod:`sparkhvd.timing.collectives`);
@@ -52,7 +53,8 @@ def begin(backend: Optional[str], supervised: bool) -> None:
     mark("ready")
     framework = FRAMEWORK.get(backend or "")
     if framework:
-        when_imported(framework, lambda _module: mark("framework"))
+        when_imported(framework, lambda _module: mark("framework"),
+                      starting=lambda: mark("framework_start"))
     when_imported("torch.distributed", _time_rendezvous)
 
 
@@ -90,7 +92,7 @@ def report(rank: int) -> protocol.StartTimes:
 #: The steps of a launch, in order, each ``(name, from, to)``: ``launch`` and ``result`` are the
 #: driver's moments, the rest the ranks' marks (the slowest rank's span for each).
 STEPS = (("spark_job", "launch", "process"), ("process_start", "process", "ready"),
-         ("prepare", "ready", "function"), ("import", "function", "framework"),
+         ("prepare", "ready", "function"), ("import", "framework_start", "framework"),
          ("rendezvous", "framework", "rendezvous"), ("to_first_step", "launch", "first_step"),
          ("function", "function", "returned"))
 
@@ -99,7 +101,8 @@ def breakdown(ranks: Mapping[int, protocol.StartTimes], launched_at: Optional[fl
               placing_s: Optional[float] = None,
               result_at: Optional[float] = None) -> dict[str, Any]:
     """Seconds per step of one attempt's launch (module docstring): the slowest rank's, each
-    step's span clipped at zero (a warm rank's framework was there before its function)."""
+    step's span clipped at zero; ``import`` is 0 for a rank whose framework was there (warm);
+    ``prepare`` does not count an import inside it."""
     out: dict[str, Any] = {}
     if placing_s is not None:
         out["placing"] = round(placing_s, 3)
@@ -111,8 +114,14 @@ def breakdown(ranks: Mapping[int, protocol.StartTimes], launched_at: Optional[fl
                 marks["launch"] = launched_at
             if step == "rendezvous" and "framework" in marks and "function" in marks:
                 marks["framework"] = max(marks["framework"], marks["function"])
+            if step == "import" and "framework" in marks:
+                marks.setdefault("framework_start", marks["framework"])  # held already
             if start in marks and end in marks:
-                spans.append(max(0.0, marks[end] - marks[start]))
+                span = marks[end] - marks[start]
+                if step == "prepare" and "framework_start" in marks and \
+                        marks["ready"] <= marks["framework_start"] < marks["function"]:
+                    span -= marks["framework"] - marks["framework_start"]  # counted as import
+                spans.append(max(0.0, span))
         if spans:
             out[step] = round(max(spans), 3)
     first = ranks.get(0)

@@ -41,7 +41,8 @@ def _probe(mark):
     dist.destroy_process_group()
     supervisor = psutil.Process().parent()
     return {"torch_at_entry": at_entry, "seen": seen, "pid": os.getpid(),
-            "env": sorted(os.environ), "sum": float(total[0]),
+            "env": sorted(os.environ), "sum": float(total[0]), "path0": sys.path[0],
+            "cwd": os.getcwd(),
             "server": supervisor.parent().pid if supervisor.parent() else None}
 
 
@@ -71,6 +72,8 @@ def test_the_next_run_starts_its_ranks_with_torch_imported_and_nothing_of_the_la
     cold = SparkRunner(np=2, spark=spark, backend="torch", output_dir=str(tmp_path),
                        warm_start=False).run_all(_probe, mark=False)
     assert not any(r["torch_at_entry"] for r in cold)  # turned off: fresh processes
+    # where a fresh rank finds modules first (python -m: its folder), a warm one does too
+    assert [(r["path0"], r["cwd"]) for r in second] == [(r["path0"], r["cwd"]) for r in cold]
 
 
 def _fails():
@@ -176,6 +179,49 @@ time.sleep(600)
         task.kill()
         os.kill(server, signal.SIGTERM)
     assert wait_for(lambda: _gone(server), 30)
+
+
+def test_a_warm_ranks_exit_status_is_the_same_to_every_thread_that_asks(short_dir):
+    """A task's loop waits on its rank while its driver-watching thread polls it (a notice, a
+    stack request): both read the rank's own status (75: preempted), never a made-up one."""
+    import threading
+
+    from sparkhvd.common import protocol
+    from sparkhvd.driver.payload import dumps
+
+    tmp_path = short_dir
+    path, server = _server(tmp_path, os.getpid())
+    try:
+        with open(tmp_path / "payload", "wb") as f:
+            f.write(dumps(_exits_preempted, {}))
+        read, write = os.pipe()
+        child = warmstart.spawn(path, [str(tmp_path / "payload"), str(tmp_path), "{}"],
+                                {**os.environ, "SPARKHVD_RANK": "0"}, write,
+                                protocol.EVENTS_FD_ENV)
+        os.close(write)
+        assert child is not None
+        seen = []
+        pollers = [threading.Thread(target=lambda: seen.append(_poll_until_done(child)))
+                   for _ in range(3)]
+        for thread in pollers:
+            thread.start()
+        assert child.wait(60) == 75
+        for thread in pollers:
+            thread.join(60)
+        assert seen == [75, 75, 75]
+        os.close(read)
+    finally:
+        os.kill(server, signal.SIGTERM)
+
+
+def _exits_preempted():
+    raise SystemExit(75)
+
+
+def _poll_until_done(child):
+    while child.poll() is None:
+        pass
+    return child.returncode
 
 
 def test_a_framework_that_leaves_a_thread_is_never_forked(tmp_path):

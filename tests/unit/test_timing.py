@@ -242,8 +242,9 @@ def test_a_launch_breaks_down_step_by_step_with_the_slowest_rank_for_each():
     from sparkhvd.timing.start_times import breakdown
 
     cold = protocol.StartTimes(rank=0, marks={"process": 10.5, "ready": 10.6, "function": 10.7,
-                                              "framework": 11.7, "rendezvous": 11.9,
-                                              "first_step": 12.0, "returned": 13.0})
+                                              "framework_start": 10.7, "framework": 11.7,
+                                              "rendezvous": 11.9, "first_step": 12.0,
+                                              "returned": 13.0})
     warm = protocol.StartTimes(rank=1, warm=True, marks={
         "process": 10.2, "ready": 10.21, "framework": 10.21, "function": 10.3,
         "rendezvous": 11.9, "first_step": 12.0, "returned": 13.0})
@@ -254,3 +255,8 @@ def test_a_launch_breaks_down_step_by_step_with_the_slowest_rank_for_each():
     # a warm rank's framework was there before its function: no import, no negative span
     alone = breakdown({1: warm}, launched_at=None)
     assert alone["import"] == 0.0 and "spark_job" not in alone and alone["warm_ranks"] == 1
+    # torch imported while the function was unpickled: the import, not the preparation
+    unpickled = protocol.StartTimes(rank=0, marks={"ready": 10.0, "framework_start": 10.1,
+                                                   "framework": 11.1, "function": 11.2})
+    steps = breakdown({0: unpickled}, launched_at=None)
+    assert (steps["import"], steps["prepare"]) == (1.0, 0.2)
