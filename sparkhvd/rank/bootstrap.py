@@ -144,6 +144,10 @@ def _prepare_process(options: protocol.RankOptions, *, supervised: bool) -> None
         from sparkhvd.timing.sampler import start
 
         start(os.environ.get(protocol.BACKEND_ENV))
+    if os.environ.get(protocol.BACKEND_ENV) == "torch":  # join as soon as rank 0's store is up
+        from sparkhvd.rank.rendezvous import install as join_promptly
+
+        join_promptly()
     if options.elastic:
         from sparkhvd.common.patches import follow_elastic_resets
 
