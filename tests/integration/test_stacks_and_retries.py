@@ -7,6 +7,7 @@ killed mid-run with max_retries.
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -134,20 +135,17 @@ def test_stacks_on_demand_while_it_runs(tmp_path, how):
 
 
 # -- retries ---------------------------------------------------------------------------------------
-def _rank_process(rank):
-    """The process of ``rank`` among this test's descendants (the supervisor's child)."""
-    import psutil
+def _paused_pid(run_dir, rank):
+    """The pid rank ``rank`` printed when it paused (``pid N on HOST paused``), from its log in
+    the run folder -- however its process was started (fresh, or forked warm)."""
+    import re
 
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if "sparkhvd.rank.supervisor" in " ".join(proc.cmdline()) and \
-                    proc.environ().get("SPARKHVD_RANK") == str(rank) and \
-                    proc.parent() is not None and \
-                    "sparkhvd.rank.supervisor" in " ".join(proc.parent().cmdline()):
-                return proc
-        except psutil.Error:
-            continue
-    return None
+    try:
+        text = open(run_dir.file(f"logs/rank-{rank}.log")).read()
+    except OSError:
+        return None
+    found = re.findall(r"pid (\d+) on \S+ paused", text)
+    return int(found[-1]) if found else None
 
 
 def test_a_killed_rank_is_retried_from_the_last_checkpoint(spark, tmp_path, rank_lines):
@@ -167,10 +165,11 @@ def test_a_killed_rank_is_retried_from_the_last_checkpoint(spark, tmp_path, rank
 
     def kill_when_paused():
         assert wait_for(lambda: runner.last_run_dir is not None and any(
-            "paused" in line for line in rank_lines) and _rank_process(1) is not None, 240)
+            "paused" in line for line in rank_lines) and
+            _paused_pid(runner.last_run_dir, 1) is not None, 240)
         latest = json.loads(open(runner.last_run_dir.file("checkpoints/latest.json")).read())
         killed["epoch"] = latest["epoch"]
-        _rank_process(1).kill()
+        os.kill(_paused_pid(runner.last_run_dir, 1), signal.SIGKILL)
 
     killer = threading.Thread(target=kill_when_paused, daemon=True)
     killer.start()
