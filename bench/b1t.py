@@ -12,7 +12,8 @@ def case_b1t(repeat: int, tiny: bool) -> list[dict]:
     """B1 for PyTorch: a no-op at np=2 that joins the process group (what every torch run does
     first), through sparkhvd (backend='torch': its ranks forked from the executor's warm
     process after the first run -- and with ``warm_start=False``, every rank a fresh process)
-    and through TorchDistributor, interleaved."""
+    and through TorchDistributor, interleaved; each timed run right after an untimed one of the
+    same launcher (a cell run again)."""
     why = torch_unavailable()
     if why:
         return [{"case": "B1T", "variant": "no-op, sparkhvd vs TorchDistributor", "unit": "s",
@@ -32,7 +33,7 @@ def case_b1t(repeat: int, tiny: bool) -> list[dict]:
                                warm_start=False).run(_torch_noop)),
         ("TorchDistributor(local_mode=False), init_process_group no-op",
          lambda: TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
-         .run(_torch_noop))], repeat)
+         .run(_torch_noop))], repeat, primed=True)
     return [{"case": "B1T", "variant": name, "unit": "s", **stats(values)}
             for name, values in timings.items()]
 

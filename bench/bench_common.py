@@ -25,17 +25,20 @@ def timed(fn: Callable[[], object], repeat: int) -> dict:
     return stats(values)
 
 
-def interleaved(variants: list[tuple[str, Callable[[], object]]], repeat: int) -> dict:
+def interleaved(variants: list[tuple[str, Callable[[], object]]], repeat: int,
+                primed: bool = False) -> dict:
     """Seconds per run of each variant: one untimed warm-up each, then the variants take turns
-    (so drifting caches and noisy neighbours hit them all alike), each round starting one
-    variant later (so none always runs right after the same one -- a launcher whose processes
-    are still ending slows whichever follows it)."""
+    (so drifting caches and noisy neighbours hit them all alike). ``primed``: each timed run
+    comes right after an untimed run of the same variant -- what a user who runs a cell again
+    sees (a launcher that uses up the executor's idle Python workers, TorchDistributor's,
+    otherwise slows whichever variant runs after it)."""
     for _, fn in variants:
         fn()
     values: dict[str, list[float]] = {name: [] for name, _ in variants}
-    for round_ in range(repeat):
-        shift = round_ % len(variants)
-        for name, fn in variants[shift:] + variants[:shift]:
+    for _ in range(repeat):
+        for name, fn in variants:
+            if primed:
+                fn()
             t0 = time.perf_counter()
             fn()
             values[name].append(time.perf_counter() - t0)

@@ -8,16 +8,19 @@ from typing import Optional
 NOTES = """\
 ## What was cut, and why
 
-- **B1T PyTorch launch.** Both sides pay `import torch` in every rank and the gloo rendezvous;
-  TorchDistributor adds a `torchrun` per task (a second interpreter that imports torch again,
-  its own c10d rendezvous and agent polling). Today's run: 1.92 s vs 9.13 s (0.21x; the day
-  before 3.31 s vs 11.53 s, 0.29x, on a slower machine: B1's floor was 0.36 s then, 0.18 s
-  now). Where sparkhvd's 1.6-1.8 s go (4 runs alone, clocks in the rank): Spark stage to the
-  user's function 0.3-0.4 s, `import torch.distributed` 1.0 s (both ranks at once on the 2
-  cores), rendezvous 0-0.4 s (the faster rank waits for the other's import), destroying the
-  group 0.02 s, back on the driver 0.12-0.15 s. The 0.2x goal (1.83 s here) would need the
-  rank to skip `import torch`, e.g. by forking ranks from a process that already imported it:
-  not done.
+- **B1T PyTorch launch (issue 96: warm starts).** TorchDistributor pays `import torch` in
+  every rank, a `torchrun` per task (a second interpreter that imports torch again, its own
+  c10d rendezvous and agent polling). sparkhvd's ranks are forked from the executor's warm
+  process, which imported torch once (`sparkhvd/rank/warm_server.py`; docs/guides/warm.md),
+  and a rank other than 0 joins as soon as rank 0's store listens instead of after torch's
+  back-off (`sparkhvd/rank/rendezvous.py`: it was most of a warm rendezvous, 0.6 s of 1 s).
+  2026-12-07, each timed run right after an untimed one of the same launcher (a cell run
+  again; TorchDistributor's tasks use up the executor's idle Python workers and slowed
+  whichever launcher ran after it by 0.5-0.7 s): warm 0.34 s, every rank fresh
+  (`warm_start=False`) 1.49 s, TorchDistributor 10.2 s (0.03x / 0.15x; issue 96 measured 0.30x
+  from outside, README said 0.21x). Where a warm run goes is in its run.json
+  (`timings.starts`): Spark's job to the rank's process 0.10 s, process start 0.02-0.04 s,
+  preparation 0.03 s, no import, rendezvous 0.02 s, result back 0.10 s.
 - **B1 launch.** `horovod.spark.run` spends its ~6 s on a no-op in: task services starting
   and registering (~1 s), NIC discovery between tasks, one `python -m horovod.spark.task...`
   per rank started through the task service (~1 s of imports alone), and a 3 s minimum
