@@ -90,8 +90,8 @@ class RunJson(RunCallback):
                            function=run.function, **elastic)
 
     def on_state(self, run: RunSnapshot, transition: Transition) -> None:
-        if transition.after == "placing" and transition.before != "placing":
-            self._placing_since = time.time()
+        if transition.after == "placing" and self._placing_since is None:
+            self._placing_since = time.time()  # kept through a resize back to placing
         run.record.transition(transition.entry)
 
     def on_attempt_start(self, run: RunSnapshot, attempt: AttemptSnapshot) -> None:

@@ -8,7 +8,8 @@ starts first is chance, and that back-off was most of a no-op run's rendezvous.
 
 So, before ``init_process_group()`` runs with the default ``env://`` (no ``init_method``, no
 ``store``), a rank other than 0 waits until ``MASTER_ADDR:MASTER_PORT`` accepts a connection,
-looking every 5 ms (at most :data:`MAX_WAIT_S`; then the call goes on as it would have). The
+looking every 5 ms (at most the call's ``timeout`` or :data:`MAX_WAIT_S`; then the call goes on
+as it would have). The
 look is a connection opened and closed, which the store ignores. Nothing else changes: the
 call, its arguments, its errors and its timeout are torch's.
 """
@@ -42,11 +43,18 @@ def _wrap(module: Any) -> None:
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         if _env_rendezvous(args, kwargs):
-            wait_for_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+            timeout = kwargs.get("timeout", args[2] if len(args) > 2 else None)
+            seconds = getattr(timeout, "total_seconds", None)
+            limit = min(MAX_WAIT_S, seconds()) if callable(seconds) else MAX_WAIT_S
+            wait_for_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), limit)
         return original(*args, **kwargs)
 
     init_process_group._sparkhvd_waits_for_store = True  # type: ignore[attr-defined]
     module.init_process_group = init_process_group
+    c10d = getattr(module, "distributed_c10d", None)  # `from ... import init_process_group`
+    if c10d is not None and getattr(c10d, "init_process_group", None) in (original, getattr(
+            original, "__wrapped__", None)):
+        c10d.init_process_group = init_process_group
 
 
 def _env_rendezvous(args: tuple, kwargs: dict) -> bool:
@@ -64,12 +72,23 @@ def _env_rendezvous(args: tuple, kwargs: dict) -> bool:
 
 
 def wait_for_store(host: str, port: int, limit_s: float = MAX_WAIT_S) -> bool:
-    """Whether ``host:port`` accepted a connection within ``limit_s``."""
+    """Whether ``host:port`` accepted a connection within ``limit_s`` (a host that does not
+    resolve: False at once -- torch says so itself)."""
     deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, port), timeout=1.0).close()
-            return True
-        except OSError:
-            time.sleep(LOOK_S)
-    return False
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    while True:
+        for family, _, _, _, address in found:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.settimeout(min(1.0, left))
+                try:
+                    probe.connect(address)
+                    return True
+                except OSError:
+                    pass
+        time.sleep(LOOK_S)

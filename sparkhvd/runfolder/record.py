@@ -182,8 +182,10 @@ class RunRecord(Mapping[str, Any]):
             self._write()
 
     def mark(self, timing: str) -> None:
-        """Seconds since the run started, as ``timings[timing]`` (written with the next event)."""
-        self._fields["timings"][timing] = round(time.monotonic() - self._t0, 3)
+        """Seconds since the run started, as ``timings[timing]`` (written with the next event;
+        under the lock: a hub thread may be writing the record meanwhile)."""
+        with self._lock:
+            self._fields["timings"][timing] = round(time.monotonic() - self._t0, 3)
 
     # -- the one writer ------------------------------------------------------------------------
     def _write(self, **fields: Any) -> None:

@@ -82,6 +82,9 @@ def _time_rendezvous(module: Any) -> None:
 
     init_process_group._sparkhvd_timed = True  # type: ignore[attr-defined]
     module.init_process_group = init_process_group
+    c10d = getattr(module, "distributed_c10d", None)  # `from ... import init_process_group`
+    if c10d is not None and getattr(c10d, "init_process_group", None) is original:
+        c10d.init_process_group = init_process_group
 
 
 def report(rank: int) -> protocol.StartTimes:
@@ -118,8 +121,8 @@ def breakdown(ranks: Mapping[int, protocol.StartTimes], launched_at: Optional[fl
                 marks.setdefault("framework_start", marks["framework"])  # held already
             if start in marks and end in marks:
                 span = marks[end] - marks[start]
-                if step == "prepare" and "framework_start" in marks and \
-                        marks["ready"] <= marks["framework_start"] < marks["function"]:
+                if step == "prepare" and "framework_start" in marks and "framework" in marks \
+                        and marks["ready"] <= marks["framework_start"] < marks["function"]:
                     span -= marks["framework"] - marks["framework_start"]  # counted as import
                 spans.append(max(0.0, span))
         if spans:

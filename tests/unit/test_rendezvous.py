@@ -47,3 +47,21 @@ def test_the_wait_ends_when_the_port_listens_or_at_its_limit():
         assert rendezvous.wait_for_store("127.0.0.1", port, limit_s=5)
     finally:
         listener.close()
+
+
+def test_a_host_that_does_not_resolve_is_left_to_torch_at_once():
+    assert not rendezvous.wait_for_store("no-such-host.invalid", 29500, limit_s=60)
+
+
+def test_the_wait_is_never_longer_than_the_calls_own_timeout(env):
+    """init_process_group(timeout=...) bounds the wait too (torch then says what it says)."""
+    import datetime
+    import types
+
+    waited = {}
+    module = types.SimpleNamespace(init_process_group=lambda *a, **k: "joined")
+    rendezvous._wrap(module)
+    env.setattr(rendezvous, "wait_for_store",
+                lambda host, port, limit: waited.setdefault("limit", limit))
+    assert module.init_process_group("gloo", timeout=datetime.timedelta(seconds=7)) == "joined"
+    assert waited["limit"] == 7

@@ -260,3 +260,14 @@ def test_a_launch_breaks_down_step_by_step_with_the_slowest_rank_for_each():
                                                    "framework": 11.1, "function": 11.2})
     steps = breakdown({0: unpickled}, launched_at=None)
     assert (steps["import"], steps["prepare"]) == (1.0, 0.2)
+
+
+def test_a_framework_import_that_failed_leaves_the_breakdown_whole():
+    """torch's import began and raised (a missing CUDA library): no ``framework`` mark, and the
+    driver's breakdown still comes out (never the run's error)."""
+    from sparkhvd.timing.start_times import breakdown
+
+    failed = protocol.StartTimes(rank=0, marks={"ready": 1.0, "framework_start": 1.1,
+                                                "function": 1.5})
+    steps = breakdown({0: failed}, launched_at=0.5)
+    assert steps["prepare"] == 0.5 and "import" not in steps and steps["ranks"] == 1
