@@ -26,12 +26,15 @@ __side__ = "driver"
 #: one is named first even when a peer's consequence ("Horovod has been shut down") came first.
 CAUSES = frozenset({"CheckpointError"})
 
-#: What a collective says when a *peer* went away under it (gloo, NCCL, horovod): a rank whose
-#: error reads like this is not named first while another rank raised an error of its own.
+#: What a collective says when a *peer* went away under it (gloo, NCCL, horovod, TF's gRPC
+#: collectives -- "Collective ops is aborted by: failed to connect to all addresses" when the
+#: peer's server is gone): a rank whose error reads like this is not named first while another
+#: rank raised an error of its own or was killed.
 PEER_LOST = re.compile(
     r"Connection closed by peer|Connection reset by peer|Horovod has been shut down"
     r"|remote process exited or there was a network error|NCCL communicator was aborted"
-    r"|ProcessGroupGloo.*(?:Timed out|closed)", re.IGNORECASE)
+    r"|ProcessGroupGloo.*(?:Timed out|closed)|Collective ops is aborted by"
+    r"|failed to connect to all addresses", re.IGNORECASE)
 
 #: Signals that end a process from outside (SIGHUP, SIGINT, SIGKILL, SIGTERM); a rank dying of
 #: another one (SIGSEGV, SIGABRT) crashed by itself, which a retry would only repeat.

@@ -51,7 +51,9 @@ def test_the_first_exception_explains_a_rank_that_exited_without_one():
 @pytest.mark.parametrize("message", [
     "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:16587",
     "Connection reset by peer", "Horovod has been shut down. This was caused by an exception on "
-    "one of the ranks", "NCCL error: remote process exited or there was a network error"])
+    "one of the ranks", "NCCL error: remote process exited or there was a network error",
+    "Graph execution error: Collective ops is aborted by: failed to connect to all addresses; "
+    "last error: UNKNOWN: ipv4:127.0.0.1:41065: Failed to connect to remote host"])
 @pytest.mark.parametrize("seen_first", [2, 3])
 def test_a_peers_consequence_yields_to_the_rank_that_raised_its_own_error(message, seen_first):
     """Two ranks per task: which of the task's ranks is seen exiting first is a race; the rank
@@ -76,9 +78,14 @@ def test_when_every_rank_only_saw_a_peer_go_the_first_seen_is_named():
     (_fact(1, 137, "killed"), "the process of rank 1 was killed by signal 9"),
     (_fact(1, -15, "terminated"), "the process of rank 1 was killed by signal 15"),
 ])
+@pytest.mark.parametrize("peer", [
+    _raised(0, "HorovodInternalError", "Horovod has been shut down", at=0.5),
+    _raised(0, "UnavailableError", "Graph execution error: ... Collective ops is aborted by: "
+            "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:41065: "
+            "Failed to connect to remote host: Connection refused", at=0.5)],
+    ids=["horovod", "tf-grpc"])
 def test_a_lost_rank_is_named_first_over_its_peers_consequences_and_retryable(failure,
-                                                                               retryable):
-    peer = _raised(0, "HorovodInternalError", "Horovod has been shut down", at=0.5)
+                                                                               retryable, peer):
     verdict = _classify(failure, [peer])
     assert verdict.first.rank == 1 and verdict.first.exc_type is None
     assert verdict.retryable.startswith(retryable)
