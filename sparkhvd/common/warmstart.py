@@ -28,6 +28,8 @@ import threading
 import time
 from typing import IO, Any, Mapping, Optional
 
+from sparkhvd.common.owned_temp import alive
+
 __side__ = "common"
 
 #: An executor's variable that turns warm starts off on its host (``0``).
@@ -346,23 +348,14 @@ def _sweep(where: str) -> None:
                 for leftover in (path, path + ".json"):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(leftover)
-            elif stem.endswith(".sock") and tail.isdigit() and not _alive(int(tail)):
+            elif stem.endswith(".sock") and tail.isdigit() and not alive(int(tail)):
                 os.unlink(path)  # a staging socket whose server died before renaming it
             elif name.endswith(".refused"):
                 with open(path) as f:
                     watch = int(json.load(f)["watch"])
-                if not _alive(watch):
+                if not alive(watch):
                     os.unlink(path)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def servers() -> list[dict[str, Any]]:

@@ -43,6 +43,8 @@ import sys
 import time
 from typing import Optional
 
+from sparkhvd.common.owned_temp import alive
+
 __side__ = "rank"
 
 #: What each backend's ranks import (besides the rank's own modules, always preloaded).
@@ -223,7 +225,7 @@ class WarmServer:
                 else:
                     self._requester_spoke(key.fileobj, key.data)  # type: ignore[arg-type]
             self._reap()
-            if not _alive(self.watch_pid):
+            if not alive(self.watch_pid):
                 return
             if self.children:
                 self.last_busy = time.monotonic()
@@ -312,15 +314,6 @@ class WarmServer:
                 os.kill(pid, signal.SIGTERM)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def main(argv: list[str]) -> int:
     path, watch, idle, backend = argv[0], int(argv[1]), float(argv[2]), argv[3]
@@ -340,7 +333,7 @@ def main(argv: list[str]) -> int:
     # forked: here it loads on one thread (a warm rank's numpy BLAS runs on one thread).
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     refused = preload(backend)
-    if refused or not _alive(watch):
+    if refused or not alive(watch):
         if refused:
             info["refused"] = refused
             _write_json(path + ".refused", info)
